@@ -1,0 +1,270 @@
+"""The parallel topology (which rank sits where on the mesh) and the per-process context.
+
+A `Topology` is pure data: the mode, the named mesh axes with their sizes, and which global rank
+sits at each mesh position. It needs no process group, so `lattice info` and the cost model can
+use it for any rank. A `ParallelContext` is one process's view of a topology: its rank, its mesh
+coordinates, and the process group of each axis (from `torch.distributed.device_mesh`).
+
+"axis" always means a mesh axis (an enum member of `MeshAxis`); "dim" always means a tensor
+dimension.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+class MeshAxis(str, enum.Enum):
+    """Names of mesh axes. Data parallelism is always the outermost axis."""
+
+    DP = "dp"
+    TP = "tp"  # 1D: the tensor-parallel group
+    ROW = "row"  # 2D: rank (i, j) = (row, col)
+    COL = "col"
+    CUBE_I = "cube_i"  # 3D: rank (i, j, l)
+    CUBE_J = "cube_j"
+    CUBE_L = "cube_l"
+    SUBGRID = "subgrid"  # sub-graph: which sub-grid (g of them)
+    MEMBER = "member"  # sub-graph: position inside the sub-grid (n_g of them)
+
+
+class LatticeConfigError(ValueError):
+    """A layout, size or file that cannot work. The message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Mesh axes (outermost first) and the global rank at every mesh position.
+
+    `rank_grid` lists global ranks in mesh order (row-major over `axes`); a placement other than
+    "natural" is a permutation of range(world_size).
+    """
+
+    mode: str
+    axes: tuple[tuple[MeshAxis, int], ...]
+    rank_grid: tuple[int, ...]
+    ranks_per_node: int
+
+    def __post_init__(self):
+        names = [a for a, _ in self.axes]
+        if len(set(names)) != len(names):
+            raise LatticeConfigError(f"mesh axes repeat: {names}")
+        for axis, size in self.axes:
+            if size < 1:
+                raise LatticeConfigError(f"mesh axis {axis.value} has size {size}; sizes must be >= 1")
+        if sorted(self.rank_grid) != list(range(self.world_size)):
+            raise LatticeConfigError(
+                f"rank placement must be a permutation of 0..{self.world_size - 1}, got {self.rank_grid}")
+        if self.ranks_per_node < 1:
+            raise LatticeConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def axis_names(self) -> tuple[MeshAxis, ...]:
+        return tuple(axis for axis, _ in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks in one model replica (every axis but DP)."""
+        return self.world_size // self.size(MeshAxis.DP)
+
+    def has(self, axis: MeshAxis) -> bool:
+        return axis in self.axis_names
+
+    def size(self, axis: MeshAxis) -> int:
+        for name, size in self.axes:
+            if name == axis:
+                return size
+        if axis == MeshAxis.DP:
+            return 1
+        raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}; its axes are "
+                       f"{[a.value for a in self.axis_names]}")
+
+    def coords(self, rank: int) -> dict[MeshAxis, int]:
+        """Mesh coordinates of a global rank."""
+        flat = self.rank_grid.index(rank)
+        out = {}
+        for axis, size in reversed(self.axes):
+            out[axis] = flat % size
+            flat //= size
+        return dict(reversed(list(out.items())))
+
+    def rank_at(self, coords: Mapping[MeshAxis, int]) -> int:
+        flat = 0
+        for axis, size in self.axes:
+            flat = flat * size + coords.get(axis, 0)
+        return self.rank_grid[flat]
+
+    def group_members(self, axis: MeshAxis, rank: int) -> list[int]:
+        """Global ranks of `rank`'s group along `axis`, in axis-coordinate order."""
+        if not self.has(axis):
+            return [rank]
+        coords = self.coords(rank)
+        return [self.rank_at({**coords, axis: k}) for k in range(self.size(axis))]
+
+    def all_groups(self, axis: MeshAxis) -> list[list[int]]:
+        seen, groups = set(), []
+        for rank in range(self.world_size):
+            members = self.group_members(axis, rank)
+            if tuple(members) not in seen:
+                seen.add(tuple(members))
+                groups.append(members)
+        return groups
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+@dataclass
+class ParallelContext:
+    """One process's place in a topology: its rank, coordinates and per-axis process groups.
+
+    Built once by `lattice.init` and passed explicitly to everything that communicates. With
+    `mesh=None` (serial mode, or planning a layout without processes) every axis must have size 1
+    for communication, but coordinates and shard layouts still work for any rank.
+    """
+
+    topology: Topology
+    rank: int
+    options: Mapping[str, Any] = field(default_factory=dict)
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh | None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.topology.world_size:
+            raise LatticeConfigError(f"rank {self.rank} outside world size {self.topology.world_size}")
+        self.coords = self.topology.coords(self.rank)
+
+    @property
+    def mode(self) -> str:
+        return self.topology.mode
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp(self) -> int:
+        return self.topology.size(MeshAxis.DP)
+
+    @property
+    def tp(self) -> int:
+        return self.topology.tp_size
+
+    def size(self, axis: MeshAxis) -> int:
+        return self.topology.size(axis)
+
+    def coord(self, axis: MeshAxis) -> int:
+        if not self.topology.has(axis) and axis == MeshAxis.DP:
+            return 0
+        if axis not in self.coords:
+            raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}")
+        return self.coords[axis]
+
+    def group(self, axis: MeshAxis):
+        """The process group along `axis` (None when that axis has one rank)."""
+        if self.size(axis) == 1:
+            return None
+        if self.mesh is None:
+            raise RuntimeError(
+                f"this ParallelContext has no process groups (built for planning); axis "
+                f"{axis.value!r} has {self.size(axis)} ranks")
+        return self.mesh.get_group(axis.value)
+
+    def group_ranks(self, axis: MeshAxis) -> list[int]:
+        return self.topology.group_members(axis, self.rank)
+
+    def describe(self) -> str:
+        coords = ", ".join(f"{a.value}={c}" for a, c in self.coords.items())
+        return f"rank {self.rank}/{self.world_size} mode={self.mode} ({coords})"
+
+
+def _natural_grid(world_size: int) -> tuple[int, ...]:
+    return tuple(range(world_size))
+
+
+def make_topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
+                  placement: str = "natural", **options) -> tuple[Topology, dict]:
+    """Validate a layout request and build its Topology (no processes involved)."""
+    from lattice.modes import get_mode
+
+    mode_cls = get_mode(mode)
+    options = mode_cls.resolve_options(options)
+    if not isinstance(dp, int) or dp < 1:
+        raise LatticeConfigError(f"dp must be a positive integer, got {dp!r}")
+    if not isinstance(tp, int) or tp < 1:
+        raise LatticeConfigError(f"tp must be a positive integer, got {tp!r}")
+    tp_axes = mode_cls.mesh_axes(tp, options)
+    axes = ((MeshAxis.DP, dp),) + tuple(tp_axes)
+    world = math.prod(s for _, s in axes)
+    rpn = ranks_per_node or world
+    if placement not in ("natural", "topology"):
+        raise LatticeConfigError(f"placement must be 'natural' or 'topology', got {placement!r}")
+    grid = mode_cls.rank_grid(axes, rpn, placement, options) if placement == "topology" else _natural_grid(world)
+    return Topology(mode=mode, axes=axes, rank_grid=tuple(grid), ranks_per_node=rpn), options
+
+
+def plan(mode: str, *, rank: int = 0, **kwargs) -> ParallelContext:
+    """A ParallelContext without process groups, for inspecting layouts and building meta models."""
+    topo, options = make_topology(mode, **kwargs)
+    return ParallelContext(topology=topo, rank=rank, options=options)
+
+
+def init(mode: str = "serial", *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
+         placement: str = "natural", backend: str | None = None, seed: int = 0,
+         **options) -> ParallelContext:
+    """Build the ParallelContext for this process.
+
+    In a process started by torchrun (or `lattice train --nproc N`), this initialises the default
+    process group if needed and builds a DeviceMesh with named axes. `mode="serial"` with tp=dp=1
+    needs no process group. Every rank validates the request before any collective runs.
+    """
+    topo, options = make_topology(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node,
+                                  placement=placement, **options)
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if dist.is_initialized() else env_world
+    if world != topo.world_size:
+        axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
+        raise LatticeConfigError(
+            f"mode {mode!r} with {axes} needs {topo.world_size} processes but {world} were started; "
+            f"launch with --nproc-per-node {topo.world_size} or change tp/dp so that their layout "
+            f"has {world} ranks")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if world == 1 and not dist.is_initialized():
+        if backend == "nccl":
+            device = torch.device("cuda", 0)
+        return ParallelContext(topology=topo, rank=0, options=options, mesh=None, device=device, seed=seed)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if dist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = torch.tensor(topo.rank_grid, dtype=torch.int64).reshape(topo.shape)
+    mesh = DeviceMesh(device.type, grid, mesh_dim_names=tuple(a.value for a in topo.axis_names))
+    return ParallelContext(topology=topo, rank=rank, options=options, mesh=mesh, device=device, seed=seed)
+
+
+def all_coords(shape: tuple[int, ...]):
+    return itertools.product(*(range(s) for s in shape))

@@ -1,0 +1,110 @@
+"""The mode interface: the building blocks a layout supplies to the one GPT definition.
+
+A mode decides how every activation and parameter is split over the ranks. `lattice.GPT` asks
+its mode for an embedding, layer norms, linear layers (by block and position) and an LM head
+with loss; it never looks at the layout itself. Adding a mode is one module in this package
+plus `register`.
+
+Activations between blocks ("the residual layout") are always 3-d local tensors
+(B_local, T_local, H_local); what the local sizes are is the mode's business.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar, Mapping
+
+import torch
+import torch.nn as nn
+
+from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
+
+
+class Block(str, enum.Enum):
+    """Which sub-block a linear layer belongs to (sub-graph parallelism splits only attention)."""
+
+    ATTENTION = "attention"
+    MLP = "mlp"
+
+
+class Position(str, enum.Enum):
+    """First linear of a block (qkv, fc: expands) or second (proj: contracts back to d_model)."""
+
+    IN = "in"
+    OUT = "out"
+
+
+class Mode:
+    """Base class of every layout. Subclasses set `name`, `options` and override the factories."""
+
+    name: ClassVar[str]
+    #: keyword options of lattice.init that this mode accepts, with their defaults
+    options: ClassVar[Mapping[str, Any]] = {}
+    #: True when the residual stream is identical on every rank of a model replica (dropout on
+    #: it then uses the replicated RNG stream); False when each rank holds a different piece
+    residual_replicated: ClassVar[bool] = True
+
+    def __init__(self, cfg, ctx: ParallelContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.check_config(cfg)
+
+    # ---- topology (class level: no model needed)
+    @classmethod
+    def resolve_options(cls, given: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(given) - set(cls.options))
+        if unknown:
+            valid = ", ".join(cls.options) or "none"
+            raise LatticeConfigError(
+                f"mode {cls.name!r} does not take option(s) {unknown}; its options are: {valid}")
+        return {**cls.options, **given}
+
+    @classmethod
+    def mesh_axes(cls, tp: int, options: Mapping[str, Any]) -> tuple[tuple[MeshAxis, int], ...]:
+        """The model-parallel mesh axes (DP is added outside), for `tp` ranks per replica."""
+        raise NotImplementedError
+
+    @classmethod
+    def rank_grid(cls, axes, ranks_per_node: int, placement: str, options) -> tuple[int, ...]:
+        """Global rank at each mesh position for placement="topology"; natural by default."""
+        import math
+        return tuple(range(math.prod(s for _, s in axes)))
+
+    # ---- validation (every rank, before any collective)
+    def check_config(self, cfg) -> None:
+        """Raise LatticeConfigError when the model's sizes do not fit this layout."""
+
+    def check_batch(self, tokens: torch.Tensor) -> None:
+        """Raise LatticeConfigError when a batch's shape does not fit this layout."""
+
+    # ---- building blocks
+    def embedding(self) -> nn.Module:
+        """tokens (B, T) int64, identical across the replica -> x in the residual layout."""
+        raise NotImplementedError
+
+    def layer_norm(self) -> nn.Module:
+        """LayerNorm over d_model, residual layout in and out."""
+        raise NotImplementedError
+
+    def linear(self, in_features: int, out_features: int, *, block: Block, position: Position,
+               stack: int | None = None) -> nn.Module:
+        """y = x W + b with full W of shape (in, out), or (in, stack, out) when stacked.
+
+        Position.IN takes the residual layout and returns this rank's part of the features,
+        (B_l, T_l, [stack,] out_l); for attention out_l must be whole heads. Position.OUT takes
+        that and returns the residual layout.
+        """
+        raise NotImplementedError
+
+    def lm_head(self, embedding: nn.Module) -> nn.Module:
+        """Module with loss(x, targets) -> mean cross-entropy over the replica batch (identical on
+        every rank of the replica) and logits(x) -> full (B, T, V) logits."""
+        raise NotImplementedError
+
+
+def divisible(what: str, size: int, by: int, by_what: str, fix: str = "") -> None:
+    """Raise a one-line LatticeConfigError unless `size % by == 0`."""
+    if size % by:
+        lower = size - size % by
+        hint = fix or f"use a multiple of {by} (for example {lower or by} or {lower + by})"
+        raise LatticeConfigError(f"{what} = {size} is not divisible by {by_what} = {by}; {hint}")

@@ -1,0 +1,113 @@
+"""Serial mode: one rank per model replica, every parameter whole.
+
+Its modules also serve other modes as the replicated building blocks (specs with no splits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lattice.context import MeshAxis
+from lattice.modes import register
+from lattice.modes.base import Block, Mode, Position
+from lattice.sharding import ShardSpec, register_sharded
+
+
+class Embedding(nn.Module):
+    """Token + position embedding, both tables whole on this rank."""
+
+    def __init__(self, cfg, ctx):
+        super().__init__()
+        register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model)), ctx)
+        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, h)
+        return F.embedding(tokens, self.wte) + self.wpe[: tokens.shape[1]]
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, cfg, ctx):
+        super().__init__()
+        self.eps = cfg.layer_norm_eps
+        register_sharded(self, "weight", ShardSpec((cfg.d_model,)), ctx)
+        if cfg.bias:
+            register_sharded(self, "bias", ShardSpec((cfg.d_model,)), ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x W + b; W (in, [stack,] out) whole."""
+
+    def __init__(self, cfg, ctx, in_features, out_features, stack=None):
+        super().__init__()
+        self.stack = stack
+        out_shape = (stack, out_features) if stack else (out_features,)
+        register_sharded(self, "weight", ShardSpec((in_features,) + out_shape), ctx)
+        if cfg.bias:
+            register_sharded(self, "bias", ShardSpec(out_shape), ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):  # (B, T, in) -> (B, T, [stack,] out)
+        w = self.weight.reshape(self.weight.shape[0], -1)
+        y = x @ w
+        if self.bias is not None:
+            y = y + self.bias.reshape(-1)
+        return y.unflatten(-1, self.weight.shape[1:]) if self.stack else y
+
+
+class LMHead(nn.Module):
+    """Logits against the (tied) token table, cross-entropy in float32."""
+
+    def __init__(self, cfg, ctx, embedding):
+        super().__init__()
+        self.embedding = [embedding]  # a list, so the tied table is not registered twice
+        self.tied = cfg.tie_embeddings
+        if not self.tied:
+            register_sharded(self, "weight", ShardSpec((cfg.vocab_size, cfg.d_model)), ctx)
+
+    def table(self):
+        return self.embedding[0].wte if self.tied else self.weight
+
+    def logits(self, x):  # (B, T, h) -> (B, T, V)
+        return x @ self.table().t()
+
+    def loss(self, x, targets):
+        logits = self.logits(x)
+        return F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten())
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Low-precision (bf16/fp16) values to float32 for softmax and loss; float32/64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+@register
+class Serial(Mode):
+    name = "serial"
+
+    @classmethod
+    def mesh_axes(cls, tp, options):
+        if tp != 1:
+            from lattice.context import LatticeConfigError
+            raise LatticeConfigError(f"mode 'serial' runs one rank per replica; got tp={tp}: use tp=1, "
+                                     f"or a parallel mode (1d, 2d, 3d, subgraph)")
+        return ()
+
+    def embedding(self):
+        return Embedding(self.cfg, self.ctx)
+
+    def layer_norm(self):
+        return LayerNorm(self.cfg, self.ctx)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+        return Linear(self.cfg, self.ctx, in_features, out_features, stack)
+
+    def lm_head(self, embedding):
+        return LMHead(self.cfg, self.ctx, embedding)

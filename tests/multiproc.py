@@ -1,0 +1,156 @@
+"""Run a function on N gloo processes (CPU) from a test, with a timeout and every rank's traceback.
+
+    from multiproc import run_distributed
+    results = run_distributed(4, check_fn, arg)   # check_fn: a module-level function
+
+Each world size's processes start once per test session and run many checks, so the suite stays
+fast on 2 cores. A check that deadlocks fails after its timeout (the world is then killed and
+restarted for the next check) instead of hanging CI. Inside a check, call `cached_init(...)`
+rather than `lattice.init(...)` to reuse the process groups of an identical layout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = float(os.environ.get("LATTICE_TEST_TIMEOUT", "180"))
+ERROR_GRACE = 5.0  # seconds to wait for the other ranks once one rank has failed
+
+
+class DistributedCheckFailed(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=DEFAULT_TIMEOUT))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            out = ("ok", fn(*args, **kwargs))
+        except BaseException:  # report anything, including assertion failures, to the parent
+            out = ("error", traceback.format_exc())
+        results.put((task_id, rank, out))
+    dist.destroy_process_group()
+
+
+class World:
+    def __init__(self, size: int):
+        self.size = size
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(size)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, size, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
+        self.next_id = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args, kwargs, timeout: float):
+        self.next_id += 1
+        task_id = self.next_id
+        for q in self.tasks:
+            q.put((task_id, fn, args, kwargs))
+        got: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        first_error = None
+        while len(got) < self.size:
+            now = time.monotonic()
+            if now > deadline or (first_error is not None and now > first_error + ERROR_GRACE):
+                break
+            try:
+                tid, rank, out = self.results.get(timeout=0.5)
+            except queue.Empty:
+                if not self.alive():
+                    break
+                continue
+            if tid != task_id:
+                continue
+            got[rank] = out
+            if out[0] == "error" and first_error is None:
+                first_error = time.monotonic()
+        errors = {r: o[1] for r, o in got.items() if o[0] == "error"}
+        missing = [r for r in range(self.size) if r not in got]
+        if missing or errors:
+            if missing:  # ranks still inside a collective: this world can't be reused
+                self.close(force=True)
+            report = [f"{fn.__name__} on {self.size} processes failed"]
+            if missing:
+                why = "died" if not self.alive() else f"no answer within {timeout:.0f}s (deadlock?)"
+                report.append(f"ranks {missing}: {why}")
+            for r in sorted(errors):
+                report.append(f"--- rank {r} traceback:\n{errors[r]}")
+            raise DistributedCheckFailed("\n".join(report))
+        return [got[r][1] for r in range(self.size)]
+
+    def close(self, force: bool = False):
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+
+
+_worlds: dict[int, World] = {}
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """Run fn(*args, **kwargs) on every rank of a gloo world of `world_size`; return per-rank results."""
+    world = _worlds.get(world_size)
+    if world is None or not world.procs or not world.alive():
+        world = _worlds[world_size] = World(world_size)
+    try:
+        return world.run(fn, args, kwargs, timeout)
+    finally:
+        if not world.procs:
+            _worlds.pop(world_size, None)
+
+
+def shutdown_all():
+    for world in list(_worlds.values()):
+        world.close()
+    _worlds.clear()
+
+
+atexit.register(shutdown_all)
+
+_ctx_cache: dict = {}
+
+
+def cached_init(**kwargs):
+    """lattice.init, memoised per layout inside a worker (process groups are costly to create)."""
+    import lattice
+
+    key = tuple(sorted(kwargs.items()))
+    if key not in _ctx_cache:
+        _ctx_cache[key] = lattice.init(**kwargs)
+    return _ctx_cache[key]

@@ -1,0 +1,71 @@
+"""Each autograd collective against the same computation done by hand on gathered data."""
+
+import torch
+import torch.distributed as dist
+
+from multiproc import run_distributed
+
+
+def _check_collectives():
+    import lattice
+    from lattice import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    xs = [torch.randn(world * 2, 3, dtype=torch.float64) for _ in range(world)]  # every rank's input
+    dys = [torch.randn(world * 2, 3, dtype=torch.float64) for _ in range(world)]  # every rank's upstream grad
+    total_x, total_dy = sum(xs), sum(dys)
+    out = {}
+
+    def run(fn, dy_shape_fn=None):
+        x = xs[rank].clone().requires_grad_(True)
+        y = fn(x)
+        dy = dys[rank] if dy_shape_fn is None else dy_shape_fn(rank)
+        y.backward(dy)
+        return y.detach(), x.grad
+
+    with lattice.CommMeter() as meter:
+        y, dx = run(lambda x: comm.copy_to_group(x, group))
+        assert torch.equal(y, xs[rank]) and torch.allclose(dx, total_dy)
+        y, dx = run(lambda x: comm.all_reduce(x, group))
+        assert torch.allclose(y, total_x) and torch.equal(dx, dys[rank])
+        # all-gather along dim 1: output (2w, 3w); upstream grads of that shape
+        gdy = [torch.randn(world * 2, 3 * world, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+               for r in range(world)]
+        y, dx = run(lambda x: comm.all_gather(x, group, 1), lambda r: gdy[r])
+        assert torch.allclose(y, torch.cat(xs, 1))
+        assert torch.allclose(dx, sum(gdy)[:, rank * 3:(rank + 1) * 3])
+        rdy = [d[:2] for d in dys]
+        y, dx = run(lambda x: comm.reduce_scatter(x, group, 0), lambda r: rdy[r])
+        assert torch.allclose(y, total_x[rank * 2:(rank + 1) * 2])
+        assert torch.allclose(dx, torch.cat(rdy, 0))
+        y, dx = run(lambda x: comm.broadcast(x, group, 1))
+        assert torch.equal(y, xs[1])
+        assert (dx is None) if rank != 1 else torch.allclose(dx, total_dy)
+        y, dx = run(lambda x: comm.reduce(x, group, 0))
+        if rank == 0:
+            assert torch.allclose(y, total_x)
+        assert torch.equal(dx, dys[0])
+        ady = [g[:2] for g in gdy]  # all-to-all output is (2, 3w)
+        y, dx = run(lambda x: comm.all_to_all(x, group, 0, 1), lambda r: ady[r])
+        assert torch.equal(y, torch.cat([xs[r].chunk(world, 0)[rank] for r in range(world)], 1))
+        expect_dx = torch.cat([ady[r].chunk(world, 1)[rank] for r in range(world)], 0)
+        assert torch.allclose(dx, expect_dx)
+    n = world * 2 * 3
+    by_op = {op: meter.total_elements(op=op, phase="forward") for op in
+             ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")}
+    assert by_op == {"all_reduce": n, "all_gather": n * world, "reduce_scatter": n, "broadcast": n,
+                     "reduce": n, "all_to_all": n}, by_op
+    assert meter.total_bytes() == 8 * meter.total_elements()
+    return True
+
+
+def test_collectives_forward_backward_and_metering_2_ranks():
+    """Catches a wrong forward/backward pairing (e.g. all-gather whose backward does not sum the
+    partial gradients) or a collective that CommMeter miscounts."""
+    assert all(run_distributed(2, _check_collectives))
+
+
+def test_collectives_forward_backward_and_metering_4_ranks():
+    assert all(run_distributed(4, _check_collectives))
