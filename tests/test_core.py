@@ -1,0 +1,149 @@
+"""Topology, shard specs, init validation and the serial model's data-parallel semantics."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lattice
+from lattice.context import MeshAxis, ParallelContext, Topology
+from lattice.sharding import ShardSpec, gather_full
+from multiproc import cached_init, run_distributed
+
+
+def test_topology_coords_round_trip_with_permuted_placement():
+    """Catches coords/rank_at disagreeing when the rank placement is not the identity."""
+    grid = (3, 0, 5, 1, 4, 2, 7, 6)
+    topo = Topology("x", ((MeshAxis.DP, 2), (MeshAxis.ROW, 2), (MeshAxis.COL, 2)), grid, ranks_per_node=4)
+    for rank in range(8):
+        assert topo.rank_at(topo.coords(rank)) == rank
+    # rank 3 sits at mesh position 0 = (dp 0, row 0, col 0); its column group varies ROW
+    assert topo.coords(3) == {MeshAxis.DP: 0, MeshAxis.ROW: 0, MeshAxis.COL: 0}
+    assert topo.group_members(MeshAxis.ROW, 3) == [3, 5]
+    assert sorted(sum(topo.all_groups(MeshAxis.COL), [])) == list(range(8))
+
+
+def test_bad_layout_requests_are_refused_with_the_fix():
+    """Catches unknown modes/options or a non-positive size slipping through to a later crash."""
+    with pytest.raises(lattice.LatticeConfigError, match="unknown mode '4d'"):
+        lattice.plan("4d")
+    with pytest.raises(lattice.LatticeConfigError, match="does not take option"):
+        lattice.plan("serial", sequence_parallel=True)
+    with pytest.raises(lattice.LatticeConfigError, match="dp must be a positive integer"):
+        lattice.plan("serial", dp=0)
+    with pytest.raises(lattice.LatticeConfigError, match="tp=1"):
+        lattice.plan("serial", tp=2)
+    with pytest.raises(lattice.LatticeConfigError, match="n_heads = 5"):
+        lattice.GPTConfig(d_model=64, n_heads=5)
+
+
+def test_init_in_single_process_rejects_multi_rank_layout(monkeypatch):
+    """Catches lattice.init starting a layout for more processes than were launched (a hang later)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(lattice.LatticeConfigError, match="needs 2 processes but 1 were started"):
+        lattice.init("serial", dp=2)
+
+
+def _wrong_world_size():
+    try:
+        lattice.init("serial", dp=4)
+    except lattice.LatticeConfigError as e:
+        return str(e)
+    return None
+
+
+def test_wrong_world_size_errors_on_every_rank():
+    """Catches a world-size mismatch raised on only some ranks (the others would hang)."""
+    messages = run_distributed(2, _wrong_world_size)
+    assert all(m and "needs 4 processes but 2 were started" in m for m in messages)
+    assert all("\n" not in m for m in messages)
+
+
+def _scatter_gather_specs():
+    """A synthetic 2 (dp) x 2 (row) x 2 (col) mesh with a permuted placement."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = (0, 2, 1, 3, 4, 6, 5, 7)
+    axes = ((MeshAxis.DP, 2), (MeshAxis.ROW, 2), (MeshAxis.COL, 2))
+    topo = Topology("synthetic", axes, grid, ranks_per_node=8)
+    mesh = DeviceMesh("cpu", torch.tensor(grid).reshape(2, 2, 2), mesh_dim_names=("dp", "row", "col"))
+    ctx = ParallelContext(topology=topo, rank=dist.get_rank(), mesh=mesh)
+    full = torch.arange(5 * 6, dtype=torch.float64).reshape(5, 6)
+    specs = [
+        ShardSpec((5, 6)),  # replicated everywhere
+        ShardSpec((5, 6), splits=((1, (MeshAxis.COL, MeshAxis.ROW)),), padded_shape=(5, 8)),
+        ShardSpec((5, 6), splits=((0, (MeshAxis.ROW,)), (1, (MeshAxis.COL,))), padded_shape=(6, 6)),
+        ShardSpec((5, 6), splits=((1, (MeshAxis.COL,)),), holders=((MeshAxis.ROW, 0),)),
+    ]
+    for spec in specs:
+        local = spec.shard(full, ctx.coords, topo) if spec.holds(ctx.coords) else None
+        back = gather_full(local, spec, ctx, dtype=torch.float64)
+        assert torch.equal(back, full), spec
+    # gradients: each dp replica contributes its own values; the result is their mean
+    spec = specs[2]
+    mine = spec.shard(full * (1 + ctx.coord(MeshAxis.DP)), ctx.coords, topo)
+    assert torch.equal(gather_full(mine, spec, ctx, dtype=torch.float64, average_dp=True), full * 1.5)
+    assert specs[3].replicas(topo) == 1 and specs[0].replicas(topo) == 4 and specs[1].replicas(topo) == 1
+    return True
+
+
+def test_shard_then_gather_is_identity_for_splits_padding_and_holders():
+    """Catches a wrong mixed-radix chunk index, lost padding crop, or a non-holder overwriting data."""
+    assert all(run_distributed(8, _scatter_gather_specs))
+
+
+CFG = dict(vocab_size=50, seq_len=8, d_model=16, n_heads=4, n_layers=2)
+
+
+def _serial_dp_grads():
+    ctx = cached_init(mode="serial", dp=2)
+    cfg = lattice.GPTConfig(**CFG)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (4, 8))
+    model = lattice.GPT(cfg, ctx, dtype=torch.float64)
+    half = tokens.chunk(2)[ctx.coord(MeshAxis.DP)]
+    model(half[:, :-1], half[:, 1:]).backward()
+    grads = model.full_grad_dict()
+    reference = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    reference(tokens[:, :-1], tokens[:, 1:]).backward()
+    worst = max(((grads[k] - p.grad).norm() / p.grad.norm()).item() for k, p in reference.named_parameters())
+    return worst
+
+
+def test_full_grad_dict_averages_data_parallel_replicas():
+    """Catches full_grad_dict returning one replica's gradient instead of the global-batch gradient."""
+    assert max(run_distributed(2, _serial_dp_grads)) < 1e-12
+
+
+def test_dropout_masks_repeat_under_activation_checkpointing():
+    """Catches recomputation drawing new dropout masks (then gradients silently differ)."""
+    cfg = lattice.GPTConfig(**{**CFG, "dropout": 0.3})
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointing in (False, True):
+        model = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64,
+                            activation_checkpointing=checkpointing)
+        model.train()
+        loss = model(tokens, tokens)
+        loss.backward()
+        grads.append((loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    assert grads[0][0] == grads[1][0]
+    for k in grads[0][1]:
+        assert torch.allclose(grads[0][1][k], grads[1][1][k], rtol=1e-12, atol=1e-15), k
+    # and dropout is really active: eval mode changes the loss
+    model.eval()
+    assert not math.isclose(model(tokens, tokens).item(), grads[0][0])
+
+
+def test_initial_weights_depend_on_seed_not_on_construction():
+    """Catches initialisation that depends on module order or global RNG (layouts would start apart)."""
+    cfg = lattice.GPTConfig(**CFG)
+    torch.manual_seed(123)
+    a = lattice.GPT(cfg, lattice.plan("serial")).full_state_dict()
+    torch.manual_seed(456)
+    b = lattice.GPT(cfg, lattice.plan("serial")).full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["blocks.0.ln_1.weight"].eq(1).all() and a["blocks.0.attn.qkv.bias"].eq(0).all()
+    std = a["blocks.0.mlp.fc.weight"].std().item()
+    assert 0.015 < std < 0.025
