@@ -1,0 +1,279 @@
+"""1D tensor parallelism (Megatron-LM, papers/002), with optional sequence parallelism.
+
+p = tp ranks per model replica, one mesh axis TP. Rank r holds:
+
+| tensor                           | full shape     | held on rank r                        |
+|----------------------------------|----------------|---------------------------------------|
+| qkv weight / bias (column split) | (h, 3, h) / (3, h) | (h, 3, h/p) / (3, h/p): heads r·n/p.. of q, k, v |
+| fc weight / bias (column split)  | (h, 4h) / (4h) | (h, 4h/p) / (4h/p)                    |
+| proj weights (row split)         | (k, h)         | (k/p, h); their bias (h) replicated   |
+| wte / untied LM head (vocab split)| (V, h)        | rows r·V'/p .. of the table padded to V' = p·⌈V/p⌉ |
+| wpe, LayerNorm                   | whole          | replicated                            |
+| residual stream                  | (B, T, h)      | whole, or (B, T/p, h) with sequence parallel |
+
+Without sequence parallelism a block is f → column linear → local work → row linear → g:
+one all-reduce forward (g) and one backward (f's conjugate) per attention and per MLP block.
+With it (Korthikanti et al., "Reducing activation recomputation"), LayerNorm, dropout and the
+residual stay split along the sequence; g becomes a reduce-scatter over T and f an all-gather
+over T (same volume, a 1/p of the activation memory). Replicated vectors used on the sequence
+chunk (LayerNorm, row-linear bias, wpe) then see partial gradients: they pass through
+`copy_to_group`, whose backward sums them, so every rank keeps identical values.
+
+The LM head never gathers logits for the loss: each rank scores its vocabulary slice and the
+cross-entropy exchanges only per-token max, sum-of-exp and target logit (3·B·T values).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lattice import comm
+from lattice.context import LatticeConfigError, MeshAxis
+from lattice.modes import register
+from lattice.modes.base import Block, Mode, Position, divisible
+from lattice.modes.serial import LayerNorm, upcast
+from lattice.sharding import ShardSpec, register_sharded
+
+
+def tp_group(ctx):
+    """Looked up at call time, so that a planned (group-less) context can still build the model."""
+    return ctx.group(MeshAxis.TP)
+
+
+def vocab_spec(cfg, ctx) -> ShardSpec:
+    """(V, h) split by rows over TP; V padded up to a multiple of p with zero rows."""
+    p = ctx.size(MeshAxis.TP)
+    padded = -(-cfg.vocab_size // p) * p
+    return ShardSpec((cfg.vocab_size, cfg.d_model), splits=((0, (MeshAxis.TP,)),),
+                     padded_shape=(padded, cfg.d_model) if padded != cfg.vocab_size else None)
+
+
+def vocab_range(cfg, ctx) -> tuple[int, int]:
+    """(first vocabulary row held here, rows held here) of the padded table."""
+    local = vocab_spec(cfg, ctx).local_shape(ctx.topology)[0]
+    return ctx.coord(MeshAxis.TP) * local, local
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token rows split over TP, summed by all-reduce (reduce-scatter over T with sequence
+    parallelism); position table replicated.
+
+    tokens (B, T) whole on every rank -> (B, T, h), or (B, T/p, h) with sequence parallel.
+    """
+
+    def __init__(self, cfg, ctx, sequence_parallel: bool):
+        super().__init__()
+        self.ctx, self.sp = ctx, sequence_parallel
+        self.vocab_start, self.vocab_local = vocab_range(cfg, ctx)
+        register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
+        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
+
+    def forward(self, tokens):
+        group = tp_group(self.ctx)
+        T = tokens.shape[1]
+        local = tokens - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.vocab_local)  # another rank owns these rows
+        part = F.embedding(local.masked_fill(elsewhere, 0), self.wte)  # (B, T, h), zero-filled below
+        part = part.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        if not self.sp:
+            return comm.all_reduce(part, group) + self.wpe[:T]
+        x_seq = comm.reduce_scatter(part, group, 1)  # (B, T/p, h)
+        t_local = x_seq.shape[1]
+        start = comm.group_rank(group) * t_local
+        wpe = comm.copy_to_group(self.wpe[:T], group)  # each rank's rows are a partial gradient
+        return x_seq + wpe[start:start + t_local]
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm on a sequence chunk (B, T/p, h); weight and bias replicated, their gradients
+    summed over TP inside autograd."""
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.ctx = ctx
+
+    def forward(self, x):
+        group = tp_group(self.ctx)
+        bias = None if self.bias is None else comm.copy_to_group(self.bias, group)
+        return F.layer_norm(x, x.shape[-1:], comm.copy_to_group(self.weight, group), bias, self.eps)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W + b with W (in, [stack,] out) split over TP along its last dim (out).
+
+    x: (B, T, in) replicated (through f), or (B, T/p, in) all-gathered over T with sequence
+    parallel -> (B, T, [stack,] out/p).
+    """
+
+    def __init__(self, cfg, ctx, in_features, out_features, stack, sequence_parallel):
+        super().__init__()
+        self.ctx, self.sp, self.stack = ctx, sequence_parallel, stack
+        out_shape = (stack, out_features) if stack else (out_features,)
+        register_sharded(self, "weight", ShardSpec((in_features,) + out_shape,
+                                                   splits=((len(out_shape), (MeshAxis.TP,)),)), ctx)
+        if cfg.bias:
+            register_sharded(self, "bias", ShardSpec(out_shape, splits=((len(out_shape) - 1, (MeshAxis.TP,)),)), ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        group = tp_group(self.ctx)
+        x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)  # (B, T, in)
+        y = x @ self.weight.reshape(self.weight.shape[0], -1)
+        if self.bias is not None:
+            y = y + self.bias.reshape(-1)
+        return y.unflatten(-1, self.weight.shape[1:]) if self.stack else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W + b with W (in, out) split over TP along dim 0 (in); b replicated, added once
+    after the sum.
+
+    x: (B, T, in/p) -> (B, T, out) all-reduced (g), or (B, T/p, out) reduce-scattered over T.
+    """
+
+    def __init__(self, cfg, ctx, in_features, out_features, sequence_parallel):
+        super().__init__()
+        self.ctx, self.sp = ctx, sequence_parallel
+        register_sharded(self, "weight", ShardSpec((in_features, out_features), splits=((0, (MeshAxis.TP,)),)), ctx)
+        if cfg.bias:
+            register_sharded(self, "bias", ShardSpec((out_features,)), ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        group = tp_group(self.ctx)
+        partial = x @ self.weight  # (B, T, out): this rank's share of the sum over `in`
+        if not self.sp:
+            y = comm.all_reduce(partial, group)
+            return y if self.bias is None else y + self.bias
+        y = comm.reduce_scatter(partial, group, 1)  # (B, T/p, out)
+        return y if self.bias is None else y + comm.copy_to_group(self.bias, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary, never gathering them.
+
+    Forward: m = max_ranks(max_v z) (all-reduce MAX), then [Σ_v e^(z-m), z_target - m] summed
+    over ranks in one all-reduce; loss = log Σ e^(z-m) - (z_target - m).
+    Backward: dz = (softmax(z) - onehot(target)) · dloss on each rank's slice, no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
+        # logits (N, V_local) of padded-vocabulary rows vocab_start..; targets (N,)
+        n_local = logits.shape[1]
+        padding = torch.arange(vocab_start, vocab_start + n_local, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padding, float("-inf"))  # padded rows must not enter the softmax
+        row_max = logits.max(dim=1).values  # (N,)
+        row_max = comm.raw_all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(1)
+        exp = shifted.exp()
+        local_target = targets - vocab_start
+        here = (local_target >= 0) & (local_target < n_local)
+        local_target = local_target.masked_fill(~here, 0)
+        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
+        target_logit = torch.where(here, target_logit, torch.zeros_like(target_logit))  # (N,)
+        sums = comm.raw_all_reduce(torch.stack([exp.sum(dim=1), target_logit]), group)  # (2, N)
+        softmax = exp.div_(sums[0].unsqueeze(1))
+        ctx.save_for_backward(softmax, local_target, here)
+        return sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local_target, here = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= here.to(grad.dtype)
+        return grad * dloss.unsqueeze(1), None, None, None, None
+
+
+class VocabParallelLMHead(nn.Module):
+    """Logits against the (tied) vocab-split table, fused with the vocab-parallel cross-entropy.
+
+    x (B, T, h) replicated, or (B, T/p, h) with sequence parallel (all-gathered over T first).
+    """
+
+    def __init__(self, cfg, ctx, embedding, sequence_parallel):
+        super().__init__()
+        self.ctx, self.sp, self.vocab_size = ctx, sequence_parallel, cfg.vocab_size
+        self.embedding = [embedding]  # a list, so the tied table is not registered twice
+        self.tied = cfg.tie_embeddings
+        self.vocab_start, _ = vocab_range(cfg, ctx)
+        if not self.tied:
+            register_sharded(self, "weight", vocab_spec(cfg, ctx), ctx)
+
+    def table(self):
+        return self.embedding[0].wte if self.tied else self.weight
+
+    def _local_logits(self, x):  # -> (B, T, V_local) of this rank's vocabulary rows
+        group = tp_group(self.ctx)
+        x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)
+        return x @ self.table().t()
+
+    def loss(self, x, targets):
+        logits = upcast(self._local_logits(x))
+        per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
+                                                     self.vocab_size, tp_group(self.ctx))
+        return per_token.mean()
+
+    def logits(self, x):
+        """Full (B, T, V) logits, gathered over the vocabulary: for inference and debugging only."""
+        full = comm.all_gather(self._local_logits(x), tp_group(self.ctx), 2)
+        return full[..., : self.vocab_size]
+
+
+@register
+class Megatron1D(Mode):
+    """Megatron 1D tensor parallelism over mesh axis TP, optionally with sequence parallelism."""
+
+    name = "1d"
+    options = {"sequence_parallel": False}
+
+    def __init__(self, cfg, ctx):
+        self.p = ctx.size(MeshAxis.TP)
+        self.sp = bool(ctx.options.get("sequence_parallel", False))
+        # the residual differs per rank under sequence parallelism: dropout then needs the sharded stream
+        self.residual_replicated = not self.sp
+        super().__init__(cfg, ctx)
+
+    @classmethod
+    def resolve_options(cls, given):
+        options = super().resolve_options(given)
+        if not isinstance(options["sequence_parallel"], bool):
+            raise LatticeConfigError(f"mode '1d' option sequence_parallel must be True or False, "
+                                     f"got {options['sequence_parallel']!r}")
+        return options
+
+    @classmethod
+    def mesh_axes(cls, tp, options):
+        return ((MeshAxis.TP, tp),)
+
+    def check_config(self, cfg):
+        divisible("d_model", cfg.d_model, self.p, "tp")
+        divisible("n_heads", cfg.n_heads, self.p, "tp",
+                  f"use a tp that divides {cfg.n_heads} or a head count that is a multiple of {self.p}")
+
+    def check_batch(self, tokens):
+        if self.sp:
+            divisible("sequence length", tokens.shape[1], self.p, "tp",
+                      f"with sequence_parallel=True use sequences whose length is a multiple of {self.p}, "
+                      f"or turn sequence_parallel off")
+
+    def embedding(self):
+        return VocabParallelEmbedding(self.cfg, self.ctx, self.sp)
+
+    def layer_norm(self):
+        return SequenceParallelLayerNorm(self.cfg, self.ctx) if self.sp else LayerNorm(self.cfg, self.ctx)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+        if position == Position.IN:
+            return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, self.sp)
+        if stack:
+            raise ValueError("a row-parallel (Position.OUT) linear cannot be stacked")
+        return RowParallelLinear(self.cfg, self.ctx, in_features, out_features, self.sp)
+
+    def lm_head(self, embedding):
+        return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp)
