@@ -259,8 +259,8 @@ def _check_comm(tp, dp, sp, bias, vocab):
         assert group_size == tp, f"{op} over {group_size} ranks: only the TP group may communicate"
         measured[(phase, op)] = (rec["calls"], rec["bytes"])
     b = BATCH // dp
-    expected = {k: (calls, 4 * elements) for k, (calls, elements) in
-                expected_step_comm(b, SIZES["seq_len"], SIZES["d_model"], vocab, tp, SIZES["n_layers"], sp, bias).items()}
+    formula = expected_step_comm(b, SIZES["seq_len"], SIZES["d_model"], vocab, tp, SIZES["n_layers"], sp, bias)
+    expected = {k: (calls, 4 * elements) for k, (calls, elements) in formula.items()}  # float32: 4 bytes
     return measured, expected, meter.total_bytes()
 
 

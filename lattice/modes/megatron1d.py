@@ -15,7 +15,9 @@ Without sequence parallelism a block is f → column linear → local work → r
 one all-reduce forward (g) and one backward (f's conjugate) per attention and per MLP block.
 With it (Korthikanti et al., "Reducing activation recomputation"), LayerNorm, dropout and the
 residual stay split along the sequence; g becomes a reduce-scatter over T and f an all-gather
-over T (same volume, a 1/p of the activation memory). Replicated vectors used on the sequence
+over T (a ring all-reduce is a reduce-scatter plus an all-gather, so the wire traffic stays the
+same while LayerNorm/dropout activations shrink to 1/p; CommMeter, counting each collective's
+logical buffer, reports twice the elements). Replicated vectors used on the sequence
 chunk (LayerNorm, row-linear bias, wpe) then see partial gradients: they pass through
 `copy_to_group`, whose backward sums them, so every rank keeps identical values.
 
