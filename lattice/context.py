@@ -65,6 +65,16 @@ class Topology:
                 f"rank placement must be a permutation of 0..{self.world_size - 1}, got {self.rank_grid}")
         if self.ranks_per_node < 1:
             raise LatticeConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        # torch orders a process group's members by global rank, while lattice's collectives and
+        # shard specs take group rank k to be mesh coordinate k; the two agree exactly when ranks
+        # increase along every axis (true of transposed and tiled placements).
+        grid = torch.tensor(self.rank_grid).reshape(self.shape)
+        for dim, (axis, size) in enumerate(self.axes):
+            if size > 1 and not (grid.diff(dim=dim) > 0).all():
+                raise LatticeConfigError(
+                    f"rank placement must increase along every mesh axis, but it does not along "
+                    f"{axis.value!r}; use a transposed or tiled placement (torch orders group members "
+                    f"by global rank)")
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -14,14 +14,21 @@ from multiproc import cached_init, run_distributed
 
 def test_topology_coords_round_trip_with_permuted_placement():
     """Catches coords/rank_at disagreeing when the rank placement is not the identity."""
-    grid = (3, 0, 5, 1, 4, 2, 7, 6)
+    grid = (0, 2, 1, 3, 4, 6, 5, 7)  # (dp, row, col) with row and col transposed inside each replica
     topo = Topology("x", ((MeshAxis.DP, 2), (MeshAxis.ROW, 2), (MeshAxis.COL, 2)), grid, ranks_per_node=4)
     for rank in range(8):
         assert topo.rank_at(topo.coords(rank)) == rank
-    # rank 3 sits at mesh position 0 = (dp 0, row 0, col 0); its column group varies ROW
-    assert topo.coords(3) == {MeshAxis.DP: 0, MeshAxis.ROW: 0, MeshAxis.COL: 0}
-    assert topo.group_members(MeshAxis.ROW, 3) == [3, 5]
+    assert topo.coords(2) == {MeshAxis.DP: 0, MeshAxis.ROW: 0, MeshAxis.COL: 1}
+    assert topo.group_members(MeshAxis.ROW, 2) == [2, 3]
+    assert topo.group_members(MeshAxis.COL, 2) == [0, 2]
     assert sorted(sum(topo.all_groups(MeshAxis.COL), [])) == list(range(8))
+
+
+def test_placement_that_reorders_group_members_is_refused():
+    """Catches a placement under which torch's group-rank order (sorted by global rank) would differ
+    from the mesh coordinate order that shard specs use: shards would silently land on wrong ranks."""
+    with pytest.raises(lattice.LatticeConfigError, match="must increase along every mesh axis"):
+        Topology("x", ((MeshAxis.ROW, 2), (MeshAxis.COL, 2)), (2, 0, 3, 1), ranks_per_node=4)
 
 
 def test_bad_layout_requests_are_refused_with_the_fix():
