@@ -1,0 +1,366 @@
+"""2D tensor parallelism: SUMMA / Optimus (papers/000 §3.2) on a q x q mesh per replica.
+
+    tensor                          full            on rank (i, j)               held by
+    residual x, LN / linear in/out  (B, T, h)       (B/q, T, h/q): batch i, hidden j    all
+    fc output, attention output     (B, T, 4h|h)    (B/q, T, 4h/q | h/q)               all
+    qkv output                      (B, T, 3, h)    (B/q, T, 3, h/q) = heads j·n/q..   all
+    linear weight W[in, out]        (in, [3,] out)  block (i, j): (in/q, [3,] out/q)   all
+    token table wte                 (V, h)          block (i, j): (V_pad/q, h/q)       all
+    biases, LayerNorm, wpe          (.., h|4h)      columns block j                    row 0
+    logits                          (B, T, V)       (B/q, T, V_pad/q): batch i, vocab j (never gathered for the loss)
+
+Linear layers are SUMMA C = A B; attention is local (n/q heads of B/q sequences per rank); the
+LM head is C = A Bᵀ against the (tied) table. Row-0 parameters are broadcast down their column
+in forward and their gradients reduced back to row 0 (Fig. 5). LayerNorm and cross-entropy
+all-reduce per-token sums along the row (§3.2.2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from lattice import comm
+from lattice.context import LatticeConfigError, MeshAxis, Topology
+from lattice.modes import register
+from lattice.modes.base import Block, Mode, Position, divisible
+from lattice.modes.serial import upcast
+from lattice.sharding import ShardSpec, register_sharded
+from lattice.summa import SummaGrid, summa_ab, summa_abt
+
+ROW, COL = MeshAxis.ROW, MeshAxis.COL
+ON_ROW_0 = ((ROW, 0),)
+
+
+def hosted(param, shape, grid: SummaGrid, dtype: torch.dtype, device) -> torch.Tensor:
+    """Fig. 5: a row-0 parameter block on every rank of its column. Forward: broadcast from row 0
+    down column j; backward: the gradients of the column reduced to row 0. `dtype` must be the
+    same on every rank (the activations' dtype: under autocast, parameters join in its dtype)."""
+    if grid.i == 0:
+        src = param.to(dtype)
+    else:
+        src = grid.workspace.receive(shape, dtype, device)
+    return comm.broadcast(src, grid.col, 0)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on x produces: the autocast dtype where autocast is on."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _Embed2D(torch.autograd.Function):
+    """x = onehot(tokens) E as SUMMA C = A B with A = onehot [B·T, V] never built: row i holds
+    the tokens of batch block i, so A_il is local. Step l: bcast E_lj along column j; tokens in
+    vocab block l take their rows. Backward dE = Aᵀ dx (Alg. 3): scatter-add dx rows into block
+    l, reduce along column j to (l, j)."""
+
+    @staticmethod
+    def forward(ctx, table, ids, grid):  # table (V_pad/q, h/q), ids (m,) -> (m, h/q)
+        ctx.grid = grid
+        table = table.contiguous()
+        vb = table.shape[0]
+        buf, _ = grid.workspace.pair(table.numel(), 0, table.dtype, table.device)
+        out = torch.zeros(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+        for l in range(grid.q):
+            block = grid.bcast_col(table, l, buf)
+            local = ids - l * vb
+            hit = ((local >= 0) & (local < vb)).unsqueeze(1)
+            # a select, not a masked copy: exact, and no host sync on GPU
+            out = torch.where(hit, block[local.clamp(0, vb - 1)], out)
+        ctx.save_for_backward(ids)
+        ctx.table_shape = table.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dx):
+        (ids,) = ctx.saved_tensors
+        grid, (vb, hq) = ctx.grid, ctx.table_shape
+        _, buf = grid.workspace.pair(0, vb * hq, dx.dtype, dx.device)
+        dtable = torch.empty(vb, hq, dtype=dx.dtype, device=dx.device)
+        for l in range(grid.q):
+            part = dtable if grid.i == l else buf.view(vb, hq)
+            part.zero_()
+            local = ids - l * vb
+            hit = ((local >= 0) & (local < vb)).unsqueeze(1)
+            part.index_add_(0, local.clamp(0, vb - 1), torch.where(hit, dx, 0.0))  # misses add exact zeros
+            comm.raw_reduce(part, grid.col, l)
+        return dtable, None, None
+
+
+class Embedding(nn.Module):
+    """Tokens (B, T), identical on every rank of the replica -> x (B/q, T, h/q)."""
+
+    def __init__(self, cfg, mode: "Summa2D"):
+        super().__init__()
+        self.grid = mode.grid
+        register_sharded(self, "wte", mode.table_spec(), mode.ctx)
+        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
+
+    def forward(self, tokens):
+        g = self.grid
+        B, T = tokens.shape
+        rows = tokens[g.i * (B // g.q):(g.i + 1) * (B // g.q)]  # (B/q, T)
+        x = _Embed2D.apply(self.wte, rows.reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
+        pos = hosted(None if self.wpe is None else self.wpe[:T], (T, x.shape[-1]), g, x.dtype, x.device)
+        return x + pos
+
+
+class _Normalize2D(torch.autograd.Function):
+    """x̂ = (x - E[x]) / sqrt(Var[x] + eps) over a hidden dim split along the mesh row (§3.2.2).
+    Forward: all-reduce (Σx, Σx²) along the row. Backward: with g = dJ/dx̂, all-reduce (Σg, Σg·x̂)
+    along the row; dx = rstd · (g - Σg/h - x̂ · Σ(g·x̂)/h)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, h, eps):
+        xs = upcast(x)
+        sums = comm.raw_all_reduce(torch.stack([xs.sum(-1), (xs * xs).sum(-1)]), grid.row)
+        mean = sums[0] / h
+        rstd = torch.rsqrt(sums[1] / h - mean * mean + eps)
+        xhat = ((xs - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).to(x.dtype)
+        ctx.grid, ctx.h = grid, h
+        ctx.save_for_backward(xhat, rstd)
+        return xhat
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, rstd = ctx.saved_tensors
+        gs, xs = upcast(g), upcast(xhat)
+        sums = comm.raw_all_reduce(torch.stack([gs.sum(-1), (gs * xs).sum(-1)]), ctx.grid.row)
+        dx = rstd.unsqueeze(-1) * (gs - sums[0].unsqueeze(-1) / ctx.h - xs * (sums[1].unsqueeze(-1) / ctx.h))
+        return dx.to(g.dtype), None, None, None
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, cfg, mode: "Summa2D"):
+        super().__init__()
+        self.grid, self.h, self.eps = mode.grid, cfg.d_model, cfg.layer_norm_eps
+        spec = ShardSpec((cfg.d_model,), ((0, (COL,)),), ON_ROW_0)
+        register_sharded(self, "weight", spec, mode.ctx)
+        self.has_bias = cfg.bias
+        if cfg.bias:
+            register_sharded(self, "bias", spec, mode.ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):  # (B/q, T, h/q) -> same
+        shape = x.shape[-1:]
+        w = hosted(self.weight, shape, self.grid, x.dtype, x.device)
+        b = hosted(self.bias, shape, self.grid, x.dtype, x.device) if self.has_bias else None
+        y = _Normalize2D.apply(x, self.grid, self.h, self.eps) * w
+        return y + b if b is not None else y
+
+
+class Linear(nn.Module):
+    """y = x W + b as SUMMA C = A B: x (B/q, T, in/q), W block (in/q, [stack,] out/q) ->
+    (B/q, T, [stack,] out/q). With a stack (qkv), out columns j are heads j·n/q .. of q, k and v."""
+
+    def __init__(self, cfg, mode: "Summa2D", in_features, out_features, stack=None):
+        super().__init__()
+        self.grid = mode.grid
+        out_shape = (stack, out_features) if stack else (out_features,)
+        last = len(out_shape)
+        register_sharded(self, "weight", ShardSpec((in_features,) + out_shape, ((0, (ROW,)), (last, (COL,)))), mode.ctx)
+        self.has_bias = cfg.bias
+        if cfg.bias:
+            register_sharded(self, "bias", ShardSpec(out_shape, ((last - 1, (COL,)),), ON_ROW_0), mode.ctx)
+        else:
+            self.bias = None
+        self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
+
+    def forward(self, x):
+        # the bias broadcast comes first so that checkpoint recomputation, which stops after the
+        # last tensor saved for backward, repeats every collective of the block
+        b = hosted(self.bias, self.local_out, self.grid, compute_dtype(x), x.device) if self.has_bias else None
+        w = self.weight.reshape(self.weight.shape[0], -1)  # (in/q, [stack·]out/q)
+        y = summa_ab(x.reshape(-1, x.shape[-1]), w, self.grid)  # (B/q·T, [stack·]out/q)
+        if b is not None:
+            y = y + b.reshape(-1)
+        return y.view(*x.shape[:-1], *self.local_out)
+
+
+class _CrossEntropy2D(torch.autograd.Function):
+    """Per-token loss log Σ_v e^{x_v} - x_target with the vocabulary split along the mesh row
+    (§3.2.2). Forward: all-reduce max and then (Σ e^{x-max}, x_target) along the row; every rank
+    of the row returns the same per-token loss. Backward: dx = softmax - onehot(target) on this
+    rank's vocabulary block, no communication. Padded vocabulary columns are masked out."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, grid, vocab_start, vocab_size):  # (m, Vb), (m,) -> (m,)
+        x = upcast(logits)
+        vb = x.shape[1]
+        n_real = max(0, min(vb, vocab_size - vocab_start))
+        if n_real < vb:
+            x = x.clone()
+            x[:, n_real:] = float("-inf")
+        top = comm.raw_all_reduce(x.max(-1).values, grid.row, op=torch.distributed.ReduceOp.MAX)
+        e = torch.exp(x - top.unsqueeze(-1))
+        local = targets - vocab_start
+        hit = (local >= 0) & (local < vb)
+        picked = torch.where(hit, x.gather(1, local.clamp(0, vb - 1).unsqueeze(1)).squeeze(1), 0.0)
+        sums = comm.raw_all_reduce(torch.stack([e.sum(-1), picked]), grid.row)
+        e /= sums[0].unsqueeze(-1)  # softmax
+        ctx.save_for_backward(e, local, hit)
+        ctx.dtype = logits.dtype
+        return torch.log(sums[0]) + top - sums[1]
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local, hit = ctx.saved_tensors
+        onehot = hit.to(softmax.dtype).unsqueeze(1)  # 1 where the target is in this block
+        d = softmax.scatter_add(1, local.clamp(0, softmax.shape[1] - 1).unsqueeze(1), -onehot)
+        return (d * dloss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+
+
+class LMHead(nn.Module):
+    """logits = x Eᵀ (SUMMA C = A Bᵀ) against the tied table (or its own), with 2D cross-entropy."""
+
+    def __init__(self, cfg, mode: "Summa2D", embedding: Embedding):
+        super().__init__()
+        self.grid, self.cfg, self.vocab_pad = mode.grid, cfg, mode.vocab_pad
+        self.embedding = [embedding]  # a list, so the tied table is not registered twice
+        self.tied = cfg.tie_embeddings
+        if not self.tied:
+            register_sharded(self, "weight", mode.table_spec(), mode.ctx)
+
+    def table(self):
+        return self.embedding[0].wte if self.tied else self.weight
+
+    def _local_logits(self, x):  # (B/q, T, h/q) -> (B/q·T, V_pad/q): batch i, vocab j
+        return summa_abt(x.reshape(-1, x.shape[-1]), self.table(), self.grid)
+
+    def loss(self, x, targets):
+        g = self.grid
+        B, T = targets.shape
+        rows = targets[g.i * (B // g.q):(g.i + 1) * (B // g.q)].reshape(-1)
+        vb = self.vocab_pad // g.q
+        per_token = _CrossEntropy2D.apply(self._local_logits(x), rows, g, g.j * vb, self.cfg.vocab_size)
+        # every rank of a row holds the same per-token losses: sum the rows' shares down the column
+        return comm.all_reduce(per_token.sum() / (B * T), g.col)
+
+    def logits(self, x):
+        """Full (B, T, V) logits on every rank (gathered: for inference and debugging only)."""
+        g = self.grid
+        local = comm.all_gather(self._local_logits(x), g.row, 1)[:, : self.cfg.vocab_size]  # (B/q·T, V)
+        return comm.all_gather(local.reshape(x.shape[0], x.shape[1], -1), g.col, 0)  # (B, T, V)
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def _nearest_squares(tp: int) -> str:
+    r = math.isqrt(tp)
+    options = [s * s for s in (r, r + 1) if s >= 2]
+    return " or ".join(f"tp={s} (q={math.isqrt(s)})" for s in options)
+
+
+def tiled_grid(dp: int, q: int, tile_rows: int, tile_cols: int) -> tuple[int, ...]:
+    """Global rank at each (dp, row, col) when each node holds a tile_rows x tile_cols block of a
+    replica's mesh (Fig. 8b), nodes numbered row-major over tiles."""
+    per_node = tile_rows * tile_cols
+    grid = []
+    for d in range(dp):
+        for i in range(q):
+            for j in range(q):
+                tile = (i // tile_rows) * (q // tile_cols) + j // tile_cols
+                within = (i % tile_rows) * tile_cols + j % tile_cols
+                grid.append(d * q * q + tile * per_node + within)
+    return tuple(grid)
+
+
+def nodes_spanned(topo: Topology, axis: MeshAxis) -> float:
+    """Mean number of nodes one group along `axis` touches."""
+    groups = topo.all_groups(axis)
+    return sum(len({topo.node_of(r) for r in grp}) for grp in groups) / len(groups)
+
+
+def placement_summary(topo: Topology) -> str:
+    """One line for `lattice info`: how many nodes a mesh column / row spans."""
+    return (f"2d placement: mesh columns span {nodes_spanned(topo, ROW):g} node(s), mesh rows span "
+            f"{nodes_spanned(topo, COL):g} node(s), {topo.ranks_per_node} ranks per node")
+
+
+# ----------------------------------------------------------------------------- the mode
+
+
+@register
+class Summa2D(Mode):
+    name = "2d"
+    residual_replicated = False
+
+    @classmethod
+    def mesh_axes(cls, tp, options):
+        q = math.isqrt(tp)
+        if q * q != tp or q < 2:
+            raise LatticeConfigError(
+                f"mode '2d' needs tp = q*q ranks per replica with q >= 2; tp={tp} is not such a square: "
+                f"use {_nearest_squares(tp)}")
+        return ((ROW, q), (COL, q))
+
+    @classmethod
+    def rank_grid(cls, axes, ranks_per_node, placement, options):
+        """Bunched placement (Fig. 8): of the natural order and every tiling of the mesh into
+        node-sized tile_rows x tile_cols blocks, the one whose row and column groups together
+        touch the fewest nodes; ties go to fewer nodes per column (SUMMA's weight broadcasts)."""
+        sizes = dict(axes)
+        dp, q = sizes.get(MeshAxis.DP, 1), sizes[ROW]
+        natural = tuple(range(dp * q * q))
+        candidates = [natural] + [tiled_grid(dp, q, r, ranks_per_node // r) for r in range(1, q + 1)
+                                  if ranks_per_node % r == 0 and q % r == 0 and q % (ranks_per_node // r) == 0]
+
+        def cost(grid):
+            topo = Topology("2d", tuple(axes), grid, ranks_per_node)
+            col, row = nodes_spanned(topo, ROW), nodes_spanned(topo, COL)
+            return (col + row, col)
+
+        return min(candidates, key=cost)
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.q = ctx.size(ROW)
+        self.vocab_pad = -(-cfg.vocab_size // self.q) * self.q
+        self.grid = SummaGrid(ctx)
+
+    def check_config(self, cfg):
+        q = self.ctx.size(ROW)
+        divisible("d_model", cfg.d_model, q, "the 2D mesh side q")
+        divisible("n_heads", cfg.n_heads, q, "the 2D mesh side q")
+
+    def check_batch(self, tokens):
+        q, b = self.q, tokens.shape[0]
+        lower = b - b % q
+        divisible("batch size", b, q, "the 2D mesh side q",
+                  f"give each replica a multiple of {q} sequences (for example {lower or q} or {lower + q})")
+        self.grid.workspace.reserve(*self.workspace_plan(tokens.shape[0], tokens.shape[1]))
+
+    def table_spec(self) -> ShardSpec:
+        """(V, h) in q x q blocks, V padded with zero rows to a multiple of q."""
+        cfg = self.cfg
+        padded = (self.vocab_pad, cfg.d_model) if self.vocab_pad != cfg.vocab_size else None
+        return ShardSpec((cfg.vocab_size, cfg.d_model), ((0, (ROW,)), (1, (COL,))), padded_shape=padded)
+
+    def workspace_plan(self, batch: int, seq: int) -> tuple[int, int]:
+        """(receive-buffer, step) sizes in elements: the largest of any SUMMA step (two blocks,
+        §3.2.3) and of any row-0 parameter broadcast, for a (batch, seq) replica batch."""
+        cfg, q = self.cfg, self.q
+        h, m = cfg.d_model, batch // q * seq
+        # a product of A [M, K] and B [K, N]: blocks of (M/q)·(K/q) and (K/q)·(N/q) in every form
+        products = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h), (self.vocab_pad, h)]  # LM head: (K, N) = (V, h)
+        step = max(m * k // q + k * n // (q * q) for k, n in products)
+        step = max(step, self.vocab_pad * h // (q * q))  # embedding: one table block
+        recv = max(seq * h // q, (4 * h // q) if cfg.bias else h // q)
+        return recv, step
+
+    def embedding(self):
+        return Embedding(self.cfg, self)
+
+    def layer_norm(self):
+        return LayerNorm(self.cfg, self)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+        return Linear(self.cfg, self, in_features, out_features, stack)
+
+    def lm_head(self, embedding):
+        return LMHead(self.cfg, self, embedding)
