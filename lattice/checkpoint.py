@@ -1,0 +1,142 @@
+"""Checkpoints that do not depend on the layout they were written under.
+
+A checkpoint holds FULL tensors keyed by the serial parameter names: the weights
+(`model.full_state_dict()`) and AdamW's moments gathered with the same shard specs. Loading keeps
+this rank's shard of each, so a run saved under one mode / tp / dp resumes under any other.
+
+    {"format": "lattice-checkpoint", "version": 1, "step": int,
+     "model_config": {...}, "train_config": {...},
+     "model": {name: full tensor}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}, "step": int},
+     "rng": {"torch": uint8 tensor}, "forward_count": int}
+
+Rank 0 writes (to a temporary file, then `os.replace`, so a crash never leaves half a file under
+the real name). Every rank reads and validates the file itself with `torch.load(weights_only=True)`
+before any collective, so a missing, truncated or foreign file fails with the same one-line
+`LatticeConfigError` everywhere instead of leaving some ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from lattice.context import LatticeConfigError
+from lattice.sharding import gather_full
+
+FORMAT = "lattice-checkpoint"
+VERSION = 1
+FILENAME = "ckpt.pt"
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint file, or the checkpoint inside a run directory."""
+    path = Path(path)
+    return path / FILENAME if path.is_dir() else path
+
+
+def save(payload: dict, path: str | os.PathLike) -> Path:
+    """Write atomically: a temporary file in the same directory, then rename over `path`."""
+    path = resolve(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def read(path: str | os.PathLike) -> dict:
+    """Load and validate a checkpoint on this rank alone (no collective).
+
+    Raises a one-line LatticeConfigError naming the problem and the fix for a missing, truncated,
+    corrupt or foreign file, or a format version this code does not read."""
+    path = resolve(path)
+    fresh = "or start without --resume"
+    if not path.exists():
+        raise LatticeConfigError(f"checkpoint {path} does not exist; pass the {FILENAME} written by "
+                                 f"`lattice train --out-dir DIR` (or DIR itself), {fresh}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != _ZIP_MAGIC:
+        what = "an empty file" if not head else "not a torch.save archive"
+        raise LatticeConfigError(f"checkpoint {path} is {what}, not a lattice checkpoint; pass the {FILENAME} "
+                                 f"written by `lattice train`, {fresh}")
+    if not zipfile.is_zipfile(path):
+        raise LatticeConfigError(f"checkpoint {path} is truncated (its archive has no end); it was cut off while "
+                                 f"being copied or written: use an intact copy, {fresh}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise LatticeConfigError(f"checkpoint {path} holds objects other than tensors and plain data, so it is "
+                                 f"not a lattice checkpoint ({reason[:120]}); pass the {FILENAME} written by "
+                                 f"`lattice train`, {fresh}") from None
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
+        raise LatticeConfigError(f"checkpoint {path} is corrupt and cannot be read ({type(e).__name__}); use an "
+                                 f"intact copy, {fresh}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        what = f"a {type(ckpt).__name__}" + (f" with keys {sorted(map(str, ckpt))[:4]}" if isinstance(ckpt, dict) else "")
+        raise LatticeConfigError(f"{path} is a torch file holding {what}, not a lattice checkpoint; pass the "
+                                 f"{FILENAME} written by `lattice train`, {fresh}")
+    if ckpt.get("version") != VERSION:
+        raise LatticeConfigError(f"checkpoint {path} has format version {ckpt.get('version')!r} but this lattice "
+                                 f"reads version {VERSION}; resume it with the lattice version that wrote it, {fresh}")
+    missing = [k for k in ("step", "model_config", "model", "optimizer") if k not in ckpt]
+    if missing:
+        raise LatticeConfigError(f"checkpoint {path} lacks {missing}; it is damaged or not written by "
+                                 f"`lattice train`, {fresh}")
+    return ckpt
+
+
+def check_model_config(ckpt: dict, model_config: dict, path: str | os.PathLike = "checkpoint") -> None:
+    """Refuse a checkpoint whose model differs from this run's (one line, every differing field).
+    Dropout is not compared: it changes training, not what the weights mean."""
+    saved = ckpt["model_config"]
+    keys = sorted((set(saved) | set(model_config)) - {"dropout"})
+    diff = [f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}" for k in keys if saved.get(k) != model_config.get(k)]
+    if diff:
+        raise LatticeConfigError(f"{path} was saved for a different model (saved vs this run: {'; '.join(diff)}); "
+                                 f"use the same --model and --vocab-size as the saved run, or start without --resume")
+
+
+def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:
+    """AdamW's moments as full tensors keyed by serial parameter names (a collective).
+
+    Moments have their parameter's shape, so they gather with the parameter's shard spec; before
+    the first step they are zeros."""
+    params = dict(model.named_parameters())
+    out = {"exp_avg": {}, "exp_avg_sq": {}, "step": 0}
+    for name, spec in model.specs.items():
+        state = optimizer.state.get(params[name], {}) if name in params else {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][name] = gather_full(state.get(key), spec, model.ctx, dtype=torch.float32)
+        if "step" in state:
+            out["step"] = int(state["step"])
+    return out
+
+
+@torch.no_grad()
+def load_optimizer(model, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Give every local parameter its shard of the saved moments (no communication)."""
+    params = dict(model.named_parameters())
+    ctx = model.ctx
+    for name, spec in model.specs.items():
+        if name not in params:
+            continue
+        p = params[name]
+        if saved["step"] == 0:
+            optimizer.state.pop(p, None)
+            continue
+        shard = {k: spec.shard(saved[k][name], ctx.coords, ctx.topology).to(p.device, p.dtype)
+                 for k in ("exp_avg", "exp_avg_sq")}
+        optimizer.state[p] = {"step": torch.tensor(float(saved["step"])), **shard}

@@ -1,0 +1,278 @@
+"""The `lattice` command (also `python -m lattice`).
+
+    # train the default model (preset "small", serial) on the built-in corpus, ~3 min on 2 CPU cores
+    lattice train
+    # data parallel on 2 local processes (this command starts them through torch.distributed.run)
+    lattice train --nproc 2 --dp 2 --steps 5
+    # the same layout started by torchrun itself
+    torchrun --standalone --nproc-per-node 2 -m lattice train --dp 2 --steps 5
+    # tensor parallel modes with their options, combined with data parallelism
+    lattice train --nproc 4 --mode 1d --tp 2 --dp 2 --sequence-parallel
+    lattice train --nproc 4 --mode 2d --tp 4 --bf16 --activation-checkpointing
+    # resume (from any layout: checkpoints hold full tensors)
+    lattice train --out-dir runs/a --steps 400 --resume runs/a/ckpt.pt
+    # which rank holds which slice of every parameter, and the groups of every mesh axis
+    lattice info --mode 2d --tp 4 --dp 2
+    lattice plan ...     # analytic cost model (lattice.cost)
+    lattice bench ...    # measured benchmarks (lattice.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import sys
+
+from lattice.context import LatticeConfigError, make_topology
+from lattice.model import PRESETS
+
+# subcommands whose arguments and implementation live in another module, imported only when used
+DELEGATED = {
+    "bench": ("lattice.bench", "add_bench_arguments", "run_bench", "measured benchmarks"),
+    "plan": ("lattice.cost", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
+}
+
+
+# ----------------------------------------------------------------------------- arguments
+def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    from lattice.modes import available_modes
+
+    p.add_argument("--mode", default="serial", choices=available_modes(), help="parallel layout (default serial)")
+    p.add_argument("--tp", type=int, default=1, help="ranks per model replica (tensor parallel degree)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--sequence-parallel", action="store_true", default=None, help="1d: sequence parallelism")
+    p.add_argument("--subgrids", type=int, default=None, help="subgraph: number of sub-grids g")
+    p.add_argument("--common", choices=("all", "subgrid"), default=None,
+                   help="subgraph: common layers on all ranks (D&SP) or sub-grid 0 (D&SP-cSub)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for placement")
+    p.add_argument("--placement", choices=("natural", "topology"), default="natural")
+    p.add_argument("--mode-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other option of the mode (repeatable), e.g. -o sequence_parallel=True")
+    p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small)")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary of the built-in corpus")
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from lattice.train import TrainConfig
+
+    d = TrainConfig()
+    _add_layout_arguments(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="start this many local processes through torch.distributed.run")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", "--batch", type=int, default=d.batch_size, help="global batch (sequences)")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--dropout", type=float, default=d.dropout)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-interval", type=int, default=d.eval_interval)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--out-dir", default="runs/latest", help="checkpoint and metrics.csv (default runs/latest)")
+    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--resume", default=None, metavar="CKPT", help="checkpoint file (or a run directory)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _mode_options(args) -> dict:
+    opts = {k: getattr(args, k) for k in ("sequence_parallel", "subgrids", "common") if getattr(args, k) is not None}
+    for item in args.mode_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise LatticeConfigError(f"--mode-option {item!r} is not KEY=VALUE; write e.g. -o subgrids=2")
+        try:
+            opts[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            opts[key] = value
+    return opts
+
+
+def _layout_kwargs(args) -> dict:
+    kw = dict(tp=args.tp, dp=args.dp, placement=args.placement, **_mode_options(args))
+    if args.ranks_per_node:
+        kw["ranks_per_node"] = args.ranks_per_node
+    return kw
+
+
+def _train_config(args):
+    from lattice.data import DEFAULT_VOCAB
+    from lattice.train import TrainConfig
+
+    return TrainConfig(model=args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB, dropout=args.dropout,
+                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
+                       eval_interval=args.eval_interval, eval_batches=args.eval_batches, bf16=args.bf16,
+                       activation_checkpointing=args.activation_checkpointing, out_dir=args.out_dir,
+                       checkpoint_interval=args.checkpoint_interval, progress=not args.no_progress)
+
+
+# ----------------------------------------------------------------------------- train
+def _check_before_launch(args) -> None:
+    """Everything that can be refused without processes, so a bad request fails once, in one
+    line, instead of in every child's traceback."""
+    from lattice import checkpoint
+    from lattice.context import plan
+    from lattice.model import GPTConfig
+    from lattice.modes import get_mode
+
+    topo, _ = make_topology(args.mode, **_layout_kwargs(args))
+    if args.nproc != topo.world_size:
+        axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
+        raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: mode {args.mode!r} with {axes} "
+                                 f"has {topo.world_size} ranks; use --nproc {topo.world_size} or change --tp/--dp")
+    tcfg = _train_config(args)
+    cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
+    get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
+    if args.resume:
+        checkpoint.check_model_config(checkpoint.read(args.resume), cfg.to_dict(), checkpoint.resolve(args.resume))
+
+
+def _launch(args, argv: list[str]) -> int:
+    """Re-run this command line on --nproc local processes through torchrun's Python API
+    (`elastic_launch`; its command-line parser would mistake our --nproc for --nproc-per-node)."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from lattice.data import load_corpus
+
+    _check_before_launch(args)
+    load_corpus(_train_config(args).vocab_size)  # build the tokenizer cache once, here, not on every rank
+    # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    try:
+        elastic_launch(config, sys.executable)("-m", "lattice", *argv)
+    except ChildFailedError as e:
+        print(f"error: {len(e.failures)} of {args.nproc} processes failed (their messages are above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_train(args, argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    import lattice
+    from lattice.train import Trainer
+
+    launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
+    if args.nproc is not None and args.nproc < 1:
+        raise LatticeConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc and args.nproc > 1 and not launched:
+        return _launch(args, argv)
+    if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
+        raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
+                                 f"drop --nproc when launching with torchrun")
+    ctx = lattice.init(args.mode, seed=args.seed, **_layout_kwargs(args))
+    try:
+        result = Trainer(_train_config(args), ctx, resume=args.resume).fit()
+        if ctx.rank == 0:
+            print(f"final val loss: {result['val_loss']:.4f} nats/token (step {result['step']})")
+            print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------- info
+def _fmt_slice(slices, shape) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" if (s.start, s.stop) != (0, n) else ":"
+                           for s, n in zip(slices, shape)) + "]"
+
+
+def cmd_info(args) -> int:
+    """Print a layout from the shard specs alone: no processes, no weights (a meta model)."""
+    import torch
+
+    from lattice.context import plan
+    from lattice.data import DEFAULT_VOCAB
+    from lattice.model import GPT, GPTConfig
+
+    kw = _layout_kwargs(args)
+    ctx = plan(args.mode, **kw)
+    topo = ctx.topology
+    cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB)
+    with torch.device("meta"):
+        model = GPT(cfg, ctx)
+    axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
+    print(f"layout: mode {args.mode}, {topo.world_size} ranks, mesh {axes}, options {dict(ctx.options)}")
+    print(f"model: {args.model} {cfg.to_dict()}, {model.num_parameters():,} parameters")
+    print("ranks (mesh coordinates, node):")
+    for r in range(topo.world_size):
+        coords = ", ".join(f"{a.value}={c}" for a, c in topo.coords(r).items())
+        print(f"  rank {r}: {coords}; node {topo.node_of(r)}")
+    print("groups per mesh axis:")
+    for axis in topo.axis_names:
+        print(f"  {axis.value}: " + " ".join(str(g) for g in topo.all_groups(axis)))
+    print("parameters: full shape, spec; then each distinct slice and the ranks holding it")
+    for name, spec in model.specs.items():
+        held: dict[str, list[int]] = {}
+        for r in range(topo.world_size):
+            coords = topo.coords(r)
+            key = _fmt_slice(spec.slices(coords, topo), spec.storage_shape) if spec.holds(coords) else "none"
+            held.setdefault(key, []).append(r)
+        pad = f" padded to {list(spec.padded_shape)}" if spec.padded_shape else ""
+        print(f"  {name} {list(spec.full_shape)}{pad}: {spec.describe(topo)}")
+        print("      " + "; ".join(f"{k} on ranks {v}" for k, v in held.items()))
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+def _delegate_module(command: str):
+    """The module behind a delegated subcommand, or None with a message when it is missing."""
+    module_name, add_name, run_name, _ = DELEGATED[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        module = None
+    if module is None or not hasattr(module, add_name) or not hasattr(module, run_name):
+        print(f"error: `lattice {command}` needs {module_name}.{add_name} and {module_name}.{run_name}, which "
+              f"this installation does not have; update lattice or use another subcommand", file=sys.stderr)
+        return None
+    return module
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lattice", description="Multi-dimensional tensor parallel GPT training.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_arguments(sub.add_parser("train", help="train a GPT on the built-in corpus"))
+    _add_layout_arguments(sub.add_parser("info", help="print which rank holds which shard, and the groups"))
+    for name, (module_name, add_name, _, help_text) in DELEGATED.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            getattr(importlib.import_module(module_name), add_name)(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in DELEGATED and _delegate_module(command) is None:
+        return 2
+    args = build_parser(command).parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, argv)
+        if args.command == "info":
+            return cmd_info(args)
+        _, _, run_name, _ = DELEGATED[args.command]
+        return int(getattr(_delegate_module(args.command), run_name)(args) or 0)
+    except LatticeConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The trainer: AdamW, warmup + cosine schedule, sharded gradient clipping, data-parallel
+gradient sync through DDP, bf16 autocast, validation, metrics CSV and exact-resume checkpoints.
+
+    ctx = lattice.init("1d", tp=2, dp=2)
+    result = Trainer(TrainConfig(steps=200, out_dir="runs/x"), ctx).fit()
+
+The trainer never looks at a mode's sharding; it only uses each parameter's shard spec (for
+weight decay, the gradient norm and checkpoints), so every mode trains through the same code.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lattice import checkpoint
+from lattice.comm import raw_all_reduce, record
+from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
+from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, train_batch, unigram_baseline,
+                          val_batches)
+from lattice.model import GPT, GPTConfig
+
+METRICS_FILE = "metrics.csv"
+METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a run except the layout (which is the ParallelContext's)."""
+
+    model: str = "small"  # a lattice.model.PRESETS name
+    vocab_size: int = DEFAULT_VOCAB
+    dropout: float = 0.0
+    steps: int = 300
+    batch_size: int = 16  # global: split over data-parallel replicas
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    seed: int = 0
+    eval_interval: int = 100
+    eval_batches: int = 8
+    bf16: bool = False
+    activation_checkpointing: bool = False
+    out_dir: str | None = None  # checkpoint and metrics.csv go here (rank 0 writes)
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "checkpoint_interval"):
+            if getattr(self, name) < 0:
+                raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise LatticeConfigError(f"lr must be positive, got {self.lr}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _metered_allreduce_hook(group, bucket):
+    """DDP's averaging all-reduce, reported to CommMeter so measured bytes include dp traffic."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buf = bucket.buffer()
+    record("all_reduce", group, buf.numel(), buf.dtype, phase="backward")
+    return allreduce_hook(group, bucket)
+
+
+class Trainer:
+    """Trains `lattice.GPT` on the built-in corpus (or a given Corpus) under any layout."""
+
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
+                 resume: str | os.PathLike | None = None):
+        self.cfg, self.ctx = cfg, ctx
+        # Validate everything that can fail before the first collective (DDP's constructor is one).
+        ckpt = checkpoint.read(resume) if resume else None
+        self.corpus = corpus or load_corpus(cfg.vocab_size)
+        self.model_config = GPTConfig.preset(cfg.model, vocab_size=self.corpus.vocab_size, dropout=cfg.dropout)
+        if ckpt is not None:
+            checkpoint.check_model_config(ckpt, self.model_config.to_dict(), checkpoint.resolve(resume))
+        check_batch_size(self.corpus, cfg.batch_size, self.model_config.seq_len, ctx.dp)
+        self.model = GPT(self.model_config, ctx, activation_checkpointing=cfg.activation_checkpointing)
+        self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
+                                   seq_len=self.model_config.seq_len, num_batches=cfg.eval_batches)
+        self.model.mode.check_batch(self.val_set[0][0])  # the mode's own constraints (e.g. b % q)
+        self.optimizer = self._make_optimizer()
+        self.step, self.elapsed, self.history = 0, 0.0, []
+        if ckpt is not None:
+            self._load(ckpt)
+        self.engine = self.model
+        if ctx.dp > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            group = ctx.group(MeshAxis.DP)
+            self.engine = DistributedDataParallel(
+                self.model, process_group=group, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+            self.engine.register_comm_hook(group, _metered_allreduce_hook)
+
+    # ------------------------------------------------------------------ pieces
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        """Decay only matrices: a tensor decays when its FULL shape has >= 2 dims (a rank's 1-d
+        shard of a matrix still decays; a sharded bias does not)."""
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (decay if len(self.model.specs[name].full_shape) >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2))
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup over `warmup` steps, then cosine from lr to lr * min_lr_ratio."""
+        cfg = self.cfg
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        low = cfg.lr * cfg.min_lr_ratio
+        return low + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - low)
+
+    def _autocast(self):
+        if not self.cfg.bf16:
+            return nullcontext()
+        return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        """Mean over data-parallel replicas of a per-replica scalar (identical on every rank)."""
+        value = value.detach().float().reshape(1)
+        if self.ctx.dp > 1:
+            value = raw_all_reduce(value.clone(), self.ctx.group(MeshAxis.DP)) / self.ctx.dp
+        return float(value)
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the full gradient, identical on every rank.
+
+        Each rank sums its shards' squares divided by the number of ranks in its model replica
+        that hold the same shard, so replicated copies count once; the sum runs over the whole
+        model replica. (DeviceMesh in torch 2.13 has no public way to flatten the non-dp axes into
+        one group, so the sum is all-reduced over every rank and divided by dp: after the DDP sync
+        all replicas hold the same gradients, so each replica contributes the same amount.)"""
+        topo = self.ctx.topology
+        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum() / self.model.specs[name].replicas(topo)
+        if self.ctx.tp > 1:  # with tp == 1 every rank already holds every gradient
+            sq = raw_all_reduce(sq.reshape(1), dist.group.WORLD).reshape(()) / self.ctx.dp
+        return sq.sqrt()
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        """One optimizer step on the global batch of `self.step`; returns its metrics."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.model.train()
+        x, y = train_batch(self.corpus, self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
+                           seq_len=self.model_config.seq_len)
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            loss = self.engine(x, y)
+        loss.backward()
+        norm = self.grad_norm()
+        if cfg.grad_clip > 0:
+            scale = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.optimizer.step()
+        self.step += 1
+        train_loss = self._dp_mean(loss)
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
+                "tokens_per_s": cfg.batch_size * self.model_config.seq_len / dt}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches, identical on every rank."""
+        self.model.eval()
+        with self._autocast():
+            total = sum(self.model(x, y).float() for x, y in self.val_set) / len(self.val_set)
+        self.model.train()
+        return self._dp_mean(total)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, until: int | None = None) -> dict:
+        """Train from the current step up to `until` (default: cfg.steps), evaluating every
+        eval_interval steps and at the end, checkpointing into out_dir. Returns a summary."""
+        cfg, is_main = self.cfg, self.ctx.rank == 0
+        until = cfg.steps if until is None else until
+        out = Path(cfg.out_dir) if cfg.out_dir else None
+        metrics = self._open_metrics(out) if (out and is_main) else None
+        writer = metrics and csv.DictWriter(metrics, fieldnames=METRIC_COLUMNS)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=until, initial=self.step, disable=not (cfg.progress and is_main), unit="step",
+                   dynamic_ncols=True)
+        val_loss, start, clock = None, self.elapsed, time.perf_counter()
+        try:
+            while self.step < until:
+                row = self.train_step()
+                row["val_loss"] = None
+                if self.step % cfg.eval_interval == 0 or self.step == until:
+                    row["val_loss"] = val_loss = self.evaluate()
+                    if is_main:  # tqdm.write prints even where the bar is disabled
+                        bar.write(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}")
+                        sys.stdout.flush()
+                self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
+                self.history.append(row)
+                if writer:
+                    writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRIC_COLUMNS})
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                bar.update(1)
+                if out and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                    self.save(out)
+        finally:
+            bar.close()
+            if metrics:
+                metrics.close()
+        if val_loss is None:
+            val_loss = self.evaluate()
+        if out:
+            self.save(out)
+        return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
+                "history": self.history}
+
+    def _open_metrics(self, out: Path):
+        """metrics.csv, line-buffered; a resumed run appends to the rows written before."""
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / METRICS_FILE
+        append = self.step > 0 and path.exists()
+        f = open(path, "a" if append else "w", newline="", buffering=1)
+        if not append:
+            f.write(",".join(METRIC_COLUMNS) + "\n")
+        return f
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a layout-independent checkpoint (a collective: every rank must call it)."""
+        payload = {
+            "step": self.step,
+            "elapsed_s": self.elapsed,
+            "model_config": self.model_config.to_dict(),
+            "train_config": asdict(self.cfg),
+            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp},
+            "model": self.model.full_state_dict(),
+            "optimizer": checkpoint.gather_optimizer(self.model, self.optimizer),
+            "forward_count": self.model.seeds.forward_count,
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        target = checkpoint.resolve(path)
+        if self.ctx.rank == 0:
+            checkpoint.save(payload, target)
+        if self.ctx.world_size > 1:
+            dist.barrier()  # the file exists for every rank once save returns
+        return target
+
+    def _load(self, ckpt: dict) -> None:
+        """Keep this rank's shard of every saved tensor (no communication)."""
+        self.model.load_full_state_dict(ckpt["model"])
+        checkpoint.load_optimizer(self.model, self.optimizer, ckpt["optimizer"])
+        self.step = int(ckpt["step"])
+        self.elapsed = float(ckpt.get("elapsed_s", 0.0))
+        self.model.seeds.forward_count = int(ckpt.get("forward_count", self.step))
+        if "rng" in ckpt:
+            torch.set_rng_state(ckpt["rng"]["torch"])

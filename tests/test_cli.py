@@ -1,0 +1,75 @@
+"""The `lattice` command: train (in process and on 2 launched processes), info, and the
+delegated bench/plan subcommands."""
+
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import lattice
+from lattice import cli
+from lattice.data import load_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARGS = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1",
+             "--no-progress"]
+
+
+def test_info_prints_groups_and_every_parameter_slice(capsys):
+    """Catches an info command that starts processes, misses parameters, or prints wrong groups:
+    serial with dp=2 has one dp group [0, 1] and every parameter whole on both ranks."""
+    assert cli.main(["info", "--mode", "serial", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp: [0, 1]" in out and "rank 1: dp=1" in out
+    serial = lattice.GPT(lattice.GPTConfig.preset("small", vocab_size=2048), lattice.init("serial"))
+    lines = out.splitlines()
+    for name, p in serial.named_parameters():
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{name} {list(p.shape)}"))
+        assert lines[at + 1].strip() == f"[{', '.join(':' for _ in p.shape)}] on ranks [0, 1]"
+
+
+def test_train_prints_final_val_loss_and_unigram_baseline(tmp_path, capsys):
+    """Catches a train command that does not finish, skips the final evaluation, or reports a
+    baseline other than the unigram cross-entropy of the validation split."""
+    args = ["train", *TINY_ARGS, "--steps", "3", "--out-dir", str(tmp_path)]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    val = next(line for line in lines if line.startswith("final val loss:"))
+    base = next(line for line in lines if line.startswith("unigram baseline:"))
+    corpus = load_corpus(512)
+    counts, total = Counter(corpus.train.tolist()), len(corpus.train) + 512
+    expect = -sum(math.log((counts[t] + 1) / total) for t in corpus.val.tolist()) / len(corpus.val)
+    assert float(base.split()[2]) == pytest.approx(expect, abs=1e-4)
+    assert 0 < float(val.split()[3]) < 10
+    assert (tmp_path / "ckpt.pt").exists() and (tmp_path / "metrics.csv").exists()
+
+
+def test_train_on_two_launched_processes(tmp_path):
+    """Catches a --nproc launch that hangs, runs every rank as rank 0 (printing the result twice),
+    or mistakes our options for torchrun's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "lattice", "train", "--nproc", "2", "--dp", "2", "--steps", "2", *TINY_ARGS,
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("final val loss:") == 1 and proc.stdout.count("unigram baseline:") == 1
+    assert (tmp_path / "ckpt.pt").exists()
+
+
+def test_layout_that_needs_other_process_count_is_refused_before_launch(capsys):
+    """Catches a launch of processes for a layout that cannot run (they would all fail or hang)."""
+    assert cli.main(["train", "--nproc", "3", "--dp", "2", *TINY_ARGS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--nproc 3 does not match" in err and "use --nproc 2" in err
+
+
+def test_missing_delegated_command_says_so(monkeypatch, capsys):
+    """Catches a bench/plan subcommand that crashes with an ImportError when its module (written
+    separately) is absent, instead of saying what is missing."""
+    monkeypatch.setitem(cli.DELEGATED, "bench", ("lattice._no_such_module", "add_bench_arguments", "run_bench", "x"))
+    assert cli.main(["bench"]) == 2
+    assert "lattice._no_such_module.add_bench_arguments" in capsys.readouterr().err

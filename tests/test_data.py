@@ -1,0 +1,112 @@
+"""The built-in corpus, tokenizer cache, batches and the unigram baseline, each checked against a
+direct computation on the token ids."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
+from lattice.data import (corpus_text, global_batch, load_corpus, train_batch, unigram_baseline,
+                          val_batches)
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return load_corpus(VOCAB, cache=tmp_path_factory.mktemp("cache"))
+
+
+def _ctx(dp: int, tp: int, rank: int) -> ParallelContext:
+    """A layout with a data-parallel and a tensor-parallel axis, without processes."""
+    topo = Topology(mode="serial", axes=((MeshAxis.DP, dp), (MeshAxis.TP, tp)),
+                    rank_grid=tuple(range(dp * tp)), ranks_per_node=dp * tp)
+    return ParallelContext(topology=topo, rank=rank)
+
+
+def test_corpus_is_real_english_text():
+    """Catches an empty or wrongly assembled corpus (e.g. joining topic names instead of texts)."""
+    text = corpus_text()
+    assert len(text) > 300_000
+    assert "The \"assert\" statement" in text and text.count(" the ") > 1000
+
+
+def test_tokenizer_round_trips_any_text(corpus):
+    """Catches a tokenizer without all 256 bytes in its alphabet: text the corpus never contains
+    (emoji, CJK, control bytes) would be lost or mapped to an unknown token."""
+    for text in ["def f(x):\n    return x ** 2\n", "naïve café — 東京 🙂\x00\x07", corpus_text()[:2000]]:
+        ids = corpus.encode(text)
+        assert all(0 <= i < VOCAB for i in ids)
+        assert corpus.decode(ids) == text
+    assert corpus.tokenizer.get_vocab_size() == VOCAB
+
+
+def test_cache_is_reused_and_keyed_by_vocab_size(tmp_path):
+    """Catches a cache that is ignored, or one that serves ids of another vocabulary size."""
+    text = corpus_text()[:20_000]
+    first = load_corpus(300, text=text, cache=tmp_path)
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    again = load_corpus(300, text=text, cache=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == entries and len(entries) == 1
+    assert torch.equal(first.train, again.train) and torch.equal(first.val, again.val)
+    ids = torch.tensor(again.encode(text))  # the cached ids are the tokenizer's encoding of the text
+    assert torch.equal(torch.cat([again.train, again.val]), ids)
+    other = load_corpus(400, text=text, cache=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 2
+    assert len(other.train) + len(other.val) < len(ids)  # more merges, fewer tokens
+
+
+def test_split_is_the_last_tenth(corpus):
+    """Catches a split that overlaps, drops tokens, or is not the tail of the corpus."""
+    ids = torch.tensor(corpus.encode(corpus_text()))
+    n = len(ids)
+    assert torch.equal(torch.cat([corpus.train, corpus.val]), ids)
+    assert len(corpus.val) == n // 10
+
+
+def test_batches_are_windows_with_shifted_targets_and_depend_only_on_seed_and_step(corpus):
+    """Catches targets not shifted by one, windows that are not contiguous corpus text, and
+    batches that depend on anything but (seed, step) (which would break exact resume)."""
+    x, y = global_batch(corpus.train, 7, seed=3, batch_size=6, seq_len=32)
+    x2, y2 = global_batch(corpus.train, 7, seed=3, batch_size=6, seq_len=32)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(x, global_batch(corpus.train, 8, seed=3, batch_size=6, seq_len=32)[0])
+    assert not torch.equal(x, global_batch(corpus.train, 7, seed=4, batch_size=6, seq_len=32)[0])
+    windows = corpus.train.unfold(0, 33, 1)  # every (T+1)-window of the training split
+    for row_x, row_y in zip(x, y):
+        full = torch.cat([row_x, row_y[-1:]])
+        assert (windows == full).all(1).any()
+        assert torch.equal(row_x[1:], row_y[:-1])
+
+
+def test_replica_batches_split_the_global_batch_by_dp_coordinate(corpus):
+    """Catches replicas that train on the same rows (or miss rows), and tensor-parallel ranks of
+    one replica that get different data."""
+    dp, tp, B, T = 2, 2, 8, 16
+    x, y = global_batch(corpus.train, 5, seed=0, batch_size=B, seq_len=T)
+    per_rank = [train_batch(corpus, 5, _ctx(dp, tp, r), seed=0, batch_size=B, seq_len=T) for r in range(dp * tp)]
+    for r, (xr, yr) in enumerate(per_rank):
+        d = r // tp  # natural placement: dp is the outer axis
+        assert torch.equal(xr, x[d * B // dp:(d + 1) * B // dp]) and torch.equal(yr, y[d * B // dp:(d + 1) * B // dp])
+    val = [val_batches(corpus, _ctx(dp, tp, r), batch_size=B, seq_len=T, num_batches=3) for r in range(dp * tp)]
+    for b in range(3):
+        assert torch.equal(val[0][b][0], val[1][b][0])  # same replica
+        assert not torch.equal(val[0][b][0], val[2][b][0])  # other replica
+        whole = val_batches(corpus, _ctx(1, 1, 0), batch_size=B, seq_len=T, num_batches=3)[b][0]
+        assert torch.equal(torch.cat([val[0][b][0], val[2][b][0]]), whole)
+
+
+def test_batch_that_does_not_split_over_dp_is_refused(corpus):
+    """Catches silently dropped rows when the global batch does not divide by dp."""
+    with pytest.raises(LatticeConfigError, match="batch size 6 is not divisible by dp = 4"):
+        train_batch(corpus, 0, _ctx(4, 1, 0), seed=0, batch_size=6, seq_len=16)
+
+
+def test_unigram_baseline_matches_direct_count(corpus):
+    """Catches a baseline measured on the wrong split, without smoothing, or in bits."""
+    counts = Counter(corpus.train.tolist())
+    total = len(corpus.train) + VOCAB
+    expect = -sum(math.log((counts[t] + 1) / total) for t in corpus.val.tolist()) / len(corpus.val)
+    assert unigram_baseline(corpus) == pytest.approx(expect, rel=1e-9)

@@ -1,0 +1,155 @@
+"""The trainer against plain computations and against itself under other layouts: exact resume,
+data parallelism (and any tensor-parallel mode present) following the serial trajectory,
+gradient clipping, the schedule, weight decay groups, bf16 and activation checkpointing."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+import lattice
+from lattice.train import METRIC_COLUMNS, TrainConfig, Trainer
+from multiproc import cached_init, run_distributed
+
+# tiny model, small vocabulary; grad_clip low enough that clipping is active on most steps
+TINY = dict(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=3, grad_clip=0.3,
+            eval_interval=5, eval_batches=2, progress=False)
+
+
+def serial():
+    return lattice.init("serial")
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    """Catches any state a checkpoint forgets (optimizer moments, step count, schedule position,
+    dropout stream, data position): 10 steps + save + resume 10 must equal 20 straight steps."""
+    cfg = TrainConfig(**{**TINY, "dropout": 0.1}, steps=20)
+    straight = Trainer(cfg, serial())
+    done = straight.fit()
+    first = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=20, out_dir=str(tmp_path)), serial())
+    first.fit(until=10)
+    second = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=20, out_dir=str(tmp_path)), serial(),
+                     resume=tmp_path / "ckpt.pt")
+    assert second.step == 10
+    resumed = second.fit()
+    split = [r["train_loss"] for r in first.history + second.history]
+    assert split == [r["train_loss"] for r in done["history"]]
+    assert resumed["val_loss"] == done["val_loss"]
+    for (name, a), b in zip(straight.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(a, b), name
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))  # the resumed run appended
+    assert [int(r["step"]) for r in rows] == list(range(1, 21))
+
+
+def _layout_run(mode: str, tp: int, dp: int, steps: int):
+    ctx = cached_init(mode=mode, tp=tp, dp=dp)
+    trainer = Trainer(TrainConfig(**TINY, steps=steps), ctx)
+    with lattice.CommMeter() as meter:
+        rows = [trainer.train_step()]
+    dp_elements = meter.total_elements(op="all_reduce", phase="backward") if mode == "serial" else None
+    rows += [trainer.train_step() for _ in range(steps - 1)]
+    return {"rows": rows, "val": trainer.evaluate(), "params": trainer.model.full_state_dict(),
+            "dp_elements": dp_elements, "numel": sum(p.numel() for p in trainer.model.parameters())}
+
+
+def _compare_with_serial(results, steps):
+    ref = Trainer(TrainConfig(**TINY, steps=steps), serial())
+    ref_rows = [ref.train_step() for _ in range(steps)]
+    ref_val, ref_params = ref.evaluate(), ref.model.full_state_dict()
+    assert any(r["grad_norm"] > TINY["grad_clip"] for r in ref_rows)  # clipping was exercised
+    for res in results:
+        for got, want in zip(res["rows"], ref_rows):
+            assert abs(got["train_loss"] - want["train_loss"]) < 1e-5, (got, want)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert abs(res["val"] - ref_val) < 1e-5
+        for name, want in ref_params.items():
+            torch.testing.assert_close(res["params"][name], want, rtol=0, atol=2e-5, msg=name)
+    return results
+
+
+def test_data_parallel_follows_serial_trajectory():
+    """Catches a dp gradient sync that sums instead of averaging, replicas training on the same
+    rows, a gradient norm that counts each replica's copy, and DDP traffic CommMeter misses."""
+    steps = 6
+    results = _compare_with_serial(run_distributed(2, _layout_run, "serial", 1, 2, steps), steps)
+    for res in results:  # DDP's hook reported one all-reduce of every gradient element
+        assert res["dp_elements"] == res["numel"]
+
+
+@pytest.mark.parametrize("mode,tp", [("1d", 2), ("2d", 4)])
+def test_tensor_parallel_mode_follows_serial_trajectory(mode, tp):
+    """Catches a sharded gradient norm that counts replicated shards more than once (clipping is
+    active, so a wrong norm changes the trajectory) and layout-dependent training."""
+    if mode not in lattice.available_modes():
+        pytest.skip(f"mode {mode} is not available")
+    _compare_with_serial(run_distributed(tp, _layout_run, mode, tp, 1, 3), 3)
+
+
+def test_grad_norm_and_clipping_match_plain_pytorch():
+    """Catches a norm over the wrong set of tensors or a clip that scales by the wrong factor."""
+    trainer = Trainer(TrainConfig(**TINY, steps=5), serial())
+    x, y = trainer.val_set[0]
+    trainer.model(x, y).backward()
+    grads = [p.grad for p in trainer.model.parameters()]
+    assert float(trainer.grad_norm()) == pytest.approx(float(torch.cat([g.flatten() for g in grads]).norm()), rel=1e-6)
+    row = trainer.train_step()  # the clipped gradients stay in .grad after the step
+    clipped = float(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).norm())
+    assert row["grad_norm"] > TINY["grad_clip"] and clipped == pytest.approx(TINY["grad_clip"], rel=1e-4)
+
+
+def test_schedule_warms_up_linearly_then_follows_a_cosine():
+    """Catches an off-by-one warmup, a cosine that ends elsewhere than lr * min_lr_ratio, or a
+    schedule not at lr at the end of warmup."""
+    cfg = TrainConfig(model="tiny", lr=1.0, warmup=4, steps=104, min_lr_ratio=0.1)
+    trainer = Trainer.__new__(Trainer)  # the schedule needs only the config
+    trainer.cfg = cfg
+    assert [trainer.lr_at(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert trainer.lr_at(4) == pytest.approx(1.0)
+    assert trainer.lr_at(54) == pytest.approx(0.55)  # halfway: mean of 1.0 and 0.1
+    assert trainer.lr_at(4 + 25) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2)
+    assert trainer.lr_at(104) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices():
+    """Catches decay on biases / LayerNorm gains (or none on the weight matrices)."""
+    trainer = Trainer(TrainConfig(**TINY, steps=1), serial())
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {names[id(p)] for p in decay["params"]} == {
+        n for n, p in trainer.model.named_parameters() if p.dim() >= 2}
+    assert "embed.wte" in {names[id(p)] for p in decay["params"]}
+    assert "blocks.0.ln_1.weight" in {names[id(p)] for p in no_decay["params"]}
+
+
+def test_bf16_autocast_changes_the_matmuls_only_slightly():
+    """Catches a bf16 flag that does nothing (identical loss) or breaks the loss."""
+    fp32 = Trainer(TrainConfig(**TINY, steps=2), serial()).train_step()["train_loss"]
+    bf16 = Trainer(TrainConfig(**TINY, steps=2, bf16=True), serial()).train_step()["train_loss"]
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=2e-2)
+
+
+def test_activation_checkpointing_gives_the_same_training():
+    """Catches recomputation that draws different dropout masks or changes gradients."""
+    plain = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=3), serial())
+    ckpt = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=3, activation_checkpointing=True), serial())
+    assert ckpt.model.activation_checkpointing
+    for _ in range(3):
+        assert plain.train_step()["train_loss"] == ckpt.train_step()["train_loss"]
+    for a, b in zip(plain.model.parameters(), ckpt.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_metrics_csv_rows(tmp_path):
+    """Catches a metrics file with missing columns, a row per eval instead of per step, or
+    validation losses that disagree with the trainer's."""
+    trainer = Trainer(TrainConfig(**TINY, steps=7, out_dir=str(tmp_path)), serial())
+    result = trainer.fit()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert tuple(rows[0]) == METRIC_COLUMNS
+    assert [int(r["step"]) for r in rows] == list(range(1, 8))
+    assert [r["step"] for r in rows if r["val_loss"]] == ["5", "7"]
+    assert float(rows[-1]["val_loss"]) == pytest.approx(result["val_loss"])
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert float(rows[0]["lr"]) == pytest.approx(TINY["lr"] / TINY["warmup"])
