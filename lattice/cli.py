@@ -161,6 +161,8 @@ def cmd_train(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
     import lattice
+    from lattice import checkpoint
+    from lattice.model import GPTConfig
     from lattice.train import Trainer
 
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
@@ -171,9 +173,15 @@ def cmd_train(args, argv: list[str]) -> int:
     if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
         raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                                  f"drop --nproc when launching with torchrun")
+    tcfg = _train_config(args)
+    ckpt = None
+    if args.resume:  # each rank checks the file itself, before init creates any process group
+        ckpt = checkpoint.read(args.resume)
+        cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
+        checkpoint.check_model_config(ckpt, cfg.to_dict(), checkpoint.resolve(args.resume))
     ctx = lattice.init(args.mode, seed=args.seed, **_layout_kwargs(args))
     try:
-        result = Trainer(_train_config(args), ctx, resume=args.resume).fit()
+        result = Trainer(tcfg, ctx, resume=ckpt).fit()
         if ctx.rank == 0:
             print(f"final val loss: {result['val_loss']:.4f} nats/token (step {result['step']})")
             print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)

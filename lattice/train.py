@@ -87,14 +87,17 @@ class Trainer:
     """Trains `lattice.GPT` on the built-in corpus (or a given Corpus) under any layout."""
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
-                 resume: str | os.PathLike | None = None):
+                 resume: str | os.PathLike | dict | None = None):
+        """`resume`: a checkpoint file or run directory, or a checkpoint already validated with
+        `lattice.checkpoint.read` (as the CLI does before creating process groups)."""
         self.cfg, self.ctx = cfg, ctx
         # Validate everything that can fail before the first collective (DDP's constructor is one).
-        ckpt = checkpoint.read(resume) if resume else None
+        ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
         self.corpus = corpus or load_corpus(cfg.vocab_size)
         self.model_config = GPTConfig.preset(cfg.model, vocab_size=self.corpus.vocab_size, dropout=cfg.dropout)
         if ckpt is not None:
-            checkpoint.check_model_config(ckpt, self.model_config.to_dict(), checkpoint.resolve(resume))
+            where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume)
+            checkpoint.check_model_config(ckpt, self.model_config.to_dict(), where)
         check_batch_size(self.corpus, cfg.batch_size, self.model_config.seq_len, ctx.dp)
         self.model = GPT(self.model_config, ctx, activation_checkpointing=cfg.activation_checkpointing)
         self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
