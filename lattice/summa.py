@@ -22,10 +22,9 @@ serves all of them, instead of fresh allocations at every step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from lattice.comm import raw_broadcast, raw_reduce
-from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
+from lattice.context import MeshAxis, ParallelContext
 
 
 class Workspace:
@@ -84,16 +83,9 @@ class SummaGrid:
         self._groups = None
 
     def _setup(self):
-        ctx = self.ctx
-        row, col = ctx.group(MeshAxis.COL), ctx.group(MeshAxis.ROW)
-        # collectives take group ranks; the algorithms index by mesh coordinate
-        for group, axis in ((row, MeshAxis.COL), (col, MeshAxis.ROW)):
-            members = ctx.group_ranks(axis)
-            if [dist.get_group_rank(group, r) for r in members] != list(range(self.q)):
-                raise LatticeConfigError(
-                    f"the {axis.value} process group does not order its ranks by mesh coordinate "
-                    f"({members}); use a rank placement whose groups are increasing in global rank")
-        self._groups = (row, col)
+        # group rank k is mesh coordinate k: Topology only accepts placements increasing along
+        # every axis, and torch orders group members by global rank
+        self._groups = (self.ctx.group(MeshAxis.COL), self.ctx.group(MeshAxis.ROW))
 
     @property
     def row(self):

@@ -1,13 +1,13 @@
 """2D tensor parallelism: SUMMA / Optimus (papers/000 §3.2) on a q x q mesh per replica.
 
-    tensor                          full            on rank (i, j)               held by
-    residual x, LN / linear in/out  (B, T, h)       (B/q, T, h/q): batch i, hidden j    all
-    fc output, attention output     (B, T, 4h|h)    (B/q, T, 4h/q | h/q)               all
-    qkv output                      (B, T, 3, h)    (B/q, T, 3, h/q) = heads j·n/q..   all
-    linear weight W[in, out]        (in, [3,] out)  block (i, j): (in/q, [3,] out/q)   all
-    token table wte                 (V, h)          block (i, j): (V_pad/q, h/q)       all
-    biases, LayerNorm, wpe          (.., h|4h)      columns block j                    row 0
-    logits                          (B, T, V)       (B/q, T, V_pad/q): batch i, vocab j (never gathered for the loss)
+    tensor                       full            on rank (i, j)                        held by
+    residual x, LN, linear in    (B, T, h)       (B/q, T, h/q): batch i, hidden j      all
+    fc output / attention out    (B, T, 4h | h)  (B/q, T, 4h/q | h/q)                  all
+    qkv output                   (B, T, 3, h)    (B/q, T, 3, h/q): heads j·n/q ..      all
+    linear weight W[in, out]     (in, [3,] out)  block (i, j): (in/q, [3,] out/q)      all
+    token table wte              (V, h)          block (i, j): (V_pad/q, h/q)          all
+    biases, LayerNorm, wpe       (.., h | 4h)    columns block j                       row 0
+    logits (loss: never whole)   (B, T, V)       (B/q, T, V_pad/q): batch i, vocab j   all
 
 Linear layers are SUMMA C = A B; attention is local (n/q heads of B/q sequences per rank); the
 LM head is C = A Bᵀ against the (tied) table. Row-0 parameters are broadcast down their column
@@ -162,7 +162,8 @@ class Linear(nn.Module):
         self.grid = mode.grid
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
-        register_sharded(self, "weight", ShardSpec((in_features,) + out_shape, ((0, (ROW,)), (last, (COL,)))), mode.ctx)
+        w_spec = ShardSpec((in_features,) + out_shape, ((0, (ROW,)), (last, (COL,))))  # rows over ROW, out over COL
+        register_sharded(self, "weight", w_spec, mode.ctx)
         self.has_bias = cfg.bias
         if cfg.bias:
             register_sharded(self, "bias", ShardSpec(out_shape, ((last - 1, (COL,)),), ON_ROW_0), mode.ctx)
@@ -276,17 +277,14 @@ def nodes_spanned(topo: Topology, axis: MeshAxis) -> float:
     return sum(len({topo.node_of(r) for r in grp}) for grp in groups) / len(groups)
 
 
-def placement_summary(topo: Topology) -> str:
-    """One line for `lattice info`: how many nodes a mesh column / row spans."""
-    return (f"2d placement: mesh columns span {nodes_spanned(topo, ROW):g} node(s), mesh rows span "
-            f"{nodes_spanned(topo, COL):g} node(s), {topo.ranks_per_node} ranks per node")
-
-
 # ----------------------------------------------------------------------------- the mode
 
 
 @register
 class Summa2D(Mode):
+    """Mesh axes ROW x COL (q each, tp = q²) inside each data-parallel replica. Needs d_model,
+    n_heads and the replica batch divisible by q; the vocabulary is padded to a multiple of q."""
+
     name = "2d"
     residual_replicated = False
 
