@@ -85,7 +85,8 @@ def read(path: str | os.PathLike) -> dict:
         raise LatticeConfigError(f"checkpoint {path} is corrupt and cannot be read ({type(e).__name__}); use an "
                                  f"intact copy, {fresh}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        what = f"a {type(ckpt).__name__}" + (f" with keys {sorted(map(str, ckpt))[:4]}" if isinstance(ckpt, dict) else "")
+        keys = f" with keys {sorted(map(str, ckpt))[:4]}" if isinstance(ckpt, dict) else ""
+        what = f"a {type(ckpt).__name__}{keys}"
         raise LatticeConfigError(f"{path} is a torch file holding {what}, not a lattice checkpoint; pass the "
                                  f"{FILENAME} written by `lattice train`, {fresh}")
     if ckpt.get("version") != VERSION:

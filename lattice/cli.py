@@ -71,7 +71,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--out-dir", default="runs/latest", help="checkpoint and metrics.csv (default runs/latest)")
+    p.add_argument("--out-dir", "--checkpoint-dir", default="runs/latest",
+                   help="where ckpt.pt and metrics.csv go (default runs/latest)")
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
                    help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", default=None, metavar="CKPT", help="checkpoint file (or a run directory)")

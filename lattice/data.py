@@ -99,15 +99,13 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None,
     key = hashlib.sha256(f"{vocab_size}\0{text}".encode()).hexdigest()[:16]
     root = (cache or cache_dir()) / f"bpe-{vocab_size}-{key}"
     tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
-    if tok_path.exists() and ids_path.exists():
-        tokenizer = Tokenizer.from_file(str(tok_path))
-        ids = np.load(ids_path)
-    else:
+    if not (tok_path.exists() and ids_path.exists()):
         bpe = train_tokenizer(text, vocab_size)
-        tokenizer = bpe._tokenizer
-        ids = np.asarray(tokenizer.encode(text).ids, dtype=np.int32)
-        _atomic_write(tok_path, lambda tmp: tokenizer.save(tmp))
+        _atomic_write(tok_path, lambda tmp: bpe.save(tmp))
+        ids = np.asarray(bpe.encode(text).ids, dtype=np.int32)
         _atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    ids = np.load(ids_path)
     ids = torch.from_numpy(ids.astype(np.int64))
     split = len(ids) - int(len(ids) * VAL_FRACTION)
     return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key)
