@@ -248,7 +248,7 @@ def measure(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, ta
         backward, meter_ctx = (lambda loss: loss.backward()), (lambda m: _Null())
         analytic = costmodel.estimate(cfg, mode, batch=args.batch, tp=p, activation_checkpointing=ckpt,
                                       rank=rank, **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = AdamW(model.parameters())
 
     def update():
         opt.step()
@@ -289,6 +289,25 @@ def measure(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, ta
             "_cost": analytic}
 
 
+class AdamW:
+    """torch's AdamW with foreach=True, as torchtitan builds it; the peer's plain (replicated) and
+    DTensor parameters go to separate instances because foreach kernels cannot mix the two."""
+
+    def __init__(self, params):
+        groups: dict[bool, list] = {}
+        for q in params:
+            groups.setdefault(hasattr(q, "_local_tensor"), []).append(q)
+        self.opts = [torch.optim.AdamW(g, lr=1e-4, foreach=True) for g in groups.values()]
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -323,7 +342,7 @@ def measure_serial(cfg, sd, tokens, targets, args) -> dict | None:
     if dist.get_rank() == 0:
         model = lattice.GPT(cfg, lattice.plan("serial"), activation_checkpointing=args.activation_checkpointing)
         model.load_full_state_dict(sd)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = AdamW(model.parameters())
         forward = lambda: model(tokens, targets)  # noqa: E731
         loss_value = float(forward().detach())
         act = saved_activation_bytes(model, forward)
@@ -408,12 +427,14 @@ def _subgrids(cfg, p) -> int:
 
 
 def calibrate(cfg: GPTConfig, batch: int, reps: int = 5) -> costmodel.Machine:
-    """Fit α, β, the FLOP rate and the update bandwidth on this machine, with every rank of the
-    world running the micro-benchmarks at once (so sharing the cores is part of the fit)."""
+    """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
+    micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
+    attention and elementwise operators (LayerNorm, GELU, bias add, cross-entropy), each forward and
+    backward at this world's per-rank sizes; α and β from collectives; AdamW's update."""
     import numpy as np
 
     p = dist.get_world_size()
-    h, M = cfg.d_model, batch * cfg.seq_len
+    h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
 
     def timed(fn, n=reps):
         fn()
@@ -425,56 +446,75 @@ def calibrate(cfg: GPTConfig, batch: int, reps: int = 5) -> costmodel.Machine:
             out.append(time.perf_counter() - t)
         return statistics.median(out)
 
+    def fwd_bwd(fn, *inputs):  # one forward and backward of fn; the work counts 1 + 2
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
+
     # matrix products of the per-rank shapes a p-way split of one layer gives
     shapes = [(M, h, max(1, 3 * h // p)), (M, max(1, h // p), h), (M, h, max(1, 4 * h // p)), (M, max(1, 4 * h // p), h)]
     mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
-    t = timed(lambda: [a @ b for a, b in mats])
-    flop_rate = sum(2 * m * k * n for m, k, n in shapes) / t
-    # collectives over the world: t = steps(op, p)·α + wire(op, p)·bytes·β, least squares
+    products = [fwd_bwd(torch.mm, a, b) for a, b in mats]
+    flop_rate = 3 * sum(2 * m * k * n for m, k, n in shapes) / timed(lambda: [f() for f in products])
+    # causal attention of this rank's share of the heads: score elements per second (forward)
+    heads = max(1, batch * cfg.n_heads // p)
+    q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
+    attn = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    attn_rate = 3 * heads * T * T / timed(attn)
+    # elementwise operators on a rank's share of the activations and of the logits
+    x, bias, logits = torch.randn(M, max(1, h // p)), torch.randn(max(1, h // p)), torch.randn(M, max(1, V // p))
+    targets = torch.randint(0, logits.shape[1], (M,))
+    ew = fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
+                 + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
+    elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
+    # collectives over the world, each between two chunks of compute as in a model step (on a
+    # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
+    # by least squares on the time a loop gains from its collectives
     rows, ys = [], []
     if p > 1:
-        for numel in (16, 1024, 16384, 131072):
+        chunk_a, chunk_b = mats[0]  # about the compute between two collectives of a step
+
+        def loop(coll, n=8):
+            for _ in range(n):
+                chunk_a @ chunk_b
+                if coll is not None:
+                    coll()
+
+        for numel in (16, 4096, 65536):
             x = torch.randn(numel)
             for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("broadcast", lambda: dist.broadcast(x, 0))):
                 rows.append([costmodel.message_steps(op, p), costmodel.wire_factor(op, p) * numel * 4])
-                ys.append(timed(fn))
+                ys.append(max(timed(lambda: loop(fn)) - timed(lambda: loop(None)), 1e-6) / 8)
         (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
         alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-12)
     else:
         alpha, beta = 1e-5, 1e-10
-    # elementwise operators on this world's per-rank activation and attention-score sizes
-    x = torch.randn(M, max(1, h // p))
-    bias = torch.randn(x.shape[1])
-    scores = torch.randn(max(1, batch * cfg.n_heads // p), cfg.seq_len, cfg.seq_len)
-    ew = lambda: (F.layer_norm(x, x.shape[-1:]), F.gelu(x, approximate="tanh"), x + bias,  # noqa: E731
-                  torch.softmax(scores, -1))
-    elem_rate = (3 * x.numel() + scores.numel()) / timed(ew)
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
         params = [nn.Parameter(t) for t in tensors]
         for q in params:
             q.grad = torch.randn_like(q)
-        return torch.optim.AdamW(params, lr=1e-4).step
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True).step
 
     per_tensor = timed(adam([torch.randn(8) for _ in range(32)])) / 32
     big = max(1, 12 * h * h * cfg.n_layers // p)
     mem_bw = 7 * big * 4 / max(timed(adam([torch.randn(big)])) - per_tensor, 1e-9)
     # the slowest rank sets the pace
-    rates = torch.tensor([flop_rate, elem_rate, mem_bw], dtype=torch.float64)
+    rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     costs = torch.tensor([alpha, beta, per_tensor], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
     alpha, beta, per_tensor = costs.tolist()
     return costmodel.Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
-                             elem_rate=float(rates[1]), update_per_tensor=per_tensor, mem_bandwidth=float(rates[2]))
+                             elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
+                             mem_bandwidth=float(rates[3]))
 
 
 # ----------------------------------------------------------------------------- one world
 
 
 def _world(payload: dict):
-    """Runs in every process of a world: calibrate, then each mode in turn."""
+    """Runs in every process of a world: each mode in turn, each after its own calibration."""
     import lattice
 
     cfg = GPTConfig(**payload["cfg"])
@@ -487,21 +527,25 @@ def _world(payload: dict):
     with torch.no_grad():
         ref_loss = float(serial(tokens, targets))
     del serial
-    machine = calibrate(cfg, args.batch) if args.calibrate else None
-    rows = []
-    if payload["serial"]:
-        rows.append(measure_serial(cfg, sd, tokens, targets, args))
-    for label, mode, options in payload["runs"]:
-        rows.append(measure(label, mode, options, cfg, sd, tokens, targets, ref_loss, args))
+    rows, machines = [], []
+    jobs = ([("serial", "serial", None)] if payload["serial"] else []) + list(payload["runs"])
+    for label, mode, options in jobs:
+        # calibrated just before each mode, so that both see the same load on a shared machine
+        machines.append(calibrate(cfg, args.batch) if args.calibrate else None)
+        if mode == "serial":
+            rows.append(measure_serial(cfg, sd, tokens, targets, args))
+        else:
+            rows.append(measure(label, mode, options, cfg, sd, tokens, targets, ref_loss, args))
     if dist.get_rank() != 0:
         return None
-    for row in rows:
+    for row, machine in zip(rows, machines):
         c = row.pop("_cost", None)
-        if machine is not None and c is not None:
-            pred = c.time(machine)
-            row.update({k + "_pred_s": v for k, v in pred.items()})
+        # serial runs alone on rank 0 of a larger world, not under the calibration's sharing
+        if machine is not None and c is not None and (row["mode"] != "serial" or dist.get_world_size() == 1):
+            row.update({k + "_pred_s": v for k, v in c.time(machine).items()})
+            row["calibration"] = vars(machine)
     return {"p": dist.get_world_size(), "cfg": payload["cfg"], "batch": args.batch, "rows": rows,
-            "skipped": payload["skipped"], "calibration": None if machine is None else vars(machine)}
+            "skipped": payload["skipped"]}
 
 
 def _entry(rank, world, port, payload, queue, threads):

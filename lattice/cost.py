@@ -93,8 +93,9 @@ def _algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 class Machine:
     """α-β-F machine: latency α (s per message) and inverse bandwidth β (s per byte) inside a node
     and between nodes, and per rank: the matrix-product rate F (FLOP/s), the rate of elementwise
-    operators (LayerNorm, GELU, bias and residual adds, softmax: elements/s), and the optimizer
-    update's cost per parameter tensor (s) and memory bandwidth (bytes/s)."""
+    operators (LayerNorm, GELU, bias and residual adds, softmax: elements/s), of causal attention
+    (score elements B·n·T² per second, forward), and the optimizer update's cost per parameter
+    tensor (s) and memory bandwidth (bytes/s). Backward runs at the same rates (twice the work)."""
 
     name: str
     flop_rate: float
@@ -104,13 +105,14 @@ class Machine:
     beta_inter: float
     ranks_per_node: int
     elem_rate: float = 1e9
+    attn_rate: float = 1e9
     update_per_tensor: float = 0.0
     mem_bandwidth: float = 10e9
     pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
 
     def describe(self) -> str:
         return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "
-                f"G elements/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
+                f"G elements/s, attention {self.attn_rate / 1e9:.3g} G scores/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
                 f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "
@@ -120,7 +122,7 @@ class Machine:
 # A GPU cluster like the papers' (4 GPUs per node: Frontera RTX, Longhorn V100), for projections.
 PAPER_CLUSTER = Machine("4-GPU nodes, InfiniBand EDR", flop_rate=30e12, alpha_intra=10e-6,
                         beta_intra=1 / 40e9, alpha_inter=20e-6, beta_inter=1 / 10e9, ranks_per_node=4,
-                        elem_rate=60e9, update_per_tensor=10e-6, mem_bandwidth=700e9, pipelined_broadcast=True)
+                        elem_rate=60e9, attn_rate=60e9, update_per_tensor=10e-6, mem_bandwidth=700e9, pipelined_broadcast=True)
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -141,7 +143,8 @@ class Cost:
     terms: list[Term] = field(default_factory=list)
     flops: dict[str, float] = field(default_factory=dict)  # forward, backward
     elementwise: dict[str, float] = field(default_factory=dict)  # elements through non-matmul operators
-    stem: dict[str, dict[str, float]] = field(default_factory=dict)  # flops / elementwise of the layers alone
+    scores: dict[str, float] = field(default_factory=dict)  # attention score elements (B·n·T² share)
+    stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
 
@@ -206,9 +209,13 @@ class Cost:
         """Predicted seconds (no overlap of communication and computation). With stem=True, the
         Transformer layers alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
-        flops, ew = (self.stem["flops"], self.stem["elementwise"]) if stem else (self.flops, self.elementwise)
+        work = self.stem if stem else {"flops": self.flops, "elementwise": self.elementwise, "scores": self.scores}
+        hs = self.cfg.d_model / self.cfg.n_heads
         for phase in ("forward", "backward"):
-            out[f"{phase}_compute"] = flops[phase] / machine.flop_rate + ew[phase] / machine.elem_rate
+            scores = work["scores"][phase]
+            linear = work["flops"][phase] - 4 * hs * scores  # QKᵀ and AV: 4·hs FLOPs per score
+            out[f"{phase}_compute"] = (linear / machine.flop_rate + scores / machine.attn_rate
+                                       + work["elementwise"][phase] / machine.elem_rate)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
         if stem:
@@ -327,9 +334,9 @@ class _Builder:
         """Matrix-product FLOPs of this rank: per layer 24·B·T·h² + 4·B·T²·h, LM head 2·B·T·h·V'.
         Elementwise work, in elements through each operator once: per layer LayerNorm (2), residual
         adds (2), output-linear biases (2) -- the "replicated" part, whole on every 1D rank -- and
-        the qkv and fc biases (7) and GELU (4) -- the "split" part -- times B·T·h, plus the
-        attention scores B·n·T²; the head's LayerNorm and two passes over the logits (softmax,
-        loss). Backward is twice the forward in both."""
+        the qkv and fc biases (7) and GELU (4) -- the "split" part -- times B·T·h; the head's
+        LayerNorm and two passes over the logits (softmax, loss). Attention is counted apart in
+        score elements B·n·T² per layer. Backward is twice the forward in all three."""
         B, T, h, L, n = self.B, self.T, self.h, self.L, self.n
         share = getattr(self, "share", {})
         split = share.get("split", 1 / self.p)
@@ -343,11 +350,14 @@ class _Builder:
         ckpt = self.c.checkpointing
         self.c.flops = {"forward": fwd, "backward": 2 * fwd + (layer_fwd if ckpt else 0)}
         act = B * T * h
-        layer = act * (6 * replicated + 3 * attention + 8 * mlp) + B * n * T * T * attention
+        layer = act * (6 * replicated + 3 * attention + 8 * mlp)
         ew = L * layer + act * replicated + 2 * B * T * self.vocab_padded * head
         self.c.elementwise = {"forward": ew, "backward": 2 * ew + (L * layer if ckpt else 0)}
+        scores = L * B * n * T * T * attention
+        self.c.scores = {"forward": scores, "backward": (3 if ckpt else 2) * scores}
         self.c.stem = {"flops": {"forward": layer_fwd, "backward": (3 if ckpt else 2) * layer_fwd},
-                       "elementwise": {"forward": L * layer, "backward": (3 if ckpt else 2) * L * layer}}
+                       "elementwise": {"forward": L * layer, "backward": (3 if ckpt else 2) * L * layer},
+                       "scores": self.c.scores}
 
     def _tensor_count(self, vectors: bool = True) -> int:
         """Parameter tensors of the model (all of them, or only the matrices and tables)."""
