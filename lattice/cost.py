@@ -302,13 +302,15 @@ class _Builder:
         self.layer: list[Term] = []  # one layer's terms, forward and backward
         self.recompute: list[Term] = []  # forward terms a checkpointed layer repeats in backward
 
-    def add(self, phase, op, axes, elements, calls=1, site="", *, layer=False, recompute=True, itemsize=None):
+    def add(self, phase, op, axes, elements, calls=1, site="", *, layer=False, itemsize=None):
+        """One term; `layer` terms are per layer (multiplied by L, forward ones recomputed under
+        checkpointing unless a mode drops them from `self.recompute`)."""
         t = Term(phase, op, tuple(axes), calls, elements, site, itemsize or self.c.itemsize)
         if not layer:
             self.c.terms.append(t)
             return
         self.layer.append(t)
-        if phase == "forward" and recompute:
+        if phase == "forward":
             self.recompute.append(t)
 
     def build(self):
