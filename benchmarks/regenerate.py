@@ -1,6 +1,6 @@
 """Regenerate every committed benchmark result and benchmarks/README.md from them:
 
-    python benchmarks/regenerate.py            # ~10-15 minutes on 2 shared CPU cores
+    python benchmarks/regenerate.py            # ~10 minutes on 2 shared CPU cores
 
 1. `lattice bench --nproc 2` and `--nproc 4`: every mode and the DTensor peer side by side
    (bench_p2.*, bench_p4.*);
@@ -134,7 +134,7 @@ def render(single: dict, sweeps: dict, tables: dict) -> str:
     errors = bench.prediction_errors(sweeps["strong"] + sweeps["weak"])
     lines = [
         "## Benchmarks: lattice against the papers' analysis and against PyTorch's tensor parallelism", "",
-        "Regenerate everything below (results, plots and this section) with one command, about 10-15 minutes "
+        "Regenerate everything below (results, plots and this section) with one command, about 10 minutes "
         "on 2 CPU cores:", "", "```bash", "python benchmarks/regenerate.py", "```", "",
         f"Measured on {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}, {m['backend']}, "
         f"{m['date']}; one rank = one process with one thread (the CPU stand-in for a device), so p > 2 shares "
@@ -163,7 +163,10 @@ def render(single: dict, sweeps: dict, tables: dict) -> str:
               "192, 24 heads, batch 12 x 64, 2 layers; weak scaling grows d_model with √p (96, 144, 192, 288, "
               "288) and the batch (4, 6, 8, 12, 12). Modes whose layout does not fit p are left out (2D needs a "
               "square, 3D a cube, 1D and the peer n_heads % p = 0). Predicted = `lattice.cost` with α, β, F and the "
-              "other rates fitted by micro-benchmarks on this machine just before each mode.", "",
+              "other rates fitted by micro-benchmarks on this machine just before each mode. Activations × p / "
+              "serial compare with serial on the same model: measured at p = 1 in the strong sweep; the weak sweep "
+              "changes the model with p, so there it is the cost model's serial figure (which tests/test_cost.py "
+              "holds to the measured one within 2%).", "",
               "Strong scaling:", ""] + sweep_table(sweeps["strong"]) + ["", "Weak scaling:", ""] + sweep_table(sweeps["weak"])
     if errors:
         lines += ["", f"Calibrated model vs measurement: median |error| of the predicted step time = "
@@ -183,7 +186,8 @@ def render(single: dict, sweeps: dict, tables: dict) -> str:
               "with ring all-reduce and tree broadcast/reduce, and multiplications per rank) beside the model's "
               "figures, and the 3D and sub-graph rows the model derives the same way. \"backward as run\" is "
               "lattice's own count: torch's checkpoint stops recomputing after the last saved tensor, so 1D "
-              "skips the MLP's all-reduce there. Regenerate one with `lattice plan --table1 --tp 64 --batch 24 "
+              "skips the MLP's all-reduce there. The sub-graph row counts its branch entry and exit; its "
+              "gradient all-reduces (data parallel, once per step) are outside the layer. Regenerate one with `lattice plan --table1 --tp 64 --batch 24 "
               "--seq-len 512 --d-model 3072 --n-heads 64`.", ""] + table1_rows(tables)
     lines += ["", "SUPER Eq. 4-7 (messages of one segmented collective, intra-node / inter-node) against counting on "
                   "the layouts (natural placement; topology-aware round-robin placement):", "",

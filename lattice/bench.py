@@ -808,8 +808,27 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds per process count")
 
 
+def check_args(args) -> None:
+    """One-line refusals of what cannot run, before any process starts."""
+    known = {"serial", "1d", "2d", "3d", "subgraph", "dtensor", *VARIANTS}
+    unknown = [m for m in args.modes or [] if m not in known]
+    if unknown:
+        raise LatticeConfigError(f"unknown mode(s) {unknown} in --modes; choose from {', '.join(sorted(known))}")
+    for name, least in (("nproc", 1), ("batch", 1), ("steps", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            raise LatticeConfigError(f"--{name} must be at least {least}, got {getattr(args, name)}")
+    sizes = [s for s in str(args.sizes).split(",") if s.strip()]
+    if args.sweep and not all(s.strip().isdigit() and int(s) in WEAK for s in sizes):
+        raise LatticeConfigError(f"--sizes must be a comma list drawn from {sorted(WEAK)}, got {args.sizes!r}")
+
+
 def run_bench(args) -> int:
     args.modes = [m.strip() for m in args.modes.split(",")] if args.modes else None
+    try:
+        check_args(args)
+    except LatticeConfigError as e:
+        print(f"lattice bench: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine_info(), "command": "lattice bench " + " ".join(sys.argv[2:] if

@@ -113,3 +113,15 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     assert rows["1d"]["comm_by_op_match"]
     assert (tmp_path / "bench_p2.png").stat().st_size > 0
     assert "1d step / dtensor step" in capsys.readouterr().out
+
+
+def test_bench_refuses_bad_requests_in_one_line(capsys):
+    """Catches a typo'd mode or an impossible size starting processes (and failing later, or
+    benchmarking nothing) instead of a one-line refusal naming what is allowed."""
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    for argv, expect in ((["--modes", "1d,4d"], "unknown mode(s) ['4d']"), (["--nproc", "0"], "--nproc must be"),
+                         (["--sweep", "weak", "--sizes", "1,3"], "--sizes must be")):
+        assert bench.run_bench(parser.parse_args(argv + ["--out", "/nonexistent/never"])) == 2
+        err = capsys.readouterr().err.strip()
+        assert expect in err and "\n" not in err
