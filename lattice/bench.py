@@ -400,7 +400,10 @@ def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> 
         if mode == "dtensor":
             why = [f"{what} = {size} is not divisible by p = {p}"
                    for what, size in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)) if size % p]
-            (skipped.append((label, "; ".join(why))) if why else runs.append((label, mode, options)))
+            if why:
+                skipped.append((label, "; ".join(why)))
+            else:
+                runs.append((label, mode, options))
             continue
         if mode not in lattice.available_modes():
             skipped.append((label, "mode not written yet"))

@@ -3,7 +3,6 @@ the layouts, and against what the modes actually communicate, hold and save (Com
 parameters a rank builds, the tensors autograd keeps)."""
 
 import argparse
-import math
 
 import pytest
 import torch
