@@ -9,7 +9,9 @@ same model, weights and batch, one after another in one set of processes.
 Per mode it reports the median forward, backward and step (forward + backward + AdamW update)
 time, the slowest rank's per step; the communication CommMeter measured in one step next to
 `lattice.cost`'s figure; the bytes autograd saved for backward and the parameter bytes (the
-largest on any rank).
+largest on any rank). The modes are built first and their timed steps interleaved round-robin,
+so that the load of a shared machine falls on all of them alike. A rank is one process with one
+thread; serial runs on rank 0 alone.
 
 The peer ("dtensor") is a plain-PyTorch GPT-2 (nn.Linear, separate q/k/v) loaded with lattice's
 serial weights and parallelised over a 1-D DeviceMesh as torchtitan does without sequence
@@ -196,97 +198,97 @@ def saved_activation_bytes(model: nn.Module, run) -> int:
     return sum(seen.values())
 
 
-def _timed_steps(step_fns, steps: int, warmup: int) -> dict[str, list[float]]:
-    """Run forward / backward / update `warmup + steps` times, each step starting together on every
-    rank; return this rank's seconds per measured step."""
-    forward, backward, update = step_fns
-    out = {"forward": [], "backward": [], "step": []}
-    for i in range(warmup + steps):
+class Prepared:
+    """One mode built in this world: its step functions and what was measured before timing
+    (loss check, one metered step, saved activations, parameter bytes)."""
+
+    def __init__(self, label, mode, options, model, forward, backward, analytic, solo=False):
+        self.label, self.mode, self.options, self.analytic, self.solo = label, mode, options, analytic, solo
+        self.forward, self.backward, self.opt = forward, backward, AdamW(model.parameters())
+        self.times = {"forward": [], "backward": [], "step": []}
+        self.info: dict = {}
+
+    def step(self, record: bool) -> None:
+        """One timed step, started together on every rank (a solo mode runs on rank 0 alone)."""
         dist.barrier()
+        if self.solo and dist.get_rank() != 0:
+            return
         t0 = time.perf_counter()
-        loss = forward()
+        loss = self.forward()
         t1 = time.perf_counter()
-        backward(loss)
+        self.backward(loss)
         t2 = time.perf_counter()
-        update()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        if i >= warmup:
-            out["forward"].append(t1 - t0)
-            out["backward"].append(t2 - t1)
-            out["step"].append(t3 - t0)
-    return out
+        if record:
+            for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t0)):
+                self.times[k].append(v)
 
 
-def _slowest_median(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
-    """Median over steps of the slowest rank's time in each step."""
-    return {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k])))
-            for k in per_rank[0]}
-
-
-def measure(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, targets, ref_loss: float,
-            args) -> dict | None:
-    """Collective over the world: build `mode` (or the peer), check its loss, meter, time. Returns
-    the row on rank 0, None elsewhere."""
+def prepare(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, targets, ref_loss: float,
+            args) -> Prepared | dict:
+    """Collective over the world: build `mode` (or the peer, or serial on rank 0 alone), check its
+    loss against serial's, meter one step, measure saved activations and parameters. Returns the
+    prepared mode, or an error row."""
     import lattice
 
     p, rank = dist.get_world_size(), dist.get_rank()
     ckpt = args.activation_checkpointing
+    meter_ctx = _Null
     if mode == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
         model = PeerGPT(cfg)
         model.load_lattice(sd)
         parallelize_peer(model, init_device_mesh("cpu", (p,), mesh_dim_names=("tp",)))
-        forward = lambda: peer_loss(model, tokens, targets)  # noqa: E731
-        backward, meter_ctx = peer_backward, lambda m: DTensorComm(m)
+        forward, backward, meter_ctx = (lambda: peer_loss(model, tokens, targets)), peer_backward, DTensorComm
         analytic = costmodel.estimate(cfg, "1d", batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
-        ctx = lattice.init(mode, tp=p, **options)
+        ctx = lattice.plan("serial") if mode == "serial" else lattice.init(mode, tp=p, **options)
         model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
         model.load_full_state_dict(sd)
-        forward = lambda: model(tokens, targets)  # noqa: E731
-        backward, meter_ctx = (lambda loss: loss.backward()), (lambda m: _Null())
-        analytic = costmodel.estimate(cfg, mode, batch=args.batch, tp=p, activation_checkpointing=ckpt,
-                                      rank=rank, **options)
-    opt = AdamW(model.parameters())
-
-    def update():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+        forward, backward = (lambda: model(tokens, targets)), (lambda loss: loss.backward())
+        analytic = costmodel.estimate(cfg, mode, batch=args.batch, tp=1 if mode == "serial" else p,
+                                      activation_checkpointing=ckpt, rank=0 if mode == "serial" else rank, **options)
+    run = Prepared(label, mode, options, model, forward, backward, analytic, solo=mode == "serial")
+    if run.solo and rank != 0:
+        return run
     loss = forward()
     loss_value = float(_full(loss).detach())
-    if not math.isclose(loss_value, ref_loss, rel_tol=1e-4):  # every rank sees the same loss
-        return _row_on_rank0(label, {"error": f"loss {loss_value:.6f} != serial {ref_loss:.6f}; not timed"})
+    if not run.solo and not math.isclose(loss_value, ref_loss, rel_tol=1e-4):  # the same on every rank
+        return {"label": label, "error": f"loss {loss_value:.6f} != serial {ref_loss:.6f}; not timed"}
     backward(loss)
-    opt.zero_grad(set_to_none=True)
+    run.opt.zero_grad(set_to_none=True)
     meter = CommMeter()
     with meter, meter_ctx(meter):  # one whole step: forward and backward
         backward(forward())
-    opt.zero_grad(set_to_none=True)
-    act = saved_activation_bytes(model, forward)
-    params = sum(_local(q).numel() * _local(q).element_size() for q in model.parameters())
-    times = _timed_steps((forward, backward, update), args.steps, args.warmup)
-    mine = {"times": times, "act": act, "params": params, "comm": meter.summary() if rank == 0 else None,
-            "analytic_act": analytic.memory["activations"], "analytic_params": analytic.memory["parameters"]}
-    everyone = [None] * p
-    dist.all_gather_object(everyone, mine)
-    if rank != 0:
-        return None
-    measured_elems = sum(v["elements"] for v in mine["comm"].values())
-    measured_bytes = sum(v["bytes"] for v in mine["comm"].values())
-    matches = _keys_match(mine["comm"], analytic.summary())
-    return {"label": label, "mode": mode, "options": options, "loss": loss_value,
-            **{k + "_s": v for k, v in _slowest_median([e["times"] for e in everyone]).items()},
-            "comm_bytes": measured_bytes, "comm_bytes_analytic": analytic.bytes(),
-            "comm_ratio": measured_elems / analytic.elements() if analytic.elements() else 1.0,
-            "comm_calls": sum(v["calls"] for v in mine["comm"].values()), "comm_calls_analytic": analytic.calls(),
-            "comm_by_op_match": matches,
-            "act_bytes": max(e["act"] for e in everyone), "act_bytes_analytic": max(e["analytic_act"] for e in everyone),
-            "param_bytes": max(e["params"] for e in everyone),
-            "param_bytes_analytic": max(e["analytic_params"] for e in everyone),
-            "flops_per_rank": analytic.flops["forward"] + analytic.flops["backward"],
-            "_cost": analytic}
+    run.opt.zero_grad(set_to_none=True)
+    run.info = {"loss": loss_value, "comm": meter.summary(), "act": saved_activation_bytes(model, forward),
+                "params": sum(_local(q).numel() * _local(q).element_size() for q in model.parameters())}
+    return run
+
+
+def report_row(run: Prepared, everyone: list[dict]) -> dict:
+    """Rank 0's row from every rank's timings and measurements of one prepared mode."""
+    ranks = everyone[:1] if run.solo else everyone
+    measured, analytic = ranks[0]["comm"], run.analytic
+    elements = sum(v["elements"] for v in measured.values())
+    return {"label": run.label, "mode": run.mode, "options": run.options, "loss": ranks[0]["loss"],
+            **{k + "_s": v for k, v in _slowest_median([e["times"] for e in ranks]).items()},
+            "comm_bytes": sum(v["bytes"] for v in measured.values()), "comm_bytes_analytic": analytic.bytes(),
+            "comm_ratio": elements / analytic.elements() if analytic.elements() else 1.0,
+            "comm_calls": sum(v["calls"] for v in measured.values()), "comm_calls_analytic": analytic.calls(),
+            "comm_by_op_match": _keys_match(measured, analytic.summary()),
+            "act_bytes": max(e["act"] for e in ranks), "act_bytes_analytic": analytic.memory["activations"],
+            "param_bytes": max(e["params"] for e in ranks), "param_bytes_analytic": analytic.memory["parameters"],
+            "flops_per_rank": analytic.flops["forward"] + analytic.flops["backward"]}
+
+
+def _slowest_median(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Median over steps of the slowest rank's time in each step."""
+    return {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k])))
+            for k in per_rank[0]}
 
 
 class AdamW:
@@ -309,6 +311,9 @@ class AdamW:
 
 
 class _Null:
+    def __init__(self, meter=None):
+        pass
+
     def __enter__(self):
         return self
 
@@ -320,10 +325,6 @@ def _full(loss):
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
-def _row_on_rank0(label, row):
-    return {"label": label, **row} if dist.get_rank() == 0 else None
-
-
 def _keys_match(measured: dict, analytic: dict) -> bool:
     """Every (phase, op, group size) within 1% in elements, with no collective on one side only."""
     keys = set(measured) | set(analytic)
@@ -332,50 +333,6 @@ def _keys_match(measured: dict, analytic: dict) -> bool:
         if abs(a - b) > 0.01 * max(a, b):
             return False
     return True
-
-
-def measure_serial(cfg, sd, tokens, targets, args) -> dict | None:
-    """The serial model on rank 0 alone, the other ranks waiting."""
-    import lattice
-
-    row = None
-    if dist.get_rank() == 0:
-        model = lattice.GPT(cfg, lattice.plan("serial"), activation_checkpointing=args.activation_checkpointing)
-        model.load_full_state_dict(sd)
-        opt = AdamW(model.parameters())
-        forward = lambda: model(tokens, targets)  # noqa: E731
-        loss_value = float(forward().detach())
-        act = saved_activation_bytes(model, forward)
-
-        def update():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        times = {"forward": [], "backward": [], "step": []}
-        for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            loss = forward()
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            update()
-            t3 = time.perf_counter()
-            if i >= args.warmup:
-                for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t0)):
-                    times[k].append(v)
-        analytic = costmodel.estimate(cfg, "serial", batch=args.batch,
-                                      activation_checkpointing=args.activation_checkpointing)
-        row = {"label": "serial", "mode": "serial", "options": {}, "loss": loss_value,
-               **{k + "_s": statistics.median(v) for k, v in times.items()},
-               "comm_bytes": 0, "comm_bytes_analytic": 0, "comm_ratio": 1.0, "comm_calls": 0,
-               "comm_calls_analytic": 0, "comm_by_op_match": True,
-               "act_bytes": act,
-               "act_bytes_analytic": analytic.memory["activations"],
-               "param_bytes": sum(q.numel() * q.element_size() for q in model.parameters()),
-               "param_bytes_analytic": analytic.memory["parameters"],
-               "flops_per_rank": analytic.flops["forward"] + analytic.flops["backward"], "_cost": analytic}
-    dist.barrier()
-    return row
 
 
 # ----------------------------------------------------------------------------- which modes apply
@@ -517,7 +474,9 @@ def calibrate(cfg: GPTConfig, batch: int, reps: int = 5) -> costmodel.Machine:
 
 
 def _world(payload: dict):
-    """Runs in every process of a world: each mode in turn, each after its own calibration."""
+    """Runs in every process of a world: prepare every mode, then time them with their steps
+    interleaved round-robin (the order rotating each round), so that a change in the machine's
+    load falls on all of them alike; calibrate just before and after the timing."""
     import lattice
 
     cfg = GPTConfig(**payload["cfg"])
@@ -530,25 +489,45 @@ def _world(payload: dict):
     with torch.no_grad():
         ref_loss = float(serial(tokens, targets))
     del serial
-    rows, machines = [], []
-    jobs = ([("serial", "serial", None)] if payload["serial"] else []) + list(payload["runs"])
-    for label, mode, options in jobs:
-        # calibrated just before each mode, so that both see the same load on a shared machine
-        machines.append(calibrate(cfg, args.batch) if args.calibrate else None)
-        if mode == "serial":
-            rows.append(measure_serial(cfg, sd, tokens, targets, args))
-        else:
-            rows.append(measure(label, mode, options, cfg, sd, tokens, targets, ref_loss, args))
+    jobs = ([("serial", "serial", {})] if payload["serial"] else []) + list(payload["runs"])
+    prepared = [prepare(label, mode, options, cfg, sd, tokens, targets, ref_loss, args) for label, mode, options in jobs]
+    runs = [r for r in prepared if isinstance(r, Prepared)]
+    machines = [calibrate(cfg, args.batch)] if args.calibrate else []
+    for i in range(args.warmup + args.steps):
+        for k in range(len(runs)):
+            runs[(i + k) % len(runs)].step(record=i >= args.warmup)
+    if args.calibrate:
+        machines.append(calibrate(cfg, args.batch))
+    gathered = []
+    for run in runs:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"times": run.times, **run.info})
+        gathered.append(everyone)
     if dist.get_rank() != 0:
         return None
-    for row, machine in zip(rows, machines):
-        c = row.pop("_cost", None)
+    machine = _mean_machine(machines) if machines else None
+    rows = []
+    for item in prepared:
+        if not isinstance(item, Prepared):
+            rows.append(item)
+            continue
+        row = report_row(item, gathered[runs.index(item)])
         # serial runs alone on rank 0 of a larger world, not under the calibration's sharing
-        if machine is not None and c is not None and (row["mode"] != "serial" or dist.get_world_size() == 1):
-            row.update({k + "_pred_s": v for k, v in c.time(machine).items()})
-            row["calibration"] = vars(machine)
+        if machine is not None and (item.mode != "serial" or dist.get_world_size() == 1):
+            row.update({k + "_pred_s": v for k, v in item.analytic.time(machine).items()})
+        rows.append(row)
     return {"p": dist.get_world_size(), "cfg": payload["cfg"], "batch": args.batch, "rows": rows,
-            "skipped": payload["skipped"]}
+            "skipped": payload["skipped"], "calibration": None if machine is None else vars(machine),
+            "calibrations": [vars(m) for m in machines]}
+
+
+def _mean_machine(machines: list[costmodel.Machine]) -> costmodel.Machine:
+    """Geometric mean of the calibrations before and after the timed steps."""
+    fields = {k: v for k, v in vars(machines[0]).items()}
+    for k, v in fields.items():
+        if isinstance(v, float):
+            fields[k] = math.prod(vars(m)[k] for m in machines) ** (1 / len(machines))
+    return costmodel.Machine(**fields)
 
 
 def _entry(rank, world, port, payload, queue, threads):
