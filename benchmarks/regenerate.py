@@ -138,8 +138,10 @@ def render(single: dict, sweeps: dict, tables: dict) -> str:
         "on 2 CPU cores:", "", "```bash", "python benchmarks/regenerate.py", "```", "",
         f"Measured on {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}, {m['backend']}, "
         f"{m['date']}; one rank = one process with one thread (the CPU stand-in for a device), so p > 2 shares "
-        f"the cores; the machine was shared with other jobs, so times are noisy. Times are the median over steps "
-        f"of the slowest rank; a step is forward, backward and the AdamW update. Communication is what CommMeter "
+        f"the cores; the machine was shared with other jobs, so times are noisy. Every mode is built first and "
+        f"their timed steps are interleaved round-robin, so load changes fall on all of them alike. Times are "
+        f"the median over steps of the slowest rank; a step is forward, backward and the AdamW update "
+        f"(foreach, as torchtitan builds it). Communication is what CommMeter "
         f"counted in one step (for the DTensor peer, its collectives counted by a dispatch mode in the same "
         f"units) next to `lattice.cost`'s figure. Activations are the bytes autograd saves for backward, "
         f"parameters the largest share on any rank. Files: `benchmarks/results/`.", ""]
@@ -163,7 +165,8 @@ def render(single: dict, sweeps: dict, tables: dict) -> str:
               "192, 24 heads, batch 12 x 64, 2 layers; weak scaling grows d_model with √p (96, 144, 192, 288, "
               "288) and the batch (4, 6, 8, 12, 12). Modes whose layout does not fit p are left out (2D needs a "
               "square, 3D a cube, 1D and the peer n_heads % p = 0). Predicted = `lattice.cost` with α, β, F and the "
-              "other rates fitted by micro-benchmarks on this machine just before each mode. Activations × p / "
+              "other rates fitted by micro-benchmarks on this machine just before and after the timed steps "
+              "(geometric mean). Activations × p / "
               "serial compare with serial on the same model: measured at p = 1 in the strong sweep; the weak sweep "
               "changes the model with p, so there it is the cost model's serial figure (which tests/test_cost.py "
               "holds to the measured one within 2%).", "",
