@@ -788,7 +788,7 @@ def format_table1(b: int, s: int, h: int, p: int) -> str:
     for mode, row in ours.items():
         for src, r in (("paper", paper.get(mode)), ("model", row)):
             if r:
-                lines.append(f"  {mode + ' ' + src:<14}{r['forward']:>16,.0f}{r['backward']:>16,.0f}"
-                             f"{r.get('backward_as_run', float('nan')):>16,.0f}"
+                run = f"{r['backward_as_run']:,.0f}" if "backward_as_run" in r else ""
+                lines.append(f"  {mode + ' ' + src:<14}{r['forward']:>16,.0f}{r['backward']:>16,.0f}{run:>16}"
                              f"{r['forward_mults']:>18,.0f}{r['backward_mults']:>18,.0f}")
     return "\n".join(lines)
