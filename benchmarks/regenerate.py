@@ -214,9 +214,25 @@ def main() -> int:
     single = {f"p{p}": json.loads((RESULTS / f"bench_p{p}.json").read_text()) for p in (2, 4)}
     sweeps = json.loads((RESULTS / "sweeps.json").read_text())
     tables = json.loads((RESULTS / "tables.json").read_text())
-    (HERE / "README.md").write_text(render(single, sweeps, tables))
+    section = render(single, sweeps, tables)
+    (HERE / "README.md").write_text(section)
     print(f"wrote {HERE / 'README.md'}")
+    splice_into_project_readme(section)
     return 0
+
+
+def splice_into_project_readme(section: str) -> None:
+    """The project README shows the same section between two markers, paths from the repo root."""
+    readme = HERE.parent / "README.md"
+    begin, end = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme} lacks the {begin} / {end} markers around its benchmark section")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    body = section.replace("](results/", "](benchmarks/results/")
+    readme.write_text(f"{head}{begin}\n{body}{end}{tail}")
+    print(f"updated the benchmark section of {readme}")
 
 
 if __name__ == "__main__":
