@@ -40,18 +40,24 @@ def resolve(path: str | os.PathLike) -> Path:
     return path / FILENAME if path.is_dir() else path
 
 
-def save(payload: dict, path: str | os.PathLike) -> Path:
-    """Write atomically: a temporary file in the same directory, then rename over `path`."""
-    path = resolve(path)
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp) on a temporary file in `path`'s directory, then rename it over `path`:
+    readers never see a half-written file, even when several processes write the same entry."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def save(payload: dict, path: str | os.PathLike) -> Path:
+    """Write atomically (a crash never leaves half a checkpoint under the real name)."""
+    path = resolve(path)
+    atomic_write(path, lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp))
     return path
 
 

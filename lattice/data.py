@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from lattice.checkpoint import atomic_write
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 
 DEFAULT_VOCAB = 2048
@@ -37,20 +37,6 @@ def corpus_text() -> str:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("LATTICE_CACHE") or Path.home() / ".cache" / "lattice")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename: readers never see a
-    half-written file, even when several ranks build the same cache entry at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _save_npy(path: str, array: np.ndarray) -> None:
@@ -101,9 +87,9 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None,
     tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
     if not (tok_path.exists() and ids_path.exists()):
         bpe = train_tokenizer(text, vocab_size)
-        _atomic_write(tok_path, lambda tmp: bpe.save(tmp))
+        atomic_write(tok_path, lambda tmp: bpe.save(tmp))
         ids = np.asarray(bpe.encode(text).ids, dtype=np.int32)
-        _atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))
+        atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))
     tokenizer = Tokenizer.from_file(str(tok_path))
     ids = np.load(ids_path)
     ids = torch.from_numpy(ids.astype(np.int64))
