@@ -33,9 +33,10 @@ import torch.nn.functional as F
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
+from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible
-from lattice.modes.serial import LayerNorm, upcast
+from lattice.modes.serial import LayerNorm
 from lattice.sharding import ShardSpec, register_sharded
 
 
@@ -155,43 +156,6 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + comm.copy_to_group(self.bias, group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of logits split over the vocabulary, never gathering them.
-
-    Forward: m = max_ranks(max_v z) (all-reduce MAX), then [Σ_v e^(z-m), z_target - m] summed
-    over ranks in one all-reduce; loss = log Σ e^(z-m) - (z_target - m).
-    Backward: dz = (softmax(z) - onehot(target)) · dloss on each rank's slice, no communication.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
-        # logits (N, V_local) of padded-vocabulary rows vocab_start..; targets (N,)
-        n_local = logits.shape[1]
-        padding = torch.arange(vocab_start, vocab_start + n_local, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padding, float("-inf"))  # padded rows must not enter the softmax
-        row_max = logits.max(dim=1).values  # (N,)
-        row_max = comm.raw_all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(1)
-        exp = shifted.exp()
-        local_target = targets - vocab_start
-        here = (local_target >= 0) & (local_target < n_local)
-        local_target = local_target.masked_fill(~here, 0)
-        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
-        target_logit = torch.where(here, target_logit, torch.zeros_like(target_logit))  # (N,)
-        sums = comm.raw_all_reduce(torch.stack([exp.sum(dim=1), target_logit]), group)  # (2, N)
-        softmax = exp.div_(sums[0].unsqueeze(1))
-        ctx.save_for_backward(softmax, local_target, here)
-        return sums[0].log() - sums[1]
-
-    @staticmethod
-    def backward(ctx, dloss):
-        softmax, local_target, here = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= here.to(grad.dtype)
-        return grad * dloss.unsqueeze(1), None, None, None, None
-
-
 class VocabParallelLMHead(nn.Module):
     """Logits against the (tied) vocab-split table, fused with the vocab-parallel cross-entropy.
 
@@ -216,9 +180,9 @@ class VocabParallelLMHead(nn.Module):
         return x @ self.table().t()
 
     def loss(self, x, targets):
-        logits = upcast(self._local_logits(x))
-        per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
-                                                     self.vocab_size, tp_group(self.ctx))
+        logits = self._local_logits(x)
+        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), tp_group(self.ctx),
+                                                 self.vocab_start, self.vocab_size)
         return per_token.mean()
 
     def logits(self, x):

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis, Topology
+from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible
 from lattice.modes.serial import upcast
@@ -182,39 +183,6 @@ class Linear(nn.Module):
         return y.view(*x.shape[:-1], *self.local_out)
 
 
-class _CrossEntropy2D(torch.autograd.Function):
-    """Per-token loss log Σ_v e^{x_v} - x_target with the vocabulary split along the mesh row
-    (§3.2.2). Forward: all-reduce max and then (Σ e^{x-max}, x_target) along the row; every rank
-    of the row returns the same per-token loss. Backward: dx = softmax - onehot(target) on this
-    rank's vocabulary block, no communication. Padded vocabulary columns are masked out."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, grid, vocab_start, vocab_size):  # (m, Vb), (m,) -> (m,)
-        x = upcast(logits)
-        vb = x.shape[1]
-        n_real = max(0, min(vb, vocab_size - vocab_start))
-        if n_real < vb:
-            x = x.clone()
-            x[:, n_real:] = float("-inf")
-        top = comm.raw_all_reduce(x.max(-1).values, grid.row, op=torch.distributed.ReduceOp.MAX)
-        e = torch.exp(x - top.unsqueeze(-1))
-        local = targets - vocab_start
-        hit = (local >= 0) & (local < vb)
-        picked = torch.where(hit, x.gather(1, local.clamp(0, vb - 1).unsqueeze(1)).squeeze(1), 0.0)
-        sums = comm.raw_all_reduce(torch.stack([e.sum(-1), picked]), grid.row)
-        e /= sums[0].unsqueeze(-1)  # softmax
-        ctx.save_for_backward(e, local, hit)
-        ctx.dtype = logits.dtype
-        return torch.log(sums[0]) + top - sums[1]
-
-    @staticmethod
-    def backward(ctx, dloss):
-        softmax, local, hit = ctx.saved_tensors
-        onehot = hit.to(softmax.dtype).unsqueeze(1)  # 1 where the target is in this block
-        d = softmax.scatter_add(1, local.clamp(0, softmax.shape[1] - 1).unsqueeze(1), -onehot)
-        return (d * dloss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
-
-
 class LMHead(nn.Module):
     """logits = x Eᵀ (SUMMA C = A Bᵀ) against the tied table (or its own), with 2D cross-entropy."""
 
@@ -237,7 +205,8 @@ class LMHead(nn.Module):
         B, T = targets.shape
         rows = targets[g.i * (B // g.q):(g.i + 1) * (B // g.q)].reshape(-1)
         vb = self.vocab_pad // g.q
-        per_token = _CrossEntropy2D.apply(self._local_logits(x), rows, g, g.j * vb, self.cfg.vocab_size)
+        # the vocabulary is split along the mesh row (§3.2.2)
+        per_token = vocab_parallel_cross_entropy(self._local_logits(x), rows, g.row, g.j * vb, self.cfg.vocab_size)
         # every rank of a row holds the same per-token losses: sum the rows' shares down the column
         return comm.all_reduce(per_token.sum() / (B * T), g.col)
 
