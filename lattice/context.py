@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 
 class MeshAxis(str, enum.Enum):
-    """Names of mesh axes. Data parallelism is always the outermost axis."""
+    """Names of the mesh axes the built-in modes use. Data parallelism is always the outermost
+    axis. The list is not closed: a mode module may declare its own axes as members of any
+    `str`-valued Enum (see `Axis`); Topology and ParallelContext accept those alike."""
 
     DP = "dp"
     TP = "tp"  # 1D: the tensor-parallel group
@@ -34,6 +36,10 @@ class MeshAxis(str, enum.Enum):
     CUBE_L = "cube_l"
     SUBGRID = "subgrid"  # sub-graph: which sub-grid (g of them)
     MEMBER = "member"  # sub-graph: position inside the sub-grid (n_g of them)
+
+
+#: A mesh axis: a member of MeshAxis or of a mode's own str-valued Enum.
+Axis = enum.Enum
 
 
 class LatticeConfigError(ValueError):
@@ -105,7 +111,7 @@ class Topology:
         raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}; its axes are "
                        f"{[a.value for a in self.axis_names]}")
 
-    def coords(self, rank: int) -> dict[MeshAxis, int]:
+    def coords(self, rank: int) -> dict[Axis, int]:
         """Mesh coordinates of a global rank."""
         flat = self.rank_grid.index(rank)
         out = {}
@@ -120,17 +126,36 @@ class Topology:
             flat = flat * size + coords.get(axis, 0)
         return self.rank_grid[flat]
 
-    def group_members(self, axis: MeshAxis, rank: int) -> list[int]:
-        """Global ranks of `rank`'s group along `axis`, in axis-coordinate order."""
-        if not self.has(axis):
-            return [rank]
-        coords = self.coords(rank)
-        return [self.rank_at({**coords, axis: k}) for k in range(self.size(axis))]
+    @property
+    def model_axes(self) -> tuple[Axis, ...]:
+        """The axes of one model replica: every axis but DP."""
+        return tuple(a for a in self.axis_names if a != MeshAxis.DP)
 
-    def all_groups(self, axis: MeshAxis) -> list[list[int]]:
+    def canonical_axes(self, axes) -> tuple[Axis, ...]:
+        """`axes` (one axis or several) in mesh order, refusing axes this topology lacks."""
+        axes = (axes,) if isinstance(axes, enum.Enum) else tuple(axes)
+        for a in axes:
+            if not self.has(a) and a != MeshAxis.DP:
+                raise KeyError(f"mode {self.mode!r} has no mesh axis {a.value!r}; its axes are "
+                               f"{[x.value for x in self.axis_names]}")
+        return tuple(a for a in self.axis_names if a in axes)
+
+    def group_members(self, axes, rank: int) -> list[int]:
+        """Global ranks of `rank`'s group over `axes` (one axis or several): the ranks that differ
+        from it only along those axes. One axis: in axis-coordinate order (equal to global-rank
+        order, which `__post_init__` enforces). Several: in global-rank order, as torch numbers
+        the members of a process group."""
+        axes = self.canonical_axes(axes)
+        coords = self.coords(rank)
+        members = [self.rank_at({**coords, **dict(zip(axes, ks))})
+                   for ks in itertools.product(*(range(self.size(a)) for a in axes))]
+        return members if len(axes) == 1 else sorted(members)
+
+    def all_groups(self, axes) -> list[list[int]]:
+        """Every group over `axes`, each listed once."""
         seen, groups = set(), []
         for rank in range(self.world_size):
-            members = self.group_members(axis, rank)
+            members = self.group_members(axes, rank)
             if tuple(members) not in seen:
                 seen.add(tuple(members))
                 groups.append(members)
@@ -155,6 +180,9 @@ class ParallelContext:
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh | None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
+    #: process groups over several mesh axes, keyed by their axes in mesh order (lattice.init
+    #: creates those the mode declares in `Mode.groups`, and the model-parallel group)
+    multi_axis_groups: Mapping[tuple, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.topology.world_size:
@@ -187,18 +215,32 @@ class ParallelContext:
             raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}")
         return self.coords[axis]
 
-    def group(self, axis: MeshAxis):
-        """The process group along `axis` (None when that axis has one rank)."""
-        if self.size(axis) == 1:
+    def group(self, *axes):
+        """The process group over one or several mesh axes (None when it has one rank).
+
+        `ctx.group(MeshAxis.TP)`; `ctx.group(CUBE_I, CUBE_J)` for a plane of the cube, which the
+        mode must declare in `Mode.groups`; `ctx.group(*ctx.topology.model_axes)` (also
+        `ctx.model_group()`) for the ranks of this model replica. Members of a group over several
+        axes are numbered in global-rank order (see `Topology.group_members`)."""
+        axes = self.topology.canonical_axes(axes)
+        if math.prod(self.size(a) for a in axes) == 1:
             return None
         if self.mesh is None:
             raise RuntimeError(
-                f"this ParallelContext has no process groups (built for planning); axis "
-                f"{axis.value!r} has {self.size(axis)} ranks")
-        return self.mesh.get_group(axis.value)
+                f"this ParallelContext has no process groups (built for planning); the group over "
+                f"{[a.value for a in axes]} has {math.prod(self.size(a) for a in axes)} ranks")
+        live = tuple(a for a in axes if self.size(a) > 1)
+        if len(live) == 1:
+            return self.mesh.get_group(live[0].value)
+        if live not in self.multi_axis_groups:
+            raise KeyError(
+                f"no process group over axes {[a.value for a in live]}: mode {self.mode!r} must declare "
+                f"it in its `groups` classmethod so that lattice.init creates it on every rank")
+        return self.multi_axis_groups[live]
 
-    def group_ranks(self, axis: MeshAxis) -> list[int]:
-        return self.topology.group_members(axis, self.rank)
+    def model_group(self):
+        """The process group of this model replica (every axis but DP); None for one rank."""
+        return self.group(*self.topology.model_axes)
 
     def describe(self) -> str:
         coords = ", ".join(f"{a.value}={c}" for a, c in self.coords.items())
@@ -209,12 +251,38 @@ def _natural_grid(world_size: int) -> tuple[int, ...]:
     return tuple(range(world_size))
 
 
+def _axis_combinations(topo: Topology, mode_cls) -> list[tuple]:
+    """Groups over several axes that this layout needs: the mode's, and the model replica's."""
+    wanted = [topo.canonical_axes(axes) for axes in mode_cls.groups(topo)]
+    wanted.append(topo.model_axes)
+    out = []
+    for axes in wanted:
+        live = tuple(a for a in axes if topo.size(a) > 1)
+        if len(live) > 1 and live not in out:
+            out.append(live)
+    return out
+
+
+def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str) -> dict:
+    """One process group per combination and coordinate; every rank creates every group, in the
+    same order, as torch requires."""
+    backend = "nccl" if device_type == "cuda" else None
+    out = {}
+    for axes in _axis_combinations(topo, _mode_class(topo.mode)):
+        mine, _ = dist.new_subgroups_by_enumeration(topo.all_groups(axes), backend=backend)
+        out[axes] = mine
+    return out
+
+
+def _mode_class(mode: str):
+    from lattice.modes import get_mode  # modes import this module: resolve at call time
+    return get_mode(mode)
+
+
 def make_topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
                   placement: str = "natural", **options) -> tuple[Topology, dict]:
     """Validate a layout request and build its Topology (no processes involved)."""
-    from lattice.modes import get_mode
-
-    mode_cls = get_mode(mode)
+    mode_cls = _mode_class(mode)
     options = mode_cls.resolve_options(options)
     if not isinstance(dp, int) or dp < 1:
         raise LatticeConfigError(f"dp must be a positive integer, got {dp!r}")
@@ -273,8 +341,6 @@ def init(mode: str = "serial", *, tp: int = 1, dp: int = 1, ranks_per_node: int 
 
     grid = torch.tensor(topo.rank_grid, dtype=torch.int64).reshape(topo.shape)
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=tuple(a.value for a in topo.axis_names))
-    return ParallelContext(topology=topo, rank=rank, options=options, mesh=mesh, device=device, seed=seed)
-
-
-def all_coords(shape: tuple[int, ...]):
-    return itertools.product(*(range(s) for s in shape))
+    groups = _create_multi_axis_groups(topo, rank, device.type)
+    return ParallelContext(topology=topo, rank=rank, options=options, mesh=mesh, device=device, seed=seed,
+                           multi_axis_groups=groups)

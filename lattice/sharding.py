@@ -2,8 +2,11 @@
 
 A `ShardSpec` says which tensor dims are split over which mesh axes (several axes on one dim
 split it mixed-radix, the first axis major), which ranks hold the parameter at all (`holders`,
-e.g. 2D biases live on row 0 only), and an optional padded full shape (a vocabulary padded so
-that it divides). Every axis not named in `splits` holds replicas.
+e.g. 2D biases live on row 0 only), an optional padded full shape (a vocabulary padded so
+that it divides), and the axes its gradient is summed over inside a model replica (`grad_sum`:
+ranks along them hold the same shard but each computes a partial gradient, as sub-graph
+parallelism's data-parallel common layers do; `GPT.sync_grads` sums them). Every axis not named
+in `splits` holds replicas.
 
 From the spec alone come: the local shape, the slice of the full tensor a rank holds, scattering
 a full tensor to shards without communication, and gathering shards (or their gradients) back
@@ -29,11 +32,16 @@ class ShardSpec:
     splits: tuple[tuple[int, tuple[MeshAxis, ...]], ...] = ()
     holders: tuple[tuple[MeshAxis, int], ...] = ()
     padded_shape: tuple[int, ...] | None = None
+    grad_sum: tuple[MeshAxis, ...] = ()
 
     def __post_init__(self):
         dims = [d for d, _ in self.splits]
         if len(set(dims)) != len(dims):
             raise ValueError(f"a tensor dim is split twice in {self.splits}")
+        split_axes = {a for _, axes in self.splits for a in axes} | {a for a, _ in self.holders}
+        if split_axes & set(self.grad_sum) or MeshAxis.DP in self.grad_sum:
+            raise ValueError(f"grad_sum {self.grad_sum} must name replicated axes of the model replica; "
+                             f"the shard is split or hosted along {sorted(a.value for a in split_axes)}")
         if self.padded_shape is not None and len(self.padded_shape) != len(self.full_shape):
             raise ValueError("padded_shape must have the rank of full_shape")
 
@@ -128,10 +136,6 @@ def collect_specs(model: nn.Module) -> dict[str, ShardSpec]:
         for name, spec in getattr(mod, "_lattice_specs", {}).items():
             out[f"{prefix}.{name}" if prefix else name] = spec
     return out
-
-
-def local_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(model.named_parameters())
 
 
 def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContext, *,

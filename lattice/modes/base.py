@@ -3,7 +3,18 @@
 A mode decides how every activation and parameter is split over the ranks. `lattice.GPT` asks
 its mode for an embedding, layer norms, linear layers (by block and position) and an LM head
 with loss; it never looks at the layout itself. Adding a mode is one module in this package
-plus `register`.
+plus `register`, and everything else reads the mode's declarations:
+
+| declaration        | read by                                                            |
+|--------------------|--------------------------------------------------------------------|
+| `options`          | lattice.init (validation), the CLI (one flag per option), bench    |
+| `mesh_axes`        | Topology (axes may be MeshAxis members or the mode's own Enum)     |
+| `groups`           | lattice.init creates these multi-axis process groups once          |
+| `rank_grid`        | placement="topology"                                               |
+| shard specs        | loading, gathering, checkpoints, HF, gradient sync (`grad_sum`),   |
+|                    | parameter memory and vocabulary padding in the cost model          |
+| `cost_terms`       | lattice.cost (communication terms, FLOP shares, saved activations) |
+| `test_layouts`     | the conformance suite (tests/test_conformance.py)                  |
 
 Activations between blocks ("the residual layout") are always 3-d local tensors
 (B_local, T_local, H_local); what the local sizes are is the mode's business.
@@ -12,7 +23,8 @@ Activations between blocks ("the residual layout") are always 3-d local tensors
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -34,12 +46,38 @@ class Position(str, enum.Enum):
     OUT = "out"
 
 
+@dataclass(frozen=True)
+class Option:
+    """A keyword option of lattice.init for one mode; the CLI derives `--name-with-dashes` from it
+    (a bool becomes a switch, `choices` a choice list)."""
+
+    default: Any
+    help: str
+    choices: tuple | None = None
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    def check(self, mode: str, name: str, value: Any) -> None:
+        if self.choices is not None and value not in self.choices:
+            raise LatticeConfigError(f"mode {mode!r} option {name} must be one of {list(self.choices)}, got {value!r}")
+        if self.type is bool and not isinstance(value, bool):
+            raise LatticeConfigError(f"mode {mode!r} option {name} must be True or False, got {value!r}")
+        if self.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise LatticeConfigError(f"mode {mode!r} option {name} must be an integer, got {value!r}")
+
+
 class Mode:
-    """Base class of every layout. Subclasses set `name`, `options` and override the factories."""
+    """Base class of every layout. Subclasses set `name`, `options`, `test_layouts` and override
+    the factories and `cost_terms`."""
 
     name: ClassVar[str]
-    #: keyword options of lattice.init that this mode accepts, with their defaults
-    options: ClassVar[Mapping[str, Any]] = {}
+    #: keyword options of lattice.init that this mode accepts
+    options: ClassVar[Mapping[str, Option]] = {}
+    #: small layouts the conformance suite runs this mode in: lattice.init keyword arguments
+    #: (tp, dp and options), each needing at most 8 processes. A mode without any fails the suite.
+    test_layouts: ClassVar[Sequence[Mapping[str, Any]]] = ()
     #: True when the residual stream is identical on every rank of a model replica (dropout on
     #: it then uses the replicated RNG stream); False when each rank holds a different piece
     residual_replicated: ClassVar[bool] = True
@@ -57,12 +95,20 @@ class Mode:
             valid = ", ".join(cls.options) or "none"
             raise LatticeConfigError(
                 f"mode {cls.name!r} does not take option(s) {unknown}; its options are: {valid}")
-        return {**cls.options, **given}
+        for key, value in given.items():
+            cls.options[key].check(cls.name, key, value)
+        return {**{k: o.default for k, o in cls.options.items()}, **given}
 
     @classmethod
     def mesh_axes(cls, tp: int, options: Mapping[str, Any]) -> tuple[tuple[MeshAxis, int], ...]:
         """The model-parallel mesh axes (DP is added outside), for `tp` ranks per replica."""
         raise NotImplementedError
+
+    @classmethod
+    def groups(cls, topology) -> tuple[tuple[Any, ...], ...]:
+        """Process groups over SEVERAL mesh axes this mode communicates in (e.g. a plane of the
+        cube). Single-axis groups and the whole model replica's group always exist."""
+        return ()
 
     @classmethod
     def rank_grid(cls, axes, ranks_per_node: int, placement: str, options) -> tuple[int, ...]:
@@ -100,6 +146,14 @@ class Mode:
         """Module with loss(x, targets) -> mean cross-entropy over the replica batch (identical on
         every rank of the replica) and logits(x) -> full (B, T, V) logits."""
         raise NotImplementedError
+
+    # ---- analysis
+    def cost_terms(self, b) -> None:
+        """Describe one training step of this layout to a `lattice.cost.CostBuilder`: its
+        collectives (`b.add`), FLOP shares (`b.share`) and activations saved for backward
+        (`b.activations`). Parameter memory, vocabulary padding, gradient sync and DP come from
+        the shard specs and are added by the builder itself."""
+        raise NotImplementedError(f"mode {self.name!r} has no cost terms")
 
 
 def divisible(what: str, size: int, by: int, by_what: str, fix: str = "") -> None:

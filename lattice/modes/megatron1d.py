@@ -35,7 +35,7 @@ from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
-from lattice.modes.base import Block, Mode, Position, divisible
+from lattice.modes.base import Block, Mode, Option, Position, divisible
 from lattice.modes.serial import LayerNorm
 from lattice.sharding import ShardSpec, register_sharded
 
@@ -196,7 +196,10 @@ class Megatron1D(Mode):
     """Megatron 1D tensor parallelism over mesh axis TP, optionally with sequence parallelism."""
 
     name = "1d"
-    options = {"sequence_parallel": False}
+    options = {"sequence_parallel": Option(False, "split LayerNorm, dropout and the residual along the "
+                                                  "sequence (Korthikanti et al.)")}
+    test_layouts = ({"tp": 2}, {"tp": 4}, {"tp": 2, "sequence_parallel": True},
+                    {"tp": 4, "sequence_parallel": True}, {"tp": 2, "dp": 2, "sequence_parallel": True})
 
     def __init__(self, cfg, ctx):
         self.p = ctx.size(MeshAxis.TP)
@@ -204,14 +207,6 @@ class Megatron1D(Mode):
         # the residual differs per rank under sequence parallelism: dropout then needs the sharded stream
         self.residual_replicated = not self.sp
         super().__init__(cfg, ctx)
-
-    @classmethod
-    def resolve_options(cls, given):
-        options = super().resolve_options(given)
-        if not isinstance(options["sequence_parallel"], bool):
-            raise LatticeConfigError(f"mode '1d' option sequence_parallel must be True or False, "
-                                     f"got {options['sequence_parallel']!r}")
-        return options
 
     @classmethod
     def mesh_axes(cls, tp, options):

@@ -91,6 +91,7 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 @register
 class Serial(Mode):
     name = "serial"
+    test_layouts = ({"tp": 1}, {"tp": 1, "dp": 2})
 
     @classmethod
     def mesh_axes(cls, tp, options):

@@ -256,6 +256,7 @@ class Summa2D(Mode):
 
     name = "2d"
     residual_replicated = False
+    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2})
 
     @classmethod
     def mesh_axes(cls, tp, options):
