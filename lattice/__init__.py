@@ -1,7 +1,8 @@
 """lattice: multi-dimensional tensor parallelism (1D, 2D, 3D, sub-graph) for GPT models on PyTorch."""
 
 from lattice.comm import CommMeter
-from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology, init, plan
+from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
+from lattice.layout import init, plan
 from lattice.model import GPT, GPTConfig
 from lattice.modes import available_modes
 

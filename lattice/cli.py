@@ -25,7 +25,8 @@ import importlib
 import os
 import sys
 
-from lattice.context import LatticeConfigError, make_topology
+from lattice.context import LatticeConfigError
+from lattice.layout import make_topology
 from lattice.model import PRESETS
 
 # subcommands whose arguments and implementation live in another module, imported only when used
@@ -118,7 +119,7 @@ def _check_before_launch(args) -> None:
     """Everything that can be refused without processes, so a bad request fails once, in one
     line, instead of in every child's traceback."""
     from lattice import checkpoint
-    from lattice.context import plan
+    from lattice.layout import plan
     from lattice.model import GPTConfig
     from lattice.modes import get_mode
 
@@ -202,7 +203,7 @@ def cmd_info(args) -> int:
     """Print a layout from the shard specs alone: no processes, no weights (a meta model)."""
     import torch
 
-    from lattice.context import plan
+    from lattice.layout import plan
     from lattice.data import DEFAULT_VOCAB
     from lattice.model import GPT, GPTConfig
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 
 class MeshAxis(str, enum.Enum):
@@ -245,102 +243,3 @@ class ParallelContext:
     def describe(self) -> str:
         coords = ", ".join(f"{a.value}={c}" for a, c in self.coords.items())
         return f"rank {self.rank}/{self.world_size} mode={self.mode} ({coords})"
-
-
-def _natural_grid(world_size: int) -> tuple[int, ...]:
-    return tuple(range(world_size))
-
-
-def _axis_combinations(topo: Topology, mode_cls) -> list[tuple]:
-    """Groups over several axes that this layout needs: the mode's, and the model replica's."""
-    wanted = [topo.canonical_axes(axes) for axes in mode_cls.groups(topo)]
-    wanted.append(topo.model_axes)
-    out = []
-    for axes in wanted:
-        live = tuple(a for a in axes if topo.size(a) > 1)
-        if len(live) > 1 and live not in out:
-            out.append(live)
-    return out
-
-
-def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str) -> dict:
-    """One process group per combination and coordinate; every rank creates every group, in the
-    same order, as torch requires."""
-    backend = "nccl" if device_type == "cuda" else None
-    out = {}
-    for axes in _axis_combinations(topo, _mode_class(topo.mode)):
-        mine, _ = dist.new_subgroups_by_enumeration(topo.all_groups(axes), backend=backend)
-        out[axes] = mine
-    return out
-
-
-def _mode_class(mode: str):
-    from lattice.modes import get_mode  # modes import this module: resolve at call time
-    return get_mode(mode)
-
-
-def make_topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
-                  placement: str = "natural", **options) -> tuple[Topology, dict]:
-    """Validate a layout request and build its Topology (no processes involved)."""
-    mode_cls = _mode_class(mode)
-    options = mode_cls.resolve_options(options)
-    if not isinstance(dp, int) or dp < 1:
-        raise LatticeConfigError(f"dp must be a positive integer, got {dp!r}")
-    if not isinstance(tp, int) or tp < 1:
-        raise LatticeConfigError(f"tp must be a positive integer, got {tp!r}")
-    tp_axes = mode_cls.mesh_axes(tp, options)
-    axes = ((MeshAxis.DP, dp),) + tuple(tp_axes)
-    world = math.prod(s for _, s in axes)
-    rpn = ranks_per_node or world
-    if placement not in ("natural", "topology"):
-        raise LatticeConfigError(f"placement must be 'natural' or 'topology', got {placement!r}")
-    grid = mode_cls.rank_grid(axes, rpn, placement, options) if placement == "topology" else _natural_grid(world)
-    return Topology(mode=mode, axes=axes, rank_grid=tuple(grid), ranks_per_node=rpn), options
-
-
-def plan(mode: str, *, rank: int = 0, **kwargs) -> ParallelContext:
-    """A ParallelContext without process groups, for inspecting layouts and building meta models."""
-    topo, options = make_topology(mode, **kwargs)
-    return ParallelContext(topology=topo, rank=rank, options=options)
-
-
-def init(mode: str = "serial", *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
-         placement: str = "natural", backend: str | None = None, seed: int = 0,
-         **options) -> ParallelContext:
-    """Build the ParallelContext for this process.
-
-    In a process started by torchrun (or `lattice train --nproc N`), this initialises the default
-    process group if needed and builds a DeviceMesh with named axes. `mode="serial"` with tp=dp=1
-    needs no process group. Every rank validates the request before any collective runs.
-    """
-    topo, options = make_topology(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node,
-                                  placement=placement, **options)
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    world = dist.get_world_size() if dist.is_initialized() else env_world
-    if world != topo.world_size:
-        axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
-        raise LatticeConfigError(
-            f"mode {mode!r} with {axes} needs {topo.world_size} processes but {world} were started; "
-            f"launch with --nproc-per-node {topo.world_size} or change tp/dp so that their layout "
-            f"has {world} ranks")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cpu")
-    if world == 1 and not dist.is_initialized():
-        if backend == "nccl":
-            device = torch.device("cuda", 0)
-        return ParallelContext(topology=topo, rank=0, options=options, mesh=None, device=device, seed=seed)
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-    rank = dist.get_rank()
-    if dist.get_backend() == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    from torch.distributed.device_mesh import DeviceMesh
-
-    grid = torch.tensor(topo.rank_grid, dtype=torch.int64).reshape(topo.shape)
-    mesh = DeviceMesh(device.type, grid, mesh_dim_names=tuple(a.value for a in topo.axis_names))
-    groups = _create_multi_axis_groups(topo, rank, device.type)
-    return ParallelContext(topology=topo, rank=rank, options=options, mesh=mesh, device=device, seed=seed,
-                           multi_axis_groups=groups)

@@ -241,7 +241,7 @@ def topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None 
              placement: str = "natural", **options) -> tuple[Topology, dict]:
     """The layout of a registered mode (lattice.context.make_topology); for a mode not written
     yet, the mesh the design notes give it, with natural placement or SUPER's round-robin one."""
-    from lattice.context import make_topology
+    from lattice.layout import make_topology
     from lattice.modes import available_modes
 
     if mode in available_modes():

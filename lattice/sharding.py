@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology

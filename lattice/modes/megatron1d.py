@@ -27,12 +27,11 @@ cross-entropy exchanges only per-token max, sum-of-exp and target logit (3·B·T
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice import comm
-from lattice.context import LatticeConfigError, MeshAxis
+from lattice.context import MeshAxis
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible

@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.context import MeshAxis
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
 from lattice.sharding import ShardSpec, register_sharded
