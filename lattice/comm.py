@@ -114,11 +114,12 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # Plain (non-autograd) collectives that meter themselves; the autograd Functions below use them.
 
 
-def raw_all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def raw_all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, phase: str | None = None) -> torch.Tensor:
+    """`phase` overrides the meter's phase (e.g. gradient sums run after autograd's backward)."""
     if group is None:
         return x
     x = x.contiguous()
-    record("all_reduce", group, x.numel(), x.dtype)
+    record("all_reduce", group, x.numel(), x.dtype, phase=phase)
     dist.all_reduce(x, op=op, group=group)
     return x
 

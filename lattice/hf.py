@@ -3,6 +3,8 @@
     model = lattice.GPT.from_hf(GPT2LMHeadModel(...), ctx)      # or a state dict with config=
     sd = model.to_hf_state_dict()                                # GPT2LMHeadModel key names
 
+This module knows names, shapes and configs only; `lattice.model` builds the models.
+
 GPT-2 and lattice store the same tensors: both keep linear weights as W[in, out] (HF's Conv1D
 orientation), so only names change, except the fused qkv projection, which lattice keeps as
 (h, 3, h) with bias (3, h) where HF has c_attn (h, 3h) with bias (3h,); both put q, k, v in that
@@ -30,8 +32,8 @@ import dataclasses
 
 import torch
 
-from lattice.context import LatticeConfigError, ParallelContext
-from lattice.model import GPT, GPTConfig
+from lattice.config import GPTConfig
+from lattice.context import LatticeConfigError
 from lattice.sharding import check_state_dict_keys
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -136,13 +138,19 @@ def _strip(state_dict: dict) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- import / export
-def from_hf(model_or_state_dict, ctx: ParallelContext, *, config=None, dtype: torch.dtype | None = None) -> GPT:
-    """A lattice GPT (this rank's shards, under ctx's layout) with a GPT-2's weights.
+def _lattice_shape(name: str, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """lattice keeps the fused qkv as (h, 3, h) / (3, h) where HF has (h, 3h) / (3h,)."""
+    if ".attn.qkv." not in name:
+        return hf_shape
+    return hf_shape[:-1] + (3, hf_shape[-1] // 3)
+
+
+def read_hf(model_or_state_dict, *, config=None) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The GPTConfig and full state dict (lattice names and shapes) of a GPT-2.
 
     Accepts a GPT2LMHeadModel or GPT2Model, or a state dict (keys with or without the
     `transformer.` prefix; lm_head.weight may be absent when tied) together with `config` (a
-    GPT2Config or GPTConfig). dtype defaults to that of the weights. No communication: every
-    rank must pass the same weights.
+    GPT2Config or GPTConfig). `lattice.GPT.from_hf` builds a model from it.
     """
     if isinstance(model_or_state_dict, torch.nn.Module):
         if not hasattr(model_or_state_dict, "config"):
@@ -180,36 +188,34 @@ def from_hf(model_or_state_dict, ctx: ParallelContext, *, config=None, dtype: to
         if tuple(sd[k].shape) != shape:
             raise LatticeConfigError(f"GPT-2 {k}: expected shape {list(shape)} for this config, got "
                                      f"{list(sd[k].shape)}; the config does not match the weights")
-    model = GPT(cfg, ctx, dtype=dtype or sd["wte.weight"].dtype)
-    full = {_lattice_name(k): sd[k].detach() for k in shapes}
-    model.load_full_state_dict({k: t.reshape(model.specs[k].full_shape) for k, t in full.items()})
-    return model
-
-
-def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Full tensors under GPT2LMHeadModel's key names (lm_head.weight is wte when tied).
-
-    Built from model.full_state_dict(): a collective under a parallel layout, so every rank must
-    call it; the result is identical on every rank.
-    """
-    full = model.full_state_dict()
-    out = {}
-    for k, shape in _hf_shapes(model.cfg).items():
+    full = {}
+    for k, shape in shapes.items():
         name = _lattice_name(k)
-        if name == "head.weight" and model.cfg.tie_embeddings:
-            t = full["embed.wte"]
+        full[name] = sd[k].detach().reshape(_lattice_shape(name, shape))
+    return cfg, full
+
+
+def to_hf_state_dict(cfg: GPTConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors under GPT2LMHeadModel's key names (lm_head.weight is wte when tied), from a
+    lattice full state dict (`model.full_state_dict()`, or `model.to_hf_state_dict()` directly)."""
+    out = {}
+    wte = full["embed.wte"]
+    for k, shape in _hf_shapes(cfg).items():
+        name = _lattice_name(k)
+        if name == "head.weight" and cfg.tie_embeddings:
+            t = wte
         elif name in full:
             t = full[name].reshape(shape)
         else:  # a bias of a bias-free model
-            t = torch.zeros(shape, dtype=model.dtype, device=full["embed.wte"].device)
+            t = torch.zeros(shape, dtype=wte.dtype, device=wte.device)
         out[k if k == "lm_head.weight" else "transformer." + k] = t
     return out
 
 
-def to_hf_model(model: GPT):
-    """A transformers GPT2LMHeadModel (eval mode, the model's dtype) with the model's weights.
-    A collective under a parallel layout, as to_hf_state_dict."""
-    sd = to_hf_state_dict(model)
+def to_hf_model(model):
+    """A transformers GPT2LMHeadModel (eval mode, the model's dtype) with a lattice.GPT's
+    weights. A collective under a parallel layout, as model.to_hf_state_dict."""
+    sd = model.to_hf_state_dict()
     hf = _transformers().GPT2LMHeadModel(config_to_hf(model.cfg)).to(model.dtype)
     hf.load_state_dict({k: t.cpu() for k, t in sd.items()}, strict=True)
     return hf.eval()

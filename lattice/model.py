@@ -9,68 +9,17 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lattice import hf
+from lattice.config import PRESETS, GPTConfig  # noqa: F401  (re-exported: lattice.model.GPTConfig)
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.modes import Block, Position, get_mode
-from lattice.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full
-
-# Model presets: "small" is the default that `lattice train` uses; sizes divide by the tensor
-# parallel degrees the modes need on up to 9 ranks (d_model by 2, 3, 4; heads by 2, 3, 4).
-PRESETS: dict[str, dict] = {
-    "tiny": dict(seq_len=64, d_model=48, n_heads=6, n_layers=2),
-    "small": dict(seq_len=128, d_model=192, n_heads=12, n_layers=4),
-    "medium": dict(seq_len=256, d_model=384, n_heads=12, n_layers=6),
-    "gpt2": dict(seq_len=1024, d_model=768, n_heads=12, n_layers=12),
-}
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 50257
-    seq_len: int = 1024
-    d_model: int = 768
-    n_heads: int = 12
-    n_layers: int = 12
-    dropout: float = 0.0
-    bias: bool = True
-    tie_embeddings: bool = True
-    layer_norm_eps: float = 1e-5
-
-    def __post_init__(self):
-        for f in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise LatticeConfigError(f"GPTConfig.{f} must be a positive integer, got {getattr(self, f)!r}")
-        if self.d_model % self.n_heads:
-            raise LatticeConfigError(
-                f"d_model = {self.d_model} is not divisible by n_heads = {self.n_heads}; choose n_heads "
-                f"among the divisors of d_model or a d_model that is a multiple of {self.n_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise LatticeConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def head_size(self) -> int:
-        return self.d_model // self.n_heads
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
-        if name not in PRESETS:
-            raise LatticeConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
+from lattice.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
 
 class DropoutSeeds:
     """Seeds for dropout masks, as Megatron's RNG tracker keeps them, without global state.
@@ -166,19 +115,25 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
                  activation_checkpointing: bool = False):
+        """Allocates only this rank's shards and fills them with the serial model's initial
+        values. Under `with torch.device("meta")` nothing is allocated (for planning)."""
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.mode = get_mode(ctx.mode)(cfg, ctx)  # validates sizes on every rank, no collectives
         self.activation_checkpointing = activation_checkpointing
         self.seeds = DropoutSeeds(ctx)
-        self.embed = self.mode.embedding()
-        self.drop = Dropout(cfg.dropout, self.seeds, "replicated" if self.mode.residual_replicated else "sharded")
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.mode, self.seeds) for _ in range(cfg.n_layers))
-        self.ln_f = self.mode.layer_norm()
-        self.head = self.mode.lm_head(self.embed)
+        planning = torch.empty(()).is_meta  # the caller's default device is meta
+        with torch.device("meta"):  # declare shards without memory; allocated once below
+            self.embed = self.mode.embedding()
+            self.drop = Dropout(cfg.dropout, self.seeds, "replicated" if self.mode.residual_replicated else "sharded")
+            self.blocks = nn.ModuleList(TransformerBlock(cfg, self.mode, self.seeds) for _ in range(cfg.n_layers))
+            self.ln_f = self.mode.layer_norm()
+            self.head = self.mode.lm_head(self.embed)
         self.specs: dict[str, ShardSpec] = collect_specs(self)
-        if not any(p.is_meta for p in self.parameters()):
-            self.to(device=ctx.device, dtype=dtype)
+        self._grads_pending = False
+        if not planning:
+            self.to_empty(device=ctx.device)
+            self.to(dtype=dtype)
             self.reset_parameters()
 
     # ------------------------------------------------------------------ forward
@@ -187,6 +142,8 @@ class GPT(nn.Module):
         self._check_inputs(tokens, targets)
         if self.training:
             self.seeds.forward_count += 1
+        if torch.is_grad_enabled():
+            self._grads_pending = True  # a backward may follow: sync_grads has work again
         x = self.drop(self.embed(tokens))  # residual layout, e.g. (B, T, h) in serial
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
@@ -218,15 +175,18 @@ class GPT(nn.Module):
             return torch.ones(shape)
         gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + zlib.crc32(name.encode()))
         std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith("proj.weight") else 0.02
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen).mul_(std)  # in place: one full tensor alive
 
     @torch.no_grad()
     def reset_parameters(self):
+        """Serial's initial weights: one full tensor at a time, of which this rank keeps its shard
+        (so a rank's peak is its shards plus the largest single full tensor)."""
         params = dict(self.named_parameters())
         for name, spec in self.specs.items():
             if name in params:
                 full = self.init_full(name, spec.full_shape)
                 params[name].copy_(spec.shard(full, self.ctx.coords, self.ctx.topology))
+                del full
 
     @property
     def dtype(self) -> torch.dtype:
@@ -245,19 +205,45 @@ class GPT(nn.Module):
             if name in params:
                 params[name].copy_(spec.shard(full.to(self.dtype), self.ctx.coords, self.ctx.topology))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors, identical on every rank (a collective: every rank must call it)."""
+    def full_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors (a collective: every rank must call it). By default identical on every
+        rank; with `to_rank`, gathered one tensor at a time onto that global rank alone, the
+        others returning {} and holding no more than their own shards."""
         params = dict(self.named_parameters())
-        return {name: gather_full(params.get(name), spec, self.ctx, dtype=self.dtype)
-                for name, spec in self.specs.items()}
+        out = {}
+        for name, spec in self.specs.items():
+            full = gather_full(params.get(name), spec, self.ctx, dtype=self.dtype, dst=to_rank)
+            if full is not None:
+                out[name] = full
+        return out
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Full gradients of the global mean loss (averaged over data-parallel replicas),
-        identical on every rank. A missing gradient counts as zero."""
+        identical on every rank (a collective). Runs `sync_grads` first if a backward has not been
+        synced yet. A missing gradient counts as zero."""
+        self.sync_grads()
         params = dict(self.named_parameters())
         return {name: gather_full(params[name].grad if name in params else None, spec, self.ctx,
                                   dtype=self.dtype, average_dp=True)
                 for name, spec in self.specs.items()}
+
+    # ------------------------------------------------------------------ one training step
+    def sync_grads(self) -> None:
+        """Sum the partial gradients that the shard specs declare (`ShardSpec.grad_sum`) over
+        their axes inside the model replica, in bucketed, metered all-reduces. Every rank of a
+        replica must call it after backward; a second call before the next forward does nothing.
+        (Data-parallel averaging across replicas is DDP's, in the Trainer.)"""
+        if self._grads_pending:
+            sum_replica_grads(self)
+            self._grads_pending = False
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of this replica's batch, with the in-replica gradient sums; the
+        replica's mean loss as a float, identical on every rank of the replica."""
+        loss = self(tokens, targets)
+        loss.backward()
+        self.sync_grads()
+        return float(loss.detach())
 
     def num_parameters(self) -> int:
         """Parameters of the full model (not this rank's shards)."""
@@ -265,10 +251,16 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ HuggingFace
     @classmethod
-    def from_hf(cls, model_or_state_dict, ctx: ParallelContext, **kwargs) -> "GPT":
-        from lattice.hf import from_hf
-        return from_hf(model_or_state_dict, ctx, **kwargs)
+    def from_hf(cls, model_or_state_dict, ctx: ParallelContext, *, config=None,
+                dtype: torch.dtype | None = None) -> "GPT":
+        """A GPT (this rank's shards, under ctx's layout) with a GPT-2's weights: a
+        GPT2LMHeadModel or GPT2Model, or a state dict with config= (see lattice.hf). dtype
+        defaults to that of the weights. No communication: every rank passes the same weights."""
+        cfg, full = hf.read_hf(model_or_state_dict, config=config)
+        model = cls(cfg, ctx, dtype=dtype or full["embed.wte"].dtype)
+        model.load_full_state_dict(full)
+        return model
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        from lattice.hf import to_hf_state_dict
-        return to_hf_state_dict(self)
+        """Full tensors under GPT2LMHeadModel's names (a collective: every rank calls it)."""
+        return hf.to_hf_state_dict(self.cfg, self.full_state_dict())

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from lattice.comm import _all_gather_tensor, raw_all_reduce
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 
 
@@ -101,10 +103,18 @@ class ShardSpec:
         return padded[tuple(slice(0, n) for n in self.full_shape)]
 
     def shard(self, full: torch.Tensor, coords: Mapping[MeshAxis, int], topo: Topology) -> torch.Tensor:
-        """This rank's shard of a full tensor (no communication)."""
+        """This rank's shard of a full tensor (no communication); padding rows are zeros. Only
+        the shard is allocated (no padded copy of the full tensor)."""
         if tuple(full.shape) != self.full_shape:
             raise LatticeConfigError(f"expected a tensor of shape {list(self.full_shape)}, got {list(full.shape)}")
-        return self.pad(full)[self.slices(coords, topo)].clone()
+        out = full.new_zeros(self.local_shape(topo))
+        src, dst = [], []
+        for sl, n in zip(self.slices(coords, topo), self.full_shape):
+            lo, hi = min(sl.start, n), min(sl.stop, n)  # the part of this slice inside the true size
+            src.append(slice(lo, hi))
+            dst.append(slice(0, hi - lo))
+        out[tuple(dst)] = full[tuple(src)]
+        return out
 
     def describe(self, topo: Topology) -> str:
         parts = [f"dim {d} over {'x'.join(a.value for a in axes)}" for d, axes in self.splits]
@@ -138,12 +148,13 @@ def collect_specs(model: nn.Module) -> dict[str, ShardSpec]:
 
 
 def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContext, *,
-                dtype: torch.dtype, average_dp: bool = False) -> torch.Tensor:
-    """Assemble the full tensor from every rank's shard; the result is identical on every rank.
+                dtype: torch.dtype, average_dp: bool = False, dst: int | None = None) -> torch.Tensor | None:
+    """Assemble the full tensor from every rank's shard (a collective over the world).
 
     `local` is this rank's shard (None where it holds none, or a missing gradient counts as 0).
     With average_dp, each data-parallel replica's assembly is averaged (for gradients); otherwise
-    replica 0's is returned.
+    replica 0's is returned. The result is identical on every rank, or with `dst` (a global rank)
+    built there alone while the other ranks send their shard and return None.
     """
     topo = ctx.topology
     local_shape = spec.local_shape(topo)
@@ -152,9 +163,15 @@ def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContex
         local = torch.zeros(local_shape, dtype=dtype, device=ctx.device)
     buf = local.detach().to(dtype).reshape(-1).contiguous()
     if topo.world_size > 1:
-        everyone = torch.empty(topo.world_size * numel, dtype=dtype, device=buf.device)
-        from lattice.comm import _all_gather_tensor
-        _all_gather_tensor(everyone, buf)
+        everyone = None
+        if dst is None or ctx.rank == dst:
+            everyone = torch.empty(topo.world_size * numel, dtype=dtype, device=buf.device)
+        if dst is None:
+            _all_gather_tensor(everyone, buf)
+        else:
+            dist.gather(buf, list(everyone.chunk(topo.world_size)) if everyone is not None else None, dst=dst)
+            if everyone is None:
+                return None
         chunks = everyone.view(topo.world_size, *local_shape)
     else:
         chunks = buf.view(1, *local_shape)
@@ -174,6 +191,48 @@ def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContex
     if replicas > 1:
         full /= replicas
     return spec.crop(full).contiguous()
+
+
+#: gradient bytes per all-reduce of `sum_replica_grads` (DDP's default bucket)
+GRAD_BUCKET_BYTES = 25 * 2 ** 20
+
+
+def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
+    """The parameters this rank holds whose spec declares `grad_sum`, as (axes, names) buckets
+    of at most GRAD_BUCKET_BYTES, in spec order (the same on every rank of a group)."""
+    topo = model.ctx.topology
+    params = dict(model.named_parameters())
+    by_axes: dict[tuple, list[str]] = {}
+    for name, spec in model.specs.items():
+        if spec.grad_sum and name in params:
+            by_axes.setdefault(topo.canonical_axes(spec.grad_sum), []).append(name)
+    buckets = []
+    for axes, names in by_axes.items():
+        current, size = [], 0
+        for name in names:
+            nbytes = params[name].numel() * params[name].element_size()
+            if current and size + nbytes > GRAD_BUCKET_BYTES:
+                buckets.append((axes, current))
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        buckets.append((axes, current))
+    return buckets
+
+
+@torch.no_grad()
+def sum_replica_grads(model: nn.Module) -> None:
+    """Sum each declared partial gradient over its `grad_sum` axes: one flat all-reduce per
+    bucket (metered as backward traffic). A missing gradient joins as zeros."""
+    params = dict(model.named_parameters())
+    for axes, names in grad_sum_buckets(model):
+        group = model.ctx.group(*axes)
+        if group is None:
+            continue
+        grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
+        flat = raw_all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, phase="backward")
+        for name, part in zip(names, flat.split([g.numel() for g in grads])):
+            params[name].grad = part.view_as(params[name]).clone()
 
 
 def check_state_dict_keys(expected: Iterable[str], given: Iterable[str], what: str = "state dict"):

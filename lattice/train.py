@@ -153,18 +153,15 @@ class Trainer:
         """Global L2 norm of the full gradient, identical on every rank.
 
         Each rank sums its shards' squares divided by the number of ranks in its model replica
-        that hold the same shard, so replicated copies count once; the sum runs over the whole
-        model replica. (DeviceMesh in torch 2.13 has no public way to flatten the non-dp axes into
-        one group, so the sum is all-reduced over every rank and divided by dp: after the DDP sync
-        all replicas hold the same gradients, so each replica contributes the same amount.)"""
+        that hold the same shard, so replicated copies count once, and the sum is all-reduced over
+        the model replica's group. After the DDP sync every replica holds the same gradients, so
+        one replica's norm is the global one."""
         topo = self.ctx.topology
         sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for name, p in self.model.named_parameters():
             if p.grad is not None:
                 sq += p.grad.detach().float().pow(2).sum() / self.model.specs[name].replicas(topo)
-        if self.ctx.tp > 1:  # with tp == 1 every rank already holds every gradient
-            sq = raw_all_reduce(sq.reshape(1), dist.group.WORLD).reshape(()) / self.ctx.dp
-        return sq.sqrt()
+        return raw_all_reduce(sq.reshape(1), self.ctx.model_group()).reshape(()).sqrt()
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
@@ -180,6 +177,7 @@ class Trainer:
         with self._autocast():
             loss = self.engine(x, y)
         loss.backward()
+        self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
         norm = self.grad_norm()
         if cfg.grad_clip > 0:
             scale = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
