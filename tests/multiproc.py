@@ -5,23 +5,27 @@
 
 Each world size's processes start once per test session and run many checks, so the suite stays
 fast on 2 cores. A check that deadlocks fails after its timeout (the world is then killed and
-restarted for the next check) instead of hanging CI. Inside a check, call `cached_init(...)`
+restarted for the next check) instead of hanging CI; shortly before the deadline every rank dumps
+its Python stacks (faulthandler), and the failure report shows where each stuck rank was. Inside a check, call `cached_init(...)`
 rather than `lattice.init(...)` to reuse the process groups of an identical layout.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
 
 DEFAULT_TIMEOUT = float(os.environ.get("LATTICE_TEST_TIMEOUT", "180"))
 ERROR_GRACE = 5.0  # seconds to wait for the other ranks once one rank has failed
+STACK_DUMP_BEFORE = 2.0  # seconds before a check's deadline at which every rank dumps its stacks
 
 
 class DistributedCheckFailed(AssertionError):
@@ -32,6 +36,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stack_file(port: int, rank: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"lattice-test-stacks-{port}-{rank}.txt")
 
 
 def _worker(rank: int, world: int, port: int, tasks, results):
@@ -46,11 +54,16 @@ def _worker(rank: int, world: int, port: int, tasks, results):
         task = tasks.get()
         if task is None:
             break
-        task_id, fn, args, kwargs = task
-        try:
-            out = ("ok", fn(*args, **kwargs))
-        except BaseException:  # report anything, including assertion failures, to the parent
-            out = ("error", traceback.format_exc())
+        task_id, fn, args, kwargs, deadline = task
+        with open(_stack_file(port, rank), "w") as stacks:
+            # the parent's deadline is wall-clock time: a world still starting up dumps on time too
+            faulthandler.dump_traceback_later(max(0.1, deadline - time.time() - STACK_DUMP_BEFORE), file=stacks)
+            try:
+                out = ("ok", fn(*args, **kwargs))
+            except BaseException:  # report anything, including assertion failures, to the parent
+                out = ("error", traceback.format_exc())
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         results.put((task_id, rank, out))
     dist.destroy_process_group()
 
@@ -61,7 +74,7 @@ class World:
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = self.port = _free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, size, port, self.tasks[r], self.results), daemon=True)
                       for r in range(size)]
         for p in self.procs:
@@ -74,8 +87,9 @@ class World:
     def run(self, fn, args, kwargs, timeout: float):
         self.next_id += 1
         task_id = self.next_id
+        wall_deadline = time.time() + timeout
         for q in self.tasks:
-            q.put((task_id, fn, args, kwargs))
+            q.put((task_id, fn, args, kwargs, wall_deadline))
         got: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
         first_error = None
@@ -103,10 +117,19 @@ class World:
             if missing:
                 why = "died" if not self.alive() else f"no answer within {timeout:.0f}s (deadlock?)"
                 report.append(f"ranks {missing}: {why}")
+                for r in missing:
+                    report.append(f"--- rank {r} stacks {STACK_DUMP_BEFORE:.0f}s before the deadline:\n{self.stacks(r)}")
             for r in sorted(errors):
                 report.append(f"--- rank {r} traceback:\n{errors[r]}")
             raise DistributedCheckFailed("\n".join(report))
         return [got[r][1] for r in range(self.size)]
+
+    def stacks(self, rank: int) -> str:
+        try:
+            with open(_stack_file(self.port, rank)) as f:
+                return f.read().strip() or "(none dumped: the rank ended or died before the dump)"
+        except FileNotFoundError:
+            return "(no stack file)"
 
     def close(self, force: bool = False):
         if not force:

@@ -154,3 +154,27 @@ def test_initial_weights_depend_on_seed_not_on_construction():
     assert a["blocks.0.ln_1.weight"].eq(1).all() and a["blocks.0.attn.qkv.bias"].eq(0).all()
     std = a["blocks.0.mlp.fc.weight"].std().item()
     assert 0.015 < std < 0.025
+
+
+def _hang_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        import time
+        time.sleep(30)  # never joins the barrier within the check's timeout
+    dist.barrier()
+
+
+def test_a_hung_check_reports_every_stuck_ranks_stack():
+    """Catches a harness that, on a deadlock, only says "timeout" without showing where each rank
+    was stuck (the faulthandler dump before the deadline)."""
+    from multiproc import DistributedCheckFailed, run_distributed
+
+    with pytest.raises(DistributedCheckFailed) as failure:
+        run_distributed(2, _hang_on_rank_1, timeout=6)
+    report = str(failure.value)
+    assert "no answer within 6s" in report
+    stacks = report.split("--- rank ")[1:]
+    assert [s.split(" ")[0] for s in stacks] == ["0", "1"]
+    for rank_stack in stacks:  # each rank's own dump, showing the line it is stuck on
+        assert "in _hang_on_rank_1" in rank_stack, report
