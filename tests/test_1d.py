@@ -158,6 +158,7 @@ def _check_adamw(tp, dp, sp, steps=30):
         opt.zero_grad()
         loss = model(tokens[rows], targets[rows])
         loss.backward()
+        model.sync_grads()
         if dp_group is not None:
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=dp_group)
@@ -221,8 +222,9 @@ def expected_step_comm(b, s, h, v, p, n_layers, sp, bias):
       all-gather forward and a reduce-scatter backward), and the vocab-parallel cross-entropy's
       two forward all-reduces: the row max (b·s) and [sum of exp, target logit] (2·b·s). The
       vocabulary size v appears nowhere: the logits are never communicated.
-    - with sequence parallel only, the backward all-reduce that keeps replicated vectors
-      identical: wpe rows in use (s·h), each LayerNorm's weight (and bias), each row-parallel bias.
+    - with sequence parallel only, the backward all-reduces that keep replicated vectors
+      identical: wpe rows in use (s·h) inside autograd, and every LayerNorm's weight (and bias)
+      and row-parallel bias together in one bucket after backward (GPT.sync_grads).
     With p = 1 nothing is communicated.
     """
     if p == 1:
@@ -239,7 +241,7 @@ def expected_step_comm(b, s, h, v, p, n_layers, sp, bias):
             ("forward", "all_reduce"): _sum(loss_ar),
             ("backward", "all_gather"): (1 + blocks, (1 + blocks) * act),
             ("backward", "reduce_scatter"): (blocks + 1, (blocks + 1) * act),
-            ("backward", "all_reduce"): (1 + vectors, s * h + vectors * h)}
+            ("backward", "all_reduce"): (2, s * h + vectors * h)}
 
 
 def _sum(pairs):
@@ -253,7 +255,7 @@ def _check_comm(tp, dp, sp, bias, vocab):
     tokens, targets = _batch(cfg, seed=5)
     rows = _replica_rows(ctx)
     with lattice.CommMeter() as meter:
-        model(tokens[rows], targets[rows]).backward()
+        model.forward_backward(tokens[rows], targets[rows])
     measured = {}
     for (phase, op, group_size), rec in meter.summary().items():
         assert group_size == tp, f"{op} over {group_size} ranks: only the TP group may communicate"
@@ -362,6 +364,7 @@ def _check_dropout(sp):
     tokens, targets = _batch(cfg, seed=3, batch=2)  # the same batch on both replicas
     loss = model(tokens, targets)
     loss.backward()
+    model.sync_grads()
     everyone = [torch.empty_like(loss) for _ in range(ctx.world_size)]
     dist.all_gather(everyone, loss.detach())
     replicated = {}

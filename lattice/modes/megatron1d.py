@@ -18,8 +18,10 @@ residual stay split along the sequence; g becomes a reduce-scatter over T and f 
 over T (a ring all-reduce is a reduce-scatter plus an all-gather, so the wire traffic stays the
 same while LayerNorm/dropout activations shrink to 1/p; CommMeter, counting each collective's
 logical buffer, reports twice the elements). Replicated vectors used on the sequence
-chunk (LayerNorm, row-linear bias, wpe) then see partial gradients: they pass through
-`copy_to_group`, whose backward sums them, so every rank keeps identical values.
+chunk then see partial gradients: LayerNorm weights and biases and the row-linear biases declare
+`grad_sum=(TP,)` in their shard specs, so `GPT.sync_grads` sums them in one bucketed all-reduce
+after backward; wpe, of which only the rows in use get a gradient, passes its slice through
+`copy_to_group`, whose backward sums it. Every rank keeps identical values.
 
 The LM head never gathers logits for the loss: each rank scores its vocabulary slice and the
 cross-entropy exchanges only per-token max, sum-of-exp and target logit (3·B·T values).
@@ -88,20 +90,6 @@ class VocabParallelEmbedding(nn.Module):
         return x_seq + wpe[start:start + t_local]
 
 
-class SequenceParallelLayerNorm(LayerNorm):
-    """LayerNorm on a sequence chunk (B, T/p, h); weight and bias replicated, their gradients
-    summed over TP inside autograd."""
-
-    def __init__(self, cfg, ctx):
-        super().__init__(cfg, ctx)
-        self.ctx = ctx
-
-    def forward(self, x):
-        group = tp_group(self.ctx)
-        bias = None if self.bias is None else comm.copy_to_group(self.bias, group)
-        return F.layer_norm(x, x.shape[-1:], comm.copy_to_group(self.weight, group), bias, self.eps)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x W + b with W (in, [stack,] out) split over TP along its last dim (out).
 
@@ -140,8 +128,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.ctx, self.sp = ctx, sequence_parallel
         register_sharded(self, "weight", ShardSpec((in_features, out_features), splits=((0, (MeshAxis.TP,)),)), ctx)
-        if cfg.bias:
-            register_sharded(self, "bias", ShardSpec((out_features,)), ctx)
+        if cfg.bias:  # added to a sequence chunk under sequence parallelism: partial gradients
+            register_sharded(self, "bias", ShardSpec((out_features,), grad_sum=(MeshAxis.TP,) if sequence_parallel else ()),
+                             ctx)
         else:
             self.bias = None
 
@@ -152,7 +141,7 @@ class RowParallelLinear(nn.Module):
             y = comm.all_reduce(partial, group)
             return y if self.bias is None else y + self.bias
         y = comm.reduce_scatter(partial, group, 1)  # (B, T/p, out)
-        return y if self.bias is None else y + comm.copy_to_group(self.bias, group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelLMHead(nn.Module):
@@ -226,7 +215,7 @@ class Megatron1D(Mode):
         return VocabParallelEmbedding(self.cfg, self.ctx, self.sp)
 
     def layer_norm(self):
-        return SequenceParallelLayerNorm(self.cfg, self.ctx) if self.sp else LayerNorm(self.cfg, self.ctx)
+        return LayerNorm(self.cfg, self.ctx, grad_sum=(MeshAxis.TP,) if self.sp else ())
 
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
         if position == Position.IN:

@@ -27,12 +27,15 @@ class Embedding(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, cfg, ctx):
+    """LayerNorm with whole (replicated) weight and bias; `grad_sum` names the axes along which
+    ranks see different tokens, so that their partial gradients must be summed."""
+
+    def __init__(self, cfg, ctx, grad_sum=()):
         super().__init__()
         self.eps = cfg.layer_norm_eps
-        register_sharded(self, "weight", ShardSpec((cfg.d_model,)), ctx)
+        register_sharded(self, "weight", ShardSpec((cfg.d_model,), grad_sum=grad_sum), ctx)
         if cfg.bias:
-            register_sharded(self, "bias", ShardSpec((cfg.d_model,)), ctx)
+            register_sharded(self, "bias", ShardSpec((cfg.d_model,), grad_sum=grad_sum), ctx)
         else:
             self.bias = None
 
