@@ -178,3 +178,44 @@ def test_a_hung_check_reports_every_stuck_ranks_stack():
     assert [s.split(" ")[0] for s in stacks] == ["0", "1"]
     for rank_stack in stacks:  # each rank's own dump, showing the line it is stuck on
         assert "in _hang_on_rank_1" in rank_stack, report
+
+
+def _check_groups_and_gather_to_one_rank():
+    import torch.distributed as dist
+
+    from lattice.model import GPT
+    from multiproc import cached_init
+
+    ctx = cached_init(mode="2d", tp=4)
+    summed = torch.tensor([float(ctx.rank)])
+    assert ctx.model_group() is ctx.group(MeshAxis.ROW, MeshAxis.COL)
+    dist.all_reduce(summed, group=ctx.model_group())
+    members = ctx.topology.group_members((MeshAxis.ROW, MeshAxis.COL), ctx.rank)
+    cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=8, n_heads=2, n_layers=1)
+    model = GPT(cfg, ctx)
+    everywhere = model.full_state_dict()
+    on_one = model.full_state_dict(to_rank=1)
+    same = ctx.rank != 1 or all(torch.equal(on_one[k], v) for k, v in everywhere.items())
+    return float(summed), members, len(on_one), len(everywhere), same
+
+
+def test_multi_axis_groups_and_gathering_to_one_rank():
+    """Catches a model-parallel group that is missing or spans the wrong ranks (the gradient norm
+    sums over it), full_state_dict(to_rank=) building tensors on ranks other than the target or
+    differing from the all-gathered result."""
+    from multiproc import run_distributed
+
+    for rank, (summed, members, n_one, n_all, same) in enumerate(run_distributed(4, _check_groups_and_gather_to_one_rank)):
+        assert summed == 0 + 1 + 2 + 3 and members == [0, 1, 2, 3]
+        assert n_one == (n_all if rank == 1 else 0) and same
+
+
+def test_undeclared_multi_axis_group_is_refused_by_name():
+    """Catches ctx.group silently returning a wrong (single-axis or world) group for a combination
+    of axes that lattice.init never created."""
+    topo = Topology("2d", ((MeshAxis.DP, 2), (MeshAxis.ROW, 2), (MeshAxis.COL, 2)), tuple(range(8)), 8)
+    ctx = ParallelContext(topology=topo, rank=0, mesh=object(), multi_axis_groups={})
+    with pytest.raises(KeyError, match=r"no process group over axes \['dp', 'row'\].*declare it in its `groups`"):
+        ctx.group(MeshAxis.ROW, MeshAxis.DP)
+    # rank 3 is (dp 0, row 1, col 1): its group over col and dp is row 1 of both replicas
+    assert topo.group_members((MeshAxis.COL, MeshAxis.DP), 3) == [2, 3, 6, 7]
