@@ -248,7 +248,8 @@ def prepare(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, ta
         ctx = lattice.plan("serial") if mode == "serial" else lattice.init(mode, tp=p, **options)
         model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
         model.load_full_state_dict(sd)
-        forward, backward = (lambda: model(tokens, targets)), (lambda loss: loss.backward())
+        forward = lambda: model(tokens, targets)  # noqa: E731
+        backward = lambda loss: (loss.backward(), model.sync_grads())  # noqa: E731  (in-replica gradient sums)
         analytic = costmodel.estimate(cfg, mode, batch=args.batch, tp=1 if mode == "serial" else p,
                                       activation_checkpointing=ckpt, rank=0 if mode == "serial" else rank, **options)
     run = Prepared(label, mode, options, model, forward, backward, analytic, solo=mode == "serial")

@@ -423,11 +423,10 @@ class _Builder:
                 self.add("backward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
                 self.add("forward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
                 self.add("backward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
-                self.add("backward", "all_reduce", (TP,), h * vectors, vectors, "layer.norm", layer=True)
-                if self.bias:
-                    self.add("backward", "all_reduce", (TP,), h, 1, "layer.bias", layer=True)
             self.recompute.pop()  # the MLP's reduce-scatter follows its last saved input
-            self.add("backward", "all_reduce", (TP,), h * vectors, vectors, "head")  # ln_f
+            # LayerNorm weights/biases and row-linear biases (grad_sum=(TP,)): one bucket after backward
+            self.add("backward", "all_reduce", (TP,), h * (self.L * (2 * vectors + (2 if self.bias else 0)) + vectors),
+                     1, "grads")
             self.add("forward", "all_gather", (TP,), act, 1, "head")
             self.add("backward", "reduce_scatter", (TP,), act, 1, "head")
         self.add("forward", "all_reduce", (TP,), 3 * N, 2, "loss", itemsize=max(4, self.c.itemsize))

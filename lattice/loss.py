@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lattice import comm
-from lattice.modes.serial import upcast
+from lattice.layers import upcast
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

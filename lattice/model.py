@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lattice import hf
-from lattice.config import PRESETS, GPTConfig  # noqa: F401  (re-exported: lattice.model.GPTConfig)
+from lattice.config import PRESETS, GPTConfig  # noqa: F401  (lattice.model.PRESETS and .GPTConfig stay importable)
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.modes import Block, Position, get_mode
 from lattice.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads

@@ -153,54 +153,36 @@ def summa_atb_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tenso
     return c
 
 
-# Backward passes run the same products on every rank in the same order (A's gradient first),
-# which the collectives inside them require. `needs_input_grad` is the same on every rank
-# because every rank holds a block of each operand.
+# Each form's backward is two products of the other forms (Eq. 1-3), listed as (form, first
+# operand, second operand) over the names a, b (the forward's operands) and dc (C's gradient):
+#   C = A B:   dA = dC Bᵀ,  dB = Aᵀ dC
+#   C = A Bᵀ:  dA = dC B,   dB = dCᵀ A
+#   C = Aᵀ B:  dA = B dCᵀ,  dB = A dC
+_FORWARD = {"ab": summa_ab_raw, "abt": summa_abt_raw, "atb": summa_atb_raw}
+_BACKWARD = {"ab": (("abt", "dc", "b"), ("atb", "a", "dc")),
+             "abt": (("ab", "dc", "b"), ("atb", "dc", "a")),
+             "atb": (("abt", "b", "dc"), ("ab", "a", "dc"))}
 
 
-class _SummaAB(torch.autograd.Function):
+class _Summa(torch.autograd.Function):
+    """One SUMMA product of the given form, its backward from the table above. Backward passes
+    run the same products on every rank in the same order (A's gradient first), which the
+    collectives inside them require; `needs_input_grad` is the same on every rank because every
+    rank holds a block of each operand."""
+
     @staticmethod
-    def forward(ctx, a, b, grid):
-        ctx.grid = grid
+    def forward(ctx, form, a, b, grid):
+        ctx.form, ctx.grid = form, grid
         ctx.save_for_backward(a, b)
-        return summa_ab_raw(a, b, grid)
+        return _FORWARD[form](a, b, grid)
 
     @staticmethod
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
-        da = summa_abt_raw(dc, b, ctx.grid) if ctx.needs_input_grad[0] else None
-        db = summa_atb_raw(a, dc, ctx.grid) if ctx.needs_input_grad[1] else None
-        return da, db, None
-
-
-class _SummaABT(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, grid):
-        ctx.grid = grid
-        ctx.save_for_backward(a, b)
-        return summa_abt_raw(a, b, grid)
-
-    @staticmethod
-    def backward(ctx, dc):
-        a, b = ctx.saved_tensors
-        da = summa_ab_raw(dc, b, ctx.grid) if ctx.needs_input_grad[0] else None
-        db = summa_atb_raw(dc, a, ctx.grid) if ctx.needs_input_grad[1] else None
-        return da, db, None
-
-
-class _SummaATB(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, grid):
-        ctx.grid = grid
-        ctx.save_for_backward(a, b)
-        return summa_atb_raw(a, b, grid)
-
-    @staticmethod
-    def backward(ctx, dc):
-        a, b = ctx.saved_tensors
-        da = summa_abt_raw(b, dc, ctx.grid) if ctx.needs_input_grad[0] else None
-        db = summa_ab_raw(a, dc, ctx.grid) if ctx.needs_input_grad[1] else None
-        return da, db, None
+        operands = {"a": a, "b": b, "dc": dc}
+        grads = [_FORWARD[form](operands[x], operands[y], ctx.grid) if ctx.needs_input_grad[k + 1] else None
+                 for k, (form, x, y) in enumerate(_BACKWARD[ctx.form])]
+        return None, *grads, None
 
 
 def _autocast(a: torch.Tensor, b: torch.Tensor):
@@ -215,14 +197,14 @@ def _autocast(a: torch.Tensor, b: torch.Tensor):
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
     """C = A B (Alg. 1). Backward (Eq. 1): dA = dC Bᵀ (Alg. 2), dB = Aᵀ dC (Alg. 3)."""
-    return _SummaAB.apply(*_autocast(a, b), grid)
+    return _Summa.apply("ab", *_autocast(a, b), grid)
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
     """C = A Bᵀ (Alg. 2). Backward (Eq. 3): dA = dC B (Alg. 1), dB = dCᵀ A (Alg. 3)."""
-    return _SummaABT.apply(*_autocast(a, b), grid)
+    return _Summa.apply("abt", *_autocast(a, b), grid)
 
 
 def summa_atb(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
     """C = Aᵀ B (Alg. 3). Backward (Eq. 2): dA = B dCᵀ (Alg. 2), dB = A dC (Alg. 1)."""
-    return _SummaATB.apply(*_autocast(a, b), grid)
+    return _Summa.apply("atb", *_autocast(a, b), grid)

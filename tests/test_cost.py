@@ -126,7 +126,7 @@ def _measure(mode, n, options, ckpt):
     gen = torch.Generator().manual_seed(3)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen) for _ in range(2))
     with lattice.CommMeter() as meter:
-        model(tokens, targets).backward()
+        model.forward_backward(tokens, targets)
     from lattice.bench import saved_activation_bytes
 
     saved = saved_activation_bytes(model, lambda: model(tokens, targets))

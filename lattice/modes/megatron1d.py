@@ -38,6 +38,7 @@ from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
 from lattice.modes.serial import LayerNorm
+from lattice.layers import TiedHead, register_weight_and_bias, local_linear, vocab_table_spec
 from lattice.sharding import ShardSpec, register_sharded
 
 
@@ -48,10 +49,7 @@ def tp_group(ctx):
 
 def vocab_spec(cfg, ctx) -> ShardSpec:
     """(V, h) split by rows over TP; V padded up to a multiple of p with zero rows."""
-    p = ctx.size(MeshAxis.TP)
-    padded = -(-cfg.vocab_size // p) * p
-    return ShardSpec((cfg.vocab_size, cfg.d_model), splits=((0, (MeshAxis.TP,)),),
-                     padded_shape=(padded, cfg.d_model) if padded != cfg.vocab_size else None)
+    return vocab_table_spec(cfg, ((0, (MeshAxis.TP,)),), ctx.size(MeshAxis.TP))
 
 
 def vocab_range(cfg, ctx) -> tuple[int, int]:
@@ -99,22 +97,16 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, cfg, ctx, in_features, out_features, stack, sequence_parallel):
         super().__init__()
-        self.ctx, self.sp, self.stack = ctx, sequence_parallel, stack
+        self.ctx, self.sp = ctx, sequence_parallel
         out_shape = (stack, out_features) if stack else (out_features,)
-        register_sharded(self, "weight", ShardSpec((in_features,) + out_shape,
-                                                   splits=((len(out_shape), (MeshAxis.TP,)),)), ctx)
-        if cfg.bias:
-            register_sharded(self, "bias", ShardSpec(out_shape, splits=((len(out_shape) - 1, (MeshAxis.TP,)),)), ctx)
-        else:
-            self.bias = None
+        last = len(out_shape)
+        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features,) + out_shape, splits=((last, (MeshAxis.TP,)),)),
+                       ShardSpec(out_shape, splits=((last - 1, (MeshAxis.TP,)),)))
 
     def forward(self, x):
         group = tp_group(self.ctx)
         x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)  # (B, T, in)
-        y = x @ self.weight.reshape(self.weight.shape[0], -1)
-        if self.bias is not None:
-            y = y + self.bias.reshape(-1)
-        return y.unflatten(-1, self.weight.shape[1:]) if self.stack else y
+        return local_linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -127,12 +119,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, cfg, ctx, in_features, out_features, sequence_parallel):
         super().__init__()
         self.ctx, self.sp = ctx, sequence_parallel
-        register_sharded(self, "weight", ShardSpec((in_features, out_features), splits=((0, (MeshAxis.TP,)),)), ctx)
-        if cfg.bias:  # added to a sequence chunk under sequence parallelism: partial gradients
-            register_sharded(self, "bias", ShardSpec((out_features,), grad_sum=(MeshAxis.TP,) if sequence_parallel else ()),
-                             ctx)
-        else:
-            self.bias = None
+        # the bias is added to a sequence chunk under sequence parallelism: partial gradients
+        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features, out_features), splits=((0, (MeshAxis.TP,)),)),
+                       ShardSpec((out_features,), grad_sum=(MeshAxis.TP,) if sequence_parallel else ()))
 
     def forward(self, x):
         group = tp_group(self.ctx)
@@ -144,23 +133,16 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelLMHead(nn.Module):
+class VocabParallelLMHead(TiedHead):
     """Logits against the (tied) vocab-split table, fused with the vocab-parallel cross-entropy.
 
     x (B, T, h) replicated, or (B, T/p, h) with sequence parallel (all-gathered over T first).
     """
 
     def __init__(self, cfg, ctx, embedding, sequence_parallel):
-        super().__init__()
+        super().__init__(cfg, ctx, embedding, vocab_spec(cfg, ctx))
         self.ctx, self.sp, self.vocab_size = ctx, sequence_parallel, cfg.vocab_size
-        self.embedding = [embedding]  # a list, so the tied table is not registered twice
-        self.tied = cfg.tie_embeddings
         self.vocab_start, _ = vocab_range(cfg, ctx)
-        if not self.tied:
-            register_sharded(self, "weight", vocab_spec(cfg, ctx), ctx)
-
-    def table(self):
-        return self.embedding[0].wte if self.tied else self.weight
 
     def _local_logits(self, x):  # -> (B, T, V_local) of this rank's vocabulary rows
         group = tp_group(self.ctx)

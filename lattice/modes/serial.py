@@ -5,12 +5,12 @@ Its modules also serve other modes as the replicated building blocks (specs with
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
+from lattice.layers import TiedHead, register_weight_and_bias, local_linear, upcast  # noqa: F401  (upcast: shared)
 from lattice.sharding import ShardSpec, register_sharded
 
 
@@ -48,34 +48,18 @@ class Linear(nn.Module):
 
     def __init__(self, cfg, ctx, in_features, out_features, stack=None):
         super().__init__()
-        self.stack = stack
         out_shape = (stack, out_features) if stack else (out_features,)
-        register_sharded(self, "weight", ShardSpec((in_features,) + out_shape), ctx)
-        if cfg.bias:
-            register_sharded(self, "bias", ShardSpec(out_shape), ctx)
-        else:
-            self.bias = None
+        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features,) + out_shape), ShardSpec(out_shape))
 
     def forward(self, x):  # (B, T, in) -> (B, T, [stack,] out)
-        w = self.weight.reshape(self.weight.shape[0], -1)
-        y = x @ w
-        if self.bias is not None:
-            y = y + self.bias.reshape(-1)
-        return y.unflatten(-1, self.weight.shape[1:]) if self.stack else y
+        return local_linear(x, self.weight, self.bias)
 
 
-class LMHead(nn.Module):
+class LMHead(TiedHead):
     """Logits against the (tied) token table, cross-entropy in float32."""
 
     def __init__(self, cfg, ctx, embedding):
-        super().__init__()
-        self.embedding = [embedding]  # a list, so the tied table is not registered twice
-        self.tied = cfg.tie_embeddings
-        if not self.tied:
-            register_sharded(self, "weight", ShardSpec((cfg.vocab_size, cfg.d_model)), ctx)
-
-    def table(self):
-        return self.embedding[0].wte if self.tied else self.weight
+        super().__init__(cfg, ctx, embedding, ShardSpec((cfg.vocab_size, cfg.d_model)))
 
     def logits(self, x):  # (B, T, h) -> (B, T, V)
         return x @ self.table().t()
@@ -83,11 +67,6 @@ class LMHead(nn.Module):
     def loss(self, x, targets):
         logits = self.logits(x)
         return F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten())
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """Low-precision (bf16/fp16) values to float32 for softmax and loss; float32/64 unchanged."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 @register

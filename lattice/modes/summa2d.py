@@ -27,7 +27,7 @@ from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible
-from lattice.modes.serial import upcast
+from lattice.layers import TiedHead, register_weight_and_bias, round_up, upcast, vocab_table_spec
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
 
@@ -139,12 +139,8 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.grid, self.h, self.eps = mode.grid, cfg.d_model, cfg.layer_norm_eps
         spec = ShardSpec((cfg.d_model,), ((0, (COL,)),), ON_ROW_0)
-        register_sharded(self, "weight", spec, mode.ctx)
+        register_weight_and_bias(self, cfg, mode.ctx, spec, spec)
         self.has_bias = cfg.bias
-        if cfg.bias:
-            register_sharded(self, "bias", spec, mode.ctx)
-        else:
-            self.bias = None
 
     def forward(self, x):  # (B/q, T, h/q) -> same
         shape = x.shape[-1:]
@@ -164,12 +160,8 @@ class Linear(nn.Module):
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
         w_spec = ShardSpec((in_features,) + out_shape, ((0, (ROW,)), (last, (COL,))))  # rows over ROW, out over COL
-        register_sharded(self, "weight", w_spec, mode.ctx)
+        register_weight_and_bias(self, cfg, mode.ctx, w_spec, ShardSpec(out_shape, ((last - 1, (COL,)),), ON_ROW_0))
         self.has_bias = cfg.bias
-        if cfg.bias:
-            register_sharded(self, "bias", ShardSpec(out_shape, ((last - 1, (COL,)),), ON_ROW_0), mode.ctx)
-        else:
-            self.bias = None
         self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
 
     def forward(self, x):
@@ -183,19 +175,12 @@ class Linear(nn.Module):
         return y.view(*x.shape[:-1], *self.local_out)
 
 
-class LMHead(nn.Module):
+class LMHead(TiedHead):
     """logits = x Eᵀ (SUMMA C = A Bᵀ) against the tied table (or its own), with 2D cross-entropy."""
 
     def __init__(self, cfg, mode: "Summa2D", embedding: Embedding):
-        super().__init__()
+        super().__init__(cfg, mode.ctx, embedding, mode.table_spec())
         self.grid, self.cfg, self.vocab_pad = mode.grid, cfg, mode.vocab_pad
-        self.embedding = [embedding]  # a list, so the tied table is not registered twice
-        self.tied = cfg.tie_embeddings
-        if not self.tied:
-            register_sharded(self, "weight", mode.table_spec(), mode.ctx)
-
-    def table(self):
-        return self.embedding[0].wte if self.tied else self.weight
 
     def _local_logits(self, x):  # (B/q, T, h/q) -> (B/q·T, V_pad/q): batch i, vocab j
         return summa_abt(x.reshape(-1, x.shape[-1]), self.table(), self.grid)
@@ -288,7 +273,7 @@ class Summa2D(Mode):
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
         self.q = ctx.size(ROW)
-        self.vocab_pad = -(-cfg.vocab_size // self.q) * self.q
+        self.vocab_pad = round_up(cfg.vocab_size, self.q)
         self.grid = SummaGrid(ctx)
 
     def check_config(self, cfg):
@@ -305,9 +290,7 @@ class Summa2D(Mode):
 
     def table_spec(self) -> ShardSpec:
         """(V, h) in q x q blocks, V padded with zero rows to a multiple of q."""
-        cfg = self.cfg
-        padded = (self.vocab_pad, cfg.d_model) if self.vocab_pad != cfg.vocab_size else None
-        return ShardSpec((cfg.vocab_size, cfg.d_model), ((0, (ROW,)), (1, (COL,))), padded_shape=padded)
+        return vocab_table_spec(self.cfg, ((0, (ROW,)), (1, (COL,))), self.q)
 
     def workspace_plan(self, batch: int, seq: int) -> tuple[int, int]:
         """(receive-buffer, step) sizes in elements: the largest of any SUMMA step (two blocks,

@@ -1,0 +1,59 @@
+"""Pieces every mode repeats: float32 upcasting, vocabulary padding, the (tied) LM head's table,
+and the local linear product. Modes compose these with their own communication."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lattice.sharding import ShardSpec, register_sharded
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Low-precision (bf16/fp16) values to float32 for softmax and loss; float32/64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def vocab_table_spec(cfg, splits, multiple: int) -> ShardSpec:
+    """The (V, h) token table split by `splits`, V padded with zero rows to a multiple of
+    `multiple` so that it divides; state dicts keep the true V (the spec crops the padding)."""
+    padded = round_up(cfg.vocab_size, multiple)
+    return ShardSpec((cfg.vocab_size, cfg.d_model), splits=splits,
+                     padded_shape=(padded, cfg.d_model) if padded != cfg.vocab_size else None)
+
+
+class TiedHead(nn.Module):
+    """An LM head scoring against the token table: the embedding's own (tied) or a separate one
+    with the same spec."""
+
+    def __init__(self, cfg, ctx, embedding: nn.Module, table_spec: ShardSpec):
+        super().__init__()
+        self.embedding = [embedding]  # a list, so the tied table is not registered twice
+        self.tied = cfg.tie_embeddings
+        if not self.tied:
+            register_sharded(self, "weight", table_spec, ctx)
+
+    def table(self) -> torch.Tensor:
+        return self.embedding[0].wte if self.tied else self.weight
+
+
+def register_weight_and_bias(module: nn.Module, cfg, ctx, weight: ShardSpec, bias: ShardSpec) -> None:
+    """Register `weight` and, when the model has biases, `bias` (else bias = None)."""
+    register_sharded(module, "weight", weight, ctx)
+    if cfg.bias:
+        register_sharded(module, "bias", bias, ctx)
+    else:
+        module.bias = None
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W + b on local shards: x (..., in), W (in, [stack,] out), b ([stack,] out) ->
+    (..., [stack,] out)."""
+    y = x @ weight.reshape(weight.shape[0], -1)
+    if bias is not None:
+        y = y + bias.reshape(-1)
+    return y.unflatten(-1, weight.shape[1:]) if weight.dim() > 2 else y
