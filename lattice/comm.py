@@ -184,6 +184,29 @@ def raw_all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> t
     return torch.cat(recv.unbind(0), dim=concat_dim)
 
 
+def raw_scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, group, src: int) -> torch.Tensor:
+    """Group rank `src` sends chunks[k] to group rank k (others pass chunks=None); every rank
+    receives into `out`. Metered as the whole scattered buffer, on every rank."""
+    if group is None:
+        return out.copy_(chunks[0])
+    record("scatter", group, out.numel() * group_size(group), out.dtype)
+    dist.scatter(out, [c.contiguous() for c in chunks] if chunks is not None else None, group_src=src, group=group)
+    return out
+
+
+def raw_gather(x: torch.Tensor, group, dst: int) -> list[torch.Tensor] | None:
+    """Every rank's x to group rank `dst` (a list in group-rank order there, None elsewhere).
+    Metered as the whole gathered buffer, on every rank."""
+    n = group_size(group)
+    if n == 1:
+        return [x]
+    x = x.contiguous()
+    record("gather", group, x.numel() * n, x.dtype)
+    out = [torch.empty_like(x) for _ in range(n)] if group_rank(group) == dst else None
+    dist.gather(x, out, group_dst=dst, group=group)
+    return out
+
+
 # ----------------------------------------------------------------------------- autograd pairs
 
 

@@ -14,6 +14,12 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on x produces: the autocast dtype where autocast is on."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

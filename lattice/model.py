@@ -131,6 +131,7 @@ class GPT(nn.Module):
             self.head = self.mode.lm_head(self.embed)
         self.specs: dict[str, ShardSpec] = collect_specs(self)
         self._grads_pending = False
+        self._built_dtype = dtype
         if not planning:
             self.to_empty(device=ctx.device)
             self.to(dtype=dtype)
@@ -190,7 +191,10 @@ class GPT(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The parameters' dtype (a rank may hold none: an idle rank of D&SP-cSub's common
+        layers with projections in the common layers too; then the dtype it was built with)."""
+        first = next(self.parameters(), None)
+        return self._built_dtype if first is None else first.dtype
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -15,27 +15,29 @@ from lattice.sharding import ShardSpec, register_sharded
 
 
 class Embedding(nn.Module):
-    """Token + position embedding, both tables whole on this rank."""
+    """Token + position embedding, both tables whole on this rank. `whole` (here and below):
+    further ShardSpec fields of these unsplit tensors (`holders`, `grad_sum`) for modes that
+    reuse the module."""
 
-    def __init__(self, cfg, ctx):
+    def __init__(self, cfg, ctx, **whole):
         super().__init__()
-        register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model)), ctx)
-        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
+        register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
+        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), **whole), ctx)
 
     def forward(self, tokens):  # (B, T) -> (B, T, h)
         return F.embedding(tokens, self.wte) + self.wpe[: tokens.shape[1]]
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with whole (replicated) weight and bias; `grad_sum` names the axes along which
-    ranks see different tokens, so that their partial gradients must be summed."""
+    """LayerNorm with whole (replicated) weight and bias; a `grad_sum` in `whole` names the axes
+    along which ranks see different tokens, so that their partial gradients must be summed."""
 
-    def __init__(self, cfg, ctx, grad_sum=()):
+    def __init__(self, cfg, ctx, **whole):
         super().__init__()
         self.eps = cfg.layer_norm_eps
-        register_sharded(self, "weight", ShardSpec((cfg.d_model,), grad_sum=grad_sum), ctx)
+        register_sharded(self, "weight", ShardSpec((cfg.d_model,), **whole), ctx)
         if cfg.bias:
-            register_sharded(self, "bias", ShardSpec((cfg.d_model,), grad_sum=grad_sum), ctx)
+            register_sharded(self, "bias", ShardSpec((cfg.d_model,), **whole), ctx)
         else:
             self.bias = None
 
@@ -46,10 +48,11 @@ class LayerNorm(nn.Module):
 class Linear(nn.Module):
     """y = x W + b; W (in, [stack,] out) whole."""
 
-    def __init__(self, cfg, ctx, in_features, out_features, stack=None):
+    def __init__(self, cfg, ctx, in_features, out_features, stack=None, **whole):
         super().__init__()
         out_shape = (stack, out_features) if stack else (out_features,)
-        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features,) + out_shape), ShardSpec(out_shape))
+        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features,) + out_shape, **whole),
+                                 ShardSpec(out_shape, **whole))
 
     def forward(self, x):  # (B, T, in) -> (B, T, [stack,] out)
         return local_linear(x, self.weight, self.bias)

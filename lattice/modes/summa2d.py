@@ -27,7 +27,7 @@ from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible
-from lattice.layers import TiedHead, register_weight_and_bias, round_up, upcast, vocab_table_spec
+from lattice.layers import TiedHead, compute_dtype, register_weight_and_bias, round_up, upcast, vocab_table_spec
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
 
@@ -44,12 +44,6 @@ def hosted(param, shape, grid: SummaGrid, dtype: torch.dtype, device) -> torch.T
     else:
         src = grid.workspace.receive(shape, dtype, device)
     return comm.broadcast(src, grid.col, 0)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul on x produces: the autocast dtype where autocast is on."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _Embed2D(torch.autograd.Function):

@@ -1,0 +1,439 @@
+"""Sub-graph parallelism: SUPER's D&SP and D&SP-cSub (papers/003 §III-V).
+
+    ctx = lattice.init("subgraph", tp=4, subgrids=2, common="all")     # D&SP
+    ctx = lattice.init("subgraph", tp=4, subgrids=2, common="subgrid") # D&SP-cSub
+
+p = tp ranks per replica form g sub-grids of n_g = p/g ranks; rank (k, m) is member m of
+sub-grid k (mesh axes SUBGRID x MEMBER). The attention heads are the branches: sub-grid k owns
+heads k·n/g .. (k+1)·n/g - 1 and runs them data-parallel over its n_g members, member m taking
+sequences m·B/n_g .. of the replica batch B. Everything else is a common layer:
+
+| common = | common layers run on                      | rows per rank (common) | boundaries (segmented)       |
+|----------|-------------------------------------------|------------------------|------------------------------|
+| "all"    | all p ranks, data parallel (D&SP)         | B/p: chunk m·g + k     | all-gather / reduce-scatter, |
+|          |                                           |                        | all-to-all                   |
+| "subgrid"| sub-grid 0 alone (D&SP-cSub); the others  | B/n_g on sub-grid 0,   | broadcast / reduce,          |
+|          | hold no common parameters and do no       | none elsewhere         | scatter / gather             |
+|          | common work                               |                        |                              |
+
+Inside a branch the per-rank batch is B/n_g, larger than the common layers' B/p (§III-B).
+A segmented collective is one collective per cross-sub-grid group: the g ranks (0..g-1, m) at
+the same position of their sub-grids (the group along SUBGRID). The four boundaries of §IV:
+
+| boundary | where (option projections=)       | D&SP forward      | D&SP-cSub forward | backward       |
+|----------|-----------------------------------|-------------------|-------------------|----------------|
+| split    | attention input ("branch")        | all-gather rows   | broadcast         | its conjugate: |
+| sum      | attention output ("branch")       | reduce-scatter    | reduce            | reduce-scatter,|
+| slice    | q, k, v by heads ("common")       | all-to-all        | scatter           | all-gather,    |
+| concat   | heads back ("common")             | all-to-all        | gather            | and so on      |
+
+With projections="branch" (the default) sub-grid k also owns its heads' q, k, v columns and
+output-projection rows, so the branch is qkv → attention → proj, entered by a split and left by
+a sum (the output projection's partial products over heads). With projections="common" the
+projections are common layers, as in the paper's Q_i = Slice_i(W^Q Q), and the branch is the
+attention itself, entered by a slice and left by a concatenation. `slice_collective="all_gather"`
+replaces the slice's all-to-all (scatter) with an all-gather (broadcast) whose unneeded part is
+discarded, and the concatenation's with an all-gather, as the paper does on NCCL.
+
+Gradients: branch weights are summed over the members of their sub-grid, common parameters
+over every rank that runs them (both declared as ShardSpec.grad_sum and applied by
+GPT.sync_grads), and across data-parallel replicas by the Trainer.
+
+Placement "topology" (§V, Fig. 11) deals each sub-grid's ranks round-robin over the nodes, so
+the g ranks of one cross-sub-grid group are consecutive and share a node when g divides the
+ranks per node: `lattice info --mode subgraph --tp 8 --subgrids 2 --ranks-per-node 4` prints
+the intra/inter-node messages of a split for both placements (SUPER Eq. 4-7).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lattice import comm
+from lattice.context import LatticeConfigError, MeshAxis
+from lattice.layers import TiedHead, compute_dtype, local_linear, register_weight_and_bias
+from lattice.modes import register
+from lattice.modes.base import Block, Mode, Option, Position, divisible
+from lattice.modes import serial
+from lattice.sharding import ShardSpec
+
+SUB, MEM = MeshAxis.SUBGRID, MeshAxis.MEMBER
+
+
+def round_robin_grid(dp: int, g: int, n_g: int) -> tuple[int, ...]:
+    """SUPER Fig. 11: global rank at each (dp, subgrid k, member m) = d·p + m·g + k, i.e. each
+    sub-grid's ranks dealt round-robin over the nodes and one cross-sub-grid group consecutive."""
+    p = g * n_g
+    return tuple(d * p + m * g + k for d in range(dp) for k in range(g) for m in range(n_g))
+
+
+class Segments:
+    """This rank's place in the sub-grids, its rows of the replica batch, and the segmented
+    collectives over its cross-sub-grid group (the group along SUBGRID; group rank = k).
+    `batch` is the replica batch of the current step, recorded by SubGraph.check_batch (which
+    GPT.forward calls first): an idle rank of D&SP-cSub needs it to size what it receives."""
+
+    def __init__(self, mode: "SubGraph"):
+        self.ctx = mode.ctx
+        self.g, self.n_g = mode.g, mode.n_g
+        self.k, self.m = self.ctx.coord(SUB), self.ctx.coord(MEM)
+        self.common_all = mode.common_all
+        self.by_all_gather = mode.slice_collective == "all_gather"
+        self.runs_common = self.common_all or self.k == 0
+        self.batch = 0
+
+    @property
+    def cross(self):
+        return self.ctx.group(SUB)  # looked up at call time: a planning context has no groups
+
+    def common_rows(self, batch: int, k: int | None = None, m: int | None = None) -> slice:
+        """Rows of the replica batch that the common layers of rank (k, m) process (this rank's
+        by default; empty on idle ranks)."""
+        k, m = (self.k if k is None else k), (self.m if m is None else m)
+        if self.common_all:
+            rows = batch // (self.g * self.n_g)
+            start = (m * self.g + k) * rows
+        else:
+            rows = batch // self.n_g if k == 0 else 0
+            start = m * (batch // self.n_g)
+        return slice(start, start + rows)
+
+    def branch_rows(self, batch: int) -> int:
+        return batch // self.n_g
+
+    # ---- split and sum: (common rows, T, h) <-> (B/n_g, T, h)
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """Copy the common activation into every branch: member m of each sub-grid gets its
+        B/n_g sequences."""
+        if self.common_all:  # rows m·g+k of every k, concatenated in k order: B/n_g rows
+            return comm.all_gather(x, self.cross, 0)
+        return _SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
+
+    def sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Add the branches' partial outputs and return each common rank its rows."""
+        if self.common_all:
+            return comm.reduce_scatter(y, self.cross, 0)
+        return _SegmentedReduce.apply(y, self.cross)
+
+    # ---- slice and concat: heads leave / join the last dim
+    def slice(self, x: torch.Tensor) -> torch.Tensor:
+        """(common rows, T, .., h) -> (B/n_g, T, .., h/g): sub-grid k keeps head block k."""
+        width = x.shape[-1] // self.g
+        if self.common_all and not self.by_all_gather:
+            return comm.all_to_all(x, self.cross, -1, 0)
+        if self.common_all:
+            full = comm.all_gather(x, self.cross, 0)
+        elif not self.by_all_gather:
+            shape = (self.branch_rows(self.batch),) + tuple(x.shape[1:-1]) + (width,)
+            return _SegmentedScatter.apply(x, shape, self.cross)
+        else:
+            full = _SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
+        return full.narrow(-1, self.k * width, width)
+
+    def concat(self, y: torch.Tensor) -> torch.Tensor:
+        """(B/n_g, T, h/g) of head block k -> (common rows, T, h) with every head."""
+        if self.common_all and not self.by_all_gather:
+            return comm.all_to_all(y, self.cross, 0, -1)
+        if not self.common_all and not self.by_all_gather:
+            return _SegmentedGather.apply(y, self.cross)
+        full = comm.all_gather(y, self.cross, y.dim() - 1)  # (B/n_g, T, h) on every rank
+        if self.common_all:
+            rows = y.shape[0] // self.g
+            return full.narrow(0, self.k * rows, rows)
+        return full if self.k == 0 else full[:0]
+
+
+# ----------------------------------------------------------------------------- D&SP-cSub boundaries
+# Sub-grid 0 (group rank 0 of each cross group) holds the common activations; the other ranks
+# pass and receive empty (0, ...) tensors there. Inputs of idle ranks require grad so that the
+# backward collective runs on every rank.
+
+
+class _SegmentedBroadcast(torch.autograd.Function):
+    """Forward: Y = X_0 on every rank of the group (broadcast). Backward: dX_0 = Σ_ranks dY
+    (reduce to rank 0); the others' (empty) inputs get empty gradients."""
+
+    @staticmethod
+    def forward(ctx, x, shape, group):
+        ctx.group, ctx.empty = group, x.shape
+        out = x.clone() if comm.group_rank(group) == 0 else x.new_empty(shape)
+        return comm.raw_broadcast(out, group, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        total = comm.raw_reduce(dy.clone(), ctx.group, 0)
+        return (total if comm.group_rank(ctx.group) == 0 else dy.new_zeros(ctx.empty)), None, None
+
+
+class _SegmentedReduce(torch.autograd.Function):
+    """Forward: Y_0 = Σ_ranks X on rank 0 (reduce); the others return empty. Backward: dX = dY_0
+    on every rank (broadcast)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group, ctx.shape = group, y.shape
+        total = comm.raw_reduce(y.clone(), group, 0)
+        return total if comm.group_rank(group) == 0 else total[:0].clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        grad = dy.contiguous() if comm.group_rank(ctx.group) == 0 else dy.new_empty(ctx.shape)
+        return comm.raw_broadcast(grad, ctx.group, 0), None
+
+
+class _SegmentedScatter(torch.autograd.Function):
+    """Forward: rank 0's X cut along the last dim, piece k to rank k (scatter). Backward: the
+    pieces of dY gathered back to rank 0 (gather)."""
+
+    @staticmethod
+    def forward(ctx, x, shape, group):
+        ctx.group, ctx.empty = group, x.shape
+        n = comm.group_size(group)
+        chunks = list(x.chunk(n, dim=-1)) if comm.group_rank(group) == 0 else None
+        return comm.raw_scatter(chunks, x.new_empty(shape), group, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        parts = comm.raw_gather(dy, ctx.group, 0)
+        return (torch.cat(parts, dim=-1) if parts is not None else dy.new_zeros(ctx.empty)), None, None
+
+
+class _SegmentedGather(torch.autograd.Function):
+    """Forward: every rank's Y joined along the last dim on rank 0 (gather); the others return
+    empty. Backward: rank 0's dY cut along the last dim, piece k to rank k (scatter)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group, ctx.shape = group, y.shape
+        parts = comm.raw_gather(y, group, 0)
+        if parts is None:
+            return y.new_empty((0,) + tuple(y.shape[1:-1]) + (y.shape[-1] * comm.group_size(group),))
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        n = comm.group_size(ctx.group)
+        chunks = list(dy.chunk(n, dim=-1)) if comm.group_rank(ctx.group) == 0 else None
+        return comm.raw_scatter(chunks, dy.new_empty(ctx.shape), ctx.group, 0), None
+
+
+# ----------------------------------------------------------------------------- common layers
+
+
+def _idle_output(x: torch.Tensor, feature_shape: tuple[int, ...]) -> torch.Tensor:
+    """What a common layer returns on an idle rank of D&SP-cSub: an empty (0, T, *features)
+    tensor computed from x, so that it stays in the autograd graph and the backward collectives
+    of the branches run on this rank too."""
+    lead = x[..., :1].reshape(*x.shape[:-1], *([1] * len(feature_shape)))
+    return (lead.expand(*x.shape[:-1], *feature_shape) * 0.0).to(compute_dtype(x))
+
+
+class Embedding(serial.Embedding):
+    """Token + position embedding of this rank's common rows: tokens (B, T) -> (rows, T, h)."""
+
+    def __init__(self, cfg, ctx, mode: "SubGraph"):
+        super().__init__(cfg, ctx, **mode.common_spec)
+        self.seg, self.d_model = mode.seg, cfg.d_model
+        # carries the model's dtype and device to the idle ranks' empty residual (GPT.to moves it)
+        self.register_buffer("idle_residual", torch.zeros(0), persistent=False)
+
+    def forward(self, tokens):
+        rows = tokens[self.seg.common_rows(tokens.shape[0])]
+        if not self.seg.runs_common:  # idle: an empty residual that requires grad (see _idle_output)
+            empty = self.idle_residual.new_zeros(0, tokens.shape[1], self.d_model)
+            return empty.requires_grad_(torch.is_grad_enabled())
+        return super().forward(rows)
+
+
+class LayerNorm(serial.LayerNorm):
+    def __init__(self, cfg, ctx, mode: "SubGraph"):
+        super().__init__(cfg, ctx, **mode.common_spec)
+        self.runs = mode.seg.runs_common
+
+    def forward(self, x):
+        return super().forward(x) if self.runs else x
+
+
+class CommonLinear(serial.Linear):
+    """A whole linear of the common layers (MLP; attention projections with projections="common")."""
+
+    def __init__(self, cfg, ctx, mode: "SubGraph", in_features, out_features, stack=None):
+        super().__init__(cfg, ctx, in_features, out_features, stack, **mode.common_spec)
+        self.seg = mode.seg
+        self.out_shape = (stack, out_features) if stack else (out_features,)
+
+    def forward(self, x):
+        return super().forward(x) if self.seg.runs_common else _idle_output(x, self.out_shape)
+
+
+class LMHead(TiedHead):
+    """Cross-entropy of this rank's common rows, scaled by rows/B and summed over the replica."""
+
+    def __init__(self, cfg, ctx, mode: "SubGraph", embedding):
+        super().__init__(cfg, ctx, embedding, ShardSpec((cfg.vocab_size, cfg.d_model), **mode.common_spec))
+        self.seg, self.ctx, self.vocab_size = mode.seg, ctx, cfg.vocab_size
+
+    def _local_logits(self, x):
+        return x @ self.table().t()
+
+    def loss(self, x, targets):
+        B = targets.shape[0]
+        rows = targets[self.seg.common_rows(B)]
+        if self.seg.runs_common:
+            logits = serial.upcast(self._local_logits(x))
+            part = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), reduction="sum") / targets.numel()
+        else:  # no rows here; 0 that stays in the graph, so backward reaches the branches
+            part = x.sum() * 0.0
+        return comm.all_reduce(part, self.ctx.model_group())
+
+    def logits(self, x):
+        """Full (B, T, V) logits on every rank, gathered over the replica (inference only): each
+        rank contributes its common rows, padded to the largest share."""
+        seg, topo = self.seg, self.ctx.topology
+        B = seg.batch
+        V = self.vocab_size
+        width = max(s.stop - s.start for s in (seg.common_rows(B, 0, 0), seg.common_rows(B, seg.g - 1, 0)))
+        local = torch.zeros(width, x.shape[1], V, dtype=x.dtype, device=x.device)
+        if seg.runs_common:
+            local[: x.shape[0]] = self._local_logits(x)
+        group = self.ctx.model_group()
+        everyone = comm.raw_all_gather(local, group, 0).view(-1, width, x.shape[1], V)
+        full = torch.zeros(B, x.shape[1], V, dtype=x.dtype, device=x.device)
+        for i, rank in enumerate(topo.group_members(topo.model_axes, self.ctx.rank)):
+            c = topo.coords(rank)
+            rows = seg.common_rows(B, c[SUB], c[MEM])
+            full[rows] = everyone[i, : rows.stop - rows.start]
+        return full
+
+
+# ----------------------------------------------------------------------------- branch layers
+
+
+class BranchLinear(nn.Module):
+    """A projection inside the attention branch (projections="branch"): sub-grid k's columns
+    (Position.IN: q, k, v of its heads) or rows (Position.OUT: the output projection over its
+    heads); replicated over the sub-grid's members, whose gradients are summed.
+
+    IN:  x (common rows, T, h) --split--> (B/n_g, T, h) @ W[:, .., block k] -> (B/n_g, T, [3,] h/g)
+    OUT: y (B/n_g, T, h/g) @ W[block k, :] --sum--> (common rows, T, h) + b (common)
+    """
+
+    def __init__(self, cfg, ctx, mode: "SubGraph", in_features, out_features, position, stack=None):
+        super().__init__()
+        self.seg, self.position = mode.seg, position
+        member_sum = {"grad_sum": (MEM,)}
+        if position == Position.IN:
+            out_shape = (stack, out_features) if stack else (out_features,)
+            last = len(out_shape)
+            register_weight_and_bias(self, cfg, ctx,
+                                     ShardSpec((in_features,) + out_shape, splits=((last, (SUB,)),), **member_sum),
+                                     ShardSpec(out_shape, splits=((last - 1, (SUB,)),), **member_sum))
+        else:  # the bias is added once, after the sum: a common parameter
+            register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features, out_features), splits=((0, (SUB,)),),
+                                                               **member_sum),
+                                     ShardSpec((out_features,), **mode.common_spec))
+
+    def forward(self, x):
+        if self.position == Position.IN:
+            return local_linear(self.seg.split(x), self.weight, self.bias)
+        y = self.seg.sum(x @ self.weight)
+        if self.bias is None or not self.seg.runs_common:
+            return y
+        return y + self.bias
+
+
+class SlicedProjection(CommonLinear):
+    """A projection in the common layers (projections="common") whose output (IN) is sliced by
+    heads into the branches, or whose input (OUT) is the branches' heads concatenated back."""
+
+    def __init__(self, cfg, ctx, mode, in_features, out_features, position, stack=None):
+        super().__init__(cfg, ctx, mode, in_features, out_features, stack)
+        self.position = position
+
+    def forward(self, x):
+        if self.position == Position.IN:
+            return self.seg.slice(super().forward(x))
+        return super().forward(self.seg.concat(x))
+
+
+# ----------------------------------------------------------------------------- the mode
+
+
+@register
+class SubGraph(Mode):
+    """Mesh axes SUBGRID (g) x MEMBER (n_g = tp/g) inside each data-parallel replica."""
+
+    name = "subgraph"
+    residual_replicated = False
+    options = {
+        "subgrids": Option(2, "sub-graph: number of sub-grids g (the attention heads' branches)"),
+        "common": Option("all", "sub-graph: common layers on all ranks (D&SP) or on sub-grid 0 (D&SP-cSub)",
+                         choices=("all", "subgrid")),
+        "projections": Option("branch", "sub-graph: attention q/k/v/output projections owned by the branches "
+                                        "(split/sum boundaries) or common (slice/concat boundaries)",
+                              choices=("branch", "common")),
+        "slice_collective": Option("all_to_all", "sub-graph: slice/concat as all-to-all (scatter/gather) or "
+                                                 "as all-gather (broadcast) and discard",
+                                   choices=("all_to_all", "all_gather")),
+    }
+    test_layouts = ({"tp": 4, "subgrids": 2}, {"tp": 4, "subgrids": 4, "common": "subgrid"},
+                    {"tp": 4, "subgrids": 2, "common": "subgrid", "projections": "common"},
+                    {"tp": 4, "subgrids": 4, "projections": "common", "slice_collective": "all_gather"},
+                    {"tp": 2, "dp": 2, "subgrids": 2})
+
+    @classmethod
+    def mesh_axes(cls, tp, options):
+        g = options["subgrids"]
+        if g < 1 or tp % g:
+            divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+            raise LatticeConfigError(f"mode 'subgraph' needs subgrids dividing tp: subgrids = {g} does not divide "
+                                     f"tp = {tp}; use subgrids among {divisors}")
+        return ((SUB, g), (MEM, tp // g))
+
+    @classmethod
+    def rank_grid(cls, axes, ranks_per_node, placement, options):
+        sizes = dict(axes)
+        return round_robin_grid(sizes.get(MeshAxis.DP, 1), sizes[SUB], sizes[MEM])
+
+    def __init__(self, cfg, ctx):
+        self.g, self.n_g = ctx.size(SUB), ctx.size(MEM)
+        self.common_all = ctx.options["common"] == "all"
+        self.projections = ctx.options["projections"]
+        self.slice_collective = ctx.options["slice_collective"]
+        super().__init__(cfg, ctx)
+        self.seg = Segments(self)
+        common_axes = (SUB, MEM) if self.common_all else (MEM,)
+        self.common_spec = {"grad_sum": common_axes, "holders": () if self.common_all else ((SUB, 0),)}
+
+    def check_config(self, cfg):
+        divisible("n_heads", cfg.n_heads, self.g, "subgrids g",
+                  f"use a number of sub-grids that divides {cfg.n_heads} heads, or a head count that is a "
+                  f"multiple of {self.g}")
+
+    def check_batch(self, tokens):
+        b = tokens.shape[0]
+        per = self.g * self.n_g if self.common_all else self.n_g
+        what = "all p ranks (D&SP)" if self.common_all else "the n_g ranks of sub-grid 0 (D&SP-cSub)"
+        lower = b - b % per
+        divisible("batch size", b, per, "the ranks running the common layers",
+                  f"the common layers split each replica's batch over {what}: give each replica a multiple "
+                  f"of {per} sequences (for example {lower or per} or {lower + per})")
+        self.seg.batch = b
+
+    def embedding(self):
+        return Embedding(self.cfg, self.ctx, self)
+
+    def layer_norm(self):
+        return LayerNorm(self.cfg, self.ctx, self)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+        if block == Block.MLP:
+            return CommonLinear(self.cfg, self.ctx, self, in_features, out_features, stack)
+        if self.projections == "branch":
+            return BranchLinear(self.cfg, self.ctx, self, in_features, out_features, position, stack)
+        return SlicedProjection(self.cfg, self.ctx, self, in_features, out_features, position, stack)
+
+    def lm_head(self, embedding):
+        return LMHead(self.cfg, self.ctx, self, embedding)
