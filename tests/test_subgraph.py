@@ -58,9 +58,11 @@ def _check_equals_serial(p: int, batch: int) -> list[dict]:
             loss = model.forward_backward(tokens, targets)
             grads = model.full_grad_dict()
             assert grads.keys() == ref_grads.keys()
+            with torch.no_grad():  # full logits (inference) gathered from every rank's common rows
+                logits_rel = _rel(model(tokens), serial(tokens))
             out.append(dict(variant=variant, options=options, ckpt=ckpt,
                             loss_rel=abs(loss - ref_loss.item()) / abs(ref_loss.item()),
-                            grad_rel=max(_rel(grads[n], ref_grads[n]) for n in grads)))
+                            grad_rel=max(_rel(grads[n], ref_grads[n]) for n in grads), logits_rel=logits_rel))
     return out
 
 
@@ -68,14 +70,15 @@ def _check_equals_serial(p: int, batch: int) -> list[dict]:
 def test_loss_and_every_gradient_equal_serial(p):
     """Catches a wrong row assignment between common layers and branches (a sequence attended
     by the wrong sub-grid or lost), a branch boundary whose backward is not the conjugate
-    collective, a head block on the wrong sub-grid, and gradients summed over the wrong ranks
-    (branch weights over the sub-grid, common ones over every rank that runs them)."""
+    collective, a head block on the wrong sub-grid, gradients summed over the wrong ranks
+    (branch weights over the sub-grid, common ones over every rank that runs them), and full
+    logits assembled from the wrong ranks' rows."""
     results = run_distributed(p, _check_equals_serial, p, 2 * p)
     worst = 0.0
     for rank_results in results:
         for r in rank_results:
-            worst = max(worst, r["loss_rel"], r["grad_rel"])
-            assert r["loss_rel"] < 1e-10 and r["grad_rel"] < 1e-10, r
+            worst = max(worst, r["loss_rel"], r["grad_rel"], r["logits_rel"])
+            assert r["loss_rel"] < 1e-10 and r["grad_rel"] < 1e-10 and r["logits_rel"] < 1e-10, r
     for r in results[0]:
         print(f"p={p} {r['options']} ckpt={r['ckpt']!s:5} bias={r['variant']['bias']!s:5}: "
               f"loss rel {r['loss_rel']:.1e}, max grad rel {r['grad_rel']:.1e}")
