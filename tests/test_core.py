@@ -219,3 +219,29 @@ def test_undeclared_multi_axis_group_is_refused_by_name():
         ctx.group(MeshAxis.ROW, MeshAxis.DP)
     # rank 3 is (dp 0, row 1, col 1): its group over col and dp is row 1 of both replicas
     assert topo.group_members((MeshAxis.COL, MeshAxis.DP), 3) == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("mode", lattice.available_modes())
+def test_every_rank_starts_from_its_shard_of_serials_initial_weights(mode):
+    """Catches layout-dependent initialisation (a shard drawn from its own seed, padding rows
+    that are not zero, an uninitialised shard left by the meta-device construction) on every
+    rank of every layout a mode declares, without processes: each rank is built from a planning
+    context and compared with its slice of the serial model's freshly initialised tensors."""
+    from lattice.modes import get_mode
+
+    cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=24, n_heads=4, n_layers=2, bias=True,
+                            tie_embeddings=False)
+    serial = dict(lattice.GPT(cfg, lattice.plan("serial")).named_parameters())
+    layouts = get_mode(mode).test_layouts
+    assert layouts, f"mode {mode!r} declares no test_layouts"
+    for layout in layouts:
+        world = lattice.plan(mode, **layout).topology.world_size
+        for rank in range(world):
+            ctx = lattice.plan(mode, rank=rank, **layout)
+            model = lattice.GPT(cfg, ctx)
+            for name, shard in model.named_parameters():
+                spec = model.specs[name]
+                expected = spec.shard(serial[name].detach(), ctx.coords, ctx.topology)
+                assert torch.equal(shard.detach(), expected), (mode, layout, rank, name)
+            held = sum(1 for name, spec in model.specs.items() if spec.holds(ctx.coords))
+            assert held == len(dict(model.named_parameters())), (mode, layout, rank)
