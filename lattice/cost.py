@@ -584,52 +584,78 @@ class _Builder:
 
     # ------------------------------------------------------------------ sub-graph: SUPER (papers/003)
     def _subgraph(self):
-        """g sub-grids of n_g ranks. The attention heads are the branches: sub-grid k runs heads
-        k·n/g.. (their qkv columns and proj rows) data-parallel over its n_g ranks, B/n_g sequences
-        each. D&SP runs the common layers data-parallel over all p ranks (B/p sequences each):
-        entering the branch is a segmented all-gather over the g ranks of one sub-grid position
-        (§IV-B, split), leaving it a segmented reduce-scatter (sum); their backward swaps the two.
-        D&SP-cSub runs the common layers on sub-grid 0 (B/n_g each): a segmented broadcast in and
-        reduce out. Gradients: branch parameters all-reduced within the sub-grid, common ones over
-        every rank that runs them."""
-        B, T, h, n = self.B, self.T, self.h, self.n
-        g = self.c.options.get("subgrids", 2)
-        common_all = self.c.options.get("common", "all") == "all"
-        n_g = self.p // g
+        """g sub-grids of n_g ranks; rank (k, m) runs common rows r_c (D&SP: B/p; D&SP-cSub: B/n_g
+        on sub-grid 0, none elsewhere) and branch rows r_b = B/n_g. With projections="branch" a
+        layer's attention is entered by a split of (r_b, T, h) (D&SP all-gather, cSub broadcast)
+        and left by a sum of the same size (reduce-scatter, reduce), each with the other as its
+        backward; with projections="common" by a slice of q, k, v and a concatenation of the
+        heads (all-to-all counting the buffer a rank sends, scatter/gather the group's whole
+        buffer; or all-gather / broadcast and discard). Every forward boundary is recomputed under
+        checkpointing (the block's last saved tensors follow them). The loss is one value
+        all-reduced over the replica; the gradient sums come from the shard specs: branch weights
+        over the sub-grid (MEMBER), common parameters over the ranks running them."""
+        B, T, h, n, p, L = self.B, self.T, self.h, self.n, self.p, self.L
+        o = self.c.options
+        g = o.get("subgrids", 2)
+        n_g = p // g
+        common_all = o.get("common", "all") == "all"
+        proj_common = o.get("projections", "branch") == "common"
+        by_gather = o.get("slice_collective", "all_to_all") == "all_gather"
+        runs_common = common_all or self.coords.get(SUB, 0) == 0
         self.vocab_padded = self.V
-        branch_act = B * T * h / n_g  # one rank's attention input: B/n_g sequences, all of h
-        if common_all:
-            self.add("forward", "all_gather", (SUB,), branch_act, 1, "layer.branch", layer=True)
-            self.add("forward", "reduce_scatter", (SUB,), branch_act, 1, "layer.branch", layer=True)
-            self.add("backward", "all_gather", (SUB,), branch_act, 1, "layer.branch", layer=True)
-            self.add("backward", "reduce_scatter", (SUB,), branch_act, 1, "layer.branch", layer=True)
+        r_b = B / n_g
+        r_c = (B / p if common_all else r_b) if runs_common else 0
+        act = r_b * T * h  # a branch activation of one rank
+
+        def boundary(fwd_op, bwd_op, elements_fwd, elements_bwd):
+            self.add("forward", fwd_op, (SUB,), elements_fwd, 1, "layer.branch", layer=True)
+            self.add("backward", bwd_op, (SUB,), elements_bwd, 1, "layer.branch", layer=True)
+
+        if not proj_common:
+            split, join = ("all_gather", "reduce_scatter") if common_all else ("broadcast", "reduce")
+            boundary(split, join, act, act)
+            boundary(join, split, act, act)
+        elif common_all and not by_gather:  # all-to-all: the slice sends r_c rows of every head
+            boundary("all_to_all", "all_to_all", 3 * B / p * T * h, 3 * B / p * T * h)
+            boundary("all_to_all", "all_to_all", act / g, act / g)
+        elif common_all:
+            boundary("all_gather", "reduce_scatter", 3 * act, 3 * act)
+            boundary("all_gather", "reduce_scatter", act, act)
+        elif not by_gather:
+            boundary("scatter", "gather", 3 * act, 3 * act)
+            boundary("gather", "scatter", act, act)
         else:
-            self.add("forward", "broadcast", (SUB,), branch_act, 1, "layer.branch", layer=True)
-            self.add("forward", "reduce", (SUB,), branch_act, 1, "layer.branch", layer=True)
-            self.add("backward", "broadcast", (SUB,), branch_act, 1, "layer.branch", layer=True)
-            self.add("backward", "reduce", (SUB,), branch_act, 1, "layer.branch", layer=True)
-        attn = 4 * h * h + (4 * h if self.bias else 0)
-        common = self._serial_params() - self.L * attn
-        on_sub0 = self.coords.get(SUB, 0) == 0
+            boundary("broadcast", "reduce", 3 * act, 3 * act)
+            boundary("all_gather", "reduce_scatter", act, act)
+        self.add("forward", "all_reduce", (SUB, MEM), 1, 1, "loss", itemsize=max(4, self.c.itemsize))
+        # parameters: the branch's head block of q, k, v (and their bias) and of the output
+        # projection; the common ones where the common layers run
+        branch = 0 if proj_common else 4 * h * h / g + (3 * h / g if self.bias else 0)
+        common = self._serial_params() - L * g * branch
+        self.c.memory["parameters"] = self.c.itemsize * (L * branch + (common if runs_common else 0))
+        sums = {(MEM,): L * branch}  # GPT.sync_grads: one bucket per axes and 25 MiB
         common_axes = (SUB, MEM) if common_all else (MEM,)
-        self.add("backward", "all_reduce", (MEM,), self.L * attn / g, 1, "grads")
-        if common_all or on_sub0:
-            self.add("backward", "all_reduce", common_axes, common, 1, "grads")
-        self.add("forward", "all_reduce", common_axes, 1, 1, "loss", itemsize=max(4, self.c.itemsize))
-        holds_common = common_all or on_sub0
-        self.c.memory["parameters"] = self.c.itemsize * (self.L * attn / g + (common if holds_common else 0))
-        per_common = B * T / (self.p if common_all else n_g)  # tokens of a common-layer rank
-        per_branch = B * T / n_g
-        common_share = 1 / self.p if common_all else (1 / n_g if on_sub0 else 0)
-        self.share = {"attention": 1 / self.p, "mlp": common_share, "head": common_share,
-                      "replicated": common_share}
-        if not holds_common:
-            self.c.param_tensors = self.L * (4 if self.bias else 2)
-        self.residual_split = B * T * h / (per_common * h)
-        per_layer = (per_common * (12 * h + 4) if holds_common else 0) + per_branch * (5 * h / g + n / g) \
-            + (per_branch * h if holds_common else 0)
-        head = per_common * (2 * h + self.V + 2) if holds_common else 0
-        self._activations(per_layer, head, 16 * per_common if holds_common else 0)
+        sums[common_axes] = sums.get(common_axes, 0) + (common if runs_common else 0)
+        for axes, elements in sums.items():
+            if elements and self.c.group_size(axes) > 1:
+                self.add("backward", "all_reduce", axes, elements,
+                         max(1, math.ceil(elements * self.c.itemsize / DDP_BUCKET_BYTES)), "grads")
+        if not runs_common:
+            self.c.param_tensors = 0 if proj_common else L * (3 if self.bias else 2)
+        share = r_c / B
+        self.share = {"attention": r_b / B / g, "mlp": share, "head": share, "replicated": share}
+        self.residual_split = B / r_c if r_c else float("inf")
+        # saved for backward, per layer: common rows keep both LayerNorm inputs, the fc input,
+        # GELU input and MLP-proj input (11h) and the norms' mean/rstd; a branch keeps its qkv
+        # input, the q, k, v storage, attention output (which the proj input views) and log-sum-exp
+        if not proj_common:
+            per_layer = r_c * T * (11 * h + 4) + r_b * T * (h + 4 * h / g + n / g)
+        else:  # the projections' inputs are common rows; discarding collectives keep whole buffers
+            qkv, proj_in = (3 * h, r_b * T * h if runs_common else 0) if by_gather else (3 * h / g, r_c * T * h)
+            per_layer = r_c * T * (12 * h + 4) + proj_in + r_b * T * (qkv + h / g + n / g)
+        head = r_c * T * (2 * h + 2 + self.V) + (1 if runs_common else 0)
+        ints = 2 * 8 * B * T if runs_common else 0  # token and target rows: views of the whole batch
+        self._activations(per_layer, head, ints)
 
 
 # ----------------------------------------------------------------------------- the papers' tables
