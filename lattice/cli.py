@@ -223,6 +223,7 @@ def cmd_info(args) -> int:
     print("groups per mesh axis:")
     for axis in topo.axis_names:
         print(f"  {axis.value}: " + " ".join(str(g) for g in topo.all_groups(axis)))
+    _print_message_counts(args, topo)
     print("parameters: full shape, spec; then each distinct slice and the ranks holding it")
     for name, spec in model.specs.items():
         held: dict[str, list[int]] = {}
@@ -234,6 +235,24 @@ def cmd_info(args) -> int:
         print(f"  {name} {list(spec.full_shape)}{pad}: {spec.describe(topo)}")
         print("      " + "; ".join(f"{k} on ranks {v}" for k, v in held.items()))
     return 0
+
+
+def _print_message_counts(args, topo) -> None:
+    """SUPER Eq. 3 counted on the layout: one collective over each mesh axis, every rank one
+    message to each member of its group, split into intra- and inter-node messages, for this
+    placement and the other one."""
+    from lattice.cost import count_messages
+
+    kw = _layout_kwargs(args)
+    layouts = {}
+    for placement in ("natural", "topology"):
+        layouts[placement], _ = make_topology(args.mode, **{**kw, "placement": placement})
+    print(f"messages of one collective over each axis, {topo.ranks_per_node} ranks per node "
+          f"(intra-node / inter-node; SUPER Eq. 3):")
+    for axis in topo.model_axes:
+        counts = "; ".join(f"{placement} placement {'%d / %d' % count_messages(t, (axis,))}"
+                           for placement, t in layouts.items())
+        print(f"  {axis.value}: {counts}")
 
 
 # ----------------------------------------------------------------------------- main

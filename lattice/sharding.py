@@ -120,7 +120,11 @@ class ShardSpec:
         parts = [f"dim {d} over {'x'.join(a.value for a in axes)}" for d, axes in self.splits]
         if self.holders:
             parts.append("held where " + ", ".join(f"{a.value}={c}" for a, c in self.holders))
-        return "; ".join(parts) if parts else "replicated"
+        if not self.splits:
+            parts.insert(0, "replicated")
+        if self.grad_sum:
+            parts.append("gradient summed over " + " x ".join(a.value for a in self.grad_sum))
+        return "; ".join(parts)
 
 
 def register_sharded(module: nn.Module, name: str, spec: ShardSpec, ctx: ParallelContext,
