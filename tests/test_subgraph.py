@@ -301,3 +301,15 @@ def test_topology_aware_placement_keeps_segmented_collectives_in_a_node():
             topo = lattice.plan("subgraph", tp=n, subgrids=g, ranks_per_node=n_node, placement=placement).topology
             counted = count_messages(topo, (MeshAxis.SUBGRID,))
             assert counted == super_messages(n, g, n_node, aware), (n, g, n_node, placement, counted)
+
+
+def test_info_prints_the_split_message_counts_of_both_placements(capsys):
+    """Catches `lattice info` counting messages on the wrong axis or placement: for n=8, g=2 on
+    nodes of 4, Eq. 4-5 give 8 intra / 8 inter-node messages for the natural placement and Eq. 6-7
+    give 16 / 0 for the topology-aware one."""
+    from lattice.cli import main
+
+    assert main(["info", "--mode", "subgraph", "--tp", "8", "--subgrids", "2", "--ranks-per-node", "4",
+                 "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "  subgrid: natural placement 8 / 8; topology placement 16 / 0" in out.splitlines()
