@@ -21,6 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import lattice  # noqa: E402
 from lattice import bench, cost  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -41,11 +42,11 @@ def paper_tables() -> dict:
     super_rows = []
     for n, g, n_node in ((8, 2, 4), (16, 4, 4), (16, 8, 4), (64, 16, 4)):
         for aware in (False, True):
-            topo, _ = cost.topology("subgraph", tp=n, subgrids=g, ranks_per_node=n_node,
-                                    placement="topology" if aware else "natural")
+            topo = lattice.plan("subgraph", tp=n, subgrids=g, ranks_per_node=n_node,
+                                placement="topology" if aware else "natural").topology
             super_rows.append({"n": n, "g": g, "n_node": n_node, "placement": "topology" if aware else "natural",
                                "equations": cost.super_messages(n, g, n_node, aware),
-                               "counted": cost.count_messages(topo, (cost.SUB,))})
+                               "counted": cost.count_messages(topo, (lattice.MeshAxis.SUBGRID,))})
     return {"optimus_table1": table1, "super_messages": super_rows}
 
 

@@ -25,6 +25,7 @@ replicated. Its collectives are counted by a dispatch mode in CommMeter's units.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from lattice import cost as costmodel
 from lattice.comm import CommMeter, CommRecord
 from lattice.context import LatticeConfigError
 from lattice.model import PRESETS, GPTConfig
+from lattice.modes import REFERENCE_MODE, parallel_modes, peer_mode
 
 # ----------------------------------------------------------------------------- the DTensor peer
 
@@ -243,16 +245,17 @@ def prepare(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, ta
         model.load_lattice(sd)
         parallelize_peer(model, init_device_mesh("cpu", (p,), mesh_dim_names=("tp",)))
         forward, backward, meter_ctx = (lambda: peer_loss(model, tokens, targets)), peer_backward, DTensorComm
-        analytic = costmodel.estimate(cfg, "1d", batch=args.batch, tp=p, activation_checkpointing=ckpt)
+        analytic = costmodel.estimate(cfg, peer_mode("dtensor"), batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
-        ctx = lattice.plan("serial") if mode == "serial" else lattice.init(mode, tp=p, **options)
+        ctx = lattice.plan(REFERENCE_MODE) if mode == REFERENCE_MODE else lattice.init(mode, tp=p, **options)
         model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
         model.load_full_state_dict(sd)
         forward = lambda: model(tokens, targets)  # noqa: E731
         backward = lambda loss: (loss.backward(), model.sync_grads())  # noqa: E731  (in-replica gradient sums)
-        analytic = costmodel.estimate(cfg, mode, batch=args.batch, tp=1 if mode == "serial" else p,
-                                      activation_checkpointing=ckpt, rank=0 if mode == "serial" else rank, **options)
-    run = Prepared(label, mode, options, model, forward, backward, analytic, solo=mode == "serial")
+        solo = mode == REFERENCE_MODE
+        analytic = costmodel.estimate(cfg, mode, batch=args.batch, tp=1 if solo else p,
+                                      activation_checkpointing=ckpt, rank=0 if solo else rank, **options)
+    run = Prepared(label, mode, options, model, forward, backward, analytic, solo=mode == REFERENCE_MODE)
     if run.solo and rank != 0:
         return run
     loss = forward()
@@ -338,7 +341,20 @@ def _keys_match(measured: dict, analytic: dict) -> bool:
 
 # ----------------------------------------------------------------------------- which modes apply
 
-VARIANTS = {"1d-sp": ("1d", {"sequence_parallel": True}), "subgraph-csub": ("subgraph", {"common": "subgrid"})}
+def variants() -> dict[str, tuple[str, dict]]:
+    """Labels beyond the mode names: every mode with one option away from its default (a switch
+    turned on, or another choice), e.g. "1d+sequence_parallel", "subgraph+common=subgrid"."""
+    from lattice.modes import get_mode
+
+    out = {}
+    for mode in parallel_modes():
+        for key, option in get_mode(mode).options.items():
+            if option.type is bool and not option.default:
+                out[f"{mode}+{key}"] = (mode, {key: True})
+            for choice in option.choices or ():
+                if choice != option.default:
+                    out[f"{mode}+{key}={choice}"] = (mode, {key: choice})
+    return out
 
 
 def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> tuple[list, list]:
@@ -347,13 +363,14 @@ def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> 
     import lattice
     from lattice.modes import get_mode
 
-    labels = wanted or [m for m in lattice.available_modes() if m != "serial"] + ["dtensor"]
+    labels = wanted or parallel_modes() + ["dtensor"]
     if p == 1:
-        return ([("serial", "serial", {})] if not wanted or "serial" in wanted else []), []
+        return ([(REFERENCE_MODE, REFERENCE_MODE, {})] if not wanted or REFERENCE_MODE in wanted else []), []
     runs, skipped = [], []
+    named = variants()
     for label in labels:
-        mode, options = VARIANTS.get(label, (label, {}))
-        if mode == "serial":
+        mode, options = named.get(label, (label, {}))
+        if mode == REFERENCE_MODE:
             continue
         if mode == "dtensor":
             why = [f"{what} = {size} is not divisible by p = {p}"
@@ -363,11 +380,7 @@ def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> 
             else:
                 runs.append((label, mode, options))
             continue
-        if mode not in lattice.available_modes():
-            skipped.append((label, "mode not written yet"))
-            continue
-        if mode == "subgraph" and "subgrids" not in options:
-            options = {**options, "subgrids": _subgrids(cfg, p)}
+        options = {**get_mode(mode).fit_options(cfg, p), **options}
         try:
             mode_obj = get_mode(mode)(cfg, lattice.plan(mode, tp=p, **options))
             mode_obj.check_batch(torch.zeros(batch, cfg.seq_len, dtype=torch.int64))
@@ -377,11 +390,6 @@ def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> 
             continue
         runs.append((label, mode, options))
     return runs, skipped
-
-
-def _subgrids(cfg, p) -> int:
-    """The smallest sub-grid count above 1 that divides both p and the head count."""
-    return next((g for g in range(2, p + 1) if p % g == 0 and cfg.n_heads % g == 0), p)
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -485,12 +493,12 @@ def _world(payload: dict):
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
-    serial = lattice.GPT(cfg, lattice.plan("serial"))
+    serial = lattice.GPT(cfg, lattice.plan(REFERENCE_MODE))
     sd = serial.full_state_dict()
     with torch.no_grad():
         ref_loss = float(serial(tokens, targets))
     del serial
-    jobs = ([("serial", "serial", {})] if payload["serial"] else []) + list(payload["runs"])
+    jobs = ([(REFERENCE_MODE, REFERENCE_MODE, {})] if payload["reference"] else []) + list(payload["runs"])
     prepared = [prepare(label, mode, options, cfg, sd, tokens, targets, ref_loss, args) for label, mode, options in jobs]
     runs = [r for r in prepared if isinstance(r, Prepared)]
     machines = [calibrate(cfg, args.batch)] if args.calibrate else []
@@ -514,7 +522,7 @@ def _world(payload: dict):
             continue
         row = report_row(item, gathered[runs.index(item)])
         # serial runs alone on rank 0 of a larger world, not under the calibration's sharing
-        if machine is not None and (item.mode != "serial" or dist.get_world_size() == 1):
+        if machine is not None and (item.mode != REFERENCE_MODE or dist.get_world_size() == 1):
             row.update({k + "_pred_s": v for k, v in item.analytic.time(machine).items()})
         rows.append(row)
     return {"p": dist.get_world_size(), "cfg": payload["cfg"], "batch": args.batch, "rows": rows,
@@ -579,7 +587,7 @@ def bench_size(cfg: GPTConfig, p: int, batch: int, args, *, serial: bool) -> dic
     runs, skipped = applicable(cfg, batch, p, args.modes)
     if p == 1:
         runs, serial = [], True
-    payload = {"cfg": cfg.to_dict(), "runs": runs, "skipped": skipped, "serial": serial, "timeout": args.timeout,
+    payload = {"cfg": cfg.to_dict(), "runs": runs, "skipped": skipped, "reference": serial, "timeout": args.timeout,
                "args": {"batch": batch, **{k: getattr(args, k) for k in ("steps", "warmup", "seed", "calibrate",
                                                                          "activation_checkpointing")}}}
     return run_world(p, payload)
@@ -606,7 +614,9 @@ def projection(machine: costmodel.Machine = costmodel.PAPER_CLUSTER) -> dict:
     """The cost model's step time per sequence (the 3D paper's Eq. 6) of the Transformer stem, as
     both papers measure it, at their scale: strong scaling as Optimus Table 3 (b = 24, h = 3072),
     weak as Table 2 (h = 1024·√p, b = 24·√p), s = 512, 24 layers, fp16 activations, activation
-    checkpointing, bunched 2D placement, 4 GPUs per node."""
+    checkpointing, every mode's topology-aware placement (bunched in 2D), 4 GPUs per node."""
+    from lattice.modes import get_mode
+
     out = {"machine": machine.describe(), "strong": {}, "weak": {}}
     for family in ("strong", "weak"):
         for p in PROJECTION_SIZES:
@@ -614,11 +624,11 @@ def projection(machine: costmodel.Machine = costmodel.PAPER_CLUSTER) -> dict:
             h, b = (3072, 24) if family == "strong" else (64 * round(16 * p ** 0.5), round(24 * p ** 0.5))
             cfg = GPTConfig(vocab_size=50304, seq_len=512, d_model=h, n_heads=h // 64, n_layers=24)
             row = {}
-            for mode in ("1d", "2d", "3d"):
+            for mode in parallel_modes():
                 try:
                     c = costmodel.estimate(cfg, mode, batch=b, tp=p, dtype=torch.float16,
                                            activation_checkpointing=True, ranks_per_node=machine.ranks_per_node,
-                                           placement="topology" if mode == "2d" else "natural")
+                                           placement="topology", **get_mode(mode).fit_options(cfg, p))
                 except LatticeConfigError:
                     continue
                 t = c.time(machine, stem=True)
@@ -629,12 +639,15 @@ def projection(machine: costmodel.Machine = costmodel.PAPER_CLUSTER) -> dict:
 
 
 def crossovers(proj: dict) -> list[str]:
-    """Where a higher-dimensional layout first beats a lower one in the projection."""
+    """Where a layout that is slower at the smallest shared size first beats another one."""
     notes = []
     for family in ("strong", "weak"):
-        for hi, lo in (("2d", "1d"), ("3d", "2d"), ("3d", "1d")):
+        modes = sorted({m for r in proj[family].values() for m in r if isinstance(r[m], dict)})
+        for hi, lo in itertools.permutations(modes, 2):
             both = [(p, r[hi]["step_per_seq_s"], r[lo]["step_per_seq_s"]) for p, r in proj[family].items()
                     if hi in r and lo in r]
+            if not both or both[0][1] < both[0][2]:
+                continue  # hi is not the slower one where they first meet
             wins = [p for p, a, b in both if a < b]
             where = f"first at p = {wins[0]}" if wins else "not within p <= 64"
             notes.append(f"{family}: {hi} faster than {lo} {where} (compared at p = {[p for p, _, _ in both]})")
@@ -662,7 +675,7 @@ def _mb(x):
 
 def format_table(result: dict) -> str:
     rows = result["rows"]
-    serial_act = next((r["act_bytes"] for r in rows if r["mode"] == "serial"), None)
+    serial_act = next((r["act_bytes"] for r in rows if r["mode"] == REFERENCE_MODE), None)
     p = result["p"]
     head = (f"{'mode':<14}{'fwd ms':>8}{'bwd ms':>8}{'step ms':>9}{'pred ms':>9}{'comm MB':>9}{'model MB':>9}"
             f"{'ratio':>7}{'act MB/rk':>10}{'act·p/ser':>10}{'param MB/rk':>12}")
@@ -671,7 +684,7 @@ def format_table(result: dict) -> str:
         if "error" in r:
             lines.append(f"{r['label']:<14}{r['error']}")
             continue
-        rel = "" if serial_act is None else f"{r['act_bytes'] * (p if r['mode'] != 'serial' else 1) / serial_act:.3f}"
+        rel = "" if serial_act is None else f"{r['act_bytes'] * (p if r['mode'] != REFERENCE_MODE else 1) / serial_act:.3f}"
         pred = f"{r['step_pred_s'] * 1e3:.1f}" if "step_pred_s" in r else "-"
         lines.append(f"{r['label']:<14}{r['forward_s'] * 1e3:8.1f}{r['backward_s'] * 1e3:8.1f}{r['step_s'] * 1e3:9.1f}"
                      f"{pred:>9}{_mb(r['comm_bytes']):>9}{_mb(r['comm_bytes_analytic']):>9}{r['comm_ratio']:7.3f}"
@@ -680,14 +693,15 @@ def format_table(result: dict) -> str:
         lines.append(f"{label:<14}skipped: {why}")
     ratio = _peer_ratio(result)
     if ratio is not None:
-        lines.append(f"1d step / dtensor step = {ratio:.3f}")
+        lines.append(f"{peer_mode('dtensor')} step / dtensor step = {ratio:.3f}")
     return "\n".join(lines)
 
 
 def _peer_ratio(result: dict) -> float | None:
     by = {r["label"]: r for r in result["rows"] if "error" not in r}
-    if "1d" in by and "dtensor" in by:
-        return by["1d"]["step_s"] / by["dtensor"]["step_s"]
+    mine = peer_mode("dtensor")
+    if mine in by and "dtensor" in by:
+        return by[mine]["step_s"] / by["dtensor"]["step_s"]
     return None
 
 
@@ -751,7 +765,7 @@ def plot_sweeps(report: dict, path: Path) -> None:
         ax.legend()
     for ax, family in zip(axes[2:], ("strong", "weak")):
         proj = report["projection"][family]
-        for mode in ("1d", "2d", "3d"):
+        for mode in sorted({m for r in proj.values() for m in r if isinstance(r[m], dict)}):
             pts = [(int(p), r[mode]["step_per_seq_s"] * 1e3) for p, r in proj.items() if mode in r]
             ax.plot([p for p, _ in pts], [t for _, t in pts], "o-", label=mode)
         ax.set_xscale("log", base=2)
@@ -775,8 +789,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--modes", default=None,
-                   help="comma-separated: 1d, 1d-sp, 2d, 3d, subgraph, subgraph-csub, dtensor "
-                        "(default: every registered mode and dtensor)")
+                   help="comma-separated, from: " + ", ".join([REFERENCE_MODE, *parallel_modes(), *variants(), "dtensor"])
+                        + " (default: every registered mode and dtensor)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -793,7 +807,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """One-line refusals of what cannot run, before any process starts."""
-    known = {"serial", "1d", "2d", "3d", "subgraph", "dtensor", *VARIANTS}
+    known = {REFERENCE_MODE, *parallel_modes(), "dtensor", *variants()}
     unknown = [m for m in args.modes or [] if m not in known]
     if unknown:
         raise LatticeConfigError(f"unknown mode(s) {unknown} in --modes; choose from {', '.join(sorted(known))}")
@@ -868,9 +882,10 @@ def _run_sweeps(args, out: Path, report: dict) -> int:
 def format_projection(proj: dict) -> str:
     lines = [f"projection ({proj['machine']}), model step time per sequence in ms:"]
     for family in ("strong", "weak"):
-        lines.append(f"  {family:<7}{'p':>4}{'h':>7}{'b':>6}{'1d':>10}{'2d':>10}{'3d':>10}")
+        modes = sorted({m for r in proj[family].values() for m in r if isinstance(r[m], dict)})
+        lines.append(f"  {family:<7}{'p':>4}{'h':>7}{'b':>6}" + "".join(f"{m:>10}" for m in modes))
         for p, r in proj[family].items():
-            cells = "".join(f"{r[m]['step_per_seq_s'] * 1e3:10.2f}" if m in r else f"{'-':>10}" for m in ("1d", "2d", "3d"))
+            cells = "".join(f"{r[m]['step_per_seq_s'] * 1e3:10.2f}" if m in r else f"{'-':>10}" for m in modes)
             lines.append(f"  {'':<7}{p:>4}{r['h']:>7}{r['b']:>6}{cells}")
     return "\n".join(lines)
 

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import os
 import sys
@@ -28,6 +27,8 @@ import sys
 from lattice.context import LatticeConfigError
 from lattice.layout import make_topology
 from lattice.model import PRESETS
+from lattice.modes import REFERENCE_MODE, available_modes
+from lattice.options import add_mode_option_flags, given_mode_options
 
 # subcommands whose arguments and implementation live in another module, imported only when used
 DELEGATED = {
@@ -38,19 +39,13 @@ DELEGATED = {
 
 # ----------------------------------------------------------------------------- arguments
 def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
-    from lattice.modes import available_modes
-
-    p.add_argument("--mode", default="serial", choices=available_modes(), help="parallel layout (default serial)")
+    p.add_argument("--mode", default=REFERENCE_MODE, choices=available_modes(),
+                   help=f"parallel layout (default {REFERENCE_MODE})")
     p.add_argument("--tp", type=int, default=1, help="ranks per model replica (tensor parallel degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--sequence-parallel", action="store_true", default=None, help="1d: sequence parallelism")
-    p.add_argument("--subgrids", type=int, default=None, help="subgraph: number of sub-grids g")
-    p.add_argument("--common", choices=("all", "subgrid"), default=None,
-                   help="subgraph: common layers on all ranks (D&SP) or sub-grid 0 (D&SP-cSub)")
+    add_mode_option_flags(p)
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for placement")
     p.add_argument("--placement", choices=("natural", "topology"), default="natural")
-    p.add_argument("--mode-option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other option of the mode (repeatable), e.g. -o sequence_parallel=True")
     p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small)")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary of the built-in corpus")
 
@@ -82,21 +77,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _mode_options(args) -> dict:
-    opts = {k: getattr(args, k) for k in ("sequence_parallel", "subgrids", "common") if getattr(args, k) is not None}
-    for item in args.mode_option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise LatticeConfigError(f"--mode-option {item!r} is not KEY=VALUE; write e.g. -o subgrids=2")
-        try:
-            opts[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            opts[key] = value
-    return opts
-
-
 def _layout_kwargs(args) -> dict:
-    kw = dict(tp=args.tp, dp=args.dp, placement=args.placement, **_mode_options(args))
+    kw = dict(tp=args.tp, dp=args.dp, placement=args.placement, **given_mode_options(args))
     if args.ranks_per_node:
         kw["ranks_per_node"] = args.ranks_per_node
     return kw

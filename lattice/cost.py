@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lattice.config import PRESETS, GPTConfig
 from lattice.context import LatticeConfigError, MeshAxis, Topology
-from lattice.model import PRESETS, GPTConfig
+from lattice.sharding import grad_sum_buckets
 
-TP, DP, ROW, COL = MeshAxis.TP, MeshAxis.DP, MeshAxis.ROW, MeshAxis.COL
-CI, CJ, CL, SUB, MEM = MeshAxis.CUBE_I, MeshAxis.CUBE_J, MeshAxis.CUBE_L, MeshAxis.SUBGRID, MeshAxis.MEMBER
-MODES = ("serial", "1d", "2d", "3d", "subgraph")
+DP = MeshAxis.DP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
 
 
@@ -237,74 +236,53 @@ def _product(sizes):
             yield (k,) + rest
 
 
-def topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
-             placement: str = "natural", **options) -> tuple[Topology, dict]:
-    """The layout of a registered mode (lattice.context.make_topology); for a mode not written
-    yet, the mesh the design notes give it, with natural placement or SUPER's round-robin one."""
-    from lattice.layout import make_topology
-    from lattice.modes import available_modes
-
-    if mode in available_modes():
-        return make_topology(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node, placement=placement, **options)
-    if mode == "3d":
-        q = round(tp ** (1 / 3))
-        if q ** 3 != tp or q < 2:
-            raise LatticeConfigError(f"mode '3d' needs tp = q*q*q ranks with q >= 2; tp={tp} is not a cube")
-        axes = ((CI, q), (CJ, q), (CL, q))
-    elif mode == "subgraph":
-        options = {"subgrids": 2, "common": "all", **options}
-        g = options["subgrids"]
-        if tp % g:
-            raise LatticeConfigError(f"mode 'subgraph' needs tp divisible by subgrids = {g}; got tp={tp}")
-        axes = ((SUB, g), (MEM, tp // g))
-    else:
-        raise LatticeConfigError(f"unknown mode {mode!r}; the cost model knows {', '.join(MODES)}")
-    axes = ((DP, dp),) + axes
-    world = dp * tp
-    rpn = ranks_per_node or world
-    grid = tuple(range(world))
-    if placement == "topology" and mode == "subgraph":
-        grid = round_robin_grid(dp, axes[1][1], axes[2][1])
-    return Topology(mode, axes, grid, rpn), options
-
-
-def round_robin_grid(dp: int, g: int, n_g: int) -> tuple[int, ...]:
-    """SUPER Fig. 11: the ranks of each sub-grid dealt round-robin over the nodes, i.e. the g ranks
-    holding one sub-grid position (one segmented collective) are consecutive, so they share a node
-    when g divides the ranks per node. Global rank at each (dp, subgrid k, member m)."""
-    p = g * n_g
-    return tuple(d * p + m * g + k for d in range(dp) for k in range(g) for m in range(n_g))
-
-
 def estimate(cfg: GPTConfig, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
              ranks_per_node: int | None = None, placement: str = "natural", rank: int = 0,
              **options) -> Cost:
     """The analytic cost of one step of `mode` on `batch` sequences (per replica) of `seq` tokens,
-    for global rank `rank` (ranks differ only where a mode hosts parameters on some ranks)."""
-    topo, options = topology(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node, placement=placement, **options)
+    for global rank `rank` (ranks differ where a mode hosts parameters on some ranks)."""
+    from lattice.layout import plan
+    from lattice.model import GPT
+
+    ctx = plan(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node, placement=placement, rank=rank, **options)
+    with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
+        model = GPT(cfg, ctx)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cost = Cost(mode, cfg, batch, seq or cfg.seq_len, topo, dict(options), itemsize, activation_checkpointing)
-    _Builder(cost, rank).build()
+    cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
+                activation_checkpointing)
+    CostBuilder(cost, model).build()
     return cost
 
 
-class _Builder:
-    """Fills a Cost: one method per mode, written from its paper (sections cited there)."""
+class CostBuilder:
+    """Fills a Cost. The mode describes its own layout (`Mode.cost_terms(builder)`: collectives,
+    FLOP shares, saved activations, written from its paper); the builder adds what follows from
+    the shard specs alone -- parameter memory and tensor count, the padded vocabulary, the
+    in-replica gradient sums (`ShardSpec.grad_sum`, bucketed as `GPT.sync_grads` does) and the
+    data-parallel gradient all-reduce (bucketed as DDP does).
 
-    def __init__(self, cost: Cost, rank: int):
+    For the mode: B sequences of T tokens per replica, h, n heads, L layers, V, Tmax = seq_len,
+    `bias`, p ranks per replica, `coords` of this rank, `vocab_padded`, `options`, `itemsize`.
+    """
+
+    def __init__(self, cost: Cost, model):
         c, cfg = cost, cost.cfg
-        self.c, self.cfg, self.topo = c, cfg, c.topology
-        self.coords = c.topology.coords(rank)
+        self.c, self.cfg, self.topo, self.model = c, cfg, c.topology, model
+        self.coords = model.ctx.coords
         self.B, self.T, self.h, self.n, self.L = c.batch, c.seq, cfg.d_model, cfg.n_heads, cfg.n_layers
         self.V, self.Tmax, self.bias = cfg.vocab_size, cfg.seq_len, cfg.bias
         self.p = c.topology.tp_size
+        self.options = c.options
+        self.vocab_padded = model.specs["embed.wte"].storage_shape[0]
+        self.residual_split = 1  # how many ranks share one replica's residual stream
+        self.share: dict[str, float] = {}  # FLOP shares (see _flops)
         self.layer: list[Term] = []  # one layer's terms, forward and backward
         self.recompute: list[Term] = []  # forward terms a checkpointed layer repeats in backward
 
     def add(self, phase, op, axes, elements, calls=1, site="", *, layer=False, itemsize=None):
         """One term; `layer` terms are per layer (multiplied by L, forward ones recomputed under
-        checkpointing unless a mode drops them from `self.recompute`)."""
+        checkpointing unless the mode drops them from `self.recompute`)."""
         t = Term(phase, op, tuple(axes), calls, elements, site, itemsize or self.c.itemsize)
         if not layer:
             self.c.terms.append(t)
@@ -313,34 +291,49 @@ class _Builder:
         if phase == "forward":
             self.recompute.append(t)
 
+    def activations(self, per_layer: float, head: float, ints: float) -> None:
+        """Bytes saved for backward: floats of the layers and the head, plus int64/bool index bytes."""
+        if self.c.checkpointing:  # only each layer's input survives the forward
+            per_layer = self.B * self.T * self.h / self.residual_split
+        self.c.memory["activations"] = self.c.itemsize * (self.L * per_layer + head) + ints
+
     def build(self):
-        getattr(self, "_" + {"1d": "megatron1d", "2d": "summa2d", "3d": "cube3d"}.get(self.c.mode, self.c.mode))()
         c, L = self.c, self.L
+        self.model.mode.cost_terms(self)
         for t in self.layer:
             c.terms.append(Term(t.phase, t.op, t.axes, t.calls * L, t.elements * L, t.site, t.itemsize))
         if c.checkpointing:
             for t in self.recompute:
                 c.terms.append(Term("backward", t.op, t.axes, t.calls * L, t.elements * L, t.site, t.itemsize))
+        params = list(self.model.parameters())
+        c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
+        c.param_tensors = len(params)
+        self._gradient_sums()
         if self.topo.size(DP) > 1:  # data-parallel gradient averaging, bucketed as DDP does
             grads = c.memory["parameters"] / c.itemsize
             self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
                      "grads")
-        if not c.param_tensors:
-            c.param_tensors = self._tensor_count()
         c.memory["gradients"] = c.memory["parameters"]
         c.memory["optimizer"] = 2 * c.memory["parameters"]  # AdamW's two moments
         self._flops()
 
-    # ------------------------------------------------------------------ shared pieces
+    def _gradient_sums(self):
+        """GPT.sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes."""
+        params = dict(self.model.named_parameters())
+        for axes, names in grad_sum_buckets(self.model):
+            if self.c.group_size(axes) > 1:
+                self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
+
     def _flops(self):
         """Matrix-product FLOPs of this rank: per layer 24·B·T·h² + 4·B·T²·h, LM head 2·B·T·h·V'.
         Elementwise work, in elements through each operator once: per layer LayerNorm (2), residual
         adds (2), output-linear biases (2) -- the "replicated" part, whole on every 1D rank -- and
         the qkv and fc biases (7) and GELU (4) -- the "split" part -- times B·T·h; the head's
         LayerNorm and two passes over the logits (softmax, loss). Attention is counted apart in
-        score elements B·n·T² per layer. Backward is twice the forward in all three."""
+        score elements B·n·T² per layer. Backward is twice the forward in all three. A mode's
+        `share` gives its fraction of each part (default 1/p)."""
         B, T, h, L, n = self.B, self.T, self.h, self.L, self.n
-        share = getattr(self, "share", {})
+        share = self.share
         split = share.get("split", 1 / self.p)
         attention, mlp, head = (share.get(k, split) for k in ("attention", "mlp", "head"))
         replicated = share.get("replicated", split)
@@ -361,343 +354,48 @@ class _Builder:
                        "elementwise": {"forward": L * layer, "backward": (3 if ckpt else 2) * L * layer},
                        "scores": self.c.scores}
 
-    def _tensor_count(self, vectors: bool = True) -> int:
-        """Parameter tensors of the model (all of them, or only the matrices and tables)."""
-        tables = 2 if self.cfg.tie_embeddings else 3
-        if not vectors:
-            return tables - 1 + 4 * self.L  # wte (and head); wpe counts with the vectors
-        return tables + self.L * (12 if self.bias else 6) + (2 if self.bias else 1)
-
-    def _serial_params(self) -> float:
-        """Elements of the full model's parameters (weights, biases, norms, both embeddings)."""
-        h, L, V = self.h, self.L, self.V
-        layer = 12 * h * h + (13 * h if self.bias else 4 * h)
-        head = 0 if self.cfg.tie_embeddings else V * h
-        return V * h + self.Tmax * h + L * layer + (2 if self.bias else 1) * h + head
-
-    def _activations(self, per_layer: float, head: float, ints: float) -> None:
-        """Bytes saved for backward: floats of the layers and the head, plus int64/bool index bytes."""
-        if self.c.checkpointing:  # only each layer's input survives the forward
-            per_layer = self.B * self.T * self.h / self.residual_split
-        self.c.memory["activations"] = self.c.itemsize * (self.L * per_layer + head) + ints
-
-    # ------------------------------------------------------------------ serial
-    def _serial(self):
-        """Whole model on one rank; what autograd saves per layer: LayerNorm input, output, mean,
-        rstd (x2); q, k, v; attention output and log-sum-exp; the MLP's 4h input and output."""
-        B, T, h, n = self.B, self.T, self.h, self.n
-        self.vocab_padded, self.residual_split = self.V, 1
-        self.c.memory["parameters"] = self.c.itemsize * self._serial_params()
-        self._activations(16 * B * T * h + 4 * B * T + B * n * T,
-                          2 * B * T * h + 2 * B * T + B * T * self.V + 1, 16 * B * T)
-
-    # ------------------------------------------------------------------ 1D: Megatron (papers/002)
-    def _megatron1d(self):
-        """f/g around every column/row pair: forward g = all-reduce of [B, T, h] after the attention
-        and MLP output linears, backward f = all-reduce of the input gradient before qkv and fc.
-        Vocab-parallel embedding (forward all-reduce) and head fused with the cross-entropy: three
-        per-token values all-reduced (max, then Σe^x and the target logit in one call), and the
-        head's f in backward. Sequence parallelism swaps each all-reduce for a reduce-scatter plus
-        an all-gather over T of the same buffer, and sums the gradients of the vectors applied to
-        sequence chunks (LayerNorm, output-linear bias, wpe) with an all-reduce."""
-        B, T, h, n, p = self.B, self.T, self.h, self.n, self.p
-        sp = self.c.options.get("sequence_parallel", False)
-        act = B * T * h
-        self.vocab_padded = -(-self.V // p) * p
-        N = B * T  # tokens
-        if not sp:
-            self.add("forward", "all_reduce", (TP,), act, 1, "embedding")
-            for _ in range(2):  # attention, MLP
-                self.add("forward", "all_reduce", (TP,), act, 1, "layer.linear", layer=True)
-                self.add("backward", "all_reduce", (TP,), act, 1, "layer.linear", layer=True)
-            # recomputation stops at the MLP's last saved input: its g is not repeated
-            self.recompute.pop()
-            self.add("backward", "all_reduce", (TP,), act, 1, "head")
-        else:
-            self.add("forward", "reduce_scatter", (TP,), act, 1, "embedding")
-            self.add("backward", "all_gather", (TP,), act, 1, "embedding")
-            self.add("backward", "all_reduce", (TP,), T * h, 1, "embedding")  # wpe over the chunks
-            vectors = 2 if self.bias else 1
-            for _ in range(2):
-                self.add("forward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
-                self.add("backward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
-                self.add("forward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
-                self.add("backward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
-            self.recompute.pop()  # the MLP's reduce-scatter follows its last saved input
-            # LayerNorm weights/biases and row-linear biases (grad_sum=(TP,)): one bucket after backward
-            self.add("backward", "all_reduce", (TP,), h * (self.L * (2 * vectors + (2 if self.bias else 0)) + vectors),
-                     1, "grads")
-            self.add("forward", "all_gather", (TP,), act, 1, "head")
-            self.add("backward", "reduce_scatter", (TP,), act, 1, "head")
-        self.add("forward", "all_reduce", (TP,), 3 * N, 2, "loss", itemsize=max(4, self.c.itemsize))
-        self.share = {"split": 1 / p, "replicated": 1 / p if sp else 1}
-        # parameters: column/row weights split, vocabulary rows split, the rest replicated
-        layer = 12 * h * h / p + ((7 * h / p + 6 * h) if self.bias else 2 * h)
-        params = (self.vocab_padded * h / p * (1 if self.cfg.tie_embeddings else 2) + self.Tmax * h
-                  + self.L * layer + (2 if self.bias else 1) * h)
-        self.c.memory["parameters"] = self.c.itemsize * params
-        # saved: LayerNorm inputs whole (a 1/p chunk under sequence parallelism) and outputs whole
-        # (all-gathered there), q, k, v, attention output and the MLP's 4h tensors at 1/p
-        r = p if sp else 1
-        self.residual_split = r
-        per_layer = 2 * act / r + 2 * act + 12 * act / p + 4 * N / r + B * n * T / p
-        head = act / r + act + N * self.vocab_padded / p + 2 * N / r
-        ints = N * (8 + 1) + N * (8 + 1)  # token ids, mask; target ids, mask
-        self._activations(per_layer, head, ints)
-
-    # ------------------------------------------------------------------ 2D: SUMMA / Optimus (papers/000)
-    def _summa_product(self, phase_site, M, K, N, q, *, forward_only=False, layer=True):
-        """C = A B with A [M, K], B [K, N] on a q x q mesh (Alg. 1): q broadcasts of A blocks along
-        the row (axis COL) and of B blocks along the column (axis ROW). Backward (Eq. 1): dA by
-        Alg. 2 (q broadcasts of B blocks, q reduces of A-sized blocks along the row) and dB by
-        Alg. 3 (q broadcasts of A blocks along the row, q reduces of B-sized blocks along the column)."""
-        a, b = M * K / q ** 2, K * N / q ** 2
-        self.add("forward", "broadcast", (COL,), q * a, q, phase_site, layer=layer)
-        self.add("forward", "broadcast", (ROW,), q * b, q, phase_site, layer=layer)
-        if forward_only:
-            return
-        self.add("backward", "broadcast", (ROW,), q * b, q, phase_site, layer=layer)
-        self.add("backward", "reduce", (COL,), q * a, q, phase_site, layer=layer)
-        self.add("backward", "broadcast", (COL,), q * a, q, phase_site, layer=layer)
-        self.add("backward", "reduce", (ROW,), q * b, q, phase_site, layer=layer)
-
-    def _summa2d(self):
-        """Activations [B/q, T, h/q], weights in q x q blocks; SUMMA for every linear; bias,
-        LayerNorm and wpe on row 0, broadcast down the column forward and reduced back in backward
-        (Fig. 5); LayerNorm sums (Σx, Σx²) and cross-entropy sums (max, then Σe^x with the target
-        logit) all-reduced along the row (§3.2.2). Embedding as SUMMA with the one-hot token matrix
-        local to the row: q table-block broadcasts down the column, and the gradient's q reduces
-        (Alg. 3). LM head C = X Eᵀ (Alg. 2: q broadcasts of table blocks, q reduces of logit blocks),
-        its backward by Alg. 1 and Alg. 3; the mean loss is summed down the column."""
-        B, T, h, n = self.B, self.T, self.h, self.n
-        q = math.isqrt(self.p)
-        Vp = self.vocab_padded = -(-self.V // q) * q
-        M = B * T  # the full token count; blocks are M/q rows
-        m = M / q
-        vec = 2 if self.bias else 1
-        # embedding: table block (V'/q, h/q) broadcast q times; wpe hosted on row 0
-        self.add("forward", "broadcast", (ROW,), Vp * h / q, q, "embedding")
-        self.add("backward", "reduce", (ROW,), Vp * h / q, q, "embedding")
-        self.add("forward", "broadcast", (ROW,), T * h / q, 1, "embedding")
-        self.add("backward", "reduce", (ROW,), T * h / q, 1, "embedding")
-
-        def layer_norm(layer, site):
-            self.add("forward", "broadcast", (ROW,), vec * h / q, vec, site, layer=layer)
-            self.add("backward", "reduce", (ROW,), vec * h / q, vec, site, layer=layer)
-            self.add("forward", "all_reduce", (COL,), 2 * m, 1, site, layer=layer)
-            self.add("backward", "all_reduce", (COL,), 2 * m, 1, site, layer=layer)
-
-        for k_in, n_out in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
-            if self.bias:
-                self.add("forward", "broadcast", (ROW,), n_out / q, 1, "layer.bias", layer=True)
-                self.add("backward", "reduce", (ROW,), n_out / q, 1, "layer.bias", layer=True)
-            self._summa_product("layer.linear", M, k_in, n_out, q)
-        for _ in range(2):
-            layer_norm(True, "layer.norm")
-        layer_norm(False, "head")
-        # head: logits (M, V') = X (M, h) Eᵀ; forward Alg. 2, backward Alg. 1 (dX) and Alg. 3 (dE)
-        e, x, z = Vp * h / q ** 2, M * h / q ** 2, M * Vp / q ** 2
-        self.add("forward", "broadcast", (ROW,), q * e, q, "head")
-        self.add("forward", "reduce", (COL,), q * z, q, "head")
-        self.add("backward", "broadcast", (COL,), q * z, q, "head")
-        self.add("backward", "broadcast", (ROW,), q * e, q, "head")
-        self.add("backward", "broadcast", (COL,), q * z, q, "head")
-        self.add("backward", "reduce", (ROW,), q * e, q, "head")
-        loss_size = max(4, self.c.itemsize)
-        self.add("forward", "all_reduce", (COL,), 3 * m, 2, "loss", itemsize=loss_size)
-        self.add("forward", "all_reduce", (ROW,), 1, 1, "loss", itemsize=loss_size)
-        # parameters: weight and table blocks everywhere; vectors and wpe on row 0 only
-        row0 = self.coords.get(ROW, 0) == 0
-        vectors = (self.L * (13 * h if self.bias else 4 * h) + vec * h + self.Tmax * h) / q
-        tables = Vp * h / self.p * (1 if self.cfg.tie_embeddings else 2)
-        self.c.memory["parameters"] = self.c.itemsize * (self.L * 12 * h * h / self.p + tables
-                                                         + (vectors if row0 else 0))
-        self.c.param_tensors = self._tensor_count(vectors=row0)
-        # saved per layer: every [B, T, h]-sized tensor of serial at 1/p; x̂ replaces the LayerNorm
-        # input, whose rstd is per token of the row block (q-fold replicated); broadcast vectors
-        self.residual_split = self.p
-        per_layer = 16 * M * h / self.p + 2 * m + B * n * T / self.p + 2 * h / q
-        head = (2 * M * h + M * Vp) / self.p + m + h / q
-        ints = 8 * M + m * (8 + 1)  # the token ids (a view of the whole batch); target ids, hit mask
-        self._activations(per_layer, head, ints)
-
-    # ------------------------------------------------------------------ 3D: load-balanced cube (papers/004)
-    def _cube3d(self):
-        """Cube q x q x q, Y = X W (DESIGN.md "3D"): forward all-gathers X [M/q², N/q] along j and W
-        [N/q², K/q] along i, reduce-scatters Y along l; backward all-gathers dY along l, reduce-scatters
-        dX along j and dW along i, re-gathering X and W rather than keeping q-fold copies (storage
-        stays 1/p). The second linear of a block swaps the roles of j and l. Vectors (bias, LayerNorm)
-        of a K/q column block are kept once and broadcast / reduced along the two remaining axes.
-        LayerNorm sums and cross-entropy sums are all-reduced along the hidden axis."""
-        B, T, h, n = self.B, self.T, self.h, self.n
-        q = round(self.p ** (1 / 3))
-        Vp = self.vocab_padded = -(-self.V // q ** 2) * q ** 2
-        M = B * T
-        vec = 2 if self.bias else 1
-
-        def linear(M_, N_, K_, x_axis, y_axis, site="layer.linear", layer=True):
-            mn, nk, mk = M_ * N_ / q ** 2, N_ * K_ / q ** 2, M_ * K_ / q ** 2
-            self.add("forward", "all_gather", (x_axis,), mn, 1, site, layer=layer)
-            self.add("forward", "all_gather", (CI,), nk, 1, site, layer=layer)
-            self.add("forward", "reduce_scatter", (y_axis,), mk, 1, site, layer=layer)
-            self.add("backward", "all_gather", (x_axis,), mn, 1, site, layer=layer)
-            self.add("backward", "all_gather", (CI,), nk, 1, site, layer=layer)
-            self.add("backward", "all_gather", (y_axis,), mk, 1, site, layer=layer)
-            self.add("backward", "reduce_scatter", (x_axis,), mn, 1, site, layer=layer)
-            self.add("backward", "reduce_scatter", (CI,), nk, 1, site, layer=layer)
-
-        def vector(size, k, site, layer=True):  # k vectors of `size` elements, a column block each
-            self.add("forward", "broadcast", (CI, CJ), k * size / q, k, site, layer=layer)
-            self.add("backward", "reduce", (CI, CJ), k * size / q, k, site, layer=layer)
-
-        def layer_norm(site, layer=True):
-            vector(h, vec, site, layer)
-            self.add("forward", "all_reduce", (CL,), 2 * M / q ** 2, 1, site, layer=layer)
-            self.add("backward", "all_reduce", (CL,), 2 * M / q ** 2, 1, site, layer=layer)
-
-        # embedding: table (V'/q², h/q) pieces all-gathered along i like a weight, then a local lookup
-        self.add("forward", "all_gather", (CI,), Vp * h / q ** 2, 1, "embedding")
-        self.add("backward", "reduce_scatter", (CI,), Vp * h / q ** 2, 1, "embedding")
-        vector(T * h, 1, "embedding", layer=False)
-        for k_in, n_out, first in ((h, 3 * h, True), (h, h, False), (h, 4 * h, True), (4 * h, h, False)):
-            x_axis, y_axis = (CJ, CL) if first else (CL, CJ)
-            linear(M, k_in, n_out, x_axis, y_axis)
-            if self.bias:
-                vector(n_out, 1, "layer.bias")
-        layer_norm("layer.norm")
-        layer_norm("layer.norm")
-        layer_norm("head", layer=False)
-        linear(M, h, Vp, CL, CJ, "head", layer=False)
-        loss_size = max(4, self.c.itemsize)
-        self.add("forward", "all_reduce", (CJ,), 3 * M / q ** 2, 2, "loss", itemsize=loss_size)
-        self.add("forward", "all_reduce", (CI, CL), 1, 1, "loss", itemsize=loss_size)
-        vectors = (self.L * (13 * h if self.bias else 4 * h) + vec * h + self.Tmax * h) / q
-        diag = self.coords.get(CI, 0) == 0 and self.coords.get(CJ, 0) == 0
-        tables = Vp * h / self.p * (1 if self.cfg.tie_embeddings else 2)
-        self.c.memory["parameters"] = self.c.itemsize * (self.L * 12 * h * h / self.p + tables
-                                                         + (vectors if diag else 0))
-        self.c.param_tensors = self._tensor_count(vectors=diag)
-        self.residual_split = self.p
-        per_layer = 16 * M * h / self.p + 4 * M / q ** 2 + B * n * T / self.p
-        head = (2 * M * h + M * Vp) / self.p + 2 * M / q ** 2
-        self._activations(per_layer, head, M / q ** 2 * 17)
-
-    # ------------------------------------------------------------------ sub-graph: SUPER (papers/003)
-    def _subgraph(self):
-        """g sub-grids of n_g ranks; rank (k, m) runs common rows r_c (D&SP: B/p; D&SP-cSub: B/n_g
-        on sub-grid 0, none elsewhere) and branch rows r_b = B/n_g. With projections="branch" a
-        layer's attention is entered by a split of (r_b, T, h) (D&SP all-gather, cSub broadcast)
-        and left by a sum of the same size (reduce-scatter, reduce), each with the other as its
-        backward; with projections="common" by a slice of q, k, v and a concatenation of the
-        heads (all-to-all counting the buffer a rank sends, scatter/gather the group's whole
-        buffer; or all-gather / broadcast and discard). Every forward boundary is recomputed under
-        checkpointing (the block's last saved tensors follow them). The loss is one value
-        all-reduced over the replica; the gradient sums come from the shard specs: branch weights
-        over the sub-grid (MEMBER), common parameters over the ranks running them."""
-        B, T, h, n, p, L = self.B, self.T, self.h, self.n, self.p, self.L
-        o = self.c.options
-        g = o.get("subgrids", 2)
-        n_g = p // g
-        common_all = o.get("common", "all") == "all"
-        proj_common = o.get("projections", "branch") == "common"
-        by_gather = o.get("slice_collective", "all_to_all") == "all_gather"
-        runs_common = common_all or self.coords.get(SUB, 0) == 0
-        self.vocab_padded = self.V
-        r_b = B / n_g
-        r_c = (B / p if common_all else r_b) if runs_common else 0
-        act = r_b * T * h  # a branch activation of one rank
-
-        def boundary(fwd_op, bwd_op, elements_fwd, elements_bwd):
-            self.add("forward", fwd_op, (SUB,), elements_fwd, 1, "layer.branch", layer=True)
-            self.add("backward", bwd_op, (SUB,), elements_bwd, 1, "layer.branch", layer=True)
-
-        if not proj_common:
-            split, join = ("all_gather", "reduce_scatter") if common_all else ("broadcast", "reduce")
-            boundary(split, join, act, act)
-            boundary(join, split, act, act)
-        elif common_all and not by_gather:  # all-to-all: the slice sends r_c rows of every head
-            boundary("all_to_all", "all_to_all", 3 * B / p * T * h, 3 * B / p * T * h)
-            boundary("all_to_all", "all_to_all", act / g, act / g)
-        elif common_all:
-            boundary("all_gather", "reduce_scatter", 3 * act, 3 * act)
-            boundary("all_gather", "reduce_scatter", act, act)
-        elif not by_gather:
-            boundary("scatter", "gather", 3 * act, 3 * act)
-            boundary("gather", "scatter", act, act)
-        else:
-            boundary("broadcast", "reduce", 3 * act, 3 * act)
-            boundary("all_gather", "reduce_scatter", act, act)
-        self.add("forward", "all_reduce", (SUB, MEM), 1, 1, "loss", itemsize=max(4, self.c.itemsize))
-        # parameters: the branch's head block of q, k, v (and their bias) and of the output
-        # projection; the common ones where the common layers run
-        branch = 0 if proj_common else 4 * h * h / g + (3 * h / g if self.bias else 0)
-        common = self._serial_params() - L * g * branch
-        self.c.memory["parameters"] = self.c.itemsize * (L * branch + (common if runs_common else 0))
-        sums = {(MEM,): L * branch}  # GPT.sync_grads: one bucket per axes and 25 MiB
-        common_axes = (SUB, MEM) if common_all else (MEM,)
-        sums[common_axes] = sums.get(common_axes, 0) + (common if runs_common else 0)
-        for axes, elements in sums.items():
-            if elements and self.c.group_size(axes) > 1:
-                self.add("backward", "all_reduce", axes, elements,
-                         max(1, math.ceil(elements * self.c.itemsize / DDP_BUCKET_BYTES)), "grads")
-        if not runs_common:
-            self.c.param_tensors = 0 if proj_common else L * (3 if self.bias else 2)
-        share = r_c / B
-        self.share = {"attention": r_b / B / g, "mlp": share, "head": share, "replicated": share}
-        self.residual_split = B / r_c if r_c else float("inf")
-        # saved for backward, per layer: common rows keep both LayerNorm inputs, the fc input,
-        # GELU input and MLP-proj input (11h) and the norms' mean/rstd; a branch keeps its qkv
-        # input, the q, k, v storage, attention output (which the proj input views) and log-sum-exp
-        if not proj_common:
-            per_layer = r_c * T * (11 * h + 4) + r_b * T * (h + 4 * h / g + n / g)
-        else:  # the projections' inputs are common rows; discarding collectives keep whole buffers
-            qkv, proj_in = (3 * h, r_b * T * h if runs_common else 0) if by_gather else (3 * h / g, r_c * T * h)
-            per_layer = r_c * T * (12 * h + 4) + proj_in + r_b * T * (qkv + h / g + n / g)
-        head = r_c * T * (2 * h + 2 + self.V) + (1 if runs_common else 0)
-        ints = 2 * 8 * B * T if runs_common else 0  # token and target rows: views of the whole batch
-        self._activations(per_layer, head, ints)
-
 
 # ----------------------------------------------------------------------------- the papers' tables
 
 
 def optimus_table1(b: int, s: int, h: int, p: int) -> dict[str, dict[str, float]]:
-    """Optimus Table 1 as printed: one Transformer layer, activation checkpointing, scalars moved
-    per rank (communication) and scalar multiplications per rank (computation)."""
-    q = math.sqrt(p)
-    lg = math.log2(p)
-    return {
-        "1d": {"forward": 4 * (p - 1) / p * b * s * h, "backward": 8 * (p - 1) / p * b * s * h,
-               "forward_mults": (12 * b * s * h * h + 2 * b * s * s * h) / p,
-               "backward_mults": (36 * b * s * h * h + 6 * b * s * s * h) / p},
-        "2d": {"forward": lg / (2 * q) * (7 * b * s * h + 12 * h * h),
-               "backward": lg / (2 * q) * (21 * b * s * h + 36 * h * h),
-               "forward_mults": (12 * b * s * h * h + 2 * b * s * s * h) / p,
-               "backward_mults": (36 * b * s * h * h + 6 * b * s * s * h) / p},
-    }
+    """Optimus Table 1 as printed, for the modes it has a row for (each mode states its own row,
+    `Mode.optimus_table1_row`): one Transformer layer, activation checkpointing, scalars moved per
+    rank (communication) and scalar multiplications per rank (computation)."""
+    from lattice.modes import available_modes, get_mode
+
+    rows = {m: get_mode(m).optimus_table1_row(b, s, h, p) for m in available_modes()}
+    return {m: row for m, row in rows.items() if row is not None}
 
 
-def layer_table(b: int, s: int, h: int, p: int, subgrids: int = 2) -> dict[str, dict[str, float]]:
-    """Table 1's rows from this model, for every mode whose layout fits p: one layer with
-    activation checkpointing, wire words per rank of its linear layers (of the branch entry and
-    exit for sub-graph parallelism) and scalar multiplications per rank. "backward" recomputes the
-    whole forward as Table 1 does; "backward_as_run" is lattice's, whose checkpoint stops the
-    recomputation after the last tensor saved for backward (1D then skips the MLP's all-reduce)."""
+def layer_table(b: int, s: int, h: int, p: int, **options) -> dict[str, dict[str, float]]:
+    """Table 1's rows from this model, for every registered mode whose layout fits p: one layer
+    with activation checkpointing, wire words per rank of its linear layers and of its branch
+    boundaries (sites "layer.linear" and "layer.branch"), and scalar multiplications per rank.
+    "backward" recomputes the whole forward as Table 1 does; "backward_as_run" is lattice's, whose
+    checkpoint stops the recomputation after the last tensor saved for backward (1D then skips
+    the MLP's all-reduce). `options` go to the modes that take them (e.g. subgrids=4)."""
+    from lattice.modes import get_mode, parallel_modes
+
     cfg = GPTConfig(vocab_size=8, seq_len=s, d_model=h, n_heads=h, n_layers=1)
     out = {}
-    for mode, extra in (("1d", {}), ("2d", {}), ("3d", {}), ("subgraph", {"subgrids": subgrids})):
+    for mode in parallel_modes():
+        taken = get_mode(mode).options
+        extra = {**get_mode(mode).fit_options(cfg, p), **{k: v for k, v in options.items() if k in taken}}
         try:
             c = estimate(cfg, mode, batch=b, tp=p, activation_checkpointing=True, **extra)
         except LatticeConfigError:
             continue
         plain = estimate(cfg, mode, batch=b, tp=p, **extra)
-        site = "layer.branch" if mode == "subgraph" else "layer.linear"
-        fwd = plain.wire("forward", site=site)
+
+        def wire(cost, phase):
+            return cost.wire(phase, site="layer.linear") + cost.wire(phase, site="layer.branch")
+
+        fwd = wire(plain, "forward")
         layer = (8 * b * s * h * h + 4 * b * s * s * h + 16 * b * s * h * h) / p / 2  # multiplications
         # the paper recomputes the whole forward; torch's checkpoint stops after the last saved tensor
-        out[mode] = {"forward": fwd, "backward": fwd + plain.wire("backward", site=site),
-                     "backward_as_run": c.wire("backward", site=site),
-                     "forward_mults": layer, "backward_mults": 3 * layer}
+        out[mode] = {"forward": fwd, "backward": fwd + wire(plain, "backward"),
+                     "backward_as_run": wire(c, "backward"), "forward_mults": layer, "backward_mults": 3 * layer}
     return out
 
 
@@ -731,7 +429,10 @@ def count_messages(topo: Topology, axes) -> tuple[int, int]:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="1d", choices=MODES)
+    from lattice.modes import available_modes, parallel_modes
+    from lattice.options import add_mode_option_flags
+
+    p.add_argument("--mode", default=parallel_modes()[0], choices=available_modes())
     p.add_argument("--tp", type=int, default=4, help="ranks per model replica")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--rank", type=int, default=0, help="which rank's share to show")
@@ -744,16 +445,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per replica")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--sequence-parallel", action="store_true", help="1d")
-    p.add_argument("--subgrids", type=int, default=None, help="subgraph: g")
-    p.add_argument("--common", choices=("all", "subgrid"), default=None, help="subgraph: D&SP or D&SP-cSub")
+    add_mode_option_flags(p)
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--placement", choices=("natural", "topology"), default="natural")
     p.add_argument("--machine", default=None, metavar="JSON",
                    help="Machine fields as JSON (e.g. a calibration from `lattice bench`); default: "
                         "the papers' 4-GPU-node cluster")
     p.add_argument("--table1", action="store_true",
-                   help="print Optimus Table 1 for this b, s, h, p beside this model's 1D/2D/3D/sub-graph rows")
+                   help="print Optimus Table 1 for this b, s, h, p beside this model's rows for every mode")
 
 
 def run_plan(args) -> int:
@@ -766,8 +465,9 @@ def run_plan(args) -> int:
         if args.table1:
             print(format_table1(args.batch, cfg.seq_len, cfg.d_model, args.tp))
             return 0
-        options = {k: v for k, v in (("sequence_parallel", args.sequence_parallel or None),
-                                     ("subgrids", args.subgrids), ("common", args.common)) if v is not None}
+        from lattice.options import given_mode_options
+
+        options = given_mode_options(args)
         c = estimate(cfg, args.mode, batch=args.batch, tp=args.tp, dp=args.dp, rank=args.rank,
                      dtype=torch.bfloat16 if args.bf16 else torch.float32,
                      activation_checkpointing=args.activation_checkpointing,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
-from lattice.modes import get_mode
+from lattice.modes import REFERENCE_MODE, get_mode
 
 
 def _natural_grid(world_size: int) -> tuple[int, ...]:
@@ -72,7 +72,7 @@ def plan(mode: str, *, rank: int = 0, **kwargs) -> ParallelContext:
     return ParallelContext(topology=topo, rank=rank, options=options)
 
 
-def init(mode: str = "serial", *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
+def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
          placement: str = "natural", backend: str | None = None, seed: int = 0,
          **options) -> ParallelContext:
     """Build the ParallelContext for this process.

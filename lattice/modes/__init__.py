@@ -7,6 +7,9 @@ from lattice.modes.base import Block, Mode, Position
 
 _REGISTRY: dict[str, type[Mode]] = {}
 
+#: the one-rank layout every other layout is checked against and loads its weights from
+REFERENCE_MODE = "serial"
+
 
 def register(cls: type[Mode]) -> type[Mode]:
     _REGISTRY[cls.name] = cls
@@ -21,8 +24,9 @@ def get_mode(name: str) -> type[Mode]:
 
 
 def available_modes() -> list[str]:
+    """Registered mode names, sorted."""
     _load_builtin()
-    return list(_REGISTRY)
+    return sorted(_REGISTRY)
 
 
 def _load_builtin():
@@ -34,4 +38,16 @@ def _load_builtin():
             importlib.import_module(f"{__name__}.{info.name}")
 
 
-__all__ = ["Block", "Mode", "Position", "register", "get_mode", "available_modes"]
+def parallel_modes() -> list[str]:
+    """Every registered layout but the reference."""
+    return [m for m in available_modes() if m != REFERENCE_MODE]
+
+
+def peer_mode(peer: str) -> str | None:
+    """The registered mode that an outside implementation (e.g. "dtensor") computes the same
+    way, as its `Mode.peer` declares; None when no mode does."""
+    return next((m for m in available_modes() if get_mode(m).peer == peer), None)
+
+
+__all__ = ["Block", "Mode", "Position", "REFERENCE_MODE", "register", "get_mode", "available_modes",
+           "parallel_modes", "peer_mode"]

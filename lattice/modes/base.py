@@ -78,6 +78,9 @@ class Mode:
     #: small layouts the conformance suite runs this mode in: lattice.init keyword arguments
     #: (tp, dp and options), each needing at most 8 processes. A mode without any fails the suite.
     test_layouts: ClassVar[Sequence[Mapping[str, Any]]] = ()
+    #: an outside implementation of this same layout that `lattice bench` runs beside it
+    #: ("dtensor": PyTorch's own tensor parallelism), or None
+    peer: ClassVar[str | None] = None
     #: True when the residual stream is identical on every rank of a model replica (dropout on
     #: it then uses the replicated RNG stream); False when each rank holds a different piece
     residual_replicated: ClassVar[bool] = True
@@ -103,6 +106,12 @@ class Mode:
     def mesh_axes(cls, tp: int, options: Mapping[str, Any]) -> tuple[tuple[MeshAxis, int], ...]:
         """The model-parallel mesh axes (DP is added outside), for `tp` ranks per replica."""
         raise NotImplementedError
+
+    @classmethod
+    def fit_options(cls, cfg, tp: int) -> dict[str, Any]:
+        """Options that make this layout fit a model on tp ranks when the user gives none (the
+        benchmark's sweeps use them); the defaults unless a mode knows better."""
+        return {}
 
     @classmethod
     def groups(cls, topology) -> tuple[tuple[Any, ...], ...]:
@@ -148,6 +157,13 @@ class Mode:
         raise NotImplementedError
 
     # ---- analysis
+    @classmethod
+    def optimus_table1_row(cls, b: int, s: int, h: int, p: int) -> dict[str, float] | None:
+        """This layout's row of Optimus Table 1 (papers/000) as printed, if it has one: one layer
+        with activation checkpointing, "forward"/"backward" scalars moved per rank and
+        "forward_mults"/"backward_mults" scalar multiplications per rank."""
+        return None
+
     def cost_terms(self, b) -> None:
         """Describe one training step of this layout to a `lattice.cost.CostBuilder`: its
         collectives (`b.add`), FLOP shares (`b.share`) and activations saved for backward

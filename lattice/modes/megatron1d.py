@@ -168,6 +168,7 @@ class Megatron1D(Mode):
     name = "1d"
     options = {"sequence_parallel": Option(False, "split LayerNorm, dropout and the residual along the "
                                                   "sequence (Korthikanti et al.)")}
+    peer = "dtensor"  # torch.distributed.tensor.parallel's column/row-wise plan is this layout
     test_layouts = ({"tp": 2}, {"tp": 4}, {"tp": 2, "sequence_parallel": True},
                     {"tp": 4, "sequence_parallel": True}, {"tp": 2, "dp": 2, "sequence_parallel": True})
 
@@ -208,3 +209,53 @@ class Megatron1D(Mode):
 
     def lm_head(self, embedding):
         return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp)
+
+    @classmethod
+    def optimus_table1_row(cls, b, s, h, p):
+        """Optimus Table 1, 1D: ring all-reduces of b·s·h, 2 forward and 4 backward per layer."""
+        return {"forward": 4 * (p - 1) / p * b * s * h, "backward": 8 * (p - 1) / p * b * s * h,
+                "forward_mults": (12 * b * s * h * h + 2 * b * s * s * h) / p,
+                "backward_mults": (36 * b * s * h * h + 6 * b * s * s * h) / p}
+
+    def cost_terms(self, b):
+        """f/g around every column/row pair: forward g = all-reduce of [B, T, h] after the
+        attention and MLP output linears, backward f = all-reduce of the input gradient before qkv
+        and fc. Vocab-parallel embedding (forward all-reduce) and head fused with the
+        cross-entropy: three per-token values all-reduced (max, then Σe^x and the target logit in
+        one call), and the head's f in backward. Sequence parallelism swaps each all-reduce for a
+        reduce-scatter plus an all-gather over T of the same buffer, and all-reduces the wpe rows
+        in use; the LayerNorm and row-bias sums come from their specs (grad_sum)."""
+        B, T, h, n, p, V = b.B, b.T, b.h, b.n, b.p, b.vocab_padded
+        TP = MeshAxis.TP
+        act = B * T * h
+        N = B * T  # tokens
+        if not self.sp:
+            b.add("forward", "all_reduce", (TP,), act, 1, "embedding")
+            for _ in range(2):  # attention, MLP
+                b.add("forward", "all_reduce", (TP,), act, 1, "layer.linear", layer=True)
+                b.add("backward", "all_reduce", (TP,), act, 1, "layer.linear", layer=True)
+            # recomputation stops at the MLP's last saved input: its g is not repeated
+            b.recompute.pop()
+            b.add("backward", "all_reduce", (TP,), act, 1, "head")
+        else:
+            b.add("forward", "reduce_scatter", (TP,), act, 1, "embedding")
+            b.add("backward", "all_gather", (TP,), act, 1, "embedding")
+            b.add("backward", "all_reduce", (TP,), T * h, 1, "embedding")  # wpe over the chunks
+            for _ in range(2):
+                b.add("forward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
+                b.add("backward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
+                b.add("forward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
+                b.add("backward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
+            b.recompute.pop()  # the MLP's reduce-scatter follows its last saved input
+            b.add("forward", "all_gather", (TP,), act, 1, "head")
+            b.add("backward", "reduce_scatter", (TP,), act, 1, "head")
+        b.add("forward", "all_reduce", (TP,), 3 * N, 2, "loss", itemsize=max(4, b.c.itemsize))
+        b.share = {"split": 1 / p, "replicated": 1 / p if self.sp else 1}
+        # saved: LayerNorm inputs whole (a 1/p chunk under sequence parallelism) and outputs whole
+        # (all-gathered there), q, k, v, attention output and the MLP's 4h tensors at 1/p
+        r = p if self.sp else 1
+        b.residual_split = r
+        per_layer = 2 * act / r + 2 * act + 12 * act / p + 4 * N / r + B * n * T / p
+        head = act / r + act + N * V / p + 2 * N / r
+        ints = N * (8 + 1) + N * (8 + 1)  # token ids, mask; target ids, mask
+        b.activations(per_layer, head, ints)

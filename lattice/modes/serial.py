@@ -96,3 +96,9 @@ class Serial(Mode):
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self.ctx, embedding)
+
+    def cost_terms(self, b):
+        """Whole model on one rank: no communication. Saved per layer: LayerNorm input, output,
+        mean, rstd (x2); q, k, v; attention output and log-sum-exp; the MLP's 4h input and output."""
+        B, T, h, n = b.B, b.T, b.h, b.n
+        b.activations(16 * B * T * h + 4 * B * T + B * n * T, 2 * B * T * h + 2 * B * T + B * T * b.V + 1, 16 * B * T)

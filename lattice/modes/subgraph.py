@@ -393,6 +393,11 @@ class SubGraph(Mode):
         return ((SUB, g), (MEM, tp // g))
 
     @classmethod
+    def fit_options(cls, cfg, tp):
+        """The fewest sub-grids above one that divide both tp and the head count."""
+        return {"subgrids": next((g for g in range(2, tp + 1) if tp % g == 0 and cfg.n_heads % g == 0), tp)}
+
+    @classmethod
     def rank_grid(cls, axes, ranks_per_node, placement, options):
         sizes = dict(axes)
         return round_robin_grid(sizes.get(MeshAxis.DP, 1), sizes[SUB], sizes[MEM])
@@ -437,3 +442,60 @@ class SubGraph(Mode):
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self.ctx, self, embedding)
+
+    def cost_terms(self, b):
+        """Rank (k, m) runs common rows r_c (D&SP: B/p; D&SP-cSub: B/n_g on sub-grid 0, none
+        elsewhere) and branch rows r_b = B/n_g. With projections="branch" a layer's attention is
+        entered by a split of (r_b, T, h) (D&SP all-gather, cSub broadcast) and left by a sum of the
+        same size (reduce-scatter, reduce), each with the other as its backward; with
+        projections="common" by a slice of q, k, v and a concatenation of the heads (all-to-all
+        counting the buffer a rank sends, scatter/gather the group's whole buffer; or all-gather /
+        broadcast and discard). Every forward boundary is recomputed under checkpointing (the
+        block's last saved tensors follow them). The loss is one value all-reduced over the
+        replica. Gradient sums (branch weights over the sub-grid, common parameters over the
+        ranks running them) follow from the specs."""
+        B, T, h, n, g = b.B, b.T, b.h, b.n, self.g
+        proj_common = self.projections == "common"
+        by_gather = self.slice_collective == "all_gather"
+        runs_common = self.seg.runs_common
+        r_b = B / self.n_g
+        r_c = (B / (g * self.n_g) if self.common_all else r_b) if runs_common else 0
+        act = r_b * T * h  # one rank's branch activation
+
+        def boundary(fwd_op, bwd_op, elements):
+            b.add("forward", fwd_op, (SUB,), elements, 1, "layer.branch", layer=True)
+            b.add("backward", bwd_op, (SUB,), elements, 1, "layer.branch", layer=True)
+
+        if not proj_common:
+            split, join = ("all_gather", "reduce_scatter") if self.common_all else ("broadcast", "reduce")
+            boundary(split, join, act)
+            boundary(join, split, act)
+        elif self.common_all and not by_gather:  # the slice sends its common rows of every head
+            boundary("all_to_all", "all_to_all", 3 * B / (g * self.n_g) * T * h)
+            boundary("all_to_all", "all_to_all", act / g)
+        elif self.common_all:
+            boundary("all_gather", "reduce_scatter", 3 * act)
+            boundary("all_gather", "reduce_scatter", act)
+        elif not by_gather:
+            boundary("scatter", "gather", 3 * act)
+            boundary("gather", "scatter", act)
+        else:
+            boundary("broadcast", "reduce", 3 * act)
+            boundary("all_gather", "reduce_scatter", act)
+        b.add("forward", "all_reduce", (SUB, MEM), 1, 1, "loss", itemsize=max(4, b.c.itemsize))
+        share = r_c / B
+        b.share = {"attention": r_b / B / g, "mlp": share, "head": share, "replicated": share}
+        b.residual_split = B / r_c if r_c else float("inf")
+        # saved per layer: common rows keep both LayerNorm inputs, the fc input, GELU input and
+        # MLP-proj input (11h) and the norms' mean/rstd; a branch keeps its qkv input, the q, k, v
+        # storage, the attention output (which the proj input views) and the log-sum-exp. With
+        # projections in the common layers their inputs are common rows, and the discarding
+        # collectives keep whole buffers alive through the views taken of them.
+        if not proj_common:
+            per_layer = r_c * T * (11 * h + 4) + r_b * T * (h + 4 * h / g + n / g)
+        else:
+            qkv, proj_in = (3 * h, r_b * T * h if runs_common else 0) if by_gather else (3 * h / g, r_c * T * h)
+            per_layer = r_c * T * (12 * h + 4) + proj_in + r_b * T * (qkv + h / g + n / g)
+        head = r_c * T * (2 * h + 2 + b.V) + (1 if runs_common else 0)
+        ints = 2 * 8 * B * T if runs_common else 0  # token and target rows: views of the whole batch
+        b.activations(per_layer, head, ints)

@@ -309,3 +309,78 @@ class Summa2D(Mode):
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self, embedding)
+
+    @classmethod
+    def optimus_table1_row(cls, b, s, h, p):
+        """Optimus Table 1, 2D: tree broadcasts (log2 p / 2q per element) of the SUMMA blocks."""
+        q, lg = math.sqrt(p), math.log2(p)
+        return {"forward": lg / (2 * q) * (7 * b * s * h + 12 * h * h),
+                "backward": lg / (2 * q) * (21 * b * s * h + 36 * h * h),
+                "forward_mults": (12 * b * s * h * h + 2 * b * s * s * h) / p,
+                "backward_mults": (36 * b * s * h * h + 6 * b * s * s * h) / p}
+
+    def cost_terms(self, b):
+        """Activations [B/q, T, h/q], weights in q x q blocks; SUMMA for every linear; bias,
+        LayerNorm and wpe on row 0, broadcast down the column forward and reduced back in backward
+        (Fig. 5); LayerNorm sums (Σx, Σx²) and cross-entropy sums (max, then Σe^x with the target
+        logit) all-reduced along the row (§3.2.2). Embedding as SUMMA with the one-hot token matrix
+        local to the row: q table-block broadcasts down the column, and the gradient's q reduces
+        (Alg. 3). LM head C = X Eᵀ (Alg. 2: q broadcasts of table blocks, q reduces of logit
+        blocks), its backward by Alg. 1 and Alg. 3; the mean loss is summed down the column."""
+        B, T, h, n, q, Vp = b.B, b.T, b.h, b.n, self.q, b.vocab_padded
+        M = B * T  # the full token count; blocks are M/q rows
+        m = M / q
+        vec = 2 if b.bias else 1
+        # embedding: table block (V'/q, h/q) broadcast q times; wpe hosted on row 0
+        b.add("forward", "broadcast", (ROW,), Vp * h / q, q, "embedding")
+        b.add("backward", "reduce", (ROW,), Vp * h / q, q, "embedding")
+        b.add("forward", "broadcast", (ROW,), T * h / q, 1, "embedding")
+        b.add("backward", "reduce", (ROW,), T * h / q, 1, "embedding")
+
+        def layer_norm(layer, site):
+            b.add("forward", "broadcast", (ROW,), vec * h / q, vec, site, layer=layer)
+            b.add("backward", "reduce", (ROW,), vec * h / q, vec, site, layer=layer)
+            b.add("forward", "all_reduce", (COL,), 2 * m, 1, site, layer=layer)
+            b.add("backward", "all_reduce", (COL,), 2 * m, 1, site, layer=layer)
+
+        for k_in, n_out in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
+            if b.bias:
+                b.add("forward", "broadcast", (ROW,), n_out / q, 1, "layer.bias", layer=True)
+                b.add("backward", "reduce", (ROW,), n_out / q, 1, "layer.bias", layer=True)
+            summa_product_terms(b, "layer.linear", M, k_in, n_out, q)
+        for _ in range(2):
+            layer_norm(True, "layer.norm")
+        layer_norm(False, "head")
+        # head: logits (M, V') = X (M, h) Eᵀ; forward Alg. 2, backward Alg. 1 (dX) and Alg. 3 (dE)
+        e, z = Vp * h / q ** 2, M * Vp / q ** 2
+        b.add("forward", "broadcast", (ROW,), q * e, q, "head")
+        b.add("forward", "reduce", (COL,), q * z, q, "head")
+        b.add("backward", "broadcast", (COL,), q * z, q, "head")
+        b.add("backward", "broadcast", (ROW,), q * e, q, "head")
+        b.add("backward", "broadcast", (COL,), q * z, q, "head")
+        b.add("backward", "reduce", (ROW,), q * e, q, "head")
+        loss_size = max(4, b.c.itemsize)
+        b.add("forward", "all_reduce", (COL,), 3 * m, 2, "loss", itemsize=loss_size)
+        b.add("forward", "all_reduce", (ROW,), 1, 1, "loss", itemsize=loss_size)
+        # saved per layer: every [B, T, h]-sized tensor of serial at 1/p; x̂ replaces the LayerNorm
+        # input, whose rstd is per token of the row block (q-fold replicated); broadcast vectors
+        p = q * q
+        b.residual_split = p
+        per_layer = 16 * M * h / p + 2 * m + B * n * T / p + 2 * h / q
+        head = (2 * M * h + M * Vp) / p + m + h / q
+        ints = 8 * M + m * (8 + 1)  # the token ids (a view of the whole batch); target ids, hit mask
+        b.activations(per_layer, head, ints)
+
+
+def summa_product_terms(b, site, M, K, N, q):
+    """C = A B with A [M, K], B [K, N] on a q x q mesh (Alg. 1): q broadcasts of A blocks along
+    the row (axis COL) and of B blocks along the column (axis ROW). Backward (Eq. 1): dA by Alg. 2
+    (q broadcasts of B blocks, q reduces of A-sized blocks along the row) and dB by Alg. 3 (q
+    broadcasts of A blocks along the row, q reduces of B-sized blocks along the column)."""
+    a, w = M * K / q ** 2, K * N / q ** 2
+    b.add("forward", "broadcast", (COL,), q * a, q, site, layer=True)
+    b.add("forward", "broadcast", (ROW,), q * w, q, site, layer=True)
+    b.add("backward", "broadcast", (ROW,), q * w, q, site, layer=True)
+    b.add("backward", "reduce", (COL,), q * a, q, site, layer=True)
+    b.add("backward", "broadcast", (COL,), q * a, q, site, layer=True)
+    b.add("backward", "reduce", (ROW,), q * w, q, site, layer=True)
