@@ -119,14 +119,14 @@ def check_model_config(ckpt: dict, model_config: dict, path: str | os.PathLike =
 def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:
     """AdamW's moments as full tensors keyed by serial parameter names (a collective).
 
-    Moments have their parameter's shape, so they gather with the parameter's shard spec; before
-    the first step they are zeros."""
+    Moments have their parameter's shape and dtype, so they gather with the parameter's shard
+    spec; before the first step they are zeros."""
     params = dict(model.named_parameters())
     out = {"exp_avg": {}, "exp_avg_sq": {}, "step": 0}
     for name, spec in model.specs.items():
         state = optimizer.state.get(params[name], {}) if name in params else {}
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key][name] = gather_full(state.get(key), spec, model.ctx, dtype=torch.float32)
+            out[key][name] = gather_full(state.get(key), spec, model.ctx, dtype=model.dtype)
         if "step" in state:
             out["step"] = int(state["step"])
     return out

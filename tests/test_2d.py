@@ -359,9 +359,7 @@ def _check_activation_memory(cfg_kwargs, batch):
     tokens, targets = _batch(batch, cfg.seq_len, cfg.vocab_size, seed=9)
     serial = _saved_activation_bytes(_serial(cfg, torch.float32), tokens, targets)
     two_d = _saved_activation_bytes(lattice.GPT(cfg, cached_init(mode="2d", tp=4)), tokens, targets)
-    one_d = None
-    if "1d" in lattice.available_modes():
-        one_d = _saved_activation_bytes(lattice.GPT(cfg, cached_init(mode="1d", tp=4)), tokens, targets)
+    one_d = _saved_activation_bytes(lattice.GPT(cfg, cached_init(mode="1d", tp=4)), tokens, targets)
     return serial, two_d, one_d
 
 
@@ -373,10 +371,9 @@ def test_activations_saved_per_rank_are_one_pth_of_serial():
     results = run_distributed(4, _check_activation_memory, cfg_kwargs, 4)
     serial = results[0][0]
     two_d = max(r[1] for r in results)
-    one_d = f"{max(r[2] for r in results)} B" if results[0][2] is not None else "n/a (no 1d mode)"
+    one_d = max(r[2] for r in results)
     print(f"saved activations per rank: serial {serial} B, serial/p {serial / 4:.0f} B, 2d (q=2) {two_d} B "
-          f"= {two_d / (serial / 4):.3f} x serial/p; 1d (tp=4) {one_d}"
-          + (f" = {max(r[2] for r in results) / (serial / 4):.3f} x serial/p" if results[0][2] is not None else ""))
+          f"= {two_d / (serial / 4):.3f} x serial/p; 1d (tp=4) {one_d} B = {one_d / (serial / 4):.3f} x serial/p")
     assert two_d <= 1.15 * serial / 4
 
 

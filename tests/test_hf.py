@@ -140,7 +140,6 @@ def test_import_under_data_parallel_layout():
     assert results[0][1][1] != results[1][1][1]  # the two replicas really saw different batches
 
 
-@pytest.mark.skipif("1d" not in lattice.available_modes(), reason="1d mode not available")
 def test_import_under_1d_tensor_parallel_layout():
     """Catches from_hf not sharding through the mode's specs (e.g. qkv split over heads in the
     wrong order): under 1d with tp=2 logits and loss must still equal HF's, the export its weights."""
