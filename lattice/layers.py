@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from lattice import comm
 from lattice.sharding import ShardSpec, register_sharded
 
 
@@ -63,3 +64,34 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         y = y + bias.reshape(-1)
     return y.unflatten(-1, weight.shape[1:]) if weight.dim() > 2 else y
+
+
+class _NormalizeSplitHidden(torch.autograd.Function):
+    """x̂ = (x - E[x]) / sqrt(Var[x] + eps) over a hidden dim split over `group` (Optimus §3.2.2;
+    the 3D LayerNorm the same way). Forward: all-reduce (Σx, Σx²) over the group. Backward: with
+    g = dJ/dx̂, all-reduce (Σg, Σg·x̂); dx = rstd · (g - Σg/h - x̂ · Σ(g·x̂)/h)."""
+
+    @staticmethod
+    def forward(ctx, x, group, h, eps):
+        xs = upcast(x)
+        sums = comm.raw_all_reduce(torch.stack([xs.sum(-1), (xs * xs).sum(-1)]), group)
+        mean = sums[0] / h
+        rstd = torch.rsqrt(sums[1] / h - mean * mean + eps)
+        xhat = ((xs - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).to(x.dtype)
+        ctx.group, ctx.h = group, h
+        ctx.save_for_backward(xhat, rstd)
+        return xhat
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, rstd = ctx.saved_tensors
+        gs, xs = upcast(g), upcast(xhat)
+        sums = comm.raw_all_reduce(torch.stack([gs.sum(-1), (gs * xs).sum(-1)]), ctx.group)
+        dx = rstd.unsqueeze(-1) * (gs - sums[0].unsqueeze(-1) / ctx.h - xs * (sums[1].unsqueeze(-1) / ctx.h))
+        return dx.to(g.dtype), None, None, None
+
+
+def normalize_split_hidden(x: torch.Tensor, group, h: int, eps: float) -> torch.Tensor:
+    """LayerNorm's normalisation (no affine) of x (..., h/n) whose hidden dim of size h is split
+    over the n ranks of `group`."""
+    return _NormalizeSplitHidden.apply(x, group, h, eps)

@@ -27,7 +27,8 @@ from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible
-from lattice.layers import TiedHead, compute_dtype, register_weight_and_bias, round_up, upcast, vocab_table_spec
+from lattice.layers import (TiedHead, compute_dtype, normalize_split_hidden, register_weight_and_bias, round_up,
+                            vocab_table_spec)
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
 
@@ -103,31 +104,6 @@ class Embedding(nn.Module):
         return x + pos
 
 
-class _Normalize2D(torch.autograd.Function):
-    """x̂ = (x - E[x]) / sqrt(Var[x] + eps) over a hidden dim split along the mesh row (§3.2.2).
-    Forward: all-reduce (Σx, Σx²) along the row. Backward: with g = dJ/dx̂, all-reduce (Σg, Σg·x̂)
-    along the row; dx = rstd · (g - Σg/h - x̂ · Σ(g·x̂)/h)."""
-
-    @staticmethod
-    def forward(ctx, x, grid, h, eps):
-        xs = upcast(x)
-        sums = comm.raw_all_reduce(torch.stack([xs.sum(-1), (xs * xs).sum(-1)]), grid.row)
-        mean = sums[0] / h
-        rstd = torch.rsqrt(sums[1] / h - mean * mean + eps)
-        xhat = ((xs - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).to(x.dtype)
-        ctx.grid, ctx.h = grid, h
-        ctx.save_for_backward(xhat, rstd)
-        return xhat
-
-    @staticmethod
-    def backward(ctx, g):
-        xhat, rstd = ctx.saved_tensors
-        gs, xs = upcast(g), upcast(xhat)
-        sums = comm.raw_all_reduce(torch.stack([gs.sum(-1), (gs * xs).sum(-1)]), ctx.grid.row)
-        dx = rstd.unsqueeze(-1) * (gs - sums[0].unsqueeze(-1) / ctx.h - xs * (sums[1].unsqueeze(-1) / ctx.h))
-        return dx.to(g.dtype), None, None, None
-
-
 class LayerNorm(nn.Module):
     def __init__(self, cfg, mode: "Summa2D"):
         super().__init__()
@@ -140,7 +116,7 @@ class LayerNorm(nn.Module):
         shape = x.shape[-1:]
         w = hosted(self.weight, shape, self.grid, x.dtype, x.device)
         b = hosted(self.bias, shape, self.grid, x.dtype, x.device) if self.has_bias else None
-        y = _Normalize2D.apply(x, self.grid, self.h, self.eps) * w
+        y = normalize_split_hidden(x, self.grid.row, self.h, self.eps) * w
         return y + b if b is not None else y
 
 
