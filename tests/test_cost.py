@@ -26,14 +26,24 @@ def test_optimus_table1_reproduced(b, s, h, p):
             assert model[mode][key] == pytest.approx(paper[mode][key], rel=1e-12), (mode, key)
 
 
-def test_subgraph_layer_volume_matches_its_closed_form():
-    """Catches a sub-graph branch whose split/join volume is not B·T·h/n_g per rank: SUPER §IV-B,
-    a segmented all-gather in and a reduce-scatter out, over the g ranks of a cross-sub-grid
-    group, each (g-1)/g of its buffer on the wire."""
+def test_3d_and_subgraph_layer_volumes_match_their_closed_forms():
+    """Catches a 3D linear that gathers or scatters the wrong block, or a sub-graph branch whose
+    split/join volume is not B·T·h/n_g per rank. Closed forms worked by hand from DESIGN.md "3D"
+    (per linear: all-gather X [M/q², N/q] along j, W [N/q², K/q] along i, reduce-scatter Y along l,
+    each (q-1)/q per element; summed over qkv, proj, fc, proj: ΣMN = 7bsh, ΣNK = 12h², ΣMK = 9bsh)
+    and SUPER §IV-B (segmented all-gather in, reduce-scatter out, over g ranks)."""
     b, s, h, p = 24, 512, 3072, 64
+    q = 4
+    table = cost.layer_table(b, s, h, p, subgrids=4)
+    f = (q - 1) / q ** 3
+    forward = f * (16 * b * s * h + 12 * h * h)
+    backward = f * (7 * b * s * h + 12 * h * h + 9 * b * s * h + 7 * b * s * h + 12 * h * h)
+    assert table["3d"]["forward"] == pytest.approx(forward)
+    assert table["3d"]["backward"] == pytest.approx(forward + backward)
     g, n_g = 4, 16
-    table = cost.layer_table(b, s, h, p, subgrids=g)
     assert table["subgraph"]["forward"] == pytest.approx(2 * (g - 1) / g * b * s * h / n_g)
+    # the 3D paper's claim: less traffic than 2D and 1D on 64 ranks
+    assert table["3d"]["forward"] < table["2d"]["forward"] < table["1d"]["forward"]
 
 
 # Eq. 4-7 assume the groups tile the nodes evenly: g and n_g each divide, or are multiples of, n_node

@@ -1,0 +1,407 @@
+"""3D tensor parallelism on a load-balanced q x q x q cube (papers/004; DESIGN.md "3D").
+
+    ctx = lattice.init("3d", tp=8)      # q = 2
+
+Rank (i, j, l) on mesh axes CUBE_I x CUBE_J x CUBE_L. A linear Y = X W with X [M, N] (M = B·T
+tokens, whole sequences) and W [N, K]:
+
+    tensor           held on rank (i, j, l)                            shape
+    X (input)        piece j of row block i, column block l            [M/q², N/q]
+    W                piece i of row block l, column block j            [N/q², K/q]
+    forward          all-gather X along j -> X_il; all-gather W along i -> W_lj; X_il W_lj;
+                     reduce-scatter along l -> piece l of Y_ij         [M/q², K/q]
+    backward         all-gather dY along l; dX = dY Wᵀ reduce-scattered along j; dW = Xᵀ dY
+                     reduce-scattered along i (X and W gathered again, not kept)
+
+So every rank stores exactly 1/p of X, W and Y, and the output's column index is j and its piece
+index l: the roles of j and l swap. The first linear of a block (Position.IN: qkv, fc) takes the
+residual layout R = (B/q², T, h/q), batch pieces (i, j), hidden block l, and returns batch pieces
+(i, l) with feature block j -- whole heads j·n/q .. of whole sequences, so attention is local --
+and the second (Position.OUT: the projections) swaps back to R. Each block returns activations in
+its input's layout with no transposition.
+
+Vectors (biases, LayerNorm weight and bias, the position table) are split q ways along the
+feature index they are added to and stored once per block, on the ranks with the other two
+coordinates 0; forward broadcasts them over that plane, backward reduces their gradients back.
+LayerNorm all-reduces per-token (Σx, Σx²) along l. The token table is the 3D weight of
+onehot(tokens) E (pieces over (j, i) of the vocabulary, padded to a multiple of q², columns over
+l); the LM head is X Eᵀ with the same table and a vocabulary-parallel cross-entropy over j that
+never gathers the logits.
+
+Placement: with the activations much larger than the weights (B·T > h), the input gathers and
+output reduce-scatters along j and l carry nearly all the traffic, the weight gathers along i
+little; the natural order keeps l innermost and j next, so "topology" placement is the natural
+one: `lattice info --mode 3d --tp 8 --ranks-per-node 4` counts 8 / 0 intra / inter-node messages
+for a collective along l and j, 0 / 8 along i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from lattice import comm
+from lattice.context import LatticeConfigError, MeshAxis
+from lattice.layers import TiedHead, compute_dtype, normalize_split_hidden, round_up, vocab_table_spec
+from lattice.loss import vocab_parallel_cross_entropy
+from lattice.modes import register
+from lattice.modes.base import Block, Mode, Position, divisible
+from lattice.sharding import ShardSpec, register_sharded
+
+CI, CJ, CL = MeshAxis.CUBE_I, MeshAxis.CUBE_J, MeshAxis.CUBE_L
+
+
+class Cube:
+    """This rank's coordinates and the groups of the cube (looked up at call time, so that a
+    planning context can build the model)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.q = ctx.size(CI)
+        self.i, self.j, self.l = ctx.coord(CI), ctx.coord(CJ), ctx.coord(CL)
+
+    def group(self, *axes):
+        return self.ctx.group(*axes)
+
+    def plane_root(self, axes) -> int:
+        """Group rank, in the group over `axes`, of the member whose coordinates on them are 0."""
+        topo = self.ctx.topology
+        members = topo.group_members(axes, self.ctx.rank)
+        return members.index(topo.rank_at({**self.ctx.coords, **{a: 0 for a in axes}}))
+
+
+def _autocast_pair(x, w):
+    """Under autocast the product runs in the autocast dtype, as torch.mm would; the casts stay
+    outside the Function so that their backward returns gradients in the operands' dtypes."""
+    dtype = compute_dtype(x)
+    return x.to(dtype), w.to(dtype)
+
+
+class _Linear3D(torch.autograd.Function):
+    """y = x W (or x Wᵀ with transpose_w) on the cube. Forward: X = all-gather(x, gx),
+    W = all-gather(w, gw), Y_partial = X W, y = reduce-scatter(Y_partial, gy). Backward:
+    dY = all-gather(dy, gy); dx = reduce-scatter(dY Wᵀ, gx); dw = reduce-scatter(Xᵀ dY, gw), with X
+    and W gathered again rather than saved. All gathers and scatters are along dim 0 (rows)."""
+
+    @staticmethod
+    def forward(ctx, x, w, gx, gw, gy, transpose_w):
+        ctx.groups, ctx.transpose_w = (gx, gw, gy), transpose_w
+        ctx.save_for_backward(x, w)
+        X = comm.raw_all_gather(x, gx, 0)
+        W = comm.raw_all_gather(w, gw, 0)
+        return comm.raw_reduce_scatter(X @ (W.t() if transpose_w else W), gy, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        gx, gw, gy = ctx.groups
+        dY = comm.raw_all_gather(dy.contiguous(), gy, 0)
+        X = comm.raw_all_gather(x, gx, 0)
+        W = comm.raw_all_gather(w, gw, 0)
+        Wm = W.t() if ctx.transpose_w else W
+        dx = comm.raw_reduce_scatter(dY @ Wm.t(), gx, 0)
+        dWm = X.t() @ dY
+        dw = comm.raw_reduce_scatter((dWm.t() if ctx.transpose_w else dWm).contiguous(), gw, 0)
+        return dx, dw, None, None, None, None
+
+
+def linear_3d(x2d, w2d, gx, gw, gy, transpose_w=False):
+    return _Linear3D.apply(*_autocast_pair(x2d, w2d), gx, gw, gy, transpose_w)
+
+
+def hosted(param, shape, cube: Cube, plane, dtype, device) -> torch.Tensor:
+    """A vector block stored once per plane (on its member with both plane coordinates 0) on every
+    rank of the plane. Forward: broadcast; backward: the plane's gradients reduced to the holder."""
+    root = cube.plane_root(plane)
+    group = cube.group(*plane)
+    if param is not None:
+        src = param.to(dtype)
+    else:  # a receive buffer that requires grad, so that the backward reduce runs here too
+        src = torch.empty(shape, dtype=dtype, device=device).requires_grad_()
+    return comm.broadcast(src, group, root)
+
+
+# plane over which a vector indexed by a feature block along `axis` is broadcast, and its holders
+PLANE = {CL: (CI, CJ), CJ: (CI, CL)}
+
+
+def vector_spec(shape, dim, axis) -> ShardSpec:
+    """A vector (or the position table) split along `dim` over `axis`, held where the plane's
+    coordinates are 0."""
+    return ShardSpec(shape, ((dim, (axis,)),), tuple((a, 0) for a in PLANE[axis]))
+
+
+class _Embed3D(torch.autograd.Function):
+    """x = onehot(tokens) E as the 3D product with the swapped roles (output in the residual
+    layout): the table piece (V/q², h/q) is all-gathered along i to vocabulary block j; the rows of
+    block i look up their tokens that fall in block j (the one-hot X_ij is local: every rank has
+    the tokens); the partial rows are reduce-scattered along j -> piece j of row block i.
+    Backward: dY all-gathered along j, scatter-added into the block's rows, reduce-scattered
+    along i to the piece."""
+
+    @staticmethod
+    def forward(ctx, table, ids, vocab_start, groups):  # table (V/q², h/q), ids (M/q,) -> (M/q², h/q)
+        gi, gj = groups
+        block = comm.raw_all_gather(table.contiguous(), gi, 0)  # (V/q, h/q): vocabulary block j
+        local = ids - vocab_start
+        hit = ((local >= 0) & (local < block.shape[0])).unsqueeze(1)
+        rows = torch.where(hit, block[local.clamp(0, block.shape[0] - 1)], 0.0)
+        ctx.save_for_backward(ids)
+        ctx.vocab_start, ctx.groups, ctx.block_rows = vocab_start, groups, block.shape[0]
+        return comm.raw_reduce_scatter(rows, gj, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (ids,) = ctx.saved_tensors
+        gi, gj = ctx.groups
+        dY = comm.raw_all_gather(dy.contiguous(), gj, 0)  # (M/q, h/q)
+        local = ids - ctx.vocab_start
+        hit = ((local >= 0) & (local < ctx.block_rows)).unsqueeze(1)
+        dblock = dY.new_zeros(ctx.block_rows, dY.shape[1])
+        dblock.index_add_(0, local.clamp(0, ctx.block_rows - 1), torch.where(hit, dY, 0.0))
+        return comm.raw_reduce_scatter(dblock, gi, 0), None, None, None
+
+
+class Embedding(nn.Module):
+    """tokens (B, T), identical on every rank of the replica -> (B/q², T, h/q): batch pieces (i, j),
+    hidden block l."""
+
+    def __init__(self, cfg, mode: "Cube3D"):
+        super().__init__()
+        self.cube, self.q = mode.cube, mode.q
+        register_sharded(self, "wte", mode.table_spec(), mode.ctx)
+        register_sharded(self, "wpe", vector_spec((cfg.seq_len, cfg.d_model), 1, CL), mode.ctx)
+
+    def forward(self, tokens):
+        c, q = self.cube, self.q
+        B, T = tokens.shape
+        rows = tokens[c.i * (B // q):(c.i + 1) * (B // q)].reshape(-1)  # row block i: (B/q · T,)
+        vocab_start = c.j * q * self.wte.shape[0]
+        x = _Embed3D.apply(self.wte, rows, vocab_start, (c.group(CI), c.group(CJ)))
+        x = x.view(B // (q * q), T, -1)
+        pos = hosted(None if self.wpe is None else self.wpe[:T], (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
+        return x + pos
+
+
+class LayerNorm(nn.Module):
+    """(B/q², T, h/q) hidden block l -> same; statistics all-reduced along l."""
+
+    def __init__(self, cfg, mode: "Cube3D"):
+        super().__init__()
+        self.cube, self.h, self.eps = mode.cube, cfg.d_model, cfg.layer_norm_eps
+        spec = vector_spec((cfg.d_model,), 0, CL)
+        register_sharded(self, "weight", spec, mode.ctx)
+        self.has_bias = cfg.bias
+        if cfg.bias:
+            register_sharded(self, "bias", spec, mode.ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        c, shape = self.cube, x.shape[-1:]
+        w = hosted(self.weight, shape, c, PLANE[CL], x.dtype, x.device)
+        b = hosted(self.bias, shape, c, PLANE[CL], x.dtype, x.device) if self.has_bias else None
+        y = normalize_split_hidden(x, c.group(CL), self.h, self.eps) * w
+        return y + b if b is not None else y
+
+
+class Linear(nn.Module):
+    """Position.IN: (B/q², T, in/q) batch (i, j), features l -> (B/q², T, [stack,] out/q) batch
+    (i, l), features j. Position.OUT: the swapped roles, back to the residual layout."""
+
+    def __init__(self, cfg, mode: "Cube3D", in_features, out_features, position, stack=None):
+        super().__init__()
+        self.cube, self.q = mode.cube, mode.q
+        out_shape = (stack, out_features) if stack else (out_features,)
+        last = len(out_shape)
+        # IN: x columns along l, output along j; OUT: the other way round
+        self.x_axis, self.y_axis = (CL, CJ) if position == Position.IN else (CJ, CL)
+        w_spec = ShardSpec((in_features,) + out_shape, ((0, (self.x_axis, CI)), (last, (self.y_axis,))))
+        register_sharded(self, "weight", w_spec, mode.ctx)
+        self.has_bias = cfg.bias
+        if cfg.bias:
+            register_sharded(self, "bias", vector_spec(out_shape, last - 1, self.y_axis), mode.ctx)
+        else:
+            self.bias = None
+        self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
+
+    def forward(self, x):
+        c = self.cube
+        # the bias broadcast first, so that checkpoint recomputation repeats every collective
+        b = (hosted(self.bias, self.local_out, c, PLANE[self.y_axis], compute_dtype(x), x.device)
+             if self.has_bias else None)
+        w = self.weight.reshape(self.weight.shape[0], -1)
+        # the input's batch pieces are gathered along the axis that is not its feature axis, and
+        # the product reduce-scattered along its feature axis (which then indexes the batch pieces)
+        batch_axis = CJ if self.x_axis == CL else CL
+        y = linear_3d(x.reshape(-1, x.shape[-1]), w, c.group(batch_axis), c.group(CI), c.group(self.x_axis))
+        if b is not None:
+            y = y + b.reshape(-1)
+        return y.view(x.shape[0], x.shape[1], *self.local_out)
+
+
+class LMHead(TiedHead):
+    """logits = X Eᵀ on the cube (X in the residual layout, E the token table's pieces), with the
+    vocabulary-parallel cross-entropy over j; the mean loss summed over the (i, l) plane."""
+
+    def __init__(self, cfg, mode: "Cube3D", embedding):
+        super().__init__(cfg, mode.ctx, embedding, mode.table_spec())
+        self.cube, self.q, self.vocab_size, self.vocab_pad = mode.cube, mode.q, cfg.vocab_size, mode.vocab_pad
+
+    def _local_logits(self, x):  # (B/q², T, h/q) batch (i, j) -> (B/q² · T, V'/q) batch (i, l), vocab j
+        c = self.cube
+        return linear_3d(x.reshape(-1, x.shape[-1]), self.table(), c.group(CJ), c.group(CI), c.group(CL),
+                         transpose_w=True)
+
+    def loss(self, x, targets):
+        c, q = self.cube, self.q
+        B, T = targets.shape
+        b = B // (q * q)
+        start = c.i * (B // q) + c.l * b  # rows of batch pieces (i, l)
+        mine = targets[start:start + b].reshape(-1)
+        vb = self.vocab_pad // q
+        per_token = vocab_parallel_cross_entropy(self._local_logits(x), mine, c.group(CJ), c.j * vb, self.vocab_size)
+        return comm.all_reduce(per_token.sum() / (B * T), c.group(CI, CL))
+
+    def logits(self, x):
+        """Full (B, T, V) logits on every rank (gathered: for inference and debugging only)."""
+        c, q = self.cube, self.q
+        b, T = x.shape[0], x.shape[1]
+        local = comm.all_gather(self._local_logits(x), c.group(CJ), 1)[:, : self.vocab_size]  # (b·T, V)
+        topo = c.ctx.topology
+        everyone = comm.raw_all_gather(local.contiguous(), c.group(CI, CL), 0).view(-1, b, T, self.vocab_size)
+        full = everyone.new_empty(q * q * b, T, self.vocab_size)
+        for k, rank in enumerate(topo.group_members((CI, CL), c.ctx.rank)):
+            coords = topo.coords(rank)
+            piece = coords[CI] * q + coords[CL]
+            full[piece * b:(piece + 1) * b] = everyone[k]
+        return full
+
+
+@register
+class Cube3D(Mode):
+    """Mesh axes CUBE_I x CUBE_J x CUBE_L (q each, tp = q³) inside each data-parallel replica.
+    Needs the replica batch divisible by q², heads by q and d_model by q²; the vocabulary is
+    padded to a multiple of q²."""
+
+    name = "3d"
+    residual_replicated = False
+    test_layouts = ({"tp": 8},)
+
+    @classmethod
+    def mesh_axes(cls, tp, options):
+        q = round(tp ** (1 / 3))
+        if q ** 3 != tp or q < 2:
+            lower = max(2, math.floor(tp ** (1 / 3)))
+            raise LatticeConfigError(
+                f"mode '3d' needs tp = q*q*q ranks per replica with q >= 2; tp={tp} is not such a cube: use "
+                f"tp={lower ** 3} (q={lower}) or tp={(lower + 1) ** 3} (q={lower + 1})")
+        return ((CI, q), (CJ, q), (CL, q))
+
+    @classmethod
+    def groups(cls, topology):
+        return ((CI, CJ), (CI, CL))  # the planes of the vectors' broadcasts and the loss sum
+
+    def __init__(self, cfg, ctx):
+        self.q = ctx.size(CI)
+        super().__init__(cfg, ctx)
+        self.vocab_pad = round_up(cfg.vocab_size, self.q * self.q)
+        self.cube = Cube(ctx)
+
+    def check_config(self, cfg):
+        q = self.q
+        divisible("d_model", cfg.d_model, q * q, "q² (the 3D cube side squared)")
+        divisible("n_heads", cfg.n_heads, q, "the 3D cube side q",
+                  f"use a head count that is a multiple of {q}, or a cube with a side dividing {cfg.n_heads}")
+
+    def check_batch(self, tokens):
+        q, b = self.q, tokens.shape[0]
+        lower = b - b % (q * q)
+        divisible("batch size", b, q * q, "q² (the 3D cube side squared)",
+                  f"give each replica a multiple of {q * q} sequences (for example {lower or q * q} or {lower + q * q})")
+
+    def table_spec(self) -> ShardSpec:
+        """(V, h): vocabulary rows in q² pieces over (j, i) -- block j, piece i -- and hidden
+        columns over l; V padded with zero rows to a multiple of q²."""
+        return vocab_table_spec(self.cfg, ((0, (CJ, CI)), (1, (CL,))), self.q * self.q)
+
+    def embedding(self):
+        return Embedding(self.cfg, self)
+
+    def layer_norm(self):
+        return LayerNorm(self.cfg, self)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+        return Linear(self.cfg, self, in_features, out_features, position, stack)
+
+    def lm_head(self, embedding):
+        return LMHead(self.cfg, self, embedding)
+
+    def cost_terms(self, b):
+        """Per linear Y = X W (X [M, N], W [N, K], M = B·T): forward all-gathers X's pieces (M·N/q²
+        gathered) along its batch-piece axis and W's (N·K/q²) along i, reduce-scatters the product
+        (M·K/q²) along its feature axis; backward all-gathers dY, X and W again and reduce-scatters
+        dX and dW. The embedding is such a product with the swapped roles (table pieces along i,
+        rows reduce-scattered along j) and the head X Eᵀ with the first roles. Vectors of a K/q
+        block are broadcast over their plane (q² ranks) and reduced back; LayerNorm all-reduces
+        (Σx, Σx²) of M/q² tokens along l, forward and backward; the cross-entropy all-reduces
+        the max and (Σe^x, target logit) of M/q² tokens along j, and the mean loss over the (i, l)
+        plane. Under checkpointing every forward collective of a layer runs again: a custom
+        Function packs its saved inputs only after its forward (collectives included) returns."""
+        B, T, h, n, q, Vp = b.B, b.T, b.h, b.n, self.q, b.vocab_padded
+        M, p = B * T, q ** 3
+        vec = 2 if b.bias else 1
+        plane_l, plane_j = PLANE[CL], PLANE[CJ]
+
+        def product(M_, N_, K_, batch_axis, x_axis, site, layer=True):
+            mn, nk, mk = M_ * N_ / q ** 2, N_ * K_ / q ** 2, M_ * K_ / q ** 2
+            for op, axis, elements in (("all_gather", batch_axis, mn), ("all_gather", CI, nk),
+                                       ("reduce_scatter", x_axis, mk)):
+                b.add("forward", op, (axis,), elements, 1, site, layer=layer)
+            for op, axis, elements in (("all_gather", x_axis, mk), ("all_gather", batch_axis, mn),
+                                       ("all_gather", CI, nk), ("reduce_scatter", batch_axis, mn),
+                                       ("reduce_scatter", CI, nk)):
+                b.add("backward", op, (axis,), elements, 1, site, layer=layer)
+
+        def vectors(elements, calls, plane, site, layer=True):
+            b.add("forward", "broadcast", plane, elements, calls, site, layer=layer)
+            b.add("backward", "reduce", plane, elements, calls, site, layer=layer)
+
+        def layer_norm(site, layer=True):
+            vectors(vec * h / q, vec, plane_l, site, layer)
+            b.add("forward", "all_reduce", (CL,), 2 * M / q ** 2, 1, site, layer=layer)
+            b.add("backward", "all_reduce", (CL,), 2 * M / q ** 2, 1, site, layer=layer)
+
+        # embedding: onehot(tokens) E with the swapped roles; wpe[:T] broadcast over its plane
+        b.add("forward", "all_gather", (CI,), Vp * h / q ** 2, 1, "embedding")
+        b.add("forward", "reduce_scatter", (CJ,), M * h / q ** 2, 1, "embedding")
+        b.add("backward", "all_gather", (CJ,), M * h / q ** 2, 1, "embedding")
+        b.add("backward", "reduce_scatter", (CI,), Vp * h / q ** 2, 1, "embedding")
+        vectors(T * h / q, 1, plane_l, "embedding", layer=False)
+        layer_norm("layer.norm")
+        for k_in, n_out in ((h, 3 * h), (h, h)):  # attention: qkv (IN), proj (OUT)
+            first = n_out == 3 * h
+            if b.bias:
+                vectors(n_out / q, 1, plane_j if first else plane_l, "layer.bias")
+            product(M, k_in, n_out, CJ if first else CL, CL if first else CJ, "layer.linear")
+        layer_norm("layer.norm")
+        if b.bias:
+            vectors(4 * h / q, 1, plane_j, "layer.bias")
+        product(M, h, 4 * h, CJ, CL, "layer.linear")
+        if b.bias:
+            vectors(h / q, 1, plane_l, "layer.bias")
+        product(M, 4 * h, h, CL, CJ, "layer.linear")
+        layer_norm("head", layer=False)
+        product(M, h, Vp, CJ, CL, "head", layer=False)
+        loss_size = max(4, b.c.itemsize)
+        b.add("forward", "all_reduce", (CJ,), 3 * M / q ** 2, 2, "loss", itemsize=loss_size)
+        b.add("forward", "all_reduce", (CI, CL), 1, 1, "loss", itemsize=loss_size)
+        # saved per layer: 16 [B, T, h]-sized tensors of serial at 1/p (LayerNorm x̂ in place of its
+        # input), the norms' rstd per token (M/q²), each norm's broadcast weight block, log-sum-exp
+        b.residual_split = p
+        per_layer = 16 * M * h / p + 2 * M / q ** 2 + B * n * T / p + 2 * h / q
+        head = 2 * M * h / p + M / q ** 2 + h / q + M * Vp / p
+        ints = 8 * M + M / q ** 2 * (8 + 1)  # the token ids (a view of the batch); target ids, hit mask
+        b.activations(per_layer, head, ints)
