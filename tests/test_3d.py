@@ -1,0 +1,223 @@
+"""3D (load-balanced cube) mode beyond the conformance suite: a 30-step AdamW trajectory, the
+exact bytes of a step against the algorithm's formula, memory per rank beside 1d and 2d, bf16,
+and bad sizes. Exactness in float64 (bias/tied variants, padded vocabulary, checkpointing) is the
+conformance suite's (tests/test_conformance.py), which runs 3d at q = 2 on 8 processes.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lattice
+from lattice import LatticeConfigError
+from lattice.bench import saved_activation_bytes
+from multiproc import cached_init, run_distributed
+
+CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+
+
+def _batch(n, t, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, t), generator=gen), torch.randint(0, vocab, (n, t), generator=gen)
+
+
+def _check_adamw(steps=30):
+    ctx = cached_init(mode="3d", tp=8)
+    cfg = lattice.GPTConfig(**CFG)
+    serial = lattice.GPT(cfg, lattice.plan("serial"))
+    model = lattice.GPT(cfg, ctx)
+    model.load_full_state_dict(serial.full_state_dict())
+    opt_serial = torch.optim.AdamW(serial.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses, ref = [], []
+    for step in range(steps):
+        tokens, targets = _batch(4, 16, cfg.vocab_size, seed=step % 4)  # 4 batches, repeated: learnable
+        opt_serial.zero_grad()
+        loss = serial(tokens, targets)
+        loss.backward()
+        opt_serial.step()
+        opt.zero_grad()
+        losses.append(model.forward_backward(tokens, targets))
+        opt.step()
+        ref.append(loss.item())
+    return losses, ref
+
+
+def test_adamw_30_steps_follow_serial():
+    """Catches slow drift that one step hides: a vector gradient reduced to the wrong holder, or a
+    weight piece whose gradient is scattered to the wrong rank, shows up over 30 AdamW steps."""
+    results = run_distributed(8, _check_adamw)
+    losses, ref = results[0]
+    diff = max(abs(a - b) for r in results for a, b in zip(r[0], ref))
+    print(f"3d q=2: serial loss {ref[0]:.6f} -> {ref[-1]:.6f}, 3d {losses[0]:.6f} -> {losses[-1]:.6f}, "
+          f"max |diff| over 30 steps and 8 ranks {diff:.2e}")
+    assert ref[-1] < ref[0] - 0.3, "the reference did not train: the check would be vacuous"
+    assert diff < 1e-5
+
+
+def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4):
+    """Bytes CommMeter counts on a rank for one forward + backward, worked out from the algorithm
+    (DESIGN.md "3D"), per collective kind. Per linear X [M, N] W [N, K] (M = B·T): forward
+    all-gathers of X (M·N/q² gathered) and W (N·K/q²) and a reduce-scatter of Y (M·K/q²);
+    backward all-gathers dY, X, W again and reduce-scatters dX and dW. The four linears of a layer
+    have N, K = (h, 3h), (h, h), (h, 4h), (4h, h); the head is X Eᵀ with K = V' (V padded to
+    q²); the embedding all-gathers table pieces (V'·h/q²) and reduce-scatters rows (M·h/q²),
+    backward the reverse. Vectors: a LayerNorm's weight (and bias) of h/q, the biases of K/q, wpe
+    of T·h/q, each broadcast forward and reduced backward. LayerNorm: (Σx, Σx²) of M/q² tokens
+    all-reduced forward and backward. Loss: max and (Σe^x, target) of M/q² tokens, and the mean.
+    With checkpointing every forward collective of a layer runs once more in backward."""
+    M, Vp = B * T, -(-V // (q * q)) * (q * q)
+    out = {}
+
+    def add(phase, op, elements, times=1, size=itemsize):
+        out[(phase, op)] = out.get((phase, op), 0) + elements * times * size
+
+    layer_fwd = []
+    for N, K in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
+        layer_fwd += [("all_gather", M * N / q ** 2), ("all_gather", N * K / q ** 2), ("reduce_scatter", M * K / q ** 2)]
+        for op, e in (("all_gather", M * K / q ** 2), ("all_gather", M * N / q ** 2), ("all_gather", N * K / q ** 2),
+                      ("reduce_scatter", M * N / q ** 2), ("reduce_scatter", N * K / q ** 2)):
+            add("backward", op, e, L)
+        if bias:
+            layer_fwd.append(("broadcast", K / q))
+            add("backward", "reduce", K / q, L)
+    vec = 2 if bias else 1
+    for _ in range(2):
+        layer_fwd += [("broadcast", vec * h / q), ("all_reduce", 2 * M / q ** 2)]
+        add("backward", "reduce", vec * h / q, L)
+        add("backward", "all_reduce", 2 * M / q ** 2, L)
+    for op, e in layer_fwd:
+        add("forward", op, e, L)
+        if ckpt:
+            add("backward", op, e, L)
+    # embedding, position table, final LayerNorm, head, loss
+    add("forward", "all_gather", Vp * h / q ** 2)
+    add("forward", "reduce_scatter", M * h / q ** 2)
+    add("backward", "all_gather", M * h / q ** 2)
+    add("backward", "reduce_scatter", Vp * h / q ** 2)
+    add("forward", "broadcast", T * h / q + vec * h / q)
+    add("backward", "reduce", T * h / q + vec * h / q)
+    add("forward", "all_reduce", 2 * M / q ** 2)
+    add("backward", "all_reduce", 2 * M / q ** 2)
+    for op, e in (("all_gather", M * h / q ** 2), ("all_gather", Vp * h / q ** 2), ("reduce_scatter", M * Vp / q ** 2)):
+        add("forward", op, e)
+    for op, e in (("all_gather", M * Vp / q ** 2), ("all_gather", M * h / q ** 2), ("all_gather", Vp * h / q ** 2),
+                  ("reduce_scatter", M * h / q ** 2), ("reduce_scatter", Vp * h / q ** 2)):
+        add("backward", op, e)
+    add("forward", "all_reduce", 3 * M / q ** 2 + 1)
+    return out
+
+
+def _check_comm():
+    ctx = cached_init(mode="3d", tp=8)
+    out = []
+    for bias in (True, False):
+        for ckpt in (False, True):
+            cfg = lattice.GPTConfig(**{**CFG, "bias": bias})
+            model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
+            tokens, targets = _batch(8, 12, cfg.vocab_size, seed=1)
+            with lattice.CommMeter() as meter:
+                model.forward_backward(tokens, targets)
+            measured = {}
+            for (phase, op, _), rec in meter.summary().items():
+                measured[(phase, op)] = measured.get((phase, op), 0) + rec["bytes"]
+            out.append((bias, ckpt, measured, step_bytes(8, 12, 32, 61, 2, 2, bias, ckpt)))
+    return out
+
+
+def test_comm_bytes_per_step_match_the_formula():
+    """Catches a gathered operand of the wrong size (a q-fold copy instead of a piece), a missing
+    re-gather in backward, vectors broadcast over the wrong plane, and recomputation that skips or
+    doubles collectives, on every rank."""
+    results = run_distributed(8, _check_comm)
+    for rank, rank_result in enumerate(results):
+        for bias, ckpt, measured, expected in rank_result:
+            assert measured == pytest.approx(expected), (rank, bias, ckpt, measured, expected)
+    for bias, ckpt, measured, _ in results[0]:
+        print(f"3d q=2 bias={bias!s:5} checkpointing={ckpt!s:5}: {sum(measured.values()):,.0f} bytes per step per rank")
+
+
+MEMORY_CFG = dict(vocab_size=64, seq_len=8, d_model=128, n_heads=8, n_layers=2)
+
+
+def _check_memory():
+    """(parameter bytes, saved activation bytes) of this rank in 3d and in 1d, both on 8 ranks."""
+    cfg = lattice.GPTConfig(**MEMORY_CFG)
+    tokens, targets = _batch(4, 8, cfg.vocab_size, seed=9)
+    out = []
+    for mode in ("3d", "1d"):
+        model = lattice.GPT(cfg, cached_init(mode=mode, tp=8))
+        out.append((sum(p.numel() * p.element_size() for p in model.parameters()),
+                    saved_activation_bytes(model, lambda: model(tokens, targets))))
+    return out
+
+
+def test_parameters_and_activations_per_rank_are_a_pth_of_serial():
+    """Catches a layout that keeps gathered (q-fold) operands for backward or replicates a weight:
+    per rank, parameters and saved activations at most 1.15 x serial / p (printed beside 1d at
+    the same p; 2d at p = 4 is tests/test_2d.py's)."""
+    cfg = lattice.GPTConfig(**MEMORY_CFG)
+    serial = lattice.GPT(cfg, lattice.plan("serial"))
+    tokens, targets = _batch(4, 8, cfg.vocab_size, seed=9)
+    serial_saved = saved_activation_bytes(serial, lambda: serial(tokens, targets))
+    serial_params = sum(p.numel() * p.element_size() for p in serial.parameters())
+    results = run_distributed(8, _check_memory)
+    params, saved = (max(r[0][k] for r in results) for k in (0, 1))
+    params1, saved1 = (max(r[1][k] for r in results) for k in (0, 1))
+    print(f"per rank, p = 8: parameters 3d {params / (serial_params / 8):.3f} x serial/p, 1d {params1 / (serial_params / 8):.3f}; "
+          f"saved activations 3d {saved / (serial_saved / 8):.3f} x serial/p, 1d {saved1 / (serial_saved / 8):.3f}")
+    assert params <= 1.15 * serial_params / 8
+    assert saved <= 1.15 * serial_saved / 8
+
+
+def _check_bf16():
+    ctx = cached_init(mode="3d", tp=8)
+    cfg = lattice.GPTConfig(**CFG)
+    serial = lattice.GPT(cfg, lattice.plan("serial"))
+    model = lattice.GPT(cfg, ctx)
+    model.load_full_state_dict(serial.full_state_dict())
+    tokens, targets = _batch(4, 16, cfg.vocab_size, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = serial(tokens, targets).item()
+        loss = model.forward_backward(tokens, targets)
+    grads = model.full_grad_dict()
+    return loss, ref, all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_bf16_autocast_matches_serial_closely():
+    """Catches collectives of mixed dtypes under autocast (a hang or a crash on gloo) and a loss
+    computed in bf16 instead of float32."""
+    results = run_distributed(8, _check_bf16)
+    for loss, ref, finite in results:
+        assert finite and loss == results[0][0] and abs(loss - ref) < 2e-2 * abs(ref), (loss, ref)
+
+
+def _check_bad_sizes():
+    ctx = cached_init(mode="3d", tp=8)
+    messages = []
+    with lattice.CommMeter() as meter:
+        for d_model, n_heads in ((30, 6), (24, 3)):
+            try:
+                lattice.GPT(lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=d_model, n_heads=n_heads, n_layers=1), ctx)
+                messages.append(None)
+            except LatticeConfigError as e:
+                messages.append(str(e))
+        model = lattice.GPT(lattice.GPTConfig(**CFG), ctx)
+        try:
+            model(*_batch(6, 8, 61, seed=0))
+            messages.append(None)
+        except LatticeConfigError as e:
+            messages.append(str(e))
+    dist.barrier()  # nobody was left inside a collective
+    return messages, meter.count()
+
+
+def test_sizes_the_cube_does_not_divide_fail_on_every_rank_before_any_collective():
+    """Catches a size error raised on some ranks only (a hang), or after a collective."""
+    for messages, sent in run_distributed(8, _check_bad_sizes):
+        assert sent == 0
+        assert messages[0].startswith("d_model = 30 is not divisible by q² (the 3D cube side squared) = 4")
+        assert messages[1].startswith("n_heads = 3 is not divisible by the 3D cube side q = 2")
+        assert "give each replica a multiple of 4 sequences (for example 4 or 8)" in messages[2]
+    with pytest.raises(LatticeConfigError, match=r"tp=9 is not such a cube: use tp=8 \(q=2\) or tp=27 \(q=3\)"):
+        lattice.plan("3d", tp=9)
