@@ -343,14 +343,14 @@ def _keys_match(measured: dict, analytic: dict) -> bool:
 
 def variants() -> dict[str, tuple[str, dict]]:
     """Labels beyond the mode names: every mode with one option away from its default (a switch
-    turned on, or another choice), e.g. "1d+sequence_parallel", "subgraph+common=subgrid"."""
+    flipped, or another choice), e.g. "1d+sequence_parallel=True", "subgraph+common=subgrid"."""
     from lattice.modes import get_mode
 
     out = {}
     for mode in parallel_modes():
         for key, option in get_mode(mode).options.items():
-            if option.type is bool and not option.default:
-                out[f"{mode}+{key}"] = (mode, {key: True})
+            if option.type is bool:
+                out[f"{mode}+{key}={not option.default}"] = (mode, {key: not option.default})
             for choice in option.choices or ():
                 if choice != option.default:
                     out[f"{mode}+{key}={choice}"] = (mode, {key: choice})
@@ -787,6 +787,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--d-model", type=int, default=None, help="width (default: the preset's)")
+    p.add_argument("--n-heads", type=int, default=None, help="attention heads (default: the preset's)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--modes", default=None,
                    help="comma-separated, from: " + ", ".join([REFERENCE_MODE, *parallel_modes(), *variants(), "dtensor"])
@@ -832,7 +834,8 @@ def run_bench(args) -> int:
                                                                                  sys.argv[1:2] == ["bench"] else sys.argv[1:])}
     if args.sweep:
         return _run_sweeps(args, out, report)
-    overrides = {k: v for k, v in (("seq_len", args.seq_len), ("n_layers", args.n_layers)) if v}
+    overrides = {k: v for k, v in (("seq_len", args.seq_len), ("n_layers", args.n_layers), ("d_model", args.d_model),
+                                   ("n_heads", args.n_heads)) if v}
     cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size, **overrides)
     try:
         result = bench_size(cfg, args.nproc, args.batch, args, serial=not args.no_serial)

@@ -136,6 +136,18 @@ def raw_all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def start_all_gather(x: torch.Tensor, group):
+    """raw_all_gather along dim 0, started asynchronously so that other work can run meanwhile;
+    returns (output, work): call `work.wait()` (work is None for one rank) before using output."""
+    n = group_size(group)
+    if n == 1:
+        return x, None
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    record("all_gather", group, out.numel(), x.dtype)
+    return out, _all_gather_tensor(out, x, group=group, async_op=True)
+
+
 def raw_reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum x over the group and keep this rank's chunk along dim."""
     n = group_size(group)

@@ -81,7 +81,7 @@ def _check_layout(mode: str, layout: dict) -> dict:
         weights, ref_loss, ref_grads, ref_after, ref_moments = _serial_step(cfg, tokens, targets)
         replica_ref = lattice.GPT(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
         replica_ref.load_full_state_dict(weights)
-        replica_loss = float(replica_ref(tokens[mine], targets[mine]))
+        replica_loss = float(replica_ref(tokens[mine], targets[mine]).detach())
         for ckpt in (False, True):
             model = lattice.GPT(cfg, ctx, dtype=torch.float64, activation_checkpointing=ckpt)
             model.load_full_state_dict(weights)

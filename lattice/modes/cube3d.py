@@ -12,6 +12,8 @@ tokens, whole sequences) and W [N, K]:
                      reduce-scatter along l -> piece l of Y_ij         [M/q², K/q]
     backward         all-gather dY along l; dX = dY Wᵀ reduce-scattered along j; dW = Xᵀ dY
                      reduce-scattered along i (X and W gathered again, not kept)
+    overlap          (option, on by default) W's all-gather is issued asynchronously first and
+                     runs while X's (and in backward dY's and X's) gathers do
 
 So every rank stores exactly 1/p of X, W and Y, and the output's column index is j and its piece
 index l: the roles of j and l swap. The first linear of a block (Position.IN: qkv, fc) takes the
@@ -47,7 +49,7 @@ from lattice.context import LatticeConfigError, MeshAxis
 from lattice.layers import TiedHead, compute_dtype, normalize_split_hidden, round_up, vocab_table_spec
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
-from lattice.modes.base import Block, Mode, Position, divisible
+from lattice.modes.base import Block, Mode, Option, Position, divisible
 from lattice.sharding import ShardSpec, register_sharded
 
 CI, CJ, CL = MeshAxis.CUBE_I, MeshAxis.CUBE_J, MeshAxis.CUBE_L
@@ -86,29 +88,41 @@ class _Linear3D(torch.autograd.Function):
     and W gathered again rather than saved. All gathers and scatters are along dim 0 (rows)."""
 
     @staticmethod
-    def forward(ctx, x, w, gx, gw, gy, transpose_w):
-        ctx.groups, ctx.transpose_w = (gx, gw, gy), transpose_w
+    def forward(ctx, x, w, gx, gw, gy, transpose_w, overlap):
+        ctx.groups, ctx.transpose_w, ctx.overlap = (gx, gw, gy), transpose_w, overlap
         ctx.save_for_backward(x, w)
-        X = comm.raw_all_gather(x, gx, 0)
-        W = comm.raw_all_gather(w, gw, 0)
+        X, W = _gather_both(x, gx, w, gw, overlap)
         return comm.raw_reduce_scatter(X @ (W.t() if transpose_w else W), gy, 0)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         gx, gw, gy = ctx.groups
+        W, work = comm.start_all_gather(w, gw) if ctx.overlap else (comm.raw_all_gather(w, gw, 0), None)
         dY = comm.raw_all_gather(dy.contiguous(), gy, 0)
         X = comm.raw_all_gather(x, gx, 0)
-        W = comm.raw_all_gather(w, gw, 0)
+        if work is not None:
+            work.wait()
         Wm = W.t() if ctx.transpose_w else W
         dx = comm.raw_reduce_scatter(dY @ Wm.t(), gx, 0)
         dWm = X.t() @ dY
         dw = comm.raw_reduce_scatter((dWm.t() if ctx.transpose_w else dWm).contiguous(), gw, 0)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
-def linear_3d(x2d, w2d, gx, gw, gy, transpose_w=False):
-    return _Linear3D.apply(*_autocast_pair(x2d, w2d), gx, gw, gy, transpose_w)
+def _gather_both(x, gx, w, gw, overlap):
+    """X along gx and W along gw; with overlap the weight's gather runs while the input's does."""
+    if not overlap:
+        return comm.raw_all_gather(x, gx, 0), comm.raw_all_gather(w, gw, 0)
+    W, work = comm.start_all_gather(w, gw)
+    X = comm.raw_all_gather(x, gx, 0)
+    if work is not None:
+        work.wait()
+    return X, W
+
+
+def linear_3d(x2d, w2d, gx, gw, gy, transpose_w=False, overlap=True):
+    return _Linear3D.apply(*_autocast_pair(x2d, w2d), gx, gw, gy, transpose_w, overlap)
 
 
 def hosted(param, shape, cube: Cube, plane, dtype, device) -> torch.Tensor:
@@ -213,7 +227,7 @@ class Linear(nn.Module):
 
     def __init__(self, cfg, mode: "Cube3D", in_features, out_features, position, stack=None):
         super().__init__()
-        self.cube, self.q = mode.cube, mode.q
+        self.cube, self.q, self.overlap = mode.cube, mode.q, mode.overlap
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
         # IN: x columns along l, output along j; OUT: the other way round
@@ -236,7 +250,8 @@ class Linear(nn.Module):
         # the input's batch pieces are gathered along the axis that is not its feature axis, and
         # the product reduce-scattered along its feature axis (which then indexes the batch pieces)
         batch_axis = CJ if self.x_axis == CL else CL
-        y = linear_3d(x.reshape(-1, x.shape[-1]), w, c.group(batch_axis), c.group(CI), c.group(self.x_axis))
+        y = linear_3d(x.reshape(-1, x.shape[-1]), w, c.group(batch_axis), c.group(CI), c.group(self.x_axis),
+                      overlap=self.overlap)
         if b is not None:
             y = y + b.reshape(-1)
         return y.view(x.shape[0], x.shape[1], *self.local_out)
@@ -249,11 +264,12 @@ class LMHead(TiedHead):
     def __init__(self, cfg, mode: "Cube3D", embedding):
         super().__init__(cfg, mode.ctx, embedding, mode.table_spec())
         self.cube, self.q, self.vocab_size, self.vocab_pad = mode.cube, mode.q, cfg.vocab_size, mode.vocab_pad
+        self.overlap = mode.overlap
 
     def _local_logits(self, x):  # (B/q², T, h/q) batch (i, j) -> (B/q² · T, V'/q) batch (i, l), vocab j
         c = self.cube
         return linear_3d(x.reshape(-1, x.shape[-1]), self.table(), c.group(CJ), c.group(CI), c.group(CL),
-                         transpose_w=True)
+                         transpose_w=True, overlap=self.overlap)
 
     def loss(self, x, targets):
         c, q = self.cube, self.q
@@ -288,7 +304,9 @@ class Cube3D(Mode):
 
     name = "3d"
     residual_replicated = False
-    test_layouts = ({"tp": 8},)
+    options = {"overlap": Option(True, "3d: gather each weight asynchronously while the input's gather runs "
+                                       "(forward) or dY's and X's (backward)")}
+    test_layouts = ({"tp": 8}, {"tp": 8, "overlap": False})
 
     @classmethod
     def mesh_axes(cls, tp, options):
@@ -306,6 +324,7 @@ class Cube3D(Mode):
 
     def __init__(self, cfg, ctx):
         self.q = ctx.size(CI)
+        self.overlap = ctx.options["overlap"]
         super().__init__(cfg, ctx)
         self.vocab_pad = round_up(cfg.vocab_size, self.q * self.q)
         self.cube = Cube(ctx)
