@@ -31,6 +31,7 @@ from lattice.modes import REFERENCE_MODE, available_modes
 from lattice.options import add_mode_option_flags, given_mode_options
 
 # subcommands whose arguments and implementation live in another module, imported only when used
+# (so that `lattice train` does not import the benchmark's plotting)
 DELEGATED = {
     "bench": ("lattice.bench", "add_bench_arguments", "run_bench", "measured benchmarks"),
     "plan": ("lattice.cost", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
@@ -238,22 +239,6 @@ def _print_message_counts(args, topo) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def _delegate_module(command: str):
-    """The module behind a delegated subcommand, or None with a message when it is missing."""
-    module_name, add_name, run_name, _ = DELEGATED[command]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        module = None
-    if module is None or not hasattr(module, add_name) or not hasattr(module, run_name):
-        print(f"error: `lattice {command}` needs {module_name}.{add_name} and {module_name}.{run_name}, which "
-              f"this installation does not have; update lattice or use another subcommand", file=sys.stderr)
-        return None
-    return module
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lattice", description="Multi-dimensional tensor parallel GPT training.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -270,16 +255,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command in DELEGATED and _delegate_module(command) is None:
-        return 2
     args = build_parser(command).parse_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args, argv)
         if args.command == "info":
             return cmd_info(args)
-        _, _, run_name, _ = DELEGATED[args.command]
-        return int(getattr(_delegate_module(args.command), run_name)(args) or 0)
+        module_name, _, run_name, _ = DELEGATED[args.command]
+        return int(getattr(importlib.import_module(module_name), run_name)(args) or 0)
     except LatticeConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,9 +67,3 @@ def test_layout_that_needs_other_process_count_is_refused_before_launch(capsys):
     assert err.count("\n") == 0 and "--nproc 3 does not match" in err and "use --nproc 2" in err
 
 
-def test_missing_delegated_command_says_so(monkeypatch, capsys):
-    """Catches a bench/plan subcommand that crashes with an ImportError when its module (written
-    separately) is absent, instead of saying what is missing."""
-    monkeypatch.setitem(cli.DELEGATED, "bench", ("lattice._no_such_module", "add_bench_arguments", "run_bench", "x"))
-    assert cli.main(["bench"]) == 2
-    assert "lattice._no_such_module.add_bench_arguments" in capsys.readouterr().err
