@@ -7,7 +7,8 @@ this rank's shard of each, so a run saved under one mode / tp / dp resumes under
     {"format": "lattice-checkpoint", "version": 1, "step": int,
      "model_config": {...}, "train_config": {...},
      "model": {name: full tensor}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}, "step": int},
-     "rng": {"torch": uint8 tensor}, "forward_count": int}
+     "rng": {"torch": uint8 tensor}, "forward_count": int,
+     "checksums": {"model/<name>" | "optimizer/<moment>/<name>": CRC-32 of the tensor's bytes}}
 
 Rank 0 writes (to a temporary file, then `os.replace`, so a crash never leaves half a file under
 the real name). Every rank reads and validates the file itself with `torch.load(weights_only=True)`
@@ -21,6 +22,7 @@ import os
 import pickle
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -40,24 +42,64 @@ def resolve(path: str | os.PathLike) -> Path:
     return path / FILENAME if path.is_dir() else path
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp) on a temporary file in `path`'s directory, then rename it over `path`:
-    readers never see a half-written file, even when several processes write the same entry."""
+    readers never see a half-written file, even when several processes write the same entry.
+    The file is flushed to disk before the rename and the directory after it, so a power cut
+    leaves either the old or the new file; it gets the permissions the umask gives new files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        _fsync_dir(path.parent)
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
+def _tensors(payload: dict):
+    """(name, tensor) for every tensor a checkpoint holds, named by where it sits."""
+    yield from ((f"model/{k}", t) for k, t in payload.get("model", {}).items())
+    for key in ("exp_avg", "exp_avg_sq"):
+        yield from ((f"optimizer/{key}/{k}", t) for k, t in payload.get("optimizer", {}).get(key, {}).items())
+
+
+def checksum(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes."""
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def non_finite(payload: dict) -> list[str]:
+    """Names of the checkpoint tensors holding NaN or infinity."""
+    return [name for name, t in _tensors(payload) if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
 def save(payload: dict, path: str | os.PathLike) -> Path:
-    """Write atomically (a crash never leaves half a checkpoint under the real name)."""
+    """Write atomically (a crash never leaves half a checkpoint under the real name), with a
+    checksum of every tensor; a payload holding NaN or infinity is refused."""
     path = resolve(path)
-    atomic_write(path, lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp))
+    bad = non_finite(payload)
+    if bad:
+        raise LatticeConfigError(f"refusing to save a checkpoint with non-finite values in {bad[:3]}; "
+                                 f"the previous checkpoint at {path} is kept")
+    sums = {name: checksum(t) for name, t in _tensors(payload)}
+    atomic_write(path, lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **payload, "checksums": sums}, tmp))
     return path
 
 
@@ -102,6 +144,15 @@ def read(path: str | os.PathLike) -> dict:
     if missing:
         raise LatticeConfigError(f"checkpoint {path} lacks {missing}; it is damaged or not written by "
                                  f"`lattice train`, {fresh}")
+    sums = ckpt.get("checksums", {})
+    for name, t in _tensors(ckpt):
+        if name in sums and checksum(t) != sums[name]:
+            raise LatticeConfigError(f"checkpoint {path}: tensor {name} does not match its checksum, so the file is "
+                                     f"corrupt; use an intact copy, {fresh}")
+    bad = non_finite(ckpt)
+    if bad:
+        raise LatticeConfigError(f"checkpoint {path} holds NaN or infinite values in {bad[:3]}; resume from an "
+                                 f"earlier checkpoint, {fresh}")
     return ckpt
 
 

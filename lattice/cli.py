@@ -23,6 +23,8 @@ import argparse
 import importlib
 import os
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 from lattice.context import LatticeConfigError
 from lattice.layout import make_topology
@@ -73,6 +75,13 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
                    help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", default=None, metavar="CKPT", help="checkpoint file (or a run directory)")
+    p.add_argument("--on-nan", choices=("stop", "skip"), default=d.on_nan,
+                   help="a non-finite loss or gradient norm stops the run (default) or skips the step")
+    p.add_argument("--dist-timeout", type=float, default=d.dist_timeout,
+                   help="seconds a collective waits for the other ranks before the run fails and names the stalled "
+                        f"rank (default {d.dist_timeout:.0f})")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: allow a different --steps/--lr/--warmup/--batch-size/--seed")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -94,14 +103,14 @@ def _train_config(args):
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
                        eval_interval=args.eval_interval, eval_batches=args.eval_batches, bf16=args.bf16,
                        activation_checkpointing=args.activation_checkpointing, out_dir=args.out_dir,
-                       checkpoint_interval=args.checkpoint_interval, progress=not args.no_progress)
+                       checkpoint_interval=args.checkpoint_interval, progress=not args.no_progress,
+                       on_nan=args.on_nan, dist_timeout=args.dist_timeout)
 
 
 # ----------------------------------------------------------------------------- train
 def _check_before_launch(args) -> None:
     """Everything that can be refused without processes, so a bad request fails once, in one
     line, instead of in every child's traceback."""
-    from lattice import checkpoint
     from lattice.layout import plan
     from lattice.model import GPTConfig
     from lattice.modes import get_mode
@@ -114,8 +123,24 @@ def _check_before_launch(args) -> None:
     tcfg = _train_config(args)
     cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
     get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
+    _check_out_dir_and_resume(args, tcfg, cfg)
+
+
+def _check_out_dir_and_resume(args, tcfg, cfg) -> None:
+    """The out-dir (usable, not in use by another run) and the checkpoint to resume, if any. On
+    every rank before any process group exists, and in the launcher before any process starts."""
+    from lattice import checkpoint, faults
+
+    if args.out_dir:
+        out = faults.check_out_dir(args.out_dir, checkpoint.FILENAME)
+        faults.RunLock(out).probe()
     if args.resume:
-        checkpoint.check_model_config(checkpoint.read(args.resume), cfg.to_dict(), checkpoint.resolve(args.resume))
+        ckpt = checkpoint.read(args.resume)
+        where = checkpoint.resolve(args.resume)
+        checkpoint.check_model_config(ckpt, cfg.to_dict(), where)
+        faults.check_schedule(ckpt.get("train_config", {}), asdict(tcfg), args.allow_config_change, where)
+        return ckpt
+    return None
 
 
 def _launch(args, argv: list[str]) -> int:
@@ -123,6 +148,7 @@ def _launch(args, argv: list[str]) -> int:
     (`elastic_launch`; its command-line parser would mistake our --nproc for --nproc-per-node)."""
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -139,6 +165,10 @@ def _launch(args, argv: list[str]) -> int:
     except ChildFailedError as e:
         print(f"error: {len(e.failures)} of {args.nproc} processes failed (their messages are above)", file=sys.stderr)
         return 1
+    except SignalException as e:  # the agent passed the signal on; the workers saved at a step boundary
+        print(f"stopped by {e.sigval.name}: the workers checkpointed in {args.out_dir} (continue with --resume "
+              f"{args.out_dir})", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 
@@ -146,7 +176,7 @@ def cmd_train(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
     import lattice
-    from lattice import checkpoint
+    from lattice import checkpoint, faults
     from lattice.model import GPTConfig
     from lattice.train import Trainer
 
@@ -158,19 +188,43 @@ def cmd_train(args, argv: list[str]) -> int:
     if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
         raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                                  f"drop --nproc when launching with torchrun")
+    if launched:
+        faults.die_with_parent()  # killing the launcher must not leave this worker training
     tcfg = _train_config(args)
-    ckpt = None
-    if args.resume:  # each rank checks the file itself, before init creates any process group
-        ckpt = checkpoint.read(args.resume)
-        cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
-        checkpoint.check_model_config(ckpt, cfg.to_dict(), checkpoint.resolve(args.resume))
-    ctx = lattice.init(args.mode, seed=args.seed, **_layout_kwargs(args))
+    cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
+    ckpt = _check_out_dir_and_resume(args, tcfg, cfg)  # every rank, before any process group exists
+    ctx = lattice.init(args.mode, seed=args.seed, timeout=args.dist_timeout, **_layout_kwargs(args))
+    lock = None
     try:
-        result = Trainer(tcfg, ctx, resume=ckpt).fit()
+        if ctx.rank == 0 and args.out_dir:
+            out = Path(args.out_dir)
+            lock = faults.RunLock(out).acquire()
+            faults.remove_stale_temps(out, checkpoint.FILENAME)
+        result = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change).fit()
         if ctx.rank == 0:
+            if result["stopped_by"]:
+                print(f"stopped by {result['stopped_by']} at step {result['step']}; checkpoint saved in {args.out_dir}; "
+                      f"continue with --resume {args.out_dir}", flush=True)
+                return 0
             print(f"final val loss: {result['val_loss']:.4f} nats/token (step {result['step']})")
             print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
+    except faults.TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+    except RuntimeError as e:  # a collective that timed out: name the rank that stopped making progress
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        from lattice.comm import last_collective
+
+        stalled = faults.stalled_ranks(Path(args.out_dir) if args.out_dir else None, ctx.world_size)
+        where = (f"{last_collective['op']} over {last_collective['group_size']} ranks" if last_collective
+                 else "a collective")
+        print(f"error: rank {ctx.rank}: {where} waited more than --dist-timeout {args.dist_timeout:g} s; {stalled} "
+              f"(stack dumps above)", file=sys.stderr, flush=True)
+        return 1
     finally:
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

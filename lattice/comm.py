@@ -84,8 +84,13 @@ class CommMeter:
         self.records.clear()
 
 
+#: the last collective this process entered, for the message of a timed-out run (diagnostics only)
+last_collective: dict = {}
+
+
 def record(op: str, group, elements: int, dtype: torch.dtype, phase: str | None = None):
     """Report one collective to every active CommMeter (also used by DDP's comm hook)."""
+    last_collective.update(op=op, group_size=group_size(group), elements=int(elements))
     stack = _meters()
     if not stack:
         return

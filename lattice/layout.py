@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ def plan(mode: str, *, rank: int = 0, **kwargs) -> ParallelContext:
 
 
 def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
-         placement: str = "natural", backend: str | None = None, seed: int = 0,
+         placement: str = "natural", backend: str | None = None, seed: int = 0, timeout: float | None = None,
          **options) -> ParallelContext:
     """Build the ParallelContext for this process.
 
@@ -99,7 +100,9 @@ def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node
             device = torch.device("cuda", 0)
         return ParallelContext(topology=topo, rank=0, options=options, mesh=None, device=device, seed=seed)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        # `timeout`: seconds a collective waits for the other ranks before failing (torch's default
+        # is 30 minutes, which makes a stalled rank look like a hang)
+        dist.init_process_group(backend, **({"timeout": timedelta(seconds=timeout)} if timeout else {}))
     rank = dist.get_rank()
     if dist.get_backend() == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))

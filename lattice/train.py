@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lattice import checkpoint
+from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, train_batch, unigram_baseline,
@@ -55,8 +55,10 @@ class TrainConfig:
     bf16: bool = False
     activation_checkpointing: bool = False
     out_dir: str | None = None  # checkpoint and metrics.csv go here (rank 0 writes)
-    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    checkpoint_interval: int = 100  # steps between checkpoints; 0 = only at the end
     progress: bool = True
+    on_nan: str = "stop"  # a non-finite gradient norm: "stop" the run, or "skip" the step
+    dist_timeout: float = 300.0  # seconds a collective may wait before the run fails
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
@@ -67,6 +69,8 @@ class TrainConfig:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise LatticeConfigError(f"lr must be positive, got {self.lr}")
+        if self.on_nan not in ("stop", "skip"):
+            raise LatticeConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -87,9 +91,11 @@ class Trainer:
     """Trains `lattice.GPT` on the built-in corpus (or a given Corpus) under any layout."""
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
-                 resume: str | os.PathLike | dict | None = None):
+                 resume: str | os.PathLike | dict | None = None, allow_config_change: bool = False):
         """`resume`: a checkpoint file or run directory, or a checkpoint already validated with
-        `lattice.checkpoint.read` (as the CLI does before creating process groups)."""
+        `lattice.checkpoint.read` (as the CLI does before creating process groups). A resume that
+        changes the schedule (steps, lr, warmup, batch size, seed) is refused unless
+        `allow_config_change`."""
         self.cfg, self.ctx = cfg, ctx
         # Validate everything that can fail before the first collective (DDP's constructor is one).
         ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
@@ -98,13 +104,14 @@ class Trainer:
         if ckpt is not None:
             where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume)
             checkpoint.check_model_config(ckpt, self.model_config.to_dict(), where)
+            faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change, where)
         check_batch_size(self.corpus, cfg.batch_size, self.model_config.seq_len, ctx.dp)
         self.model = GPT(self.model_config, ctx, activation_checkpointing=cfg.activation_checkpointing)
         self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
                                    seq_len=self.model_config.seq_len, num_batches=cfg.eval_batches)
         self.model.mode.check_batch(self.val_set[0][0])  # the mode's own constraints (e.g. b % q)
         self.optimizer = self._make_optimizer()
-        self.step, self.elapsed, self.history = 0, 0.0, []
+        self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
         if ckpt is not None:
             self._load(ckpt)
         self.engine = self.model
@@ -179,17 +186,28 @@ class Trainer:
         loss.backward()
         self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
         norm = self.grad_norm()
-        if cfg.grad_clip > 0:
-            scale = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
+        # the norm is already identical on every rank: every rank takes the same decision
+        finite = bool(torch.isfinite(norm))
+        if not finite and cfg.on_nan == "stop":
+            raise faults.TrainingStopped(
+                f"step {self.step + 1}: the gradient norm is {float(norm)} (a non-finite loss or gradient); stopped "
+                f"before updating the weights, and nothing was saved over the last checkpoint; lower --lr, or pass "
+                f"--on-nan skip to skip such steps")
+        if finite:
+            if cfg.grad_clip > 0:
+                scale = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            self.optimizer.step()
+        else:  # --on-nan skip: the batch is consumed, the weights and moments stay as they were
+            self.skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         train_loss = self._dp_mean(loss)
         dt = time.perf_counter() - t0
         return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
-                "tokens_per_s": cfg.batch_size * self.model_config.seq_len / dt}
+                "tokens_per_s": cfg.batch_size * self.model_config.seq_len / dt, "skipped": not finite}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -203,7 +221,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, until: int | None = None) -> dict:
         """Train from the current step up to `until` (default: cfg.steps), evaluating every
-        eval_interval steps and at the end, checkpointing into out_dir. Returns a summary."""
+        eval_interval steps and at the end, checkpointing into out_dir. SIGTERM or SIGINT stops
+        at the next step boundary with a checkpoint. Returns a summary ("stopped_by" names the
+        signal when one stopped the run)."""
         cfg, is_main = self.cfg, self.ctx.rank == 0
         until = cfg.steps if until is None else until
         out = Path(cfg.out_dir) if cfg.out_dir else None
@@ -213,40 +233,57 @@ class Trainer:
 
         bar = tqdm(total=until, initial=self.step, disable=not (cfg.progress and is_main), unit="step",
                    dynamic_ncols=True)
-        val_loss, start, clock = None, self.elapsed, time.perf_counter()
+        val_loss, start, clock, stopped_by = None, self.elapsed, time.perf_counter(), None
+        heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
         try:
-            while self.step < until:
-                row = self.train_step()
-                row["val_loss"] = None
-                if self.step % cfg.eval_interval == 0 or self.step == until:
-                    row["val_loss"] = val_loss = self.evaluate()
-                    if is_main:  # tqdm.write prints even where the bar is disabled
-                        bar.write(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}")
-                        sys.stdout.flush()
-                self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
-                self.history.append(row)
-                if writer:
-                    writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRIC_COLUMNS})
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                bar.update(1)
-                if out and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
-                    self.save(out)
+            with faults.StopRequest() as stop:
+                while self.step < until:
+                    heartbeat.beat(self.step)
+                    row = self.train_step()
+                    row["val_loss"] = None
+                    if self.step % cfg.eval_interval == 0 or self.step == until:
+                        row["val_loss"] = val_loss = self.evaluate()
+                        if is_main:  # tqdm.write prints even where the bar is disabled
+                            bar.write(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}")
+                            sys.stdout.flush()
+                    self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
+                    self.history.append(row)
+                    if writer:
+                        writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRIC_COLUMNS})
+                    bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                    bar.update(1)
+                    if self._stop_requested(stop):
+                        stopped_by = stop.name or "a signal on another rank"
+                        break
+                    if out and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                        self.save(out)
         finally:
+            heartbeat.stop()
             bar.close()
             if metrics:
                 metrics.close()
-        if val_loss is None:
+        if val_loss is None and stopped_by is None:
             val_loss = self.evaluate()
         if out:
             self.save(out)
         return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
-                "history": self.history}
+                "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
+
+    def _stop_requested(self, stop: faults.StopRequest) -> bool:
+        """Whether any rank was asked to stop (one tiny all-reduce, so that all ranks stop at the
+        same step boundary even when the signal reached only some of them)."""
+        flag = torch.tensor([1.0 if stop.signal else 0.0], device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _open_metrics(self, out: Path):
         """metrics.csv, line-buffered; a resumed run appends to the rows written before."""
         out.mkdir(parents=True, exist_ok=True)
         path = out / METRICS_FILE
         append = self.step > 0 and path.exists()
+        if append:  # rows after the checkpoint belong to a run that did not reach its next save
+            faults.truncate_metrics(path, self.step)
         f = open(path, "a" if append else "w", newline="", buffering=1)
         if not append:
             f.write(",".join(METRIC_COLUMNS) + "\n")
@@ -254,7 +291,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a layout-independent checkpoint (a collective: every rank must call it)."""
+        """Write a layout-independent checkpoint (a collective: every rank must call it). A model
+        holding NaN or infinity anywhere is refused on every rank and nothing is written."""
+        bad = torch.tensor([float(any(not torch.isfinite(p).all() for p in self.model.parameters()))],
+                           device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise faults.TrainingStopped(f"step {self.step}: the weights hold NaN or infinity; refusing to save over "
+                                         f"the last checkpoint in {path}")
         payload = {
             "step": self.step,
             "elapsed_s": self.elapsed,
