@@ -50,6 +50,9 @@ def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for placement")
     p.add_argument("--placement", choices=("natural", "topology"), default="natural")
     p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small)")
+    for flag, what in (("--d-model", "width"), ("--n-layers", "transformer blocks"), ("--n-heads", "attention heads"),
+                       ("--seq-len", "context length")):
+        p.add_argument(flag, type=int, default=None, help=f"{what} (default: the preset's)")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary of the built-in corpus")
 
 
@@ -85,6 +88,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--config", default=None, metavar="TOML",
+                   help="a TOML file of train flags (e.g. steps = 500, mode = \"1d\"); flags given here override it")
 
 
 def _layout_kwargs(args) -> dict:
@@ -98,7 +103,8 @@ def _train_config(args):
     from lattice.data import DEFAULT_VOCAB
     from lattice.train import TrainConfig
 
-    return TrainConfig(model=args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB, dropout=args.dropout,
+    return TrainConfig(model=args.model, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                       seq_len=args.seq_len, vocab_size=args.vocab_size or DEFAULT_VOCAB, dropout=args.dropout,
                        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
                        eval_interval=args.eval_interval, eval_batches=args.eval_batches, bf16=args.bf16,
@@ -111,8 +117,10 @@ def _train_config(args):
 def _check_before_launch(args) -> None:
     """Everything that can be refused without processes, so a bad request fails once, in one
     line, instead of in every child's traceback."""
+    import torch
+
+    from lattice.context import MeshAxis
     from lattice.layout import plan
-    from lattice.model import GPTConfig
     from lattice.modes import get_mode
 
     topo, _ = make_topology(args.mode, **_layout_kwargs(args))
@@ -121,8 +129,10 @@ def _check_before_launch(args) -> None:
         raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: mode {args.mode!r} with {axes} "
                                  f"has {topo.world_size} ranks; use --nproc {topo.world_size} or change --tp/--dp")
     tcfg = _train_config(args)
-    cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
-    get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
+    cfg = tcfg.model_config()
+    mode = get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
+    if tcfg.batch_size % topo.size(MeshAxis.DP) == 0:  # (the trainer words the other case)
+        mode.check_batch(torch.zeros(tcfg.batch_size // topo.size(MeshAxis.DP), cfg.seq_len, dtype=torch.int64))
     _check_out_dir_and_resume(args, tcfg, cfg)
 
 
@@ -177,7 +187,6 @@ def cmd_train(args, argv: list[str]) -> int:
 
     import lattice
     from lattice import checkpoint, faults
-    from lattice.model import GPTConfig
     from lattice.train import Trainer
 
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
@@ -191,15 +200,18 @@ def cmd_train(args, argv: list[str]) -> int:
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
     tcfg = _train_config(args)
-    cfg = GPTConfig.preset(tcfg.model, vocab_size=tcfg.vocab_size, dropout=tcfg.dropout)
+    cfg = tcfg.model_config()
     ckpt = _check_out_dir_and_resume(args, tcfg, cfg)  # every rank, before any process group exists
     ctx = lattice.init(args.mode, seed=args.seed, timeout=args.dist_timeout, **_layout_kwargs(args))
     lock = None
     try:
+        if ctx.rank == 0:
+            print("config: " + ", ".join(f"{k}={v}" for k, v in _resolved_config(args).items()), flush=True)
         if ctx.rank == 0 and args.out_dir:
             out = Path(args.out_dir)
             lock = faults.RunLock(out).acquire()
             faults.remove_stale_temps(out, checkpoint.FILENAME)
+            (out / "config.toml").write_text(_config_toml(args))
         result = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change).fit()
         if ctx.rank == 0:
             if result["stopped_by"]:
@@ -247,7 +259,8 @@ def cmd_info(args) -> int:
     kw = _layout_kwargs(args)
     ctx = plan(args.mode, **kw)
     topo = ctx.topology
-    cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB)
+    shape = {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(args, k)}
+    cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB, **shape)
     with torch.device("meta"):
         model = GPT(cfg, ctx)
     axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
@@ -311,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     try:
+        if getattr(args, "config", None):
+            args = _with_config_file(build_parser(command), argv, args.config)
         if args.command == "train":
             return cmd_train(args, argv)
         if args.command == "info":
@@ -320,7 +335,46 @@ def main(argv: list[str] | None = None) -> int:
     except LatticeConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `lattice info | head`: the reader left; stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
-if __name__ == "__main__":
+def _resolved_config(args) -> dict:
+    """Every train flag's value for this run (defaults, config file and command line resolved)."""
+    skip = {"command", "config", "nproc"}
+    return {k: v for k, v in sorted(vars(args).items()) if k not in skip and v is not None and v != []}
+
+
+def _config_toml(args) -> str:
+    """The resolved config as a TOML file that `--config` reads back (JSON scalars, strings and
+    lists are valid TOML values)."""
+    import json
+
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in _resolved_config(args).items())
+
+
+def _with_config_file(parser: argparse.ArgumentParser, argv: list[str], path: str) -> argparse.Namespace:
+    """Parse again with a TOML file's keys (train flags without the dashes, `-` or `_` alike)
+    as defaults, so that flags given on the command line override the file."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise LatticeConfigError("--config needs Python 3.11 or newer (tomllib)") from None
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as e:
+        raise LatticeConfigError(f"--config {path} cannot be read ({e.strerror}); pass a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise LatticeConfigError(f"--config {path} is not valid TOML ({e}); fix the file") from None
+    sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(argv[0]))
+    known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
+    given = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise LatticeConfigError(f"--config {path} has unknown keys {unknown}; use the names of `lattice {argv[0]}` "
+                                 f"flags, e.g. {', '.join(sorted(known)[:6])}")
+    sub.set_defaults(**given)
+    return parser.parse_args(argv)
     sys.exit(main())

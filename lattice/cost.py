@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -449,15 +450,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--placement", choices=("natural", "topology"), default="natural")
     p.add_argument("--machine", default=None, metavar="JSON",
-                   help="Machine fields as JSON (e.g. a calibration from `lattice bench`); default: "
-                        "the papers' 4-GPU-node cluster")
+                   help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
+                        "default: the papers' 4-GPU-node cluster")
     p.add_argument("--table1", action="store_true",
                    help="print Optimus Table 1 for this b, s, h, p beside this model's rows for every mode")
 
 
 def run_plan(args) -> int:
-    import json
-
     sizes = {k: v for k, v in (("d_model", args.d_model), ("n_heads", args.n_heads), ("n_layers", args.n_layers),
                                 ("seq_len", args.seq_len)) if v}
     try:
@@ -475,9 +474,37 @@ def run_plan(args) -> int:
     except LatticeConfigError as e:
         print(f"lattice plan: {e}")
         return 2
-    machine = Machine(**json.loads(args.machine)) if args.machine else PAPER_CLUSTER
+    try:
+        machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
+    except LatticeConfigError as e:
+        print(f"lattice plan: {e}")
+        return 2
     print(format_cost(c, machine))
     return 0
+
+
+def _machine(spec: str) -> Machine:
+    """A Machine from inline JSON or from a JSON file (e.g. a calibration `lattice bench` wrote)."""
+    import json
+    from dataclasses import fields as dataclass_fields
+
+    try:
+        text = open(spec).read() if os.path.isfile(spec) else spec
+        values = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise LatticeConfigError(f"--machine {spec[:60]!r} is neither a JSON file nor inline JSON ({type(e).__name__}); "
+                                 f"pass e.g. '{{\"flop_rate\": 1e12}}' or a file holding such an object") from None
+    known = {f.name for f in dataclass_fields(Machine)}
+    if not isinstance(values, dict) or set(values) - known:
+        extra = sorted(set(values) - known) if isinstance(values, dict) else type(values).__name__
+        raise LatticeConfigError(f"--machine has unknown fields {extra}; Machine takes {', '.join(sorted(known))}")
+    from dataclasses import MISSING
+
+    required = {f.name for f in dataclass_fields(Machine) if f.default is MISSING} - {"name"}
+    if required - set(values):
+        raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
+                                 f"{', '.join(sorted(required))}")
+    return Machine(**{"name": "given", **values})
 
 
 def format_cost(c: Cost, machine: Machine) -> str:

@@ -30,7 +30,7 @@ from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, 
 from lattice.model import GPT, GPTConfig
 
 METRICS_FILE = "metrics.csv"
-METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
+METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "elapsed_s")
 
 
 @dataclass
@@ -38,6 +38,10 @@ class TrainConfig:
     """Everything about a run except the layout (which is the ParallelContext's)."""
 
     model: str = "small"  # a lattice.model.PRESETS name
+    d_model: int | None = None  # shape overrides of the preset (None: the preset's)
+    n_layers: int | None = None
+    n_heads: int | None = None
+    seq_len: int | None = None
     vocab_size: int = DEFAULT_VOCAB
     dropout: float = 0.0
     steps: int = 300
@@ -77,6 +81,11 @@ class TrainConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    def model_config(self, vocab_size: int | None = None) -> GPTConfig:
+        """The model this run trains: the preset with the shape overrides."""
+        shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(self, k)}
+        return GPTConfig.preset(self.model, vocab_size=vocab_size or self.vocab_size, dropout=self.dropout, **shape)
+
 
 def _metered_allreduce_hook(group, bucket):
     """DDP's averaging all-reduce, reported to CommMeter so measured bytes include dp traffic."""
@@ -100,7 +109,7 @@ class Trainer:
         # Validate everything that can fail before the first collective (DDP's constructor is one).
         ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
         self.corpus = corpus or load_corpus(cfg.vocab_size)
-        self.model_config = GPTConfig.preset(cfg.model, vocab_size=self.corpus.vocab_size, dropout=cfg.dropout)
+        self.model_config = cfg.model_config(self.corpus.vocab_size)
         if ckpt is not None:
             where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume)
             checkpoint.check_model_config(ckpt, self.model_config.to_dict(), where)

@@ -67,3 +67,53 @@ def test_layout_that_needs_other_process_count_is_refused_before_launch(capsys):
     assert err.count("\n") == 0 and "--nproc 3 does not match" in err and "use --nproc 2" in err
 
 
+
+
+def test_config_file_round_trip_and_command_line_override(tmp_path, capsys):
+    """Catches a config file that is ignored, overrides the command line, or cannot be read back
+    from what a run saved (config.toml in the out-dir)."""
+    run1 = tmp_path / "a"
+    (tmp_path / "run.toml").write_text('steps = 3\nlr = 0.004\nmodel = "tiny"\nvocab-size = 512\nbatch_size = 4\n'
+                                       'eval_batches = 1\nno_progress = true\nd_model = 24\nn_heads = 4\n')
+    assert cli.main(["train", "--config", str(tmp_path / "run.toml"), "--steps", "2", "--out-dir", str(run1)]) == 0
+    out = capsys.readouterr().out
+    assert "steps=2" in out and "lr=0.004" in out and "d_model=24" in out  # the file, with --steps from the command line
+    saved = lattice.checkpoint.read(run1)
+    assert saved["step"] == 2 and saved["train_config"]["lr"] == 0.004 and saved["model_config"]["d_model"] == 24
+    # the saved config reproduces the run
+    run2 = tmp_path / "b"
+    assert cli.main(["train", "--config", str(run1 / "config.toml"), "--out-dir", str(run2)]) == 0
+    again = lattice.checkpoint.read(run2)
+    assert again["train_config"] == {**saved["train_config"], "out_dir": str(run2)}
+    assert all((again["model"][k] == v).all() for k, v in saved["model"].items())
+    (tmp_path / "bad.toml").write_text("stepz = 3\n")
+    assert cli.main(["train", "--config", str(tmp_path / "bad.toml")]) == 2
+    assert "unknown keys ['stepz']" in capsys.readouterr().err
+
+
+def test_plan_machine_from_a_file_or_refused_in_one_line(tmp_path, capsys):
+    """Catches `plan --machine FILE` treating the path as JSON text (a traceback)."""
+    machine = tmp_path / "m.json"
+    machine.write_text('{"flop_rate": 1e12, "alpha_intra": 1e-6, "beta_intra": 1e-10, "alpha_inter": 1e-5, '
+                       '"beta_inter": 1e-9, "ranks_per_node": 4}')
+    assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--machine", str(machine)]) == 0
+    assert "time on given: F = 1e+03 GFLOP/s" in capsys.readouterr().out
+    assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--machine", str(tmp_path / "none.json")]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and "neither a JSON file nor inline JSON" in out
+
+
+def test_info_into_a_closed_pipe_ends_quietly():
+    """Catches `lattice info | head` ending in a BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(f"{sys.executable} -m lattice info --mode 2d --tp 4 | head -1", shell=True, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("layout: mode 2d") and "Traceback" not in proc.stderr and proc.stderr == ""
+
+
+def test_a_batch_the_layout_cannot_split_is_refused_before_launch(capsys):
+    """Catches `--mode 2d --tp 9 --nproc 9` starting 9 processes before refusing a batch that
+    q = 3 does not divide."""
+    assert cli.main(["train", "--mode", "2d", "--tp", "9", "--nproc", "9", "--batch-size", "16", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "batch size = 16 is not divisible by the 2D mesh side q = 3" in err
