@@ -33,8 +33,8 @@ never gathers the logits.
 Placement: with the activations much larger than the weights (B·T > h), the input gathers and
 output reduce-scatters along j and l carry nearly all the traffic, the weight gathers along i
 little; the natural order keeps l innermost and j next, so "topology" placement is the natural
-one: `lattice info --mode 3d --tp 8 --ranks-per-node 4` counts 8 / 0 intra / inter-node messages
-for a collective along l and j, 0 / 8 along i.
+one: `lattice info --mode 3d --tp 8 --ranks-per-node 4` counts 16 / 0 intra / inter-node
+messages for one collective along j and along l, and 8 / 8 along i (summed over the 8 ranks).
 """
 
 from __future__ import annotations
