@@ -140,13 +140,13 @@ def test_comm_bytes_per_step_match_the_formula():
 MEMORY_CFG = dict(vocab_size=64, seq_len=8, d_model=128, n_heads=8, n_layers=2)
 
 
-def _check_memory():
-    """(parameter bytes, saved activation bytes) of this rank in 3d and in 1d, both on 8 ranks."""
+def _check_memory(modes=("3d", "1d"), tp=8):
+    """(parameter bytes, saved activation bytes) of this rank in each mode on tp ranks."""
     cfg = lattice.GPTConfig(**MEMORY_CFG)
     tokens, targets = _batch(4, 8, cfg.vocab_size, seed=9)
     out = []
-    for mode in ("3d", "1d"):
-        model = lattice.GPT(cfg, cached_init(mode=mode, tp=8))
+    for mode in modes:
+        model = lattice.GPT(cfg, cached_init(mode=mode, tp=tp))
         out.append((sum(p.numel() * p.element_size() for p in model.parameters()),
                     saved_activation_bytes(model, lambda: model(tokens, targets))))
     return out
@@ -155,7 +155,7 @@ def _check_memory():
 def test_parameters_and_activations_per_rank_are_a_pth_of_serial():
     """Catches a layout that keeps gathered (q-fold) operands for backward or replicates a weight:
     per rank, parameters and saved activations at most 1.15 x serial / p (printed beside 1d at
-    the same p; 2d at p = 4 is tests/test_2d.py's)."""
+    p = 8 and 2d at p = 4 on the same model)."""
     cfg = lattice.GPTConfig(**MEMORY_CFG)
     serial = lattice.GPT(cfg, lattice.plan("serial"))
     tokens, targets = _batch(4, 8, cfg.vocab_size, seed=9)
@@ -164,8 +164,10 @@ def test_parameters_and_activations_per_rank_are_a_pth_of_serial():
     results = run_distributed(8, _check_memory)
     params, saved = (max(r[0][k] for r in results) for k in (0, 1))
     params1, saved1 = (max(r[1][k] for r in results) for k in (0, 1))
-    print(f"per rank, p = 8: parameters 3d {params / (serial_params / 8):.3f} x serial/p, 1d {params1 / (serial_params / 8):.3f}; "
-          f"saved activations 3d {saved / (serial_saved / 8):.3f} x serial/p, 1d {saved1 / (serial_saved / 8):.3f}")
+    params2, saved2 = (max(r[0][k] for r in run_distributed(4, _check_memory, ("2d",), 4)) for k in (0, 1))
+    print(f"per rank, x serial/p: parameters 3d (p=8) {params / (serial_params / 8):.3f}, 1d (p=8) "
+          f"{params1 / (serial_params / 8):.3f}, 2d (p=4) {params2 / (serial_params / 4):.3f}; saved activations 3d "
+          f"{saved / (serial_saved / 8):.3f}, 1d {saved1 / (serial_saved / 8):.3f}, 2d {saved2 / (serial_saved / 4):.3f}")
     assert params <= 1.15 * serial_params / 8
     assert saved <= 1.15 * serial_saved / 8
 
