@@ -70,11 +70,21 @@ class CausalSelfAttention(nn.Module):
         self.seeds, self.site = seeds, seeds.new_site()
         self.resid_drop = Dropout(cfg.dropout, seeds, "replicated" if mode.residual_replicated else "sharded")
 
-    def forward(self, x):
+    def forward(self, x, cache: dict | None = None):
+        """`cache` (inference): this layer's keys and values so far, in this rank's layout (its
+        heads of its sequences); the new positions' are appended, and a query attends to every
+        cached key (one new position) or causally (a prompt, into an empty cache)."""
         qkv = self.qkv(x)  # (B_l, T, 3, h_l): this rank's heads
         B, T, _, h_local = qkv.shape
         q, k, v = qkv.view(B, T, 3, h_local // self.head_size, self.head_size).permute(2, 0, 3, 1, 4)  # (B_l, nh_l, T, hs)
-        if self.training and self.attn_p > 0:
+        if cache is not None:
+            if "k" in cache:
+                if T != 1:
+                    raise LatticeConfigError("a KV cache extends one position at a time after the prompt")
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B_l, nh_l, T_all, hs)
+            cache["k"], cache["v"] = k, v
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        elif self.training and self.attn_p > 0:
             # heads differ per rank: the sharded stream, seeded so that recomputation repeats it
             devices = [x.device] if x.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices, device_type=x.device.type):
@@ -105,8 +115,8 @@ class TransformerBlock(nn.Module):
         self.ln_2 = mode.layer_norm()
         self.mlp = MLP(cfg, mode, seeds)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache: dict | None = None):
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -138,28 +148,68 @@ class GPT(nn.Module):
             self.reset_parameters()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy over this replica's batch, or full logits (B, T, V) without targets."""
-        self._check_inputs(tokens, targets)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                cache: list[dict] | None = None, start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """Mean cross-entropy over this replica's batch, or full logits (B, T, V) without targets
+        (of the last position alone, (B, 1, V), with last_only). Inference: `cache` holds one dict
+        per block (see generate) and `start` is the position of tokens[:, 0]."""
+        self._check_inputs(tokens, targets, start)
         if self.training:
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():
             self._grads_pending = True  # a backward may follow: sync_grads has work again
-        x = self.drop(self.embed(tokens))  # residual layout, e.g. (B, T, h) in serial
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
+        x = self.drop(self.embed(tokens, start))  # residual layout, e.g. (B, T, h) in serial
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x = block(x, cache[i])
+            elif self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
         x = self.ln_f(x)
         if targets is None:
-            return self.head.logits(x)
+            return self.head.logits(x[:, -1:] if last_only else x)
         return self.head.loss(x, targets)
 
-    def _check_inputs(self, tokens, targets):
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> torch.Tensor:
+        """Continue (B, T0) prompts, identical on every rank of the replica, by `max_new_tokens`
+        tokens: greedy at temperature 0, else sampled from softmax(logits / temperature) over the
+        top_k, with a generator seeded alike on every rank (so every rank draws the same tokens).
+        With `use_cache` each block keeps its keys and values in the mode's layout and every step
+        runs the newest position alone; only the last position's logits are computed."""
+        if prompt.shape[1] + max_new_tokens > self.cfg.seq_len:
+            raise LatticeConfigError(f"prompt length {prompt.shape[1]} + {max_new_tokens} new tokens exceeds seq_len = "
+                                     f"{self.cfg.seq_len}; shorten the prompt or ask for fewer tokens")
+        was_training = self.training
+        self.eval()
+        gen = torch.Generator().manual_seed(seed)
+        tokens = prompt
+        cache = [{} for _ in self.blocks] if use_cache else None
+        step_input, start = tokens, 0
+        for _ in range(max_new_tokens):
+            logits = self(step_input, cache=cache, start=start, last_only=True)[:, -1].float()  # (B, V)
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen).to(tokens.device)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            if use_cache:
+                step_input, start = nxt, tokens.shape[1] - 1
+            else:
+                step_input = tokens
+        self.train(was_training)
+        return tokens
+
+    def _check_inputs(self, tokens, targets, start=0):
         if tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise LatticeConfigError(f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}")
-        if tokens.shape[1] > self.cfg.seq_len:
+        if start + tokens.shape[1] > self.cfg.seq_len:
             raise LatticeConfigError(f"sequence length {tokens.shape[1]} exceeds GPTConfig.seq_len = "
                                      f"{self.cfg.seq_len}; shorten the batch or raise seq_len")
         if targets is not None and targets.shape != tokens.shape:

@@ -188,14 +188,14 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         register_sharded(self, "wpe", vector_spec((cfg.seq_len, cfg.d_model), 1, CL), mode.ctx)
 
-    def forward(self, tokens):
+    def forward(self, tokens, start: int = 0):
         c, q = self.cube, self.q
         B, T = tokens.shape
         rows = tokens[c.i * (B // q):(c.i + 1) * (B // q)].reshape(-1)  # row block i: (B/q · T,)
         vocab_start = c.j * q * self.wte.shape[0]
         x = _Embed3D.apply(self.wte, rows, vocab_start, (c.group(CI), c.group(CJ)))
         x = x.view(B // (q * q), T, -1)
-        pos = hosted(None if self.wpe is None else self.wpe[:T], (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
+        pos = hosted(None if self.wpe is None else self.wpe[start:start + T], (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
         return x + pos
 
 

@@ -72,20 +72,21 @@ class VocabParallelEmbedding(nn.Module):
         register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
         register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
 
-    def forward(self, tokens):
+    def forward(self, tokens, start: int = 0):
         group = tp_group(self.ctx)
         T = tokens.shape[1]
+        positions = self.wpe[start:start + T]
         local = tokens - self.vocab_start
         elsewhere = (local < 0) | (local >= self.vocab_local)  # another rank owns these rows
         part = F.embedding(local.masked_fill(elsewhere, 0), self.wte)  # (B, T, h), zero-filled below
         part = part.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         if not self.sp:
-            return comm.all_reduce(part, group) + self.wpe[:T]
+            return comm.all_reduce(part, group) + positions
         x_seq = comm.reduce_scatter(part, group, 1)  # (B, T/p, h)
         t_local = x_seq.shape[1]
-        start = comm.group_rank(group) * t_local
-        wpe = comm.copy_to_group(self.wpe[:T], group)  # each rank's rows are a partial gradient
-        return x_seq + wpe[start:start + t_local]
+        wpe = comm.copy_to_group(positions, group)  # each rank's rows are a partial gradient
+        first = comm.group_rank(group) * t_local
+        return x_seq + wpe[first:first + t_local]
 
 
 class ColumnParallelLinear(nn.Module):

@@ -24,8 +24,8 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
         register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), **whole), ctx)
 
-    def forward(self, tokens):  # (B, T) -> (B, T, h)
-        return F.embedding(tokens, self.wte) + self.wpe[: tokens.shape[1]]
+    def forward(self, tokens, start: int = 0):  # (B, T) at positions start.. -> (B, T, h)
+        return F.embedding(tokens, self.wte) + self.wpe[start:start + tokens.shape[1]]
 
 
 class LayerNorm(nn.Module):

@@ -239,12 +239,12 @@ class Embedding(serial.Embedding):
         # carries the model's dtype and device to the idle ranks' empty residual (GPT.to moves it)
         self.register_buffer("idle_residual", torch.zeros(0), persistent=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, start: int = 0):
         rows = tokens[self.seg.common_rows(tokens.shape[0])]
         if not self.seg.runs_common:  # idle: an empty residual that requires grad (see _idle_output)
             empty = self.idle_residual.new_zeros(0, tokens.shape[1], self.d_model)
             return empty.requires_grad_(torch.is_grad_enabled())
-        return super().forward(rows)
+        return super().forward(rows, start)
 
 
 class LayerNorm(serial.LayerNorm):

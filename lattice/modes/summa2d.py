@@ -95,12 +95,12 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
 
-    def forward(self, tokens):
+    def forward(self, tokens, start: int = 0):
         g = self.grid
         B, T = tokens.shape
         rows = tokens[g.i * (B // g.q):(g.i + 1) * (B // g.q)]  # (B/q, T)
         x = _Embed2D.apply(self.wte, rows.reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
-        pos = hosted(None if self.wpe is None else self.wpe[:T], (T, x.shape[-1]), g, x.dtype, x.device)
+        pos = hosted(None if self.wpe is None else self.wpe[start:start + T], (T, x.shape[-1]), g, x.dtype, x.device)
         return x + pos
 
 
