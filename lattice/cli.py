@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -164,8 +165,11 @@ def _launch(args, argv: list[str]) -> int:
 
     from lattice.data import load_corpus
 
-    _check_before_launch(args)
-    load_corpus(_train_config(args).vocab_size)  # build the tokenizer cache once, here, not on every rank
+    if args.command == "train":
+        _check_before_launch(args)
+        load_corpus(_train_config(args).vocab_size)  # build the tokenizer cache once, here, not on every rank
+    else:  # generate / eval: the checkpoint and the layout, before any process starts
+        _load_for_inference(args, plan_only=True)
     # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
@@ -242,6 +246,102 @@ def cmd_train(args, argv: list[str]) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- generate, eval
+def _add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
+    p.add_argument("run", metavar="DIR", help="a run directory (or its ckpt.pt) written by `lattice train`")
+    _add_layout_arguments(p)
+    p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
+    p.add_argument("--seed", type=int, default=0)
+    if generate:
+        p.add_argument("--prompt", required=True, help="the text to continue")
+        p.add_argument("--max-new-tokens", type=int, default=50)
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+        p.add_argument("--top-k", type=int, default=None)
+    else:
+        p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the run's)")
+
+
+def _load_for_inference(args, plan_only: bool = False):
+    """The checkpoint, its model config and the layout; with plan_only, only validate them."""
+    from lattice import checkpoint
+    from lattice.layout import plan
+    from lattice.model import GPTConfig
+    from lattice.modes import get_mode
+
+    ckpt = checkpoint.read(args.run)
+    cfg = GPTConfig.from_dict(ckpt["model_config"])
+    get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
+    if plan_only:
+        topo, _ = make_topology(args.mode, **_layout_kwargs(args))
+        if args.nproc != topo.world_size:
+            raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {topo.world_size} ranks; "
+                                     f"use --nproc {topo.world_size}")
+    return ckpt, cfg
+
+
+def _smallest_batch(model) -> int:
+    """The fewest copies of one prompt that the layout can split (2d: q, 3d: q², ...)."""
+    import torch
+
+    for b in range(1, 513):
+        try:
+            model.mode.check_batch(torch.zeros(b, 1, dtype=torch.int64))
+            return b
+        except LatticeConfigError:
+            continue
+    raise LatticeConfigError(f"mode {model.ctx.mode!r} accepts no batch of up to 512 sequences")
+
+
+def cmd_inference(args, argv: list[str]) -> int:
+    """`lattice generate` and `lattice eval`: load any checkpoint into any layout."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import lattice
+    from lattice.data import load_corpus
+    from lattice.model import GPT
+
+    launched = "WORLD_SIZE" in os.environ
+    if args.nproc and args.nproc > 1 and not launched:
+        return _launch(args, argv)
+    ckpt, cfg = _load_for_inference(args)
+    ctx = lattice.init(args.mode, seed=args.seed, **_layout_kwargs(args))
+    try:
+        if args.command == "eval":
+            from lattice.train import TrainConfig, Trainer
+
+            saved = ckpt.get("train_config", {})
+            tcfg = TrainConfig.from_dict({**saved, "out_dir": None, "progress": False,
+                                          **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
+            loss = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=True).evaluate()
+            if ctx.rank == 0:
+                print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
+                      f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens, step {ckpt['step']})")
+            return 0
+        corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
+        model = GPT(cfg, ctx)
+        model.load_full_state_dict(ckpt["model"])
+        ids = corpus.encode(args.prompt)
+        if not ids:
+            raise LatticeConfigError("--prompt encodes to no tokens; give some text")
+        copies = _smallest_batch(model)
+        prompt = torch.tensor([ids] * copies, dtype=torch.int64, device=ctx.device)
+        t0 = time.perf_counter()
+        out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        dt = time.perf_counter() - t0
+        if ctx.rank == 0:
+            print(args.prompt + corpus.decode(out[0, len(ids):].tolist()))
+            print(f"{args.max_new_tokens} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
+                  f"{copies * args.max_new_tokens / dt:.1f} tokens/s (batch {copies}, {args.mode} on "
+                  f"{ctx.world_size} ranks)", file=sys.stderr)
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- info
 def _fmt_slice(slices, shape) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" if (s.start, s.stop) != (0, n) else ":"
@@ -312,6 +412,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train_arguments(sub.add_parser("train", help="train a GPT on the built-in corpus"))
     _add_layout_arguments(sub.add_parser("info", help="print which rank holds which shard, and the groups"))
+    _add_inference_arguments(sub.add_parser("generate", help="continue a prompt with a trained model, in any layout"),
+                             generate=True)
+    _add_inference_arguments(sub.add_parser("eval", help="validation loss and perplexity of a trained model, in any "
+                                                         "layout"), generate=False)
     for name, (module_name, add_name, _, help_text) in DELEGATED.items():
         p = sub.add_parser(name, help=help_text)
         if name == command:
@@ -330,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "info":
             return cmd_info(args)
+        if args.command in ("generate", "eval"):
+            return cmd_inference(args, argv)
         module_name, _, run_name, _ = DELEGATED[args.command]
         return int(getattr(importlib.import_module(module_name), run_name)(args) or 0)
     except LatticeConfigError as e:

@@ -117,3 +117,16 @@ def test_a_batch_the_layout_cannot_split_is_refused_before_launch(capsys):
     assert cli.main(["train", "--mode", "2d", "--tp", "9", "--nproc", "9", "--batch-size", "16", "--model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "batch size = 16 is not divisible by the 2D mesh side q = 3" in err
+
+
+def test_generate_and_eval_load_a_trained_run(tmp_path, capsys):
+    """Catches generate/eval that cannot read what train wrote, evaluate another model or split,
+    or decode anything but the continuation of the prompt."""
+    assert cli.main(["train", *TINY_ARGS, "--steps", "3", "--out-dir", str(tmp_path)]) == 0
+    final = float(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("final val loss")).split()[3])
+    assert cli.main(["eval", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"val loss {final:.4f} nats/token, perplexity {math.exp(final):.2f}" in out
+    assert cli.main(["generate", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def f(x):") and "5 tokens in" in captured.err and "tokens/s" in captured.err
