@@ -64,6 +64,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     _add_layout_arguments(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many local processes through torch.distributed.run")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on your own text: a file, a directory of files or a glob (default: the built-in corpus)")
+    p.add_argument("--data-format", choices=("text", "jsonl"), default=d.data_format)
+    p.add_argument("--text-key", default=d.text_key, help="the field of each JSON line (--data-format jsonl)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer.json or a directory holding one (default: a byte-level BPE trained on the data)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", "--batch", type=int, default=d.batch_size, help="global batch (sequences)")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -104,7 +110,8 @@ def _train_config(args):
     from lattice.data import DEFAULT_VOCAB
     from lattice.train import TrainConfig
 
-    return TrainConfig(model=args.model, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+    return TrainConfig(data=args.data, data_format=args.data_format, text_key=args.text_key, tokenizer=args.tokenizer,
+                       model=args.model, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                        seq_len=args.seq_len, vocab_size=args.vocab_size or DEFAULT_VOCAB, dropout=args.dropout,
                        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
@@ -150,8 +157,25 @@ def _check_out_dir_and_resume(args, tcfg, cfg) -> None:
         where = checkpoint.resolve(args.resume)
         checkpoint.check_model_config(ckpt, cfg.to_dict(), where)
         faults.check_schedule(ckpt.get("train_config", {}), asdict(tcfg), args.allow_config_change, where)
+        _continue_on_recorded_data(args, ckpt.get("train_config", {}), where)
         return ckpt
     return None
+
+
+def _continue_on_recorded_data(args, saved: dict, where) -> None:
+    """Without --data, a resumed run continues on the data it was trained on (and refuses it if
+    the files changed since); --data given explicitly trains on that instead."""
+    from lattice.data import data_hash, read_data
+
+    if args.data is not None or not saved.get("data"):
+        return
+    args.data, args.data_format = saved["data"], saved.get("data_format", "text")
+    args.text_key, args.tokenizer = saved.get("text_key", "text"), saved.get("tokenizer")
+    now = data_hash(read_data(args.data, args.data_format, args.text_key))
+    if saved.get("data_hash") and now != saved["data_hash"]:
+        raise LatticeConfigError(f"the data {args.data} changed since {where} was saved (content hash "
+                                 f"{saved['data_hash']} then, {now} now); pass --data {args.data} to train on it as "
+                                 f"it is, or restore the original files")
 
 
 def _launch(args, argv: list[str]) -> int:
@@ -163,11 +187,9 @@ def _launch(args, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from lattice.data import load_corpus
-
     if args.command == "train":
         _check_before_launch(args)
-        load_corpus(_train_config(args).vocab_size)  # build the tokenizer cache once, here, not on every rank
+        _train_config(args).corpus()  # build the tokenizer and token cache once, here, not on every rank
     else:  # generate / eval: the checkpoint and the layout, before any process starts
         _load_for_inference(args, plan_only=True)
     # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU
@@ -206,6 +228,7 @@ def cmd_train(args, argv: list[str]) -> int:
     tcfg = _train_config(args)
     cfg = tcfg.model_config()
     ckpt = _check_out_dir_and_resume(args, tcfg, cfg)  # every rank, before any process group exists
+    tcfg = _train_config(args)  # with the recorded data of a resumed run
     ctx = lattice.init(args.mode, seed=args.seed, timeout=args.dist_timeout, **_layout_kwargs(args))
     lock = None
     try:
@@ -216,7 +239,11 @@ def cmd_train(args, argv: list[str]) -> int:
             lock = faults.RunLock(out).acquire()
             faults.remove_stale_temps(out, checkpoint.FILENAME)
             (out / "config.toml").write_text(_config_toml(args))
-        result = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change).fit()
+        trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
+        if ctx.rank == 0 and args.out_dir:  # the run directory describes itself: tokenizer and data
+            trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
+            (out / "data.json").write_text(_data_identity(tcfg))
+        result = trainer.fit()
         if ctx.rank == 0:
             if result["stopped_by"]:
                 print(f"stopped by {result['stopped_by']} at step {result['step']}; checkpoint saved in {args.out_dir}; "
@@ -320,10 +347,19 @@ def cmd_inference(args, argv: list[str]) -> int:
                 print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
                       f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens, step {ckpt['step']})")
             return 0
-        corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
+        run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.run).parent
+        saved_tokenizer = run_dir / "tokenizer.json"
+        if saved_tokenizer.is_file():  # the tokenizer the run was trained with
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(saved_tokenizer))
+            encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode
+        else:
+            corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
+            encode, decode = corpus.encode, corpus.decode
         model = GPT(cfg, ctx)
         model.load_full_state_dict(ckpt["model"])
-        ids = corpus.encode(args.prompt)
+        ids = encode(args.prompt)
         if not ids:
             raise LatticeConfigError("--prompt encodes to no tokens; give some text")
         copies = _smallest_batch(model)
@@ -332,7 +368,7 @@ def cmd_inference(args, argv: list[str]) -> int:
         out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
         dt = time.perf_counter() - t0
         if ctx.rank == 0:
-            print(args.prompt + corpus.decode(out[0, len(ids):].tolist()))
+            print(args.prompt + decode(out[0, len(ids):].tolist()))
             print(f"{args.max_new_tokens} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
                   f"{copies * args.max_new_tokens / dt:.1f} tokens/s (batch {copies}, {args.mode} on "
                   f"{ctx.world_size} ranks)", file=sys.stderr)
@@ -444,6 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `lattice info | head`: the reader left; stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _data_identity(tcfg) -> str:
+    import json
+
+    from lattice.data import data_files
+
+    files = [str(p) for p in data_files(tcfg.data)] if tcfg.data else ["built-in corpus (pydoc_data.topics)"]
+    return json.dumps({"data": tcfg.data, "files": files, "format": tcfg.data_format, "text_key": tcfg.text_key,
+                       "content_hash": tcfg.data_hash, "tokenizer": tcfg.tokenizer}, indent=1) + "\n"
 
 
 def _resolved_config(args) -> dict:

@@ -73,20 +73,74 @@ class Corpus:
         return self.tokenizer.decode(list(ids))
 
 
-def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None,
-                cache: Path | None = None) -> Corpus:
-    """Tokenize the corpus (built-in unless `text` is given), from cache when possible.
+def data_files(spec: str) -> list[Path]:
+    """The files of `--data`: one file, every file of a directory (recursively), or a glob."""
+    import glob
+
+    path = Path(spec)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    if not files:
+        raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
+                                 f"check the path")
+    return files
+
+
+def read_data(spec: str, data_format: str = "text", text_key: str = "text") -> str:
+    """The text of `--data`: files joined by blank lines; JSON lines contribute their `text_key`."""
+    import json
+
+    parts = []
+    for path in data_files(spec):
+        raw = path.read_text(encoding="utf-8", errors="replace")
+        if data_format == "jsonl":
+            for n, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    parts.append(str(json.loads(line)[text_key]))
+                except (ValueError, KeyError, TypeError):
+                    raise LatticeConfigError(f"{path}:{n} is not a JSON object with a {text_key!r} field; fix it or "
+                                             f"pass --text-key") from None
+        else:
+            parts.append(raw)
+    return "\n\n".join(parts)
+
+
+def data_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None, cache: Path | None = None,
+                tokenizer_path: str | None = None) -> Corpus:
+    """Tokenize the corpus (built-in unless `text` is given), from cache when possible, with a
+    byte-level BPE trained on it or the tokenizer at `tokenizer_path` (a tokenizer.json, or a
+    directory holding one, e.g. a local HF tokenizer or a lattice run directory).
 
     The last VAL_FRACTION of the tokens is the validation split (contiguous, so no validation
     window overlaps training text)."""
     from tokenizers import Tokenizer
 
     text = corpus_text() if text is None else text
-    key = hashlib.sha256(f"{vocab_size}\0{text}".encode()).hexdigest()[:16]
+    given = None
+    if tokenizer_path:
+        given = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
+        if not given.is_file():
+            raise LatticeConfigError(f"--tokenizer {tokenizer_path} has no tokenizer.json; pass a tokenizer.json or a "
+                                     f"directory holding one")
+    salt = given.read_text() if given else ""
+    key = hashlib.sha256(f"{vocab_size}\0{salt}\0{text}".encode()).hexdigest()[:16]
     root = (cache or cache_dir()) / f"bpe-{vocab_size}-{key}"
     tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
     if not (tok_path.exists() and ids_path.exists()):
-        bpe = train_tokenizer(text, vocab_size)
+        bpe = Tokenizer.from_file(str(given)) if given else train_tokenizer(text, vocab_size)
+        if given and bpe.get_vocab_size() > vocab_size:
+            raise LatticeConfigError(f"--tokenizer {tokenizer_path} has {bpe.get_vocab_size()} tokens but "
+                                     f"--vocab-size is {vocab_size}; pass --vocab-size {bpe.get_vocab_size()}")
         atomic_write(tok_path, lambda tmp: bpe.save(tmp))
         ids = np.asarray(bpe.encode(text).ids, dtype=np.int32)
         atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, train_batch, unigram_baseline,
-                          val_batches)
+from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, data_hash, load_corpus, read_data, train_batch,
+                          unigram_baseline, val_batches)
 from lattice.model import GPT, GPTConfig
 
 METRICS_FILE = "metrics.csv"
@@ -43,6 +43,11 @@ class TrainConfig:
     n_heads: int | None = None
     seq_len: int | None = None
     vocab_size: int = DEFAULT_VOCAB
+    data: str | None = None  # own text: a file, a directory or a glob (None: the built-in corpus)
+    data_format: str = "text"  # or "jsonl"
+    text_key: str = "text"  # the field of each JSON line
+    tokenizer: str | None = None  # a tokenizer.json (or a directory holding one); None: train a BPE
+    data_hash: str | None = None  # identity of the text trained on (set by the trainer)
     dropout: float = 0.0
     steps: int = 300
     batch_size: int = 16  # global: split over data-parallel replicas
@@ -73,6 +78,8 @@ class TrainConfig:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise LatticeConfigError(f"lr must be positive, got {self.lr}")
+        if self.data_format not in ("text", "jsonl"):
+            raise LatticeConfigError(f"data_format must be 'text' or 'jsonl', got {self.data_format!r}")
         if self.on_nan not in ("stop", "skip"):
             raise LatticeConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
 
@@ -80,6 +87,14 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    def corpus(self) -> Corpus:
+        """The training text (own data or the built-in corpus), tokenized; records its hash."""
+        if self.data is None:
+            return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
+        text = read_data(self.data, self.data_format, self.text_key)
+        self.data_hash = data_hash(text)
+        return load_corpus(self.vocab_size, text=text, tokenizer_path=self.tokenizer)
 
     def model_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The model this run trains: the preset with the shape overrides."""
@@ -108,7 +123,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         # Validate everything that can fail before the first collective (DDP's constructor is one).
         ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
-        self.corpus = corpus or load_corpus(cfg.vocab_size)
+        self.corpus = corpus or cfg.corpus()
         self.model_config = cfg.model_config(self.corpus.vocab_size)
         if ckpt is not None:
             where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume)

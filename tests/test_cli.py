@@ -131,3 +131,38 @@ def test_generate_and_eval_load_a_trained_run(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("def f(x):") and "5 tokens in" in captured.err and "tokens/s" in captured.err
+
+
+def test_own_data_end_to_end_train_eval_generate_resume(tmp_path, capsys):
+    """The README's own-data path. Catches a run that trains on the built-in corpus despite
+    --data, a run directory without its tokenizer (generate would decode with another one), a
+    resume that silently switches back to the built-in corpus, and one that accepts changed data."""
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 300)
+    (data / "b.txt").write_text("Pack my box with five dozen liquor jugs. " * 300)
+    run = tmp_path / "run"
+    common = ["--model", "tiny", "--vocab-size", "300", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
+    assert cli.main(["train", "--data", str(data), *common, "--steps", "4", "--out-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    from lattice.data import data_hash, load_corpus, read_data
+    text = read_data(str(data))
+    own = load_corpus(300, text=text)
+    baseline = float(next(line for line in out.splitlines() if line.startswith("unigram baseline")).split()[2])
+    assert baseline == pytest.approx(lattice.data.unigram_baseline(own), abs=1e-4)  # the own data's, not the built-in's
+    assert (run / "tokenizer.json").exists() and data_hash(text) in (run / "data.json").read_text()
+    assert cli.main(["eval", str(run)]) == 0 and "perplexity" in capsys.readouterr().out
+    assert cli.main(["generate", str(run), "--prompt", "The quick", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("The quick")
+    # resume without --data continues on the recorded data ...
+    assert cli.main(["train", *common, "--steps", "6", "--allow-config-change", "--resume", str(run),
+                     "--out-dir", str(run)]) == 0
+    assert f"unigram baseline: {baseline:.4f}" in capsys.readouterr().out
+    # ... and refuses it once it changed, unless --data is given
+    (data / "b.txt").write_text("Something else entirely. " * 300)
+    assert cli.main(["train", *common, "--steps", "8", "--allow-config-change", "--resume", str(run),
+                     "--out-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "changed since" in err and f"pass --data {data}" in err
+    assert cli.main(["train", "--data", str(data), *common, "--steps", "8", "--allow-config-change", "--resume",
+                     str(run), "--out-dir", str(run)]) == 0
