@@ -92,6 +92,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         f"rank (default {d.dist_timeout:.0f})")
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: allow a different --steps/--lr/--warmup/--batch-size/--seed")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device, for the model FLOP utilisation logged to TensorBoard")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -118,7 +120,7 @@ def _train_config(args):
                        eval_interval=args.eval_interval, eval_batches=args.eval_batches, bf16=args.bf16,
                        activation_checkpointing=args.activation_checkpointing, out_dir=args.out_dir,
                        checkpoint_interval=args.checkpoint_interval, progress=not args.no_progress,
-                       on_nan=args.on_nan, dist_timeout=args.dist_timeout)
+                       on_nan=args.on_nan, dist_timeout=args.dist_timeout, peak_tflops=args.peak_tflops)
 
 
 # ----------------------------------------------------------------------------- train
@@ -165,13 +167,13 @@ def _check_out_dir_and_resume(args, tcfg, cfg) -> None:
 def _continue_on_recorded_data(args, saved: dict, where) -> None:
     """Without --data, a resumed run continues on the data it was trained on (and refuses it if
     the files changed since); --data given explicitly trains on that instead."""
-    from lattice.data import data_hash, read_data
+    from lattice.data import data_hash
 
     if args.data is not None or not saved.get("data"):
         return
     args.data, args.data_format = saved["data"], saved.get("data_format", "text")
     args.text_key, args.tokenizer = saved.get("text_key", "text"), saved.get("tokenizer")
-    now = data_hash(read_data(args.data, args.data_format, args.text_key))
+    now = data_hash(args.data, args.data_format, args.text_key)
     if saved.get("data_hash") and now != saved["data_hash"]:
         raise LatticeConfigError(f"the data {args.data} changed since {where} was saved (content hash "
                                  f"{saved['data_hash']} then, {now} now); pass --data {args.data} to train on it as "

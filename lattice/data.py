@@ -90,29 +90,101 @@ def data_files(spec: str) -> list[Path]:
     return files
 
 
-def read_data(spec: str, data_format: str = "text", text_key: str = "text") -> str:
-    """The text of `--data`: files joined by blank lines; JSON lines contribute their `text_key`."""
+CHUNK_CHARS = 1 << 20  # text is read, hashed, tokenized and written in pieces of about this size
+
+
+def data_chunks(spec: str, data_format: str = "text", text_key: str = "text"):
+    """The text of `--data` in pieces of about CHUNK_CHARS ending at a line break (files
+    separated by a blank line; JSON lines contribute their `text_key`), never all in memory."""
     import json
 
-    parts = []
-    for path in data_files(spec):
-        raw = path.read_text(encoding="utf-8", errors="replace")
-        if data_format == "jsonl":
-            for n, line in enumerate(raw.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    parts.append(str(json.loads(line)[text_key]))
-                except (ValueError, KeyError, TypeError):
-                    raise LatticeConfigError(f"{path}:{n} is not a JSON object with a {text_key!r} field; fix it or "
-                                             f"pass --text-key") from None
+    for i, path in enumerate(data_files(spec)):
+        if i:
+            yield "\n\n"
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if data_format == "jsonl":
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield str(json.loads(line)[text_key]) + "\n\n"
+                    except (ValueError, KeyError, TypeError):
+                        raise LatticeConfigError(f"{path}:{n} is not a JSON object with a {text_key!r} field; fix it "
+                                                 f"or pass --text-key") from None
+                continue
+            while True:
+                piece = f.read(CHUNK_CHARS)
+                if not piece:
+                    break
+                yield piece + f.readline()  # end at a line break, so no word is cut
+
+
+def data_hash(spec: str, data_format: str = "text", text_key: str = "text") -> str:
+    """Identity of `--data`'s content (read in pieces)."""
+    h = hashlib.sha256(f"{data_format}\0{text_key}\0".encode())
+    for piece in data_chunks(spec, data_format, text_key):
+        h.update(piece.encode())
+    return h.hexdigest()[:16]
+
+
+def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", text_key: str = "text",
+                     tokenizer_path: str | None = None, cache: Path | None = None) -> Corpus:
+    """Your own text, tokenized once (in pieces) into a memory-mapped token file (uint16, or
+    uint32 beyond 65536 tokens) cached by content hash, so that a corpus larger than memory
+    trains with bounded memory: batches read only their windows. A byte-level BPE is trained on
+    the text (streamed) unless `tokenizer_path` gives one."""
+    from tokenizers import Tokenizer
+
+    given = _given_tokenizer(tokenizer_path)
+    salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
+    key = f"{data_hash(spec, data_format, text_key)}-{salt}"
+    root = (cache or cache_dir()) / f"data-{vocab_size}-{key}"
+    tok_path, ids_path = root / "tokenizer.json", root / "tokens.bin"
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    if not (tok_path.exists() and ids_path.exists()):
+        if given:
+            bpe = _checked_tokenizer(given, vocab_size, tokenizer_path)
         else:
-            parts.append(raw)
-    return "\n\n".join(parts)
+            from tokenizers import ByteLevelBPETokenizer
+
+            train_tokenizer("", vocab_size)  # the vocabulary-size check
+            bpe = ByteLevelBPETokenizer()
+            bpe.train_from_iterator(data_chunks(spec, data_format, text_key), vocab_size=vocab_size,
+                                    min_frequency=2, show_progress=False)
+
+        def write_tokens(tmp):
+            with open(tmp, "wb") as f:
+                for piece in data_chunks(spec, data_format, text_key):
+                    f.write(np.asarray(bpe.encode(piece).ids, dtype=dtype).tobytes())
+
+        atomic_write(tok_path, lambda tmp: bpe.save(tmp))
+        atomic_write(ids_path, write_tokens)
+    ids = np.memmap(ids_path, dtype=dtype, mode="r")
+    if len(ids) < 2:
+        raise LatticeConfigError(f"--data {spec} holds {len(ids)} tokens; give it some text")
+    split = len(ids) - int(len(ids) * VAL_FRACTION)
+    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size,
+                  tokenizer=Tokenizer.from_file(str(tok_path)), key=key)
 
 
-def data_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _given_tokenizer(tokenizer_path: str | None) -> Path | None:
+    if not tokenizer_path:
+        return None
+    given = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
+    if not given.is_file():
+        raise LatticeConfigError(f"--tokenizer {tokenizer_path} has no tokenizer.json; pass a tokenizer.json or a "
+                                 f"directory holding one")
+    return given
+
+
+def _checked_tokenizer(given: Path, vocab_size: int, tokenizer_path: str):
+    from tokenizers import Tokenizer
+
+    bpe = Tokenizer.from_file(str(given))
+    if bpe.get_vocab_size() > vocab_size:
+        raise LatticeConfigError(f"--tokenizer {tokenizer_path} has {bpe.get_vocab_size()} tokens but --vocab-size is "
+                                 f"{vocab_size}; pass --vocab-size {bpe.get_vocab_size()}")
+    return bpe
 
 
 def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None, cache: Path | None = None,
@@ -126,21 +198,13 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None, cac
     from tokenizers import Tokenizer
 
     text = corpus_text() if text is None else text
-    given = None
-    if tokenizer_path:
-        given = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
-        if not given.is_file():
-            raise LatticeConfigError(f"--tokenizer {tokenizer_path} has no tokenizer.json; pass a tokenizer.json or a "
-                                     f"directory holding one")
+    given = _given_tokenizer(tokenizer_path)
     salt = given.read_text() if given else ""
     key = hashlib.sha256(f"{vocab_size}\0{salt}\0{text}".encode()).hexdigest()[:16]
     root = (cache or cache_dir()) / f"bpe-{vocab_size}-{key}"
     tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
     if not (tok_path.exists() and ids_path.exists()):
-        bpe = Tokenizer.from_file(str(given)) if given else train_tokenizer(text, vocab_size)
-        if given and bpe.get_vocab_size() > vocab_size:
-            raise LatticeConfigError(f"--tokenizer {tokenizer_path} has {bpe.get_vocab_size()} tokens but "
-                                     f"--vocab-size is {vocab_size}; pass --vocab-size {bpe.get_vocab_size()}")
+        bpe = _checked_tokenizer(given, vocab_size, tokenizer_path) if given else train_tokenizer(text, vocab_size)
         atomic_write(tok_path, lambda tmp: bpe.save(tmp))
         ids = np.asarray(bpe.encode(text).ids, dtype=np.int32)
         atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))
@@ -154,9 +218,16 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None, cac
 def unigram_baseline(corpus: Corpus) -> float:
     """Cross-entropy (nats/token) of the validation tokens under the training split's unigram
     frequencies with add-one smoothing: what a model that ignores context can reach."""
-    counts = torch.bincount(corpus.train, minlength=corpus.vocab_size).double() + 1.0
-    log_p = counts.log() - counts.sum().log()
-    return float(-log_p[corpus.val].mean())
+    counts = np.ones(corpus.vocab_size, dtype=np.float64)
+    val_total, val_count = 0.0, 0
+    for start in range(0, len(corpus.train), 1 << 22):  # in pieces: the splits may be memory-mapped
+        counts += np.bincount(np.asarray(corpus.train[start:start + (1 << 22)]), minlength=corpus.vocab_size)
+    log_p = np.log(counts) - np.log(counts.sum())
+    for start in range(0, len(corpus.val), 1 << 22):
+        piece = np.asarray(corpus.val[start:start + (1 << 22)], dtype=np.int64)
+        val_total += float(-log_p[piece].sum())
+        val_count += len(piece)
+    return val_total / val_count
 
 
 def check_batch_size(corpus: Corpus, batch_size: int, seq_len: int, dp: int) -> None:
@@ -182,13 +253,21 @@ def replica_rows(batch_size: int, ctx: ParallelContext) -> slice:
     return slice(r * per, (r + 1) * per)
 
 
-def global_batch(tokens: torch.Tensor, step: int, *, seed: int, batch_size: int,
-                 seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole batch of `step`: `batch_size` random windows, a function of (seed, step) only."""
+def windows(tokens, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """(n, length) int64 windows of `tokens` (a tensor, or a memory-mapped array of which only
+    these windows are read)."""
+    if isinstance(tokens, np.ndarray):
+        return torch.from_numpy(np.stack([np.asarray(tokens[s:s + length], dtype=np.int64) for s in starts.tolist()]))
+    return tokens[starts[:, None] + torch.arange(length)]
+
+
+def global_batch(tokens, step: int, *, seed: int, batch_size: int, seq_len: int,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of the batch of `step`: `batch_size` random windows, a function of (seed, step)
+    only; only the windows of those rows are read."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)
-    idx = starts[:, None] + torch.arange(seq_len + 1)  # (B, T+1)
-    window = tokens[idx]
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)[rows]
+    window = windows(tokens, starts, seq_len + 1)  # (rows, T+1)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
@@ -196,9 +275,9 @@ def train_batch(corpus: Corpus, step: int, ctx: ParallelContext, *, seed: int, b
                 seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's replica batch (B/dp, T) of step `step`, on ctx.device."""
     _check_batch(batch_size, seq_len, ctx.dp, corpus.train, "training")
-    x, y = global_batch(corpus.train, step, seed=seed, batch_size=batch_size, seq_len=seq_len)
-    rows = replica_rows(batch_size, ctx)
-    return x[rows].to(ctx.device), y[rows].to(ctx.device)
+    x, y = global_batch(corpus.train, step, seed=seed, batch_size=batch_size, seq_len=seq_len,
+                        rows=replica_rows(batch_size, ctx))
+    return x.to(ctx.device), y.to(ctx.device)
 
 
 def val_batches(corpus: Corpus, ctx: ParallelContext, *, batch_size: int, seq_len: int,
@@ -208,8 +287,7 @@ def val_batches(corpus: Corpus, ctx: ParallelContext, *, batch_size: int, seq_le
     _check_batch(batch_size, seq_len, ctx.dp, corpus.val, "validation")
     n = batch_size * num_batches
     starts = torch.linspace(0, len(corpus.val) - seq_len - 1, n).long()
-    idx = starts[:, None] + torch.arange(seq_len + 1)  # (n, T+1)
-    window = corpus.val[idx].view(num_batches, batch_size, seq_len + 1)
+    window = windows(corpus.val, starts, seq_len + 1).view(num_batches, batch_size, seq_len + 1)
     rows = replica_rows(batch_size, ctx)
     return [(w[rows, :-1].contiguous().to(ctx.device), w[rows, 1:].contiguous().to(ctx.device))
             for w in window]

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, data_hash, load_corpus, read_data, train_batch,
-                          unigram_baseline, val_batches)
+from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, data_hash, load_corpus, load_data_corpus,
+                          train_batch, unigram_baseline, val_batches)
 from lattice.model import GPT, GPTConfig
 
 METRICS_FILE = "metrics.csv"
@@ -68,6 +68,7 @@ class TrainConfig:
     progress: bool = True
     on_nan: str = "stop"  # a non-finite gradient norm: "stop" the run, or "skip" the step
     dist_timeout: float = 300.0  # seconds a collective may wait before the run fails
+    peak_tflops: float | None = None  # per rank, for the MFU in TensorBoard (None: FLOP rate only)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
@@ -92,14 +93,24 @@ class TrainConfig:
         """The training text (own data or the built-in corpus), tokenized; records its hash."""
         if self.data is None:
             return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
-        text = read_data(self.data, self.data_format, self.text_key)
-        self.data_hash = data_hash(text)
-        return load_corpus(self.vocab_size, text=text, tokenizer_path=self.tokenizer)
+        self.data_hash = data_hash(self.data, self.data_format, self.text_key)
+        return load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=self.text_key,
+                                tokenizer_path=self.tokenizer)
 
     def model_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The model this run trains: the preset with the shape overrides."""
         shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(self, k)}
         return GPTConfig.preset(self.model, vocab_size=vocab_size or self.vocab_size, dropout=self.dropout, **shape)
+
+
+def _tensorboard(out: Path):
+    """A TensorBoard writer in OUT/tensorboard when the optional `tensorboard` package is
+    installed (pip install 'lattice[tb]'); None otherwise (metrics.csv has the same numbers)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(log_dir=str(out / "tensorboard"))
 
 
 def _metered_allreduce_hook(group, bucket):
@@ -259,6 +270,7 @@ class Trainer:
                    dynamic_ncols=True)
         val_loss, start, clock, stopped_by = None, self.elapsed, time.perf_counter(), None
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
+        board = _tensorboard(out) if (out and is_main) else None
         try:
             with faults.StopRequest() as stop:
                 while self.step < until:
@@ -274,6 +286,8 @@ class Trainer:
                     self.history.append(row)
                     if writer:
                         writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRIC_COLUMNS})
+                    if board:
+                        self._log_scalars(board, row)
                     bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                     bar.update(1)
                     if self._stop_requested(stop):
@@ -284,6 +298,8 @@ class Trainer:
         finally:
             heartbeat.stop()
             bar.close()
+            if board:
+                board.close()
             if metrics:
                 metrics.close()
         if val_loss is None and stopped_by is None:
@@ -292,6 +308,38 @@ class Trainer:
             self.save(out)
         return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
                 "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
+
+    def _log_scalars(self, board, row: dict) -> None:
+        """TensorBoard: loss, validation loss, learning rate, gradient norm, tokens/s, the FLOP
+        rate per rank (the cost model's FLOPs of one step over its time; with cfg.peak_tflops, the
+        model FLOP utilisation) and this rank's peak memory."""
+        step = row["step"]
+        for key in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
+            if row.get(key) is not None:
+                board.add_scalar(f"train/{key}", row[key], step)
+        flops = self._step_flops()
+        seconds = self.cfg.batch_size * self.model_config.seq_len / row["tokens_per_s"]
+        board.add_scalar("perf/tflops_per_rank", flops / seconds / 1e12, step)
+        if self.cfg.peak_tflops:
+            board.add_scalar("perf/mfu", flops / seconds / (self.cfg.peak_tflops * 1e12), step)
+        if self.ctx.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.ctx.device)
+        else:
+            import resource
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        board.add_scalar("perf/peak_memory_mib", peak / 2 ** 20, step)
+
+    def _step_flops(self) -> float:
+        """Matrix-product FLOPs of one training step on this rank, from the cost model."""
+        if getattr(self, "_flops", None) is None:
+            from lattice import cost
+
+            topo = self.ctx.topology
+            c = cost.estimate(self.model_config, self.ctx.mode, batch=self.cfg.batch_size // self.ctx.dp,
+                              tp=topo.tp_size, dp=self.ctx.dp, rank=self.ctx.rank,
+                              activation_checkpointing=self.cfg.activation_checkpointing, **self.ctx.options)
+            self._flops = c.flops["forward"] + c.flops["backward"]
+        return self._flops
 
     def _stop_requested(self, stop: faults.StopRequest) -> bool:
         """Whether any rank was asked to stop (one tiny all-reduce, so that all ranks stop at the

@@ -110,3 +110,26 @@ def test_unigram_baseline_matches_direct_count(corpus):
     total = len(corpus.train) + VOCAB
     expect = -sum(math.log((counts[t] + 1) / total) for t in corpus.val.tolist()) / len(corpus.val)
     assert unigram_baseline(corpus) == pytest.approx(expect, rel=1e-9)
+
+
+def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path):
+    """Catches own data loaded into memory whole (no bounded memory for large corpora), tokens
+    that differ from encoding the text directly, and batches built from other windows than the
+    (seed, step) ones."""
+    import numpy as np
+
+    from lattice.data import global_batch, load_data_corpus
+
+    (tmp_path / "a.txt").write_text("Sphinx of black quartz, judge my vow. " * 200)
+    (tmp_path / "b.txt").write_text("How vexingly quick daft zebras jump! " * 200)
+    corpus = load_data_corpus(str(tmp_path / "*.txt"), 300, cache=tmp_path / "cache")
+    assert isinstance(corpus.train, np.memmap) and corpus.train.dtype == np.uint16
+    text = (tmp_path / "a.txt").read_text() + "\n\n" + (tmp_path / "b.txt").read_text()
+    direct = corpus.tokenizer.encode((tmp_path / "a.txt").read_text()).ids + corpus.tokenizer.encode("\n\n").ids \
+        + corpus.tokenizer.encode((tmp_path / "b.txt").read_text()).ids
+    assert np.concatenate([corpus.train, corpus.val]).tolist() == direct and corpus.decode(direct) == text
+    x, y = global_batch(corpus.train, 3, seed=1, batch_size=4, seq_len=8, rows=slice(2, 4))
+    gen = torch.Generator().manual_seed(1 * 1_000_003 + 3)
+    starts = torch.randint(0, len(corpus.train) - 8, (4,), generator=gen)[2:]
+    for row, s in enumerate(starts.tolist()):
+        assert x[row].tolist() == direct[s:s + 8] and y[row].tolist() == direct[s + 1:s + 9]

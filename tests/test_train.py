@@ -151,3 +151,30 @@ def test_metrics_csv_rows(tmp_path):
     assert float(rows[-1]["val_loss"]) == pytest.approx(result["val_loss"])
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     assert float(rows[0]["lr"]) == pytest.approx(TINY["lr"] / TINY["warmup"])
+
+
+def test_tensorboard_logs_the_metrics_csv_numbers(tmp_path):
+    """Catches TensorBoard scalars that disagree with metrics.csv (or are missing), and a FLOP
+    rate that is not the cost model's FLOPs over the step time."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lattice import cost
+
+    trainer = Trainer(TrainConfig(**{**TINY, "eval_interval": 3}, steps=3, out_dir=str(tmp_path), peak_tflops=1.0), serial())
+    trainer.fit()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    for key in ("train_loss", "grad_norm", "lr"):
+        logged = [e.value for e in events.Scalars(f"train/{key}")]
+        assert logged == pytest.approx([float(r[key]) for r in rows], rel=1e-6), key
+    assert [e.value for e in events.Scalars("train/val_loss")] == pytest.approx([float(rows[-1]["val_loss"])], rel=1e-6)
+    c = cost.estimate(trainer.model_config, "serial", batch=TINY["batch_size"])
+    flops = c.flops["forward"] + c.flops["backward"]
+    for e, r in zip(events.Scalars("perf/tflops_per_rank"), rows):
+        seconds = TINY["batch_size"] * trainer.model_config.seq_len / float(r["tokens_per_s"])
+        assert e.value == pytest.approx(flops / seconds / 1e12, rel=1e-4)
+    assert [e.value for e in events.Scalars("perf/mfu")] == pytest.approx(
+        [e.value for e in events.Scalars("perf/tflops_per_rank")], rel=1e-6)  # peak 1 TFLOP/s
+    assert events.Scalars("perf/peak_memory_mib")[-1].value > 0
