@@ -288,6 +288,10 @@ def _add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None
         p.add_argument("--top-k", type=int, default=None)
     else:
         p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the run's)")
+        p.add_argument("--data", default=None, metavar="PATH",
+                       help="evaluate on this text instead (its last 10%%, tokenized with the run's tokenizer)")
+        p.add_argument("--data-format", choices=("text", "jsonl"), default="text")
+        p.add_argument("--text-key", default="text")
 
 
 def _load_for_inference(args, plan_only: bool = False):
@@ -342,12 +346,19 @@ def cmd_inference(args, argv: list[str]) -> int:
             from lattice.train import TrainConfig, Trainer
 
             saved = ckpt.get("train_config", {})
-            tcfg = TrainConfig.from_dict({**saved, "out_dir": None, "progress": False,
+            other = {}
+            if args.data:  # other text, read with the tokenizer the run was trained with
+                run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.run).parent
+                other = {"data": args.data, "data_format": args.data_format, "text_key": args.text_key,
+                         "tokenizer": str(run_dir / "tokenizer.json") if (run_dir / "tokenizer.json").exists()
+                         else saved.get("tokenizer")}
+            tcfg = TrainConfig.from_dict({**saved, "out_dir": None, "progress": False, **other,
                                           **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
             loss = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=True).evaluate()
             if ctx.rank == 0:
                 print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
-                      f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens, step {ckpt['step']})")
+                      f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of "
+                      f"{tcfg.data or 'the built-in corpus'}, step {ckpt['step']})")
             return 0
         run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.run).parent
         saved_tokenizer = run_dir / "tokenizer.json"

@@ -153,6 +153,10 @@ def test_own_data_end_to_end_train_eval_generate_resume(tmp_path, capsys):
     assert baseline < 3.5  # two repeated sentences: a few dozen tokens carry the text
     assert (run / "tokenizer.json").exists() and data_hash(str(data)) in (run / "data.json").read_text()
     assert cli.main(["eval", str(run)]) == 0 and "perplexity" in capsys.readouterr().out
+    other = tmp_path / "other.txt"
+    other.write_text("Pack my box with five dozen liquor jugs. " * 200)  # b.txt alone: the last 10% differ
+    assert cli.main(["eval", str(run), "--data", str(other), "--eval-batches", "1"]) == 0
+    assert f"tokens of {other}" in capsys.readouterr().out
     assert cli.main(["generate", str(run), "--prompt", "The quick", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("The quick")
     # resume without --data continues on the recorded data ...
