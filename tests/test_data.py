@@ -133,3 +133,19 @@ def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path):
     starts = torch.randint(0, len(corpus.train) - 8, (4,), generator=gen)[2:]
     for row, s in enumerate(starts.tolist()):
         assert x[row].tolist() == direct[s:s + 8] and y[row].tolist() == direct[s + 1:s + 9]
+
+
+def test_jsonl_data_takes_the_text_field_and_refuses_other_lines(tmp_path):
+    """Catches JSON lines read as raw text (keys and quotes would be trained on), and a malformed
+    line that fails deep inside the tokenizer instead of naming the file and line."""
+    import json
+
+    from lattice.data import data_chunks
+
+    rows = [{"text": "first document", "id": 1}, {"text": "second one", "id": 2}]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert "".join(data_chunks(str(path), "jsonl", "text")) == "first document\n\nsecond one\n\n"
+    path.write_text(json.dumps(rows[0]) + "\n{\"body\": \"no text\"}\n")
+    with pytest.raises(LatticeConfigError, match=r"docs.jsonl:2 is not a JSON object with a 'text' field"):
+        list(data_chunks(str(path), "jsonl", "text"))
