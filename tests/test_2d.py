@@ -13,20 +13,12 @@ import torch.distributed as dist
 
 import lattice
 from lattice import LatticeConfigError, MeshAxis
+from numerics import rel_diff as _rel, random_batch as _batch
 from multiproc import cached_init, run_distributed
 
 # vocabulary 29 is padded to 30 (q = 2, 3); T = 7 < seq_len exercises the position-table slice
 TINY = dict(vocab_size=29, seq_len=8, d_model=12, n_heads=6, n_layers=2)
 VARIANTS = [dict(bias=True, tie_embeddings=True), dict(bias=False, tie_embeddings=False)]
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
-
-
-def _batch(n: int, t: int, vocab: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, t), generator=gen), torch.randint(0, vocab, (n, t), generator=gen)
 
 
 def _serial(cfg, dtype=torch.float64):

@@ -11,14 +11,10 @@ import torch.distributed as dist
 import lattice
 from lattice import LatticeConfigError
 from lattice.bench import saved_activation_bytes
+from numerics import random_batch as _batch
 from multiproc import cached_init, run_distributed
 
 CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-
-
-def _batch(n, t, vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, t), generator=gen), torch.randint(0, vocab, (n, t), generator=gen)
 
 
 def _check_adamw(steps=30):

@@ -24,6 +24,7 @@ import lattice
 from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.bench import saved_activation_bytes
 from lattice.modes import REFERENCE_MODE, get_mode
+from numerics import random_batch, rel_diff as _rel
 from multiproc import cached_init, run_distributed
 
 # d_model and heads divide by every tensor-parallel degree the layouts use (up to 4 heads' worth);
@@ -39,13 +40,8 @@ def _cases():
             for mode in lattice.available_modes() for layout in get_mode(mode).test_layouts]
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
-
-
 def _batch(n: int, vocab: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, T), generator=gen), torch.randint(0, vocab, (n, T), generator=gen)
+    return random_batch(n, T, vocab, seed)
 
 
 def test_every_mode_declares_test_layouts():
