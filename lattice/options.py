@@ -25,7 +25,8 @@ def add_mode_option_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + key.replace("_", "-")
         help_text = f"{', '.join(modes)}: {option.help} (default {option.default})"
         if option.type is bool:
-            parser.add_argument(flag, dest=key, action="store_true", default=None, help=help_text)
+            # --name / --no-name: a switch that is on by default must be possible to turn off
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=key, type=option.type, choices=option.choices, default=None,
                                 help=help_text)

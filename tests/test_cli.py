@@ -171,3 +171,18 @@ def test_own_data_end_to_end_train_eval_generate_resume(tmp_path, capsys):
     assert err.count("\n") == 0 and "changed since" in err and f"pass --data {data}" in err
     assert cli.main(["train", "--data", str(data), *common, "--steps", "8", "--allow-config-change", "--resume",
                      str(run), "--out-dir", str(run)]) == 0
+
+
+def test_mode_option_switches_turn_on_and_off(capsys):
+    """Catches a bool option that is on by default (3d's overlap) but whose flag can only turn
+    it on, and help text that names the mode twice."""
+    parser = cli.build_parser("train")
+    args = parser.parse_args(["train", "--mode", "3d", "--tp", "8", "--no-overlap"])
+    assert cli.given_mode_options(args) == {"overlap": False}
+    args = parser.parse_args(["train", "--mode", "1d", "--tp", "2", "--sequence-parallel"])
+    assert cli.given_mode_options(args) == {"sequence_parallel": True}
+    assert cli.given_mode_options(parser.parse_args(["train"])) == {}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "3d: 3d:" not in out and "subgraph: sub-graph:" not in out and "--no-overlap" in out

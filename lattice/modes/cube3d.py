@@ -304,7 +304,7 @@ class Cube3D(Mode):
 
     name = "3d"
     residual_replicated = False
-    options = {"overlap": Option(True, "3d: gather each weight asynchronously while the input's gather runs "
+    options = {"overlap": Option(True, "gather each weight asynchronously while the input's gather runs "
                                        "(forward) or dY's and X's (backward)")}
     test_layouts = ({"tp": 8}, {"tp": 8, "overlap": False})
 

@@ -368,13 +368,13 @@ class SubGraph(Mode):
     name = "subgraph"
     residual_replicated = False
     options = {
-        "subgrids": Option(2, "sub-graph: number of sub-grids g (the attention heads' branches)"),
-        "common": Option("all", "sub-graph: common layers on all ranks (D&SP) or on sub-grid 0 (D&SP-cSub)",
+        "subgrids": Option(2, "number of sub-grids g (the attention heads' branches)"),
+        "common": Option("all", "common layers on all ranks (D&SP) or on sub-grid 0 (D&SP-cSub)",
                          choices=("all", "subgrid")),
-        "projections": Option("branch", "sub-graph: attention q/k/v/output projections owned by the branches "
+        "projections": Option("branch", "attention q/k/v/output projections owned by the branches "
                                         "(split/sum boundaries) or common (slice/concat boundaries)",
                               choices=("branch", "common")),
-        "slice_collective": Option("all_to_all", "sub-graph: slice/concat as all-to-all (scatter/gather) or "
+        "slice_collective": Option("all_to_all", "slice/concat as all-to-all (scatter/gather) or "
                                                  "as all-gather (broadcast) and discard",
                                    choices=("all_to_all", "all_gather")),
     }
