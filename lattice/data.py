@@ -65,6 +65,7 @@ class Corpus:
     vocab_size: int
     tokenizer: object
     key: str  # cache key: hash of the corpus text and vocabulary size
+    content_hash: str | None = None  # identity of own data (`data_hash`), None for the built-in corpus
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -137,7 +138,8 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", t
 
     given = _given_tokenizer(tokenizer_path)
     salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
-    key = f"{data_hash(spec, data_format, text_key)}-{salt}"
+    content = data_hash(spec, data_format, text_key)
+    key = f"{content}-{salt}"
     root = (cache or cache_dir()) / f"data-{vocab_size}-{key}"
     tok_path, ids_path = root / "tokenizer.json", root / "tokens.bin"
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
@@ -164,7 +166,7 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", t
         raise LatticeConfigError(f"--data {spec} holds {len(ids)} tokens; give it some text")
     split = len(ids) - int(len(ids) * VAL_FRACTION)
     return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size,
-                  tokenizer=Tokenizer.from_file(str(tok_path)), key=key)
+                  tokenizer=Tokenizer.from_file(str(tok_path)), key=key, content_hash=content)
 
 
 def _given_tokenizer(tokenizer_path: str | None) -> Path | None:

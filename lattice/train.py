@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, data_hash, load_corpus, load_data_corpus,
+from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, load_data_corpus,
                           train_batch, unigram_baseline, val_batches)
 from lattice.model import GPT, GPTConfig
 
@@ -93,9 +93,10 @@ class TrainConfig:
         """The training text (own data or the built-in corpus), tokenized; records its hash."""
         if self.data is None:
             return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
-        self.data_hash = data_hash(self.data, self.data_format, self.text_key)
-        return load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=self.text_key,
-                                tokenizer_path=self.tokenizer)
+        corpus = load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=self.text_key,
+                                  tokenizer_path=self.tokenizer)
+        self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
+        return corpus
 
     def model_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The model this run trains: the preset with the shape overrides."""
