@@ -1,6 +1,8 @@
-"""Checkpoints that do not depend on the layout they were written under.
+"""Checkpoints that do not depend on the layout they were written under, in two forms:
+sharded (every rank writes its own shards; lattice.sharded_checkpoint, the default) and the
+single file of full tensors below. `read`, `resolve` and `load_into` take either.
 
-A checkpoint holds FULL tensors keyed by the serial parameter names: the weights
+A single-file checkpoint holds FULL tensors keyed by the serial parameter names: the weights
 (`model.full_state_dict()`) and AdamW's moments gathered with the same shard specs. Loading keeps
 this rank's shard of each, so a run saved under one mode / tp / dp resumes under any other.
 
@@ -36,10 +38,66 @@ FILENAME = "ckpt.pt"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint file, or the checkpoint inside a run directory."""
+def single_file(path: str | os.PathLike) -> Path:
+    """Where a single-file checkpoint goes: the path itself, or ckpt.pt inside a directory."""
     path = Path(path)
     return path / FILENAME if path.is_dir() else path
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint a path names: a single file, a sharded checkpoint's directory, or, for a
+    run directory, its newest complete checkpoint (sharded ones in checkpoints/, or ckpt.pt;
+    the more recently written when it has both)."""
+    from lattice import sharded_checkpoint as sharded
+
+    path = Path(path)
+    if not path.is_dir() or sharded.is_checkpoint_dir(path):
+        return path
+    candidates = [p for p in (sharded.complete(path)[-1:] + [path / FILENAME]) if p.exists()]
+    if not candidates:
+        return path / FILENAME  # read() names what is missing
+    return max(candidates, key=lambda p: (p / sharded.MARKER if p.is_dir() else p).stat().st_mtime)
+
+
+def run_dir(path: str | os.PathLike) -> Path:
+    """The run directory a checkpoint path belongs to (where tokenizer.json and metrics.csv are)."""
+    from lattice import sharded_checkpoint as sharded
+
+    path = resolve(path)
+    if path.is_dir():
+        return path.parent.parent if path.parent.name == sharded.SUBDIR else path.parent
+    return path.parent
+
+
+def is_sharded(ckpt: dict) -> bool:
+    from lattice import sharded_checkpoint as sharded
+
+    return ckpt.get("format") == sharded.FORMAT
+
+
+def full_model(ckpt: dict) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint that `read` validated, as full tensors keyed by serial names,
+    in this process (the whole model in memory; no process group needed)."""
+    if is_sharded(ckpt):
+        from lattice import sharded_checkpoint as sharded
+
+        keys = [k for k in ckpt["tensors"] if k.startswith("model/")]
+        return {k[len("model/"):]: t for k, t in sharded.load_full(ckpt, keys).items()}
+    return ckpt["model"]
+
+
+def load_into(ckpt: dict, model, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Give the model (and the optimizer, if given) this rank's shards of a checkpoint that
+    `read` validated: sliced from full tensors without communication, or read by DCP (sharded:
+    a collective, every rank calls it)."""
+    if is_sharded(ckpt):
+        from lattice import sharded_checkpoint as sharded
+
+        sharded.load(ckpt, model, optimizer)
+        return
+    model.load_full_state_dict(ckpt["model"])
+    if optimizer is not None:
+        load_optimizer(model, optimizer, ckpt["optimizer"])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -93,7 +151,7 @@ def non_finite(payload: dict) -> list[str]:
 def save(payload: dict, path: str | os.PathLike) -> Path:
     """Write atomically (a crash never leaves half a checkpoint under the real name), with a
     checksum of every tensor; a payload holding NaN or infinity is refused."""
-    path = resolve(path)
+    path = single_file(path)
     bad = non_finite(payload)
     if bad:
         raise LatticeConfigError(f"refusing to save a checkpoint with non-finite values in {bad[:3]}; "
@@ -104,15 +162,23 @@ def save(payload: dict, path: str | os.PathLike) -> Path:
 
 
 def read(path: str | os.PathLike) -> dict:
-    """Load and validate a checkpoint on this rank alone (no collective).
+    """Load and validate a checkpoint on this rank alone (no collective): a single file is read
+    whole; of a sharded checkpoint, only its marker and index are read (and its files
+    checksummed), the tensors being read later by `load_into`.
 
     Raises a one-line LatticeConfigError naming the problem and the fix for a missing, truncated,
     corrupt or foreign file, or a format version this code does not read."""
-    path = resolve(path)
+    from lattice import sharded_checkpoint as sharded
+
+    given, path = Path(path), resolve(path)
     fresh = "or start without --resume"
+    if path.is_dir():
+        return sharded.read(path)
     if not path.exists():
-        raise LatticeConfigError(f"checkpoint {path} does not exist; pass the {FILENAME} written by "
-                                 f"`lattice train --out-dir DIR` (or DIR itself), {fresh}")
+        what = (f"{given} holds no checkpoint (neither {sharded.SUBDIR}/step-N/ nor {FILENAME})" if given.is_dir()
+                else f"checkpoint {path} does not exist")
+        raise LatticeConfigError(f"{what}; pass the run directory written by `lattice train --out-dir DIR` (or a "
+                                 f"checkpoint in it), {fresh}")
     with open(path, "rb") as f:
         head = f.read(4)
     if head != _ZIP_MAGIC:

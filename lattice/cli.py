@@ -9,8 +9,12 @@
     # tensor parallel modes with their options, combined with data parallelism
     lattice train --nproc 4 --mode 1d --tp 2 --dp 2 --sequence-parallel
     lattice train --nproc 4 --mode 2d --tp 4 --bf16 --activation-checkpointing
-    # resume (from any layout: checkpoints hold full tensors)
-    lattice train --out-dir runs/a --steps 400 --resume runs/a/ckpt.pt
+    # resume, in any layout (every rank wrote its shards into runs/a/checkpoints/step-N; DCP reshards)
+    lattice train --out-dir runs/a --steps 400 --resume runs/a
+    # convert: sharded <-> one file of full tensors, to a HuggingFace directory, from one
+    lattice convert runs/a runs/a.pt
+    lattice convert runs/a --to hf runs/a-hf          # GPT2LMHeadModel.from_pretrained("runs/a-hf")
+    lattice convert --from hf runs/a-hf runs/b        # then: lattice train --resume runs/b ...
     # which rank holds which slice of every parameter, and the groups of every mesh axis
     lattice info --mode 2d --tp 4 --dp 2
     lattice plan ...     # analytic cost model (lattice.cost)
@@ -38,6 +42,8 @@ from lattice.options import add_mode_option_flags, given_mode_options
 DELEGATED = {
     "bench": ("lattice.bench", "add_bench_arguments", "run_bench", "measured benchmarks"),
     "plan": ("lattice.cost", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
+    "convert": ("lattice.convert", "add_convert_arguments", "run_convert",
+                "convert checkpoints: sharded <-> single file, to and from a HuggingFace GPT-2 directory"),
 }
 
 
@@ -81,10 +87,20 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--out-dir", "--checkpoint-dir", default="runs/latest",
-                   help="where ckpt.pt and metrics.csv go (default runs/latest)")
+                   help="where checkpoints and metrics.csv go (default runs/latest)")
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
                    help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--resume", default=None, metavar="CKPT", help="checkpoint file (or a run directory)")
+    p.add_argument("--checkpoint-format", choices=("sharded", "single"), default=d.checkpoint_format,
+                   help="sharded (default): every rank writes its own shards into OUT/checkpoints/step-N "
+                        "(torch.distributed.checkpoint); single: rank 0 writes OUT/ckpt.pt of full tensors")
+    p.add_argument("--keep", type=int, default=d.keep, metavar="K",
+                   help=f"keep the newest K sharded checkpoints (default {d.keep}; 0 keeps all)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write sharded checkpoints on a background thread while training goes on")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype,
+                   help="weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)")
+    p.add_argument("--resume", default=None, metavar="CKPT",
+                   help="a run directory (its newest complete checkpoint), a checkpoint directory or a ckpt.pt")
     p.add_argument("--on-nan", choices=("stop", "skip"), default=d.on_nan,
                    help="a non-finite loss or gradient norm stops the run (default) or skips the step")
     p.add_argument("--dist-timeout", type=float, default=d.dist_timeout,
@@ -119,7 +135,9 @@ def _train_config(args):
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
                        eval_interval=args.eval_interval, eval_batches=args.eval_batches, bf16=args.bf16,
                        activation_checkpointing=args.activation_checkpointing, out_dir=args.out_dir,
-                       checkpoint_interval=args.checkpoint_interval, progress=not args.no_progress,
+                       checkpoint_interval=args.checkpoint_interval, checkpoint_format=args.checkpoint_format,
+                       keep=args.keep, async_checkpoint=args.async_checkpoint, dtype=args.dtype,
+                       progress=not args.no_progress,
                        on_nan=args.on_nan, dist_timeout=args.dist_timeout, peak_tflops=args.peak_tflops)
 
 
@@ -214,7 +232,7 @@ def cmd_train(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
     import lattice
-    from lattice import checkpoint, faults
+    from lattice import checkpoint, faults, sharded_checkpoint
     from lattice.train import Trainer
 
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
@@ -240,6 +258,7 @@ def cmd_train(args, argv: list[str]) -> int:
             out = Path(args.out_dir)
             lock = faults.RunLock(out).acquire()
             faults.remove_stale_temps(out, checkpoint.FILENAME)
+            sharded_checkpoint.remove_partial(out)
             (out / "config.toml").write_text(_config_toml(args))
         trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
         if ctx.rank == 0 and args.out_dir:  # the run directory describes itself: tokenizer and data
@@ -277,7 +296,7 @@ def cmd_train(args, argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- generate, eval
 def _add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
-    p.add_argument("run", metavar="DIR", help="a run directory (or its ckpt.pt) written by `lattice train`")
+    p.add_argument("run", metavar="DIR", help="a run directory written by `lattice train` (or a checkpoint in it)")
     _add_layout_arguments(p)
     p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
     p.add_argument("--seed", type=int, default=0)
@@ -333,6 +352,7 @@ def cmd_inference(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
     import lattice
+    from lattice import checkpoint
     from lattice.data import load_corpus
     from lattice.model import GPT
 
@@ -348,7 +368,7 @@ def cmd_inference(args, argv: list[str]) -> int:
             saved = ckpt.get("train_config", {})
             other = {}
             if args.data:  # other text, read with the tokenizer the run was trained with
-                run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.run).parent
+                run_dir = checkpoint.run_dir(args.run)
                 other = {"data": args.data, "data_format": args.data_format, "text_key": args.text_key,
                          "tokenizer": str(run_dir / "tokenizer.json") if (run_dir / "tokenizer.json").exists()
                          else saved.get("tokenizer")}
@@ -360,7 +380,7 @@ def cmd_inference(args, argv: list[str]) -> int:
                       f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of "
                       f"{tcfg.data or 'the built-in corpus'}, step {ckpt['step']})")
             return 0
-        run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.run).parent
+        run_dir = checkpoint.run_dir(args.run)
         saved_tokenizer = run_dir / "tokenizer.json"
         if saved_tokenizer.is_file():  # the tokenizer the run was trained with
             from tokenizers import Tokenizer
@@ -371,7 +391,7 @@ def cmd_inference(args, argv: list[str]) -> int:
             corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
             encode, decode = corpus.encode, corpus.decode
         model = GPT(cfg, ctx)
-        model.load_full_state_dict(ckpt["model"])
+        checkpoint.load_into(ckpt, model)  # weights only
         ids = encode(args.prompt)
         if not ids:
             raise LatticeConfigError("--prompt encodes to no tokens; give some text")

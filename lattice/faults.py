@@ -99,7 +99,11 @@ class RunLock:
 
 
 def check_schedule(saved: dict, now: dict, allow_change: bool, where) -> None:
-    """Refuse a resume that changes the training schedule, naming every differing field."""
+    """Refuse a resume that changes the training schedule, naming every differing field. A
+    checkpoint with no recorded schedule (weights imported with `lattice convert --from hf`)
+    starts the schedule given now."""
+    if not saved:
+        return
     diff = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in SCHEDULE_FIELDS if saved.get(k) != now.get(k)]
     if diff and not allow_change:
         raise LatticeConfigError(f"resuming {where} would change the training schedule ({'; '.join(diff)}); "

@@ -215,7 +215,13 @@ def to_hf_state_dict(cfg: GPTConfig, full: dict[str, torch.Tensor]) -> dict[str,
 def to_hf_model(model):
     """A transformers GPT2LMHeadModel (eval mode, the model's dtype) with a lattice.GPT's
     weights. A collective under a parallel layout, as model.to_hf_state_dict."""
-    sd = model.to_hf_state_dict()
-    hf = _transformers().GPT2LMHeadModel(config_to_hf(model.cfg)).to(model.dtype)
+    return hf_model(model.cfg, model.full_state_dict())
+
+
+def hf_model(cfg: GPTConfig, full: dict[str, torch.Tensor]):
+    """A transformers GPT2LMHeadModel (eval mode, the weights' dtype) from a lattice full state
+    dict."""
+    sd = to_hf_state_dict(cfg, full)
+    hf = _transformers().GPT2LMHeadModel(config_to_hf(cfg)).to(full["embed.wte"].dtype)
     hf.load_state_dict({k: t.cpu() for k, t in sd.items()}, strict=True)
     return hf.eval()

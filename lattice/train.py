@@ -65,6 +65,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     out_dir: str | None = None  # checkpoint and metrics.csv go here (rank 0 writes)
     checkpoint_interval: int = 100  # steps between checkpoints; 0 = only at the end
+    checkpoint_format: str = "sharded"  # every rank writes its shards (DCP), or "single": one file of full tensors
+    keep: int = 3  # sharded checkpoints kept in out_dir/checkpoints (the newest); 0 keeps all
+    async_checkpoint: bool = False  # write sharded checkpoints on a background thread while training goes on
+    dtype: str = "float32"  # of the weights and optimizer state ("float64" for exact comparisons); see bf16
     progress: bool = True
     on_nan: str = "stop"  # a non-finite gradient norm: "stop" the run, or "skip" the step
     dist_timeout: float = 300.0  # seconds a collective may wait before the run fails
@@ -74,7 +78,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "checkpoint_interval"):
+        for name in ("warmup", "checkpoint_interval", "keep"):
             if getattr(self, name) < 0:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -83,6 +87,13 @@ class TrainConfig:
             raise LatticeConfigError(f"data_format must be 'text' or 'jsonl', got {self.data_format!r}")
         if self.on_nan not in ("stop", "skip"):
             raise LatticeConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
+        if self.checkpoint_format not in ("sharded", "single"):
+            raise LatticeConfigError(f"checkpoint_format must be 'sharded' or 'single', got {self.checkpoint_format!r}")
+        if self.async_checkpoint and self.checkpoint_format != "sharded":
+            raise LatticeConfigError("async checkpoints are sharded: drop --async-checkpoint or use "
+                                     "--checkpoint-format sharded")
+        if self.dtype not in ("float32", "float64"):
+            raise LatticeConfigError(f"dtype must be 'float32' or 'float64' (bf16 is --bf16 autocast), got {self.dtype!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -142,14 +153,21 @@ class Trainer:
             checkpoint.check_model_config(ckpt, self.model_config.to_dict(), where)
             faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change, where)
         check_batch_size(self.corpus, cfg.batch_size, self.model_config.seq_len, ctx.dp)
-        self.model = GPT(self.model_config, ctx, activation_checkpointing=cfg.activation_checkpointing)
+        self.model = GPT(self.model_config, ctx, dtype=getattr(torch, cfg.dtype),
+                         activation_checkpointing=cfg.activation_checkpointing)
         self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
                                    seq_len=self.model_config.seq_len, num_batches=cfg.eval_batches)
         self.model.mode.check_batch(self.val_set[0][0])  # the mode's own constraints (e.g. b % q)
         self.optimizer = self._make_optimizer()
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
+        self._saved_step = None  # the step of the last checkpoint written or loaded
         if ckpt is not None:
             self._load(ckpt)
+        self.async_writer = None
+        if cfg.async_checkpoint and cfg.out_dir:
+            from lattice.sharded_checkpoint import AsyncWriter
+
+            self.async_writer = AsyncWriter()  # a collective: its own process group
         self.engine = self.model
         if ctx.dp > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -186,7 +204,7 @@ class Trainer:
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         """Mean over data-parallel replicas of a per-replica scalar (identical on every rank)."""
-        value = value.detach().float().reshape(1)
+        value = value.detach().to(torch.promote_types(value.dtype, torch.float32)).reshape(1)
         if self.ctx.dp > 1:
             value = raw_all_reduce(value.clone(), self.ctx.group(MeshAxis.DP)) / self.ctx.dp
         return float(value)
@@ -200,10 +218,11 @@ class Trainer:
         the model replica's group. After the DDP sync every replica holds the same gradients, so
         one replica's norm is the global one."""
         topo = self.ctx.topology
-        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        acc = torch.promote_types(self.model.dtype, torch.float32)
+        sq = torch.zeros((), dtype=acc, device=self.ctx.device)
         for name, p in self.model.named_parameters():
             if p.grad is not None:
-                sq += p.grad.detach().float().pow(2).sum() / self.model.specs[name].replicas(topo)
+                sq += p.grad.detach().to(acc).pow(2).sum() / self.model.specs[name].replicas(topo)
         return raw_all_reduce(sq.reshape(1), self.ctx.model_group()).reshape(()).sqrt()
 
     # ------------------------------------------------------------------ one step
@@ -306,7 +325,10 @@ class Trainer:
         if val_loss is None and stopped_by is None:
             val_loss = self.evaluate()
         if out:
-            self.save(out)
+            if self._saved_step != self.step:
+                self.save(out)
+            if self.async_writer:
+                self.async_writer.close()  # the last checkpoint is complete when fit returns
         return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
                 "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
 
@@ -364,27 +386,47 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a layout-independent checkpoint (a collective: every rank must call it). A model
-        holding NaN or infinity anywhere is refused on every rank and nothing is written."""
-        bad = torch.tensor([float(any(not torch.isfinite(p).all() for p in self.model.parameters()))],
+        """Write a layout-independent checkpoint of this step (a collective: every rank must call
+        it): sharded (every rank writes its own shards into PATH/checkpoints/step-N, keeping the
+        newest `keep`; on a background thread with `async_checkpoint`) or, with checkpoint_format
+        "single", one file of full tensors written by rank 0 (PATH/ckpt.pt for a directory). Weights
+        or moments holding NaN or infinity anywhere are refused on every rank and nothing is written.
+        Returns where the checkpoint is (being) written."""
+        moments = [t for state in self.optimizer.state.values() for k, t in state.items() if k != "step"]
+        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in [*self.model.parameters(), *moments]))],
                            device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
-            raise faults.TrainingStopped(f"step {self.step}: the weights hold NaN or infinity; refusing to save over "
-                                         f"the last checkpoint in {path}")
-        payload = {
+            raise faults.TrainingStopped(f"step {self.step}: the weights or optimizer moments hold NaN or infinity; "
+                                         f"refusing to save over the last checkpoint in {path}")
+        self._saved_step = self.step
+        meta = {
             "step": self.step,
             "elapsed_s": self.elapsed,
             "model_config": self.model_config.to_dict(),
             "train_config": asdict(self.cfg),
-            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp},
-            "model": self.model.full_state_dict(),
-            "optimizer": checkpoint.gather_optimizer(self.model, self.optimizer),
+            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp, **self.ctx.options},
             "forward_count": self.model.seeds.forward_count,
-            "rng": {"torch": torch.get_rng_state()},
         }
-        target = checkpoint.resolve(path)
+        if self.cfg.checkpoint_format == "single":
+            return self._save_single(path, meta)
+        from lattice import sharded_checkpoint as sharded
+
+        steps = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
+        meta.update(optimizer_step=max(steps, default=0), rng={"torch": sharded.encode_rng(torch.get_rng_state())})
+        if self.async_writer is not None:  # copy now; the thread writes the copy while training goes on
+            state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps), staged=True)
+            self.async_writer.submit(Path(path), meta, state, keep=self.cfg.keep)
+            return Path(path) / sharded.SUBDIR / sharded.step_name(self.step)
+        state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps))
+        return sharded.write(Path(path), meta, state, keep=self.cfg.keep)
+
+    def _save_single(self, path, meta: dict) -> Path:
+        payload = {**meta, "model": self.model.full_state_dict(),
+                   "optimizer": checkpoint.gather_optimizer(self.model, self.optimizer),
+                   "rng": {"torch": torch.get_rng_state()}}
+        target = checkpoint.single_file(path)
         if self.ctx.rank == 0:
             checkpoint.save(payload, target)
         if self.ctx.world_size > 1:
@@ -392,11 +434,14 @@ class Trainer:
         return target
 
     def _load(self, ckpt: dict) -> None:
-        """Keep this rank's shard of every saved tensor (no communication)."""
-        self.model.load_full_state_dict(ckpt["model"])
-        checkpoint.load_optimizer(self.model, self.optimizer, ckpt["optimizer"])
-        self.step = int(ckpt["step"])
+        """This rank's shard of every saved tensor: sliced from full tensors (a single-file
+        checkpoint, no communication) or read by DCP (sharded, a collective)."""
+        checkpoint.load_into(ckpt, self.model, self.optimizer)
+        self.step = self._saved_step = int(ckpt["step"])
         self.elapsed = float(ckpt.get("elapsed_s", 0.0))
         self.model.seeds.forward_count = int(ckpt.get("forward_count", self.step))
-        if "rng" in ckpt:
-            torch.set_rng_state(ckpt["rng"]["torch"])
+        rng = ckpt.get("rng", {}).get("torch")
+        if rng is not None:
+            from lattice.sharded_checkpoint import decode_rng
+
+            torch.set_rng_state(decode_rng(rng) if isinstance(rng, str) else rng)

@@ -15,7 +15,7 @@ from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
 
 TINY = dict(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, grad_clip=0.3,
-            eval_interval=50, eval_batches=2, progress=False, steps=6)
+            eval_interval=50, eval_batches=2, progress=False, steps=6, checkpoint_format="single")
 
 
 @dataclass

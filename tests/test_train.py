@@ -21,16 +21,21 @@ def serial():
     return lattice.init("serial")
 
 
-def test_resume_is_bitwise_exact(tmp_path):
+@pytest.mark.parametrize("form", [{"checkpoint_format": "sharded"}, {"checkpoint_format": "single"},
+                                  {"checkpoint_format": "sharded", "async_checkpoint": True}],
+                         ids=["sharded", "single", "async"])
+def test_resume_is_bitwise_exact(tmp_path, form):
     """Catches any state a checkpoint forgets (optimizer moments, step count, schedule position,
-    dropout stream, data position): 10 steps + save + resume 10 must equal 20 straight steps."""
+    dropout stream, data position), in either form and with a background save (which must write
+    the weights of its step, not ones training changed meanwhile): 10 steps + save + resume 10
+    must equal 20 straight steps."""
     cfg = TrainConfig(**{**TINY, "dropout": 0.1}, steps=20)
     straight = Trainer(cfg, serial())
     done = straight.fit()
-    first = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=20, out_dir=str(tmp_path)), serial())
+    run = dict(**{**TINY, "dropout": 0.1}, steps=20, out_dir=str(tmp_path), checkpoint_interval=3, **form)
+    first = Trainer(TrainConfig(**run), serial())
     first.fit(until=10)
-    second = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=20, out_dir=str(tmp_path)), serial(),
-                     resume=tmp_path / "ckpt.pt")
+    second = Trainer(TrainConfig(**run), serial(), resume=tmp_path)
     assert second.step == 10
     resumed = second.fit()
     split = [r["train_loss"] for r in first.history + second.history]

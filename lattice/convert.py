@@ -1,0 +1,119 @@
+"""`lattice convert`: move a checkpoint between its forms, in one process.
+
+    lattice convert runs/a runs/a.pt                 # sharded (the run's newest) -> one file of full tensors
+    lattice convert runs/a.pt runs/b                 # one file -> sharded, in runs/b/checkpoints/step-N
+    lattice convert runs/a --to hf runs/a-hf         # config.json + model.safetensors for
+                                                     #   transformers.GPT2LMHeadModel.from_pretrained
+    lattice convert --from hf runs/a-hf runs/c       # a local HF GPT-2 directory -> a lattice checkpoint
+                                                     #   (step 0, no optimizer state) to train --resume from
+
+Converting holds the whole model (and AdamW's moments, between lattice forms) in this process's
+memory, as the single file and the HF directory do; sharded-to-sharded resharding needs no
+conversion (every layout loads every sharded checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from lattice import checkpoint, hf
+from lattice import sharded_checkpoint as sharded
+from lattice.config import GPTConfig
+from lattice.context import LatticeConfigError
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "model", "optimizer", "rng",
+                "optimizer_step"}
+
+
+def add_convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a run directory or checkpoint written by lattice (with --from hf: a HuggingFace "
+                               "GPT-2 directory)")
+    p.add_argument("dst", help="where to write: a run directory for sharded, a .pt file for single, a directory for hf")
+    p.add_argument("--to", choices=("sharded", "single", "hf"), default=None,
+                   help="the form to write (default: single from sharded, sharded from anything else)")
+    p.add_argument("--from", dest="source", choices=("lattice", "hf"), default="lattice",
+                   help="what SRC is (default lattice)")
+
+
+def run_convert(args) -> int:
+    if args.source == "hf":
+        meta, tensors = _from_hf(Path(args.src))
+        to = args.to or "sharded"
+        if to == "hf":
+            raise LatticeConfigError("--from hf --to hf copies nothing; pass --to sharded or --to single")
+    else:
+        ckpt = checkpoint.read(args.src)
+        to = args.to or ("single" if checkpoint.is_sharded(ckpt) else "sharded")
+        meta, tensors = _full_tensors(ckpt)
+    where = {"sharded": _write_sharded, "single": _write_single, "hf": _write_hf}[to](Path(args.dst), meta, tensors)
+    print(f"wrote {to} checkpoint {where} (step {meta['step']}, "
+          f"{sum(t.numel() for k, t in tensors.items() if k.startswith('model/')):,} parameters"
+          f"{', with AdamW moments' if meta['optimizer_step'] and to != 'hf' else ''})")
+    return 0
+
+
+def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, {"model/<name>" | "optimizer/<moment>/<name>": full tensor}) of either form."""
+    meta = {k: v for k, v in ckpt.items() if k not in _NOT_CARRIED}
+    rng = ckpt.get("rng", {}).get("torch")
+    if rng is not None:
+        meta["rng"] = {"torch": rng if isinstance(rng, str) else sharded.encode_rng(rng)}
+    if checkpoint.is_sharded(ckpt):
+        meta["optimizer_step"] = int(ckpt.get("optimizer_step", 0))
+        keys = [k for k in ckpt["tensors"] if k.startswith("model/") or (meta["optimizer_step"] and
+                                                                          k.startswith("optimizer/"))]
+        return meta, sharded.load_full(ckpt, keys)
+    meta["optimizer_step"] = int(ckpt["optimizer"].get("step", 0))
+    tensors = {f"model/{k}": t for k, t in ckpt["model"].items()}
+    if meta["optimizer_step"]:
+        tensors.update({f"optimizer/{m}/{k}": t for m in _MOMENTS for k, t in ckpt["optimizer"][m].items()})
+    return meta, tensors
+
+
+def _model_part(tensors: dict) -> dict[str, torch.Tensor]:
+    return {k[len("model/"):]: t for k, t in tensors.items() if k.startswith("model/")}
+
+
+def _write_sharded(dst: Path, meta: dict, tensors: dict) -> Path:
+    if dst.suffix == ".pt":
+        raise LatticeConfigError(f"{dst} names a file, but a sharded checkpoint is a directory; pass a run directory "
+                                 f"or --to single")
+    return sharded.write_full(dst, meta, tensors)
+
+
+def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:
+    model = _model_part(tensors)
+    step = meta["optimizer_step"]
+    optimizer = {m: {name: tensors[f"optimizer/{m}/{name}"] if step else torch.zeros_like(t)
+                     for name, t in model.items()} for m in _MOMENTS}
+    payload = {k: v for k, v in meta.items() if k not in ("rng", "optimizer_step")}
+    payload.update(model=model, optimizer={**optimizer, "step": step})
+    if "rng" in meta:
+        payload["rng"] = {"torch": sharded.decode_rng(meta["rng"]["torch"])}
+    return checkpoint.save(payload, checkpoint.single_file(dst))
+
+
+def _write_hf(dst: Path, meta: dict, tensors: dict) -> Path:
+    cfg = GPTConfig.from_dict(meta["model_config"])
+    model = hf.hf_model(cfg, _model_part(tensors))
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+def _from_hf(src: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    if not (src / "config.json").is_file():
+        raise LatticeConfigError(f"{src} is not a HuggingFace model directory (no config.json); pass the directory "
+                                 f"that GPT2LMHeadModel.save_pretrained wrote")
+    transformers = hf._transformers()
+    try:
+        model = transformers.GPT2LMHeadModel.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise LatticeConfigError(f"{src} cannot be loaded as a GPT-2 ({str(e).splitlines()[0][:160]})") from None
+    cfg, full = hf.read_hf(model)
+    meta = {"step": 0, "model_config": cfg.to_dict(), "train_config": {}, "optimizer_step": 0,
+            "imported_from": str(src)}
+    return meta, {f"model/{k}": t.detach() for k, t in full.items()}

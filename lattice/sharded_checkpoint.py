@@ -1,0 +1,422 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP): every rank writes only its shards,
+and a checkpoint loads into any layout (DCP's planner reshards).
+
+A run directory keeps its checkpoints side by side, the newest K of them (`--keep K`):
+
+    runs/a/checkpoints/step-00000100/
+        __0_0.distcp, __1_0.distcp ...   DCP's data files, one per writing rank
+        .metadata                        DCP's index: each key's chunks (offsets, sizes), and where they lie
+        lattice.json                     written last, after every shard: step, configs, RNG, and the
+                                         size and CRC-32 of every file above
+
+Keys are the serial parameter names: "model/<name>", "optimizer/exp_avg/<name>" and
+"optimizer/exp_avg_sq/<name>". A rank offers each shard it holds as a chunk of the full tensor,
+placed by its ShardSpec (vocabulary padding cut off), so DCP writes each distinct chunk once
+(replicas are deduplicated across ranks) and, on load, reads into each rank exactly the region
+of the full tensor its own spec asks for, whatever layout wrote it. No rank ever holds a full
+tensor when both sides are parallel: DCP reads one stored chunk at a time.
+
+A save goes into `.step-N.partial/` and becomes `step-N/` (a rename) only after lattice.json is
+written, so a crash at any moment leaves the previous checkpoints intact and the partial one
+invisible. Loading reads DCP's index with an unpickler that accepts only DCP's metadata classes,
+and DCP reads tensors with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import warnings
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from lattice.checkpoint import atomic_write
+from lattice.context import LatticeConfigError
+
+FORMAT = "lattice-sharded-checkpoint"
+VERSION = 1
+MARKER = "lattice.json"
+SUBDIR = "checkpoints"
+_DCP_INDEX = ".metadata"
+_FRESH = "or start without --resume"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ----------------------------------------------------------------------------- chunks
+class Chunk:
+    """A rank's piece of one full tensor, as DCP sees it: the full shape, the offsets where the
+    piece starts, and the local tensor (a view into the parameter or moment). DCP's planner
+    asks it for write items on save, for the region it wants on load, and for the tensor itself
+    (`__get_tensor_shard__`); the planners below hand DCP `data` directly."""
+
+    def __init__(self, data: torch.Tensor, offsets: tuple[int, ...], full_shape: tuple[int, ...]):
+        self.data, self.offsets, self.full_shape = data, torch.Size(offsets), torch.Size(full_shape)
+
+    def size(self) -> torch.Size:
+        return self.full_shape
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.data.shape)]
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self.__create_chunk_list__()[0],
+                                                      properties=TensorProperties.create_from_tensor(self.data),
+                                                      size=self.full_shape))]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.data
+
+
+def chunk_of(local: torch.Tensor, spec, ctx) -> Chunk | None:
+    """This rank's shard as a chunk of the full (unpadded) tensor; None when it holds only
+    padding."""
+    offsets, region = [], []
+    for sl, n in zip(spec.slices(ctx.coords, ctx.topology), spec.full_shape):
+        lo, hi = min(sl.start, n), min(sl.stop, n)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        region.append(slice(0, hi - lo))
+    return Chunk(local[tuple(region)], tuple(offsets), spec.full_shape)
+
+
+def training_state(model, optimizer, *, with_moments: bool, staged: bool = False) -> dict[str, Chunk]:
+    """The chunks this rank contributes: weights, and AdamW's moments (shaped and sharded like
+    their parameters) when `with_moments`. `staged` copies them to CPU first, so that training
+    may go on changing the live tensors while a background thread writes the copies."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, spec in model.specs.items():
+        if name not in params:
+            continue  # a rank that does not host this parameter (2D vectors off row 0, ...)
+        p = params[name]
+        tensors = {f"model/{name}": p.detach()}
+        if with_moments:
+            state = optimizer.state[p]
+            tensors.update({f"optimizer/{key}/{name}": state[key] for key in ("exp_avg", "exp_avg_sq")})
+        for key, t in tensors.items():
+            chunk = chunk_of(t.detach().to("cpu", copy=True) if staged else t.detach(), spec, model.ctx)
+            if chunk is not None:
+                out[key] = chunk
+    return out
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].data
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        # The default set-up passes the state through _init_state_dict, which returns None for
+        # any value that is not a tensor (it would erase every Chunk); there is nothing on the
+        # meta device here to initialise.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].data
+
+
+# ----------------------------------------------------------------------------- DCP's index, read safely
+_INDEX_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP pickles its index (`.metadata`) and reads it back with a plain `pickle.load`, which
+    would run any code a forged file names. This unpickler resolves only DCP's own metadata
+    classes and torch dtypes, so reading a checkpoint stays as safe as `weights_only=True`."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _INDEX_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def read_index(path: Path) -> Metadata:
+    with open(path / _DCP_INDEX, "rb") as f:
+        index = _IndexUnpickler(f).load()
+    if not isinstance(index, Metadata):
+        raise pickle.UnpicklingError(f"the index holds a {type(index).__name__}, not DCP Metadata")
+    return index
+
+
+class _Reader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        index = read_index(Path(self.path))
+        index.storage_meta = index.storage_meta or dcp.metadata.StorageMeta()
+        index.storage_meta.load_id = self.load_id
+        return index
+
+
+# ----------------------------------------------------------------------------- where checkpoints are
+def is_checkpoint_dir(path: Path) -> bool:
+    """A sharded checkpoint's own directory (complete or not), rather than a run directory."""
+    return (path / MARKER).is_file() or (path / _DCP_INDEX).is_file() or path.name.startswith(("step-", ".step-"))
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under a run directory (or its checkpoints/), oldest first."""
+    root = Path(root)
+    base = root / SUBDIR if (root / SUBDIR).is_dir() else root
+    found = [p for p in base.glob("step-*") if p.is_dir() and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` complete checkpoints (keep 0: remove none)."""
+    done = complete(root)
+    stale = done[:-keep] if keep > 0 else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Checkpoints a killed save left half written (never a complete one)."""
+    base = Path(root) / SUBDIR
+    stale = sorted(base.glob(".step-*.partial")) + sorted(base.glob(".step-*.old")) if base.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+# ----------------------------------------------------------------------------- save
+def _crc_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _my_files(partial: Path, rank_in_group: int) -> dict[str, list[int]]:
+    """Size and CRC-32 of the data files this rank wrote (FileSystemWriter names them
+    __<rank>_<n>.distcp)."""
+    return {p.name: [p.stat().st_size, _crc_file(p)] for p in sorted(partial.glob(f"__{rank_in_group}_*.distcp"))}
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns on every call without a process group; one process (serial, convert) is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, group=None) -> Path:
+    """Write one checkpoint (a collective over `group`, default: every rank): each rank its
+    chunks, then the marker on rank 0 after every rank's files are on disk, then the rename that
+    makes it visible, then pruning to the newest `keep`. Returns the checkpoint's directory."""
+    rank, size = _rank_and_size(group)
+    base = Path(root) / SUBDIR
+    final = base / step_name(meta["step"])
+    partial = base / f".{final.name}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    if size > 1:
+        dist.barrier(group)  # nobody writes into the directory before it is fresh
+    with _single_process_ok():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True, single_file_per_rank=True,
+                                                             thread_count=1),
+                 planner=_SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
+    files = _my_files(partial, rank)
+    if size > 1:
+        gathered = [None] * size if rank == 0 else None
+        dist.gather_object(files, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
+        if rank == 0:
+            files = {k: v for part in gathered for k, v in part.items()}
+    if rank == 0:
+        files[_DCP_INDEX] = [(partial / _DCP_INDEX).stat().st_size, _crc_file(partial / _DCP_INDEX)]
+        record = {"format": FORMAT, "version": VERSION, **meta, "files": files}
+        atomic_write(partial / MARKER, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
+        old = base / f".{final.name}.old"
+        if final.exists():  # the same step saved again (a resumed run): swap, then drop the old
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(partial, final)
+        _fsync_dir(base)
+        shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep)
+    if size > 1:
+        dist.barrier(group)  # the checkpoint is visible to every rank once this returns
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AsyncWriter:
+    """Writes checkpoints on a background thread over a process group of its own (gloo), so
+    that its collectives never interleave with training's. One save in flight at a time:
+    `submit` first waits for the previous one. The state must be staged (copied) by the caller."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lattice-checkpoint")
+        self.pending: Future | None = None
+
+    def submit(self, root: Path, meta: dict, state: dict[str, Chunk], *, keep: int) -> Future:
+        self.wait()
+        self.pending = self.pool.submit(write, root, meta, state, keep=keep, group=self.group)
+        return self.pending
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is complete; re-raises its error."""
+        pending, self.pending = self.pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown()
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------- read (no collective)
+def read(path: Path, *, verify: bool = True) -> dict:
+    """Validate a sharded checkpoint on this rank alone, before any collective: the marker
+    (the save finished), its format and version, every file present with its recorded size
+    and, with `verify`, CRC-32, and DCP's index. Returns the marker's record with "path" and
+    "tensors" ({key: full shape}) added. A bad checkpoint raises one LatticeConfigError line."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        others = ", ".join(p.name for p in complete(path.parent)) or "none"
+        raise LatticeConfigError(f"checkpoint {path} is incomplete (no {MARKER}: its save was interrupted); resume from "
+                                 f"a complete one (in {path.parent}: {others}), {_FRESH}")
+    try:
+        record = json.loads((path / MARKER).read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise LatticeConfigError(f"checkpoint {path}: {MARKER} is not valid JSON, so the checkpoint is corrupt; use "
+                                 f"an intact copy, {_FRESH}") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise LatticeConfigError(f"{path / MARKER} is not the marker of a lattice sharded checkpoint; pass a "
+                                 f"checkpoint written by `lattice train`, {_FRESH}")
+    if record.get("version") != VERSION:
+        raise LatticeConfigError(f"checkpoint {path} has format version {record.get('version')!r} but this lattice reads "
+                                 f"version {VERSION}; resume it with the lattice version that wrote it, {_FRESH}")
+    missing = [k for k in ("step", "model_config", "files") if k not in record]
+    if missing:
+        raise LatticeConfigError(f"checkpoint {path}: {MARKER} lacks {missing}; it is damaged or not written by "
+                                 f"`lattice train`, {_FRESH}")
+    for name, (size, crc) in record["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise LatticeConfigError(f"checkpoint {path} lacks its file {name}; it was copied incompletely: use an intact "
+                                     f"copy, {_FRESH}")
+        if f.stat().st_size != size:
+            raise LatticeConfigError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes where {size} were written, "
+                                     f"so it is truncated or damaged; use an intact copy, {_FRESH}")
+        if verify and _crc_file(f) != crc:
+            raise LatticeConfigError(f"checkpoint {path}: {name} does not match its checksum, so the checkpoint is "
+                                     f"corrupt; use an intact copy, {_FRESH}")
+    try:
+        index = read_index(path)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+        raise LatticeConfigError(f"checkpoint {path}: its index {_DCP_INDEX} cannot be read safely ({str(e)[:100]}); "
+                                 f"it is corrupt or not written by lattice, {_FRESH}") from None
+    tensors = {k: tuple(md.size) for k, md in index.state_dict_metadata.items()
+               if isinstance(md, TensorStorageMetadata)}
+    return {**record, "path": str(path), "tensors": tensors}
+
+
+# ----------------------------------------------------------------------------- load (a collective)
+def check_tensors(saved: dict, model, *, with_moments: bool, where) -> None:
+    """Every key this model needs, with its full shape, is in the checkpoint (before any
+    collective, on every rank)."""
+    for name, spec in model.specs.items():
+        keys = [f"model/{name}"] + ([f"optimizer/{k}/{name}" for k in ("exp_avg", "exp_avg_sq")] if with_moments else [])
+        for key in keys:
+            shape = saved["tensors"].get(key)
+            if shape is None:
+                raise LatticeConfigError(f"checkpoint {where} lacks {key}; it was written for another model, "
+                                         f"{_FRESH}")
+            if shape != spec.full_shape:
+                raise LatticeConfigError(f"checkpoint {where}: {key} has shape {list(shape)}, this model's is "
+                                         f"{list(spec.full_shape)}; use the model config it was saved with")
+
+
+@torch.no_grad()
+def load(saved: dict, model, optimizer=None) -> None:
+    """Read this rank's region of every weight (and, given an optimizer and a checkpoint past
+    step 0, of AdamW's moments) from a checkpoint validated by `read` (a collective: every
+    rank calls it)."""
+    with_moments = optimizer is not None and int(saved.get("optimizer_step", 0)) > 0
+    check_tensors(saved, model, with_moments=with_moments, where=saved["path"])
+    if with_moments:
+        step = torch.tensor(float(saved["optimizer_step"]))
+        for p in model.parameters():
+            optimizer.state[p] = {"step": step.clone(), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+    elif optimizer is not None:
+        optimizer.state.clear()
+    state = training_state(model, optimizer, with_moments=with_moments)
+    with _single_process_ok():
+        dcp.load(state, storage_reader=_Reader(saved["path"]), planner=_LoadPlanner(),
+                 no_dist=not dist.is_initialized())
+
+
+def load_full(saved: dict, keys) -> dict[str, torch.Tensor]:
+    """Full tensors of the given keys, in their saved dtype, in one process (for `lattice
+    convert`; it holds the whole model, as a single-file checkpoint or HF export must)."""
+    index = read_index(Path(saved["path"])).state_dict_metadata
+    out = {k: torch.empty(index[k].size, dtype=index[k].properties.dtype) for k in keys}
+    state = {k: Chunk(t, (0,) * t.dim(), t.shape) for k, t in out.items()}
+    with _single_process_ok():
+        dcp.load(state, storage_reader=_Reader(saved["path"]), planner=_LoadPlanner(), no_dist=True)
+    return out
+
+
+def write_full(root: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """A sharded checkpoint from full tensors, in one process (for `lattice convert`)."""
+    state = {k: Chunk(t, (0,) * t.dim(), t.shape) for k, t in tensors.items()}
+    return write(root, meta, state)
