@@ -328,7 +328,7 @@ class Trainer:
             if self._saved_step != self.step:
                 self.save(out)
             if self.async_writer:
-                self.async_writer.close()  # the last checkpoint is complete when fit returns
+                self.async_writer.wait()  # the last checkpoint is complete when fit returns
         return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
                 "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
 
