@@ -219,10 +219,30 @@ def _crc_file(path: Path) -> int:
     return crc
 
 
-def _my_files(partial: Path, rank_in_group: int) -> dict[str, list[int]]:
-    """Size and CRC-32 of the data files this rank wrote (FileSystemWriter names them
-    __<rank>_<n>.distcp)."""
-    return {p.name: [p.stat().st_size, _crc_file(p)] for p in sorted(partial.glob(f"__{rank_in_group}_*.distcp"))}
+def _crc_range(f, offset: int, length: int) -> int:
+    crc = 0
+    f.seek(offset)
+    while length > 0 and (block := f.read(min(length, 1 << 20))):
+        crc, length = zlib.crc32(block, crc), length - len(block)
+    return crc
+
+
+def item_name(index: MetadataIndex) -> str:
+    """A stored chunk's name in the marker: its key and offsets."""
+    return f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+def _checksums(path: Path, storage: dict, items) -> dict[str, int]:
+    """CRC-32 of each stored chunk's bytes (as DCP laid them out: file, offset, length)."""
+    by_file: dict[str, list] = {}
+    for index in items:
+        by_file.setdefault(storage[index].relative_path, []).append(index)
+    out = {}
+    for name, indices in by_file.items():
+        with open(path / name, "rb") as f:
+            for index in indices:
+                out[item_name(index)] = _crc_range(f, storage[index].offset, storage[index].length)
+    return out
 
 
 @contextlib.contextmanager
@@ -253,18 +273,21 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
     if size > 1:
         dist.barrier(group)  # nobody writes into the directory before it is fresh
     with _single_process_ok():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True, single_file_per_rank=True,
-                                                             thread_count=1),
-                 planner=_SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
-    files = _my_files(partial, rank)
+        index = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True, single_file_per_rank=True,
+                                                                     thread_count=1),
+                         planner=_SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
+    # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
+    mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
+    sums = _checksums(partial, index.storage_data, mine)
     if size > 1:
         gathered = [None] * size if rank == 0 else None
-        dist.gather_object(files, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
+        dist.gather_object(sums, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
         if rank == 0:
-            files = {k: v for part in gathered for k, v in part.items()}
+            sums = {k: v for part in gathered for k, v in part.items()}
     if rank == 0:
+        files = {p.name: [p.stat().st_size] for p in sorted(partial.glob("*.distcp"))}
         files[_DCP_INDEX] = [(partial / _DCP_INDEX).stat().st_size, _crc_file(partial / _DCP_INDEX)]
-        record = {"format": FORMAT, "version": VERSION, **meta, "files": files}
+        record = {"format": FORMAT, "version": VERSION, **meta, "files": files, "checksums": sums}
         atomic_write(partial / MARKER, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
         old = base / f".{final.name}.old"
         if final.exists():  # the same step saved again (a resumed run): swap, then drop the old
@@ -323,11 +346,13 @@ def decode_rng(text: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- read (no collective)
-def read(path: Path, *, verify: bool = True) -> dict:
+def read(path: Path) -> dict:
     """Validate a sharded checkpoint on this rank alone, before any collective: the marker
-    (the save finished), its format and version, every file present with its recorded size
-    and, with `verify`, CRC-32, and DCP's index. Returns the marker's record with "path" and
-    "tensors" ({key: full shape}) added. A bad checkpoint raises one LatticeConfigError line."""
+    (the save finished), its format and version, every file present with its recorded size,
+    and DCP's index (its checksum, and unpickled safely). Returns the marker's record with
+    "path" and "tensors" ({key: full shape}) added. A bad checkpoint raises one
+    LatticeConfigError line. The stored chunks' checksums are verified when they are read
+    (`load`, `load_full`): each rank checks the chunks it will read, not the whole checkpoint."""
     path = Path(path)
     if not (path / MARKER).is_file():
         others = ", ".join(p.name for p in complete(path.parent)) or "none"
@@ -344,11 +369,11 @@ def read(path: Path, *, verify: bool = True) -> dict:
     if record.get("version") != VERSION:
         raise LatticeConfigError(f"checkpoint {path} has format version {record.get('version')!r} but this lattice reads "
                                  f"version {VERSION}; resume it with the lattice version that wrote it, {_FRESH}")
-    missing = [k for k in ("step", "model_config", "files") if k not in record]
+    missing = [k for k in ("step", "model_config", "files", "checksums") if k not in record]
     if missing:
         raise LatticeConfigError(f"checkpoint {path}: {MARKER} lacks {missing}; it is damaged or not written by "
                                  f"`lattice train`, {_FRESH}")
-    for name, (size, crc) in record["files"].items():
+    for name, (size, *crc) in record["files"].items():
         f = path / name
         if not f.is_file():
             raise LatticeConfigError(f"checkpoint {path} lacks its file {name}; it was copied incompletely: use an intact "
@@ -356,7 +381,7 @@ def read(path: Path, *, verify: bool = True) -> dict:
         if f.stat().st_size != size:
             raise LatticeConfigError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes where {size} were written, "
                                      f"so it is truncated or damaged; use an intact copy, {_FRESH}")
-        if verify and _crc_file(f) != crc:
+        if crc and _crc_file(f) != crc[0]:
             raise LatticeConfigError(f"checkpoint {path}: {name} does not match its checksum, so the checkpoint is "
                                      f"corrupt; use an intact copy, {_FRESH}")
     try:
@@ -393,16 +418,54 @@ def load(saved: dict, model, optimizer=None) -> None:
     with_moments = optimizer is not None and int(saved.get("optimizer_step", 0)) > 0
     check_tensors(saved, model, with_moments=with_moments, where=saved["path"])
     if with_moments:
-        step = torch.tensor(float(saved["optimizer_step"]))
         for p in model.parameters():
-            optimizer.state[p] = {"step": step.clone(), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+            state = optimizer.state.get(p, {})
+            moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
+            if all(m is not None and m.shape == p.shape and m.dtype == p.dtype for m in moments):
+                for m in moments:  # reuse the memory: only the padding rows keep these zeros
+                    m.zero_()
+            else:
+                moments = [torch.zeros_like(p), torch.zeros_like(p)]
+            optimizer.state[p] = {"step": torch.tensor(float(saved["optimizer_step"])), "exp_avg": moments[0],
+                                  "exp_avg_sq": moments[1]}
     elif optimizer is not None:
         optimizer.state.clear()
     state = training_state(model, optimizer, with_moments=with_moments)
+    problem = _verify_chunks(saved, state)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # a damaged chunk is seen only by the ranks that read it: agree before DCP's collectives,
+        # so that every rank refuses with the same line instead of the others waiting in them
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise LatticeConfigError(problem)
     with _single_process_ok():
         dcp.load(state, storage_reader=_Reader(saved["path"]), planner=_LoadPlanner(),
                  no_dist=not dist.is_initialized())
+
+
+def _overlaps(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
+
+
+def _verify_chunks(saved: dict, state: dict[str, Chunk]) -> str | None:
+    """Check the CRC-32 of every stored chunk this rank's regions overlap (exactly what DCP
+    will read for it); a one-line problem, or None."""
+    path = Path(saved["path"])
+    index = read_index(path)
+    needed = []
+    for key, chunk in state.items():
+        for stored in index.state_dict_metadata[key].chunks:
+            if _overlaps(chunk.offsets, chunk.data.shape, stored.offsets, stored.sizes):
+                needed.append(MetadataIndex(key, stored.offsets))
+    recorded = saved["checksums"]
+    for name, crc in _checksums(path, index.storage_data, needed).items():
+        if recorded.get(name) != crc:
+            what = "has no recorded checksum" if name not in recorded else "does not match its checksum"
+            return (f"checkpoint {path}: the stored chunk {name} {what}, so the checkpoint is corrupt; use an intact "
+                    f"copy, {_FRESH}")
+    return None
 
 
 def load_full(saved: dict, keys) -> dict[str, torch.Tensor]:
@@ -411,6 +474,9 @@ def load_full(saved: dict, keys) -> dict[str, torch.Tensor]:
     index = read_index(Path(saved["path"])).state_dict_metadata
     out = {k: torch.empty(index[k].size, dtype=index[k].properties.dtype) for k in keys}
     state = {k: Chunk(t, (0,) * t.dim(), t.shape) for k, t in out.items()}
+    problem = _verify_chunks(saved, state)
+    if problem:
+        raise LatticeConfigError(problem)
     with _single_process_ok():
         dcp.load(state, storage_reader=_Reader(saved["path"]), planner=_LoadPlanner(), no_dist=True)
     return out

@@ -139,10 +139,10 @@ def write_item(*args, **kwargs):
         die()  # half way through the data file
     return real_item(*args, **kwargs)
 
-def my_files(*args, **kwargs):
+def checksums(*args, **kwargs):
     if armed() and moment == "index":
         die()  # every shard and DCP's .metadata written, the marker not yet
-    return sc_my_files(*args, **kwargs)
+    return sc_checksums(*args, **kwargs)
 
 def atomic(path, fn):
     if armed() and moment == "marker":
@@ -155,8 +155,8 @@ def fsync_dir(path):
         die()  # renamed into place: the new checkpoint is complete
     return real_fsync(path)
 
-sc_my_files = sc._my_files
-sc.write, fs._write_item, sc._my_files, sc.atomic_write, sc._fsync_dir = write, write_item, my_files, atomic, fsync_dir
+sc_checksums = sc._checksums
+sc.write, fs._write_item, sc._checksums, sc.atomic_write, sc._fsync_dir = write, write_item, checksums, atomic, fsync_dir
 cfg = TrainConfig(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, eval_interval=100, eval_batches=1,
                   progress=False, steps=6, checkpoint_interval=2, out_dir=out)
 Trainer(cfg, lattice.init("serial")).fit()
@@ -304,6 +304,38 @@ def test_bad_sharded_checkpoints_fail_in_one_line_on_every_rank(good_sharded, tm
     for name, msg in per_rank[0].items():
         assert msg is not None, f"{name} was accepted"
         assert "\n" not in msg and EXPECT[name] in msg, (name, msg)
+
+
+def _save_tiny(mode: str, tp: int, root: str):
+    trainer = Trainer(TrainConfig(**TINY), cached_init(mode=mode, tp=tp))
+    trainer.train_step()
+    return str(trainer.save(root))
+
+
+def _resume_error(mode: str, tp: int, root: str) -> str | None:
+    try:
+        Trainer(TrainConfig(**TINY), cached_init(mode=mode, tp=tp), resume=root)
+    except LatticeConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_damaged_chunk_read_by_one_rank_is_refused_on_every_rank(tmp_path):
+    """Catches a checksum checked only by the rank that reads the chunk (the other rank would
+    wait in DCP's collectives until the timeout): one bit of a chunk that only tp rank 1 of 1d
+    reads is flipped, and both ranks must refuse with the same line naming that chunk."""
+    path = Path(run_distributed(2, _save_tiny, "1d", 2, str(tmp_path))[0])
+    index = sharded.read_index(path)
+    target = next(i for i, info in index.storage_data.items()
+                  if i.fqn == "model/blocks.0.mlp.fc.weight" and i.offset[-1] > 0)  # tp rank 1's columns
+    info = index.storage_data[target]
+    raw = bytearray((path / info.relative_path).read_bytes())
+    raw[info.offset + info.length - 8] ^= 0x01  # in the tensor's bytes, near the end of the chunk
+    (path / info.relative_path).write_bytes(bytes(raw))
+    errors = run_distributed(2, _resume_error, "1d", 2, str(tmp_path))
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert sharded.item_name(target) in errors[0] and "does not match its checksum" in errors[0]
+    assert "\n" not in errors[0]
 
 
 # ----------------------------------------------------------------------------- convert
