@@ -26,6 +26,7 @@ class MeshAxis(str, enum.Enum):
     `str`-valued Enum (see `Axis`); Topology and ParallelContext accept those alike."""
 
     DP = "dp"
+    PP = "pp"  # pipeline stages (present when pp > 1), between DP and the tensor axes
     TP = "tp"  # 1D: the tensor-parallel group
     ROW = "row"  # 2D: rank (i, j) = (row, col)
     COL = "col"
@@ -94,7 +95,16 @@ class Topology:
 
     @property
     def tp_size(self) -> int:
-        """Ranks in one model replica (every axis but DP)."""
+        """Tensor-parallel ranks of one pipeline stage (every axis but DP and PP)."""
+        return self.world_size // (self.size(MeshAxis.DP) * self.size(MeshAxis.PP))
+
+    @property
+    def pp_size(self) -> int:
+        return self.size(MeshAxis.PP)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks in one model replica: tp x pp (every axis but DP)."""
         return self.world_size // self.size(MeshAxis.DP)
 
     def has(self, axis: MeshAxis) -> bool:
@@ -104,7 +114,7 @@ class Topology:
         for name, size in self.axes:
             if name == axis:
                 return size
-        if axis == MeshAxis.DP:
+        if axis in (MeshAxis.DP, MeshAxis.PP):
             return 1
         raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}; its axes are "
                        f"{[a.value for a in self.axis_names]}")
@@ -133,7 +143,7 @@ class Topology:
         """`axes` (one axis or several) in mesh order, refusing axes this topology lacks."""
         axes = (axes,) if isinstance(axes, enum.Enum) else tuple(axes)
         for a in axes:
-            if not self.has(a) and a != MeshAxis.DP:
+            if not self.has(a) and a not in (MeshAxis.DP, MeshAxis.PP):
                 raise KeyError(f"mode {self.mode!r} has no mesh axis {a.value!r}; its axes are "
                                f"{[x.value for x in self.axis_names]}")
         return tuple(a for a in self.axis_names if a in axes)
@@ -181,6 +191,10 @@ class ParallelContext:
     #: process groups over several mesh axes, keyed by their axes in mesh order (lattice.init
     #: creates those the mode declares in `Mode.groups`, and the model-parallel group)
     multi_axis_groups: Mapping[tuple, Any] = field(default_factory=dict)
+    #: pipeline parallelism (stages, micro-batches, schedule), None without it
+    pipeline: Any = None  # lattice.pipeline.PipelineConfig | None
+    #: with pp > 2 and tied embeddings: the group of this tensor position's first and last stage
+    embedding_group: Any = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.topology.world_size:
@@ -203,11 +217,20 @@ class ParallelContext:
     def tp(self) -> int:
         return self.topology.tp_size
 
+    @property
+    def pp(self) -> int:
+        return self.topology.pp_size
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self.coords.get(MeshAxis.PP, 0)
+
     def size(self, axis: MeshAxis) -> int:
         return self.topology.size(axis)
 
     def coord(self, axis: MeshAxis) -> int:
-        if not self.topology.has(axis) and axis == MeshAxis.DP:
+        if not self.topology.has(axis) and axis in (MeshAxis.DP, MeshAxis.PP):
             return 0
         if axis not in self.coords:
             raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}")

@@ -48,17 +48,51 @@ def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str) -> di
     return out
 
 
-def make_topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
+PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "pp_virtual", "pp_layers", "pp_scatter_gather")
+
+
+def pipeline_config(pp: int, options: dict):
+    """Take the pipeline options out of `options`: a PipelineConfig for pp > 1, else None
+    (refusing pipeline options without pp)."""
+    from lattice.pipeline import PipelineConfig
+
+    given = {k: options.pop(k) for k in PIPELINE_OPTIONS if k in options}
+    given = {k: v for k, v in given.items() if v is not None}
+    if pp == 1:
+        if given:
+            raise LatticeConfigError(f"{sorted(given)} configure pipeline parallelism, which needs pp > 1; pass pp "
+                                     f"(--pp) or drop them")
+        return None
+    layers = given.get("pp_layers")
+    if isinstance(layers, str):
+        try:
+            layers = tuple(int(x) for x in layers.split(","))
+        except ValueError:
+            raise LatticeConfigError(f"pp_layers must be comma-separated block counts such as 2,3, got {layers!r}") from None
+    return PipelineConfig(stages=pp, microbatches=given.get("microbatches"), schedule=given.get("pp_schedule", "1f1b"),
+                          virtual=given.get("pp_virtual"), layers=tuple(layers) if layers else None,
+                          scatter_gather=given.get("pp_scatter_gather", True))
+
+
+def make_topology(mode: str, *, tp: int = 1, dp: int = 1, pp: int = 1, ranks_per_node: int | None = None,
                   placement: str = "natural", **options) -> tuple[Topology, dict]:
-    """Validate a layout request and build its Topology (no processes involved)."""
+    """Validate a layout request and build its Topology (no processes involved). Pipeline
+    options in `options` are checked (see `pipeline_config`) and not returned."""
     mode_cls = get_mode(mode)
+    options = dict(options)
+    pipeline_config(pp, options) if isinstance(pp, int) and pp >= 1 else None
     options = mode_cls.resolve_options(options)
     if not isinstance(dp, int) or dp < 1:
         raise LatticeConfigError(f"dp must be a positive integer, got {dp!r}")
     if not isinstance(tp, int) or tp < 1:
         raise LatticeConfigError(f"tp must be a positive integer, got {tp!r}")
+    if not isinstance(pp, int) or pp < 1:
+        raise LatticeConfigError(f"pp must be a positive integer, got {pp!r}")
+    if pp > 1 and placement != "natural":
+        raise LatticeConfigError("placement 'topology' is not implemented with pipeline parallelism; use the natural "
+                                 "placement with pp > 1")
     tp_axes = mode_cls.mesh_axes(tp, options)
-    axes = ((MeshAxis.DP, dp),) + tuple(tp_axes)
+    axes = ((MeshAxis.DP, dp),) + (((MeshAxis.PP, pp),) if pp > 1 else ()) + tuple(tp_axes)
     world = math.prod(s for _, s in axes)
     rpn = ranks_per_node or world
     if placement not in ("natural", "topology"):
@@ -67,13 +101,14 @@ def make_topology(mode: str, *, tp: int = 1, dp: int = 1, ranks_per_node: int | 
     return Topology(mode=mode, axes=axes, rank_grid=tuple(grid), ranks_per_node=rpn), options
 
 
-def plan(mode: str, *, rank: int = 0, **kwargs) -> ParallelContext:
+def plan(mode: str, *, rank: int = 0, pp: int = 1, **kwargs) -> ParallelContext:
     """A ParallelContext without process groups, for inspecting layouts and building meta models."""
-    topo, options = make_topology(mode, **kwargs)
-    return ParallelContext(topology=topo, rank=rank, options=options)
+    pipeline = pipeline_config(pp, kwargs)
+    topo, options = make_topology(mode, pp=pp, **kwargs)
+    return ParallelContext(topology=topo, rank=rank, options=options, pipeline=pipeline)
 
 
-def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node: int | None = None,
+def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, pp: int = 1, ranks_per_node: int | None = None,
          placement: str = "natural", backend: str | None = None, seed: int = 0, timeout: float | None = None,
          **options) -> ParallelContext:
     """Build the ParallelContext for this process.
@@ -81,8 +116,13 @@ def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node
     In a process started by torchrun (or `lattice train --nproc N`), this initialises the default
     process group if needed and builds a DeviceMesh with named axes. `mode="serial"` with tp=dp=1
     needs no process group. Every rank validates the request before any collective runs.
+    `pp` > 1 adds pipeline stages (a replica is then tp x pp ranks) with the options
+    `microbatches`, `pp_schedule` ("gpipe", "1f1b", "interleaved"), `pp_virtual`, `pp_layers` and
+    `pp_scatter_gather` (see lattice.pipeline).
     """
-    topo, options = make_topology(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node,
+    options = dict(options)
+    pipeline = pipeline_config(pp, options)
+    topo, options = make_topology(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node,
                                   placement=placement, **options)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     world = dist.get_world_size() if dist.is_initialized() else env_world
@@ -98,7 +138,8 @@ def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node
     if world == 1 and not dist.is_initialized():
         if backend == "nccl":
             device = torch.device("cuda", 0)
-        return ParallelContext(topology=topo, rank=0, options=options, mesh=None, device=device, seed=seed)
+        return ParallelContext(topology=topo, rank=0, options=options, mesh=None, device=device, seed=seed,
+                               pipeline=pipeline)
     if not dist.is_initialized():
         # `timeout`: seconds a collective waits for the other ranks before failing (torch's default
         # is 30 minutes, which makes a stalled rank look like a hang)
@@ -113,5 +154,10 @@ def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, ranks_per_node
     grid = torch.tensor(topo.rank_grid, dtype=torch.int64).reshape(topo.shape)
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=tuple(a.value for a in topo.axis_names))
     groups = _create_multi_axis_groups(topo, rank, device.type)
+    embedding_group = None
+    if pp > 2:  # the first and last stage of each tensor position (tied embeddings)
+        ends = [[topo.rank_at({**topo.coords(r), MeshAxis.PP: 0}), topo.rank_at({**topo.coords(r), MeshAxis.PP: pp - 1})]
+                for r in range(topo.world_size) if topo.coords(r)[MeshAxis.PP] == 0]
+        embedding_group, _ = dist.new_subgroups_by_enumeration(ends, backend="nccl" if device.type == "cuda" else None)
     return ParallelContext(topology=topo, rank=rank, options=options, mesh=mesh, device=device, seed=seed,
-                           multi_axis_groups=groups)
+                           multi_axis_groups=groups, pipeline=pipeline, embedding_group=embedding_group)

@@ -139,8 +139,12 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList(TransformerBlock(cfg, self.mode, self.seeds) for _ in range(cfg.n_layers))
             self.ln_f = self.mode.layer_norm()
             self.head = self.mode.lm_head(self.embed)
+        self.pipeline = ctx.pipeline  # lattice.pipeline.PipelineConfig, or None
+        if self.pipeline is not None:
+            self._keep_this_stage()
         self.specs: dict[str, ShardSpec] = collect_specs(self)
         self._grads_pending = False
+        self._schedule = None
         self._built_dtype = dtype
         if not planning:
             self.to_empty(device=ctx.device)
@@ -154,22 +158,41 @@ class GPT(nn.Module):
         (of the last position alone, (B, 1, V), with last_only). Inference: `cache` holds one dict
         per block (see generate) and `start` is the position of tokens[:, 0]."""
         self._check_inputs(tokens, targets, start)
+        if self.pipeline is not None:
+            return self._pipeline_forward(tokens, targets, cache)
         if self.training:
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():
             self._grads_pending = True  # a backward may follow: sync_grads has work again
         x = self.drop(self.embed(tokens, start))  # residual layout, e.g. (B, T, h) in serial
-        for i, block in enumerate(self.blocks):
-            if cache is not None:
+        if cache is not None:
+            for i, block in enumerate(self.blocks):
                 x = block(x, cache[i])
-            elif self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        else:
+            x = self.run_blocks(x, self.blocks)
         x = self.ln_f(x)
         if targets is None:
             return self.head.logits(x[:, -1:] if last_only else x)
         return self.head.loss(x, targets)
+
+    def run_blocks(self, x: torch.Tensor, blocks) -> torch.Tensor:
+        """x through `blocks` (residual layout in and out), checkpointed when asked. A
+        recomputed block draws its dropout masks at the forward count of its first pass (under a
+        pipeline schedule other micro-batches run in between)."""
+        count = self.seeds.forward_count
+        for block in blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(self._block_at_count, block, x, count, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+    def _block_at_count(self, block, x, count: int):
+        now, self.seeds.forward_count = self.seeds.forward_count, count
+        try:
+            return block(x)
+        finally:
+            self.seeds.forward_count = now
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
@@ -289,15 +312,69 @@ class GPT(nn.Module):
         (Data-parallel averaging across replicas is DDP's, in the Trainer.)"""
         if self._grads_pending:
             sum_replica_grads(self)
+            if self.pipeline is not None:
+                from lattice.pipeline import sum_tied_embedding_grads
+
+                sum_tied_embedding_grads(self)
             self._grads_pending = False
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward of this replica's batch, with the in-replica gradient sums; the
-        replica's mean loss as a float, identical on every rank of the replica."""
+        replica's mean loss as a float, identical on every rank of the replica. With pipeline
+        parallelism, the schedule runs the micro-batches through the stages."""
+        if self.pipeline is not None:
+            from lattice.pipeline import pipeline_forward_backward
+
+            loss = pipeline_forward_backward(self, tokens, targets)
+            self.sync_grads()
+            return loss
         loss = self(tokens, targets)
         loss.backward()
         self.sync_grads()
         return float(loss.detach())
+
+    # ------------------------------------------------------------------ pipeline stages
+    def _keep_this_stage(self) -> None:
+        """Give every parameter its stage (embedding: the first, blocks: by the split, final
+        LayerNorm and head: the last) as a holder along the pp axis, and drop the parameters of
+        other stages from this rank. With tied embeddings the last stage keeps a mirror of the
+        token table (not its holder: checkpoints and the gradient norm count the first stage's)."""
+        from dataclasses import replace
+
+        from lattice.pipeline import stage_of_module
+
+        last = self.pipeline.stages - 1
+        for prefix, module in self.named_modules():
+            specs = getattr(module, "_lattice_specs", None)
+            if not specs:
+                continue
+            stage = stage_of_module(prefix, self.pipeline, self.cfg.n_layers)
+            for name, spec in specs.items():
+                staged = replace(spec, holders=spec.holders + ((MeshAxis.PP, stage),))
+                specs[name] = staged
+                mirror = (self.cfg.tie_embeddings and prefix == "embed" and name == "wte" and self.ctx.stage == last
+                          and spec.holds(self.ctx.coords))
+                if not staged.holds(self.ctx.coords) and not mirror and module._parameters.get(name) is not None:
+                    module._parameters[name] = None
+
+    def is_mirror(self, name: str) -> bool:
+        """A parameter this rank keeps as a copy of another stage's (the tied table on the last
+        stage): it trains like the original but counts only once."""
+        return self.pipeline is not None and not self.specs[name].holds(self.ctx.coords)
+
+    def _pipeline_forward(self, tokens, targets, cache):
+        if cache is not None:
+            raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
+                                     "(any tensor layout) to generate")
+        if torch.is_grad_enabled():
+            raise LatticeConfigError("with pipeline parallelism a training step is model.forward_backward(tokens, "
+                                     "targets); model(tokens, targets) evaluates, under torch.no_grad()")
+        if targets is None:
+            raise LatticeConfigError("with pipeline parallelism model(tokens, targets) returns the loss only; full "
+                                     "logits need pp = 1")
+        from lattice.pipeline import pipeline_evaluate
+
+        return pipeline_evaluate(self, tokens, targets)
 
     def num_parameters(self) -> int:
         """Parameters of the full model (not this rank's shards)."""

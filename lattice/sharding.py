@@ -85,7 +85,7 @@ class ShardSpec:
 
     def replicas(self, topo: Topology) -> int:
         """How many ranks of one model replica (all axes but DP) hold each distinct shard."""
-        holders_in_replica = topo.tp_size
+        holders_in_replica = topo.replica_size
         for axis, _ in self.holders:
             if axis != MeshAxis.DP:
                 holders_in_replica //= topo.size(axis)
