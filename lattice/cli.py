@@ -47,12 +47,24 @@ DELEGATED = {
 }
 
 
+PIPELINE_FLAGS = ("microbatches", "pp_schedule", "pp_virtual", "pp_layers", "pp_scatter_gather")
+
+
 # ----------------------------------------------------------------------------- arguments
 def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=REFERENCE_MODE, choices=available_modes(),
                    help=f"parallel layout (default {REFERENCE_MODE})")
     p.add_argument("--tp", type=int, default=1, help="ranks per model replica (tensor parallel degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (a model replica is tp x pp ranks)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step with --pp (default pp)")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
+                   help="pipeline schedule (default 1f1b)")
+    p.add_argument("--pp-virtual", type=int, default=None, help="virtual stages per rank, interleaved (default 2)")
+    p.add_argument("--pp-layers", default=None, metavar="N,N,...",
+                   help="blocks per (virtual) stage (default: an even split)")
+    p.add_argument("--pp-scatter-gather", action=argparse.BooleanOptionalAction, default=None,
+                   help="send 1/tp of a replicated residual between stages and all-gather it (default on)")
     add_mode_option_flags(p)
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for placement")
     p.add_argument("--placement", choices=("natural", "topology"), default="natural")
@@ -119,6 +131,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _layout_kwargs(args) -> dict:
     kw = dict(tp=args.tp, dp=args.dp, placement=args.placement, **given_mode_options(args))
+    if getattr(args, "pp", 1) != 1 or any(getattr(args, k, None) is not None for k in PIPELINE_FLAGS):
+        kw.update(pp=args.pp, **{k: getattr(args, k) for k in PIPELINE_FLAGS if getattr(args, k, None) is not None})
     if args.ranks_per_node:
         kw["ranks_per_node"] = args.ranks_per_node
     return kw
@@ -155,12 +169,20 @@ def _check_before_launch(args) -> None:
     if args.nproc != topo.world_size:
         axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
         raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: mode {args.mode!r} with {axes} "
-                                 f"has {topo.world_size} ranks; use --nproc {topo.world_size} or change --tp/--dp")
+                                 f"has {topo.world_size} ranks; use --nproc {topo.world_size} or change --tp/--dp/--pp")
     tcfg = _train_config(args)
     cfg = tcfg.model_config()
-    mode = get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
+    ctx = plan(args.mode, **_layout_kwargs(args))
+    mode = get_mode(args.mode)(cfg, ctx)  # the mode's size checks
+    if ctx.pipeline is not None:
+        ctx.pipeline.chunks(cfg.n_layers)  # the stage split
     if tcfg.batch_size % topo.size(MeshAxis.DP) == 0:  # (the trainer words the other case)
-        mode.check_batch(torch.zeros(tcfg.batch_size // topo.size(MeshAxis.DP), cfg.seq_len, dtype=torch.int64))
+        replica = torch.zeros(tcfg.batch_size // topo.size(MeshAxis.DP), cfg.seq_len, dtype=torch.int64)
+        mode.check_batch(replica)
+        if ctx.pipeline is not None:
+            from lattice.pipeline import check_batch
+
+            check_batch(ctx.pipeline, mode, replica)
     _check_out_dir_and_resume(args, tcfg, cfg)
 
 
@@ -435,6 +457,8 @@ def cmd_info(args) -> int:
     axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
     print(f"layout: mode {args.mode}, {topo.world_size} ranks, mesh {axes}, options {dict(ctx.options)}")
     print(f"model: {args.model} {cfg.to_dict()}, {model.num_parameters():,} parameters")
+    if ctx.pipeline is not None:
+        _print_stages(ctx, cfg)
     print("ranks (mesh coordinates, node):")
     for r in range(topo.world_size):
         coords = ", ".join(f"{a.value}={c}" for a, c in topo.coords(r).items())
@@ -456,6 +480,23 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _print_stages(ctx, cfg) -> None:
+    from lattice.context import MeshAxis
+
+    pcfg, topo = ctx.pipeline, ctx.topology
+    chunks = pcfg.chunks(cfg.n_layers)
+    virtual = f", {pcfg.v} virtual stages per rank" if pcfg.v > 1 else ""
+    print(f"pipeline: {pcfg.stages} stages, schedule {pcfg.schedule}, {pcfg.m} micro-batches{virtual}; bubble "
+          f"(p-1)/(v m) = {pcfg.bubble():.3f}")
+    for c, blocks in enumerate(chunks):
+        stage = c % pcfg.stages
+        ranks = [r for r in range(topo.world_size) if topo.coords(r)[MeshAxis.PP] == stage]
+        parts = (["embedding"] if c == 0 else []) + [f"blocks {blocks.start}-{blocks.stop - 1}"]
+        parts += ["final LayerNorm, LM head and loss"] if c == len(chunks) - 1 else []
+        label = f"stage {stage}" + (f" (chunk {c})" if pcfg.v > 1 else "")
+        print(f"  {label}: {', '.join(parts)}; ranks {ranks}")
+
+
 def _print_message_counts(args, topo) -> None:
     """SUPER Eq. 3 counted on the layout: one collective over each mesh axis, every rank one
     message to each member of its group, split into intra- and inter-node messages, for this
@@ -464,7 +505,7 @@ def _print_message_counts(args, topo) -> None:
 
     kw = _layout_kwargs(args)
     layouts = {}
-    for placement in ("natural", "topology"):
+    for placement in ("natural", "topology") if topo.pp_size == 1 else ("natural",):
         layouts[placement], _ = make_topology(args.mode, **{**kw, "placement": placement})
     print(f"messages of one collective over each axis, {topo.ranks_per_node} ranks per node "
           f"(intra-node / inter-node; SUPER Eq. 3):")

@@ -147,6 +147,7 @@ class Cost:
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
+    residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks, B·T·h / split
 
     def _select(self, phase=None, op=None, site=None):
         return [t for t in self.terms if (phase is None or t.phase == phase) and (op is None or t.op == op)
@@ -301,6 +302,7 @@ class CostBuilder:
     def build(self):
         c, L = self.c, self.L
         self.model.mode.cost_terms(self)
+        c.residual_elements = self.B * self.T * self.h / self.residual_split
         for t in self.layer:
             c.terms.append(Term(t.phase, t.op, t.axes, t.calls * L, t.elements * L, t.site, t.itemsize))
         if c.checkpointing:

@@ -56,6 +56,9 @@ class PipelineConfig:
         if self.virtual is not None and self.schedule != "interleaved":
             raise LatticeConfigError(f"pp_virtual applies to the interleaved schedule; got pp_schedule "
                                      f"{self.schedule!r}: drop pp_virtual or use pp_schedule='interleaved'")
+        if self.schedule == "1f1b" and self.m < self.stages:
+            raise LatticeConfigError(f"1F1B needs at least pp = {self.stages} micro-batches, got {self.m}: use "
+                                     f"--microbatches {self.stages} or more, or pp_schedule 'gpipe'")
         if self.schedule == "interleaved":
             if self.v < 2:
                 raise LatticeConfigError(f"the interleaved schedule needs pp_virtual >= 2 stages per rank, got {self.v}")
@@ -248,12 +251,14 @@ def stage_of_module(prefix: str, pcfg: PipelineConfig, n_layers: int) -> int:
     raise ValueError(f"no pipeline stage for module {prefix!r}")
 
 
-def _check_batch(gpt, tokens: torch.Tensor) -> None:
-    m = gpt.pipeline.m
+def check_batch(pcfg: PipelineConfig, mode, tokens: torch.Tensor) -> None:
+    """Refuse a replica batch the micro-batch count does not divide, or whose micro-batches the
+    tensor layout cannot split (every rank, before any collective)."""
+    m = pcfg.m
     if tokens.shape[0] % m:
         raise LatticeConfigError(f"the replica batch of {tokens.shape[0]} sequences does not split into {m} "
                                  f"micro-batches; use a batch divisible by {m} or another --microbatches")
-    gpt.mode.check_batch(tokens[: tokens.shape[0] // m])  # the layout's own constraints, per micro-batch
+    mode.check_batch(tokens[: tokens.shape[0] // m])  # the layout's own constraints, per micro-batch
 
 
 def _loss_to_replica(gpt, loss: torch.Tensor | None) -> float:
@@ -270,7 +275,7 @@ def _loss_to_replica(gpt, loss: torch.Tensor | None) -> float:
 
 def pipeline_forward_backward(gpt, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """Forward and backward of the replica batch through the schedule; the mean loss."""
-    _check_batch(gpt, tokens)
+    check_batch(gpt.pipeline, gpt.mode, tokens)
     pcfg, ctx = gpt.pipeline, gpt.ctx
     if gpt._schedule is None:
         gpt._schedule = build_schedule(gpt, lambda x, y: gpt.head.loss(x, y) / pcfg.m)
@@ -331,3 +336,38 @@ def sum_tied_embedding_grads(gpt) -> None:
     group = ctx.group(MeshAxis.PP) if ctx.pipeline.stages == 2 else ctx.embedding_group
     grad = wte.grad if wte.grad is not None else torch.zeros_like(wte)
     wte.grad = comm.raw_all_reduce(grad.contiguous(), group, phase="backward")
+
+
+# ----------------------------------------------------------------------------- analysis
+def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,
+                 **options) -> dict[str, float]:
+    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
+    residual piece (B/m · T · h over the layout's residual split, the cost model's figure) out of
+    every chunk it holds but the last; backward, the same gradient out of every chunk but the
+    first. The scatter/gather optimisation divides both by the t tensor ranks that replicate the
+    residual."""
+    from lattice import cost
+    from lattice.layout import plan
+    from lattice.modes import get_mode
+
+    c = cost.estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options)
+    piece = c.residual_elements
+    replicated = get_mode(mode)(cfg, plan(mode, tp=tp, **options)).residual_replicated
+    if pcfg.scatter_gather and replicated and tp > 1:
+        piece /= tp
+    mine = [k for k in range(stage, pcfg.stages * pcfg.v, pcfg.stages)]
+    n = pcfg.stages * pcfg.v
+    return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
+            "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
+
+
+def in_flight(pcfg: PipelineConfig, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak: all m under GPipe; under 1F1B
+    the warm-up depth p - stage (at most m); interleaved, Megatron's warm-up of
+    (p - stage - 1) * 2 + (v - 1) * p forwards plus the current one, in chunk-forwards (at most v m)."""
+    p, m, v = pcfg.stages, pcfg.m, pcfg.v
+    if pcfg.schedule == "gpipe":
+        return m
+    if pcfg.schedule == "1f1b":
+        return min(m, p - stage)
+    return min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)

@@ -115,6 +115,19 @@ class TrainConfig:
         return GPTConfig.preset(self.model, vocab_size=vocab_size or self.vocab_size, dropout=self.dropout, **shape)
 
 
+def _buckets(params: list, max_bytes: int) -> list[list]:
+    """Consecutive parameters in groups of at most max_bytes (one parameter may exceed it)."""
+    out, size = [[]], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if out[-1] and size + nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return [b for b in out if b]
+
+
 def _tensorboard(out: Path):
     """A TensorBoard writer in OUT/tensorboard when the optional `tensorboard` package is
     installed (pip install 'lattice[tb]'); None otherwise (metrics.csv has the same numbers)."""
@@ -158,6 +171,10 @@ class Trainer:
         self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
                                    seq_len=self.model_config.seq_len, num_batches=cfg.eval_batches)
         self.model.mode.check_batch(self.val_set[0][0])  # the mode's own constraints (e.g. b % q)
+        if ctx.pipeline is not None:
+            from lattice.pipeline import check_batch
+
+            check_batch(ctx.pipeline, self.model.mode, self.val_set[0][0])
         self.optimizer = self._make_optimizer()
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
         self._saved_step = None  # the step of the last checkpoint written or loaded
@@ -169,7 +186,7 @@ class Trainer:
 
             self.async_writer = AsyncWriter()  # a collective: its own process group
         self.engine = self.model
-        if ctx.dp > 1:
+        if ctx.dp > 1 and ctx.pipeline is None:
             from torch.nn.parallel import DistributedDataParallel
 
             group = ctx.group(MeshAxis.DP)
@@ -210,6 +227,21 @@ class Trainer:
         return float(value)
 
     @torch.no_grad()
+    def _average_over_replicas(self) -> None:
+        """Data-parallel gradient averaging where DDP cannot wrap the model (a pipeline schedule
+        runs the stages): one flat, metered all-reduce over the dp group per bucket."""
+        if self.ctx.dp == 1:
+            return
+        from lattice.sharding import GRAD_BUCKET_BYTES
+
+        group, params = self.ctx.group(MeshAxis.DP), list(self.model.parameters())
+        for bucket in _buckets(params, GRAD_BUCKET_BYTES):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = raw_all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, phase="backward") / self.ctx.dp
+            for p, part in zip(bucket, flat.split([g.numel() for g in grads])):
+                p.grad = part.view_as(p).clone()
+
+    @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the full gradient, identical on every rank.
 
@@ -221,7 +253,7 @@ class Trainer:
         acc = torch.promote_types(self.model.dtype, torch.float32)
         sq = torch.zeros((), dtype=acc, device=self.ctx.device)
         for name, p in self.model.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and not self.model.is_mirror(name):
                 sq += p.grad.detach().to(acc).pow(2).sum() / self.model.specs[name].replicas(topo)
         return raw_all_reduce(sq.reshape(1), self.ctx.model_group()).reshape(()).sqrt()
 
@@ -236,10 +268,15 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
-            loss = self.engine(x, y)
-        loss.backward()
-        self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
+        if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
+            with self._autocast():
+                loss = torch.tensor(self.model.forward_backward(x, y), dtype=torch.float64)
+            self._average_over_replicas()
+        else:
+            with self._autocast():
+                loss = self.engine(x, y)
+            loss.backward()
+            self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
         norm = self.grad_norm()
         # the norm is already identical on every rank: every rank takes the same decision
         finite = bool(torch.isfinite(norm))
@@ -406,7 +443,8 @@ class Trainer:
             "elapsed_s": self.elapsed,
             "model_config": self.model_config.to_dict(),
             "train_config": asdict(self.cfg),
-            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp, **self.ctx.options},
+            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp, "pp": self.ctx.pp,
+                       **self.ctx.options},
             "forward_count": self.model.seeds.forward_count,
         }
         if self.cfg.checkpoint_format == "single":
