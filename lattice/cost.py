@@ -454,6 +454,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", default=None, metavar="JSON",
                    help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
                         "default: the papers' 4-GPU-node cluster")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the cost above is then per micro-batch and stage)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step with --pp (default pp)")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    p.add_argument("--splits", type=int, default=None, metavar="N",
+                   help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
     p.add_argument("--table1", action="store_true",
                    help="print Optimus Table 1 for this b, s, h, p beside this model's rows for every mode")
 
@@ -469,6 +474,15 @@ def run_plan(args) -> int:
         from lattice.options import given_mode_options
 
         options = given_mode_options(args)
+        machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
+        if args.splits:
+            print(format_splits(cfg, args.mode, args.splits, batch=args.batch, machine=machine,
+                                schedule=args.pp_schedule, microbatches=args.microbatches, **options))
+            return 0
+        if args.pp > 1:
+            print(format_pipeline(cfg, args.mode, tp=args.tp, pp=args.pp, batch=args.batch, machine=machine,
+                                  schedule=args.pp_schedule, microbatches=args.microbatches, **options))
+            return 0
         c = estimate(cfg, args.mode, batch=args.batch, tp=args.tp, dp=args.dp, rank=args.rank,
                      dtype=torch.bfloat16 if args.bf16 else torch.float32,
                      activation_checkpointing=args.activation_checkpointing,
@@ -530,6 +544,90 @@ def format_cost(c: Cost, machine: Machine) -> str:
               "", f"  time on {machine.describe()}:"]
     t = c.time(machine)
     lines.append("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+def pipeline_projection(cfg: GPTConfig, mode: str, *, tp: int, pp: int, batch: int, machine: Machine,
+                        schedule: str = "1f1b", microbatches: int | None = None, **options) -> dict:
+    """One step of tp x pp ranks per replica (papers/002 §2.2, §3): each stage runs its L/pp
+    blocks on micro-batches of B/m sequences under the tensor layout (this module's estimate,
+    forward and backward; the embedding on the first stage and the head on the last); the
+    schedule takes (m + p - 1) micro-batch slots of the slowest stage, (m + (p - 1)/v) with
+    interleaving; each slot adds the point-to-point transfer of one residual piece (scatter /
+    gather applied) over the link between stages; the AdamW update follows."""
+    from lattice.layout import plan
+    from lattice.pipeline import p2p_elements
+
+    if pp == 1:  # no pipeline: the whole batch through the tensor layout
+        c = estimate(cfg, mode, batch=batch, tp=tp, **options)
+        return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": c.time(machine)["step"]}
+    ctx = plan(mode, tp=tp, pp=pp, microbatches=microbatches, pp_schedule=schedule, **options)
+    pcfg = ctx.pipeline
+    chunks = pcfg.chunks(cfg.n_layers)
+    blocks = max(len(c) for c in chunks)
+    stage_cfg = GPTConfig(**{**cfg.to_dict(), "n_layers": blocks})
+    c = estimate(stage_cfg, mode, batch=batch // pcfg.m, tp=tp, **options)
+    t = c.time(machine)
+    slot = t["forward"] + t["backward"]  # one micro-batch through the slowest chunk (head included: an upper bound)
+    stage_p2p = [p2p_elements(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, stage=s, **options) for s in range(pp)]
+    piece = max(e["forward"] for e in stage_p2p) / (pcfg.m * pcfg.v) if pp > 1 else 0.0
+    inter = pp > 1 and tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
+    alpha, beta = (machine.alpha_inter, machine.beta_inter) if inter else (machine.alpha_intra, machine.beta_intra)
+    hop = 2 * (alpha + piece * c.itemsize * beta) if pp > 1 else 0.0  # activation forward, gradient backward
+    slots = pcfg.m * pcfg.v + pp - 1
+    pipeline_time = slots * (slot / pcfg.v + hop)
+    update = t["update"] / pp
+    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": schedule, "bubble": pcfg.bubble(),
+            "slot_s": slot / pcfg.v, "p2p_s": hop, "step_s": pipeline_time + update, "stage_p2p": stage_p2p,
+            "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
+            "pcfg": pcfg}
+
+
+def format_pipeline(cfg: GPTConfig, mode: str, *, tp: int, pp: int, batch: int, machine: Machine, **kw) -> str:
+    from lattice.pipeline import in_flight
+
+    r = pipeline_projection(cfg, mode, tp=tp, pp=pp, batch=batch, machine=machine, **kw)
+    pcfg = r["pcfg"]
+    lines = [f"{mode} tp={tp} x pp={pp}, {cfg}", f"batch {batch} per replica in {r['m']} micro-batches of "
+             f"{batch // r['m']}, schedule {r['schedule']}{f' (v={r[chr(118)]})' if r['v'] > 1 else ''}; bubble "
+             f"(p-1)/(v m) = {r['bubble']:.3f}", "",
+             f"  {'stage':<7}{'blocks':<22}{'p2p fwd elements':>18}{'p2p bwd elements':>18}{'MiB':>9}"
+             f"{'in flight':>11}{'activations MiB':>17}"]
+    n = len(r["chunks"])
+    for s in range(pp):
+        mine = [c for c in range(s, n, pp)]
+        blocks = ", ".join(f"{r['chunks'][c].start}-{r['chunks'][c].stop - 1}" for c in mine)
+        e = r["stage_p2p"][s]
+        k = in_flight(pcfg, s)
+        mib = (e["forward"] + e["backward"]) * r["itemsize"] / 2 ** 20
+        lines.append(f"  {s:<7}{blocks:<22}{e['forward']:>18,.0f}{e['backward']:>18,.0f}{mib:>9.3f}{k:>11}"
+                     f"{k * r['per_microbatch_activations'] / 2 ** 20:>17.2f}")
+    lines += ["", f"  time on {machine.describe()}:",
+              f"  micro-batch slot {r['slot_s'] * 1e3:.3f} ms + stage hop {r['p2p_s'] * 1e3:.3f} ms, "
+              f"step {r['step_s'] * 1e3:.3f} ms"]
+    return "\n".join(lines)
+
+
+def format_splits(cfg: GPTConfig, mode: str, ranks: int, *, batch: int, machine: Machine, **kw) -> str:
+    """Megatron-LM's Fig. 9 as a projection: every tp x pp = ranks the layout and model allow."""
+    rows = []
+    for pp in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+        try:
+            rows.append(pipeline_projection(cfg, mode, tp=ranks // pp, pp=pp, batch=batch, machine=machine, **kw))
+        except LatticeConfigError as e:
+            rows.append({"tp": ranks // pp, "pp": pp, "error": str(e)})
+    lines = [f"{mode}: tp x pp = {ranks} ranks per replica, {cfg}, batch {batch}, on {machine.name}",
+             f"  {'tp':>4}{'pp':>4}{'m':>4}{'bubble':>8}{'step ms':>10}"]
+    ok = [r for r in rows if "error" not in r]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['tp']:>4}{r['pp']:>4}  does not fit: {r['error'][:100]}")
+        else:
+            lines.append(f"  {r['tp']:>4}{r['pp']:>4}{r['m']:>4}{r['bubble']:>8.3f}{r['step_s'] * 1e3:>10.3f}")
+    if ok:
+        best = min(ok, key=lambda r: r["step_s"])
+        lines.append(f"  fastest: tp={best['tp']} x pp={best['pp']}")
     return "\n".join(lines)
 
 
