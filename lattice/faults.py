@@ -71,10 +71,10 @@ class RunLock:
         self.path = out / LOCK_FILE
         self.fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self, mode: int = fcntl.LOCK_EX) -> "RunLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
@@ -82,14 +82,16 @@ class RunLock:
             os.close(fd)
             raise LatticeConfigError(f"another lattice run (pid {holder}) is using --out-dir {self.path.parent}; "
                                      f"wait for it to finish or choose another --out-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        if mode == fcntl.LOCK_EX:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         self.fd = fd
         return self
 
     def probe(self) -> None:
-        """Refuse now if another run holds the lock, without keeping it."""
-        self.acquire().release()
+        """Refuse now if another run holds the lock, without keeping it. A shared lock: the ranks
+        of one starting run probe at the same moment and must not see each other as a run."""
+        self.acquire(fcntl.LOCK_SH).release()
 
     def release(self) -> None:
         if self.fd is not None:
