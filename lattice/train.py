@@ -398,7 +398,8 @@ class Trainer:
             c = cost.estimate(self.model_config, self.ctx.mode, batch=self.cfg.batch_size // self.ctx.dp,
                               tp=topo.tp_size, dp=self.ctx.dp, rank=self.ctx.rank,
                               activation_checkpointing=self.cfg.activation_checkpointing, **self.ctx.options)
-            self._flops = c.flops["forward"] + c.flops["backward"]
+            # with pipeline stages each rank runs about 1/pp of the layers
+            self._flops = (c.flops["forward"] + c.flops["backward"]) / self.ctx.pp
         return self._flops
 
     def _stop_requested(self, stop: faults.StopRequest) -> bool:

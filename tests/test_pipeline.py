@@ -294,3 +294,26 @@ def test_bubble_formula():
     assert PipelineConfig(stages=4, microbatches=8).bubble() == 3 / 8
     assert PipelineConfig(stages=4, microbatches=8, schedule="interleaved").bubble() == 3 / 16
     assert math.isclose(PipelineConfig(stages=4, microbatches=16, schedule="gpipe").bubble(), 3 / 16)
+
+
+def _hf_export_and_generate(layout: dict):
+    cfg = _cfg()
+    serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    model = lattice.GPT(cfg, cached_init(**layout), dtype=torch.float64)
+    model.load_full_state_dict(serial.full_state_dict())
+    exported, expect = model.to_hf_state_dict(), serial.to_hf_state_dict()
+    same = sorted(exported) == sorted(expect) and all(torch.equal(exported[k], expect[k]) for k in expect)
+    try:
+        model.generate(torch.zeros(1, 2, dtype=torch.int64), 2)
+        refusal = None
+    except LatticeConfigError as e:
+        refusal = str(e)
+    return same, refusal
+
+
+def test_hf_export_under_pp_and_generation_refused_in_one_line():
+    """Catches an export that takes the tied table from the mirror or misses the stages a rank
+    does not hold, and generation that would hang waiting for other stages."""
+    for same, refusal in run_distributed(4, _hf_export_and_generate, dict(mode="1d", tp=2, pp=2)):
+        assert same
+        assert refusal and "pp = 1" in refusal and "\n" not in refusal
