@@ -175,6 +175,8 @@ class StageModule(nn.Module):
 
     def forward(self, x):
         gpt = self.gpt[0]
+        if gpt.training:  # a new micro-batch: new dropout masks (recomputation reuses this count)
+            gpt.seeds.forward_count += 1
         if self.first:
             x = gpt.drop(gpt.embed(x))  # tokens (B_mb, T) -> residual layout
         else:
