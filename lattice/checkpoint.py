@@ -203,13 +203,7 @@ def read(path: str | os.PathLike) -> dict:
         what = f"a {type(ckpt).__name__}{keys}"
         raise LatticeConfigError(f"{path} is a torch file holding {what}, not a lattice checkpoint; pass the "
                                  f"{FILENAME} written by `lattice train`, {fresh}")
-    if ckpt.get("version") != VERSION:
-        raise LatticeConfigError(f"checkpoint {path} has format version {ckpt.get('version')!r} but this lattice "
-                                 f"reads version {VERSION}; resume it with the lattice version that wrote it, {fresh}")
-    missing = [k for k in ("step", "model_config", "model", "optimizer") if k not in ckpt]
-    if missing:
-        raise LatticeConfigError(f"checkpoint {path} lacks {missing}; it is damaged or not written by "
-                                 f"`lattice train`, {fresh}")
+    check_version_and_keys(ckpt, path, VERSION, ("step", "model_config", "model", "optimizer"))
     sums = ckpt.get("checksums", {})
     for name, t in _tensors(ckpt):
         if name in sums and checksum(t) != sums[name]:
@@ -220,6 +214,18 @@ def read(path: str | os.PathLike) -> dict:
         raise LatticeConfigError(f"checkpoint {path} holds NaN or infinite values in {bad[:3]}; resume from an "
                                  f"earlier checkpoint, {fresh}")
     return ckpt
+
+
+def check_version_and_keys(record: dict, path, version: int, required) -> None:
+    """Refuse a checkpoint record of another format version, or one lacking required keys."""
+    fresh = "or start without --resume"
+    if record.get("version") != version:
+        raise LatticeConfigError(f"checkpoint {path} has format version {record.get('version')!r} but this lattice "
+                                 f"reads version {version}; resume it with the lattice version that wrote it, {fresh}")
+    missing = [k for k in required if k not in record]
+    if missing:
+        raise LatticeConfigError(f"checkpoint {path} lacks {missing}; it is damaged or not written by "
+                                 f"`lattice train`, {fresh}")
 
 
 def check_model_config(ckpt: dict, model_config: dict, path: str | os.PathLike = "checkpoint") -> None:

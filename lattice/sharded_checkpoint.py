@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lattice.checkpoint import atomic_write
+from lattice.checkpoint import atomic_write, check_version_and_keys
 from lattice.context import LatticeConfigError
 
 FORMAT = "lattice-sharded-checkpoint"
@@ -366,13 +366,7 @@ def read(path: Path) -> dict:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise LatticeConfigError(f"{path / MARKER} is not the marker of a lattice sharded checkpoint; pass a "
                                  f"checkpoint written by `lattice train`, {_FRESH}")
-    if record.get("version") != VERSION:
-        raise LatticeConfigError(f"checkpoint {path} has format version {record.get('version')!r} but this lattice reads "
-                                 f"version {VERSION}; resume it with the lattice version that wrote it, {_FRESH}")
-    missing = [k for k in ("step", "model_config", "files", "checksums") if k not in record]
-    if missing:
-        raise LatticeConfigError(f"checkpoint {path}: {MARKER} lacks {missing}; it is damaged or not written by "
-                                 f"`lattice train`, {_FRESH}")
+    check_version_and_keys(record, path, VERSION, ("step", "model_config", "files", "checksums"))
     for name, (size, *crc) in record["files"].items():
         f = path / name
         if not f.is_file():
