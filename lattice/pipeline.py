@@ -90,6 +90,9 @@ class PipelineConfig:
                                          f"model has n_layers = {n_layers}")
             counts = list(self.layers)
         else:
+            if n_layers < n:
+                raise LatticeConfigError(f"n_layers = {n_layers} blocks cannot fill {n} {'virtual ' if self.v > 1 else ''}"
+                                         f"stages of at least one block each; use at most {n_layers} stages")
             if n_layers % n:
                 raise LatticeConfigError(
                     f"n_layers = {n_layers} blocks do not split evenly into {n} {'virtual ' if self.v > 1 else ''}"
@@ -106,7 +109,7 @@ class PipelineConfig:
 
 def _uneven(n_layers: int, n: int) -> list[int]:
     base, extra = divmod(n_layers, n)
-    return [base + (1 if i < extra else 0) for i in range(n)] if base else [1] * n
+    return [base + (1 if i < extra else 0) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- scatter/gather
