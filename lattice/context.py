@@ -139,6 +139,11 @@ class Topology:
         """The axes of one model replica: every axis but DP."""
         return tuple(a for a in self.axis_names if a != MeshAxis.DP)
 
+    @property
+    def tensor_axes(self) -> tuple[Axis, ...]:
+        """The axes of one pipeline stage's tensor ranks: every axis but DP and PP."""
+        return tuple(a for a in self.axis_names if a not in (MeshAxis.DP, MeshAxis.PP))
+
     def canonical_axes(self, axes) -> tuple[Axis, ...]:
         """`axes` (one axis or several) in mesh order, refusing axes this topology lacks."""
         axes = (axes,) if isinstance(axes, enum.Enum) else tuple(axes)
@@ -262,6 +267,11 @@ class ParallelContext:
     def model_group(self):
         """The process group of this model replica (every axis but DP); None for one rank."""
         return self.group(*self.topology.model_axes)
+
+    def tensor_group(self):
+        """The tensor-parallel ranks of this pipeline stage (every axis but DP and PP; the
+        model replica's group without pipeline parallelism); None for one rank."""
+        return self.group(*self.topology.tensor_axes)
 
     def describe(self) -> str:
         coords = ", ".join(f"{a.value}={c}" for a, c in self.coords.items())

@@ -213,8 +213,28 @@ class _MeteredStage:
         return stage
 
 
-def build_schedule(gpt, microbatch_loss):
-    """The torch.distributed.pipelining schedule running this rank's stages of `gpt`."""
+@torch.no_grad()
+def _residual_meta(gpt, microbatch: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    """This rank's piece of the residual stream for one micro-batch (shape, dtype): the first
+    stage runs its embedding once without gradients and sends the result's shape along the pp
+    group, whose members share this tensor position. Given to PipelineStage up front, it spares
+    the schedule's own inference (a traced forward and backward of micro-batch 0 with every
+    collective in it, which also ran the loss on the last stage alone: sub-graph parallelism
+    deadlocked there)."""
+    ctx = gpt.ctx
+    meta = [None]
+    if ctx.stage == 0:
+        x = gpt.embed(microbatch)
+        meta = [(tuple(x.shape), str(x.dtype).removeprefix("torch."))]
+    first = ctx.topology.rank_at({**ctx.coords, MeshAxis.PP: 0})
+    dist.broadcast_object_list(meta, src=first, group=ctx.group(MeshAxis.PP))
+    shape, dtype = meta[0]
+    return torch.Size(shape), getattr(torch, dtype)
+
+
+def build_schedule(gpt, microbatch_loss, microbatch: torch.Tensor):
+    """The torch.distributed.pipelining schedule running this rank's stages of `gpt`, with the
+    tensors between stages declared up front (static mode)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
 
@@ -222,11 +242,19 @@ def build_schedule(gpt, microbatch_loss):
     group = ctx.group(MeshAxis.PP)
     chunks = pcfg.chunks(gpt.cfg.n_layers)
     n = len(chunks)
+    shape, dtype = _residual_meta(gpt, microbatch)
+    sg = scatter_gather_group(gpt)
+    sent = torch.Size((*shape[:-1], shape[-1] // dist.get_world_size(sg))) if sg is not None else shape
     stages = []
     for c in range(ctx.stage, n, pcfg.stages):
-        module = StageModule(gpt, chunks[c], first=c == 0, last=c == n - 1,
-                             scatter_gather_group=scatter_gather_group(gpt))
-        stages.append(_MeteredStage.wrap(PipelineStage(module, c, n, ctx.device, group=group)))
+        module = StageModule(gpt, chunks[c], first=c == 0, last=c == n - 1, scatter_gather_group=sg)
+        # a received activation requires grad: its gradient goes back to the previous stage
+        inputs = microbatch if c == 0 else torch.empty(sent, dtype=dtype, device="meta", requires_grad=True)
+        outputs = torch.empty(shape if c == n - 1 else sent, dtype=dtype, device="meta")
+        stage = PipelineStage(module, c, n, ctx.device, input_args=(inputs.to("meta"),), output_args=(outputs,),
+                              input_grads=(None if c == 0 else inputs,), output_grads=(None if c == n - 1 else outputs,),
+                              group=group)
+        stages.append(_MeteredStage.wrap(stage))
     if pcfg.schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
     cls = ScheduleGPipe if pcfg.schedule == "gpipe" else Schedule1F1B
@@ -239,7 +267,7 @@ def scatter_gather_group(gpt):
     ctx = gpt.ctx
     if not (ctx.pipeline.scatter_gather and gpt.mode.residual_replicated and ctx.tp > 1):
         return None
-    return ctx.group(*[a for a in ctx.topology.model_axes if a != MeshAxis.PP])
+    return ctx.tensor_group()
 
 
 def stage_of_module(prefix: str, pcfg: PipelineConfig, n_layers: int) -> int:
@@ -283,7 +311,7 @@ def pipeline_forward_backward(gpt, tokens: torch.Tensor, targets: torch.Tensor) 
     check_batch(gpt.pipeline, gpt.mode, tokens)
     pcfg, ctx = gpt.pipeline, gpt.ctx
     if gpt._schedule is None:
-        gpt._schedule = build_schedule(gpt, lambda x, y: gpt.head.loss(x, y) / pcfg.m)
+        gpt._schedule = build_schedule(gpt, lambda x, y: gpt.head.loss(x, y) / pcfg.m, tokens[: len(tokens) // pcfg.m])
     gpt._grads_pending = True
     first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
     losses: list[torch.Tensor] = []

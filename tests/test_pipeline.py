@@ -75,6 +75,8 @@ LAYOUTS = [  # (lattice.init keywords, model overrides)
     (dict(mode="1d", tp=2, pp=2, microbatches=4, pp_scatter_gather=False), dict(tie_embeddings=False)),
     (dict(mode="1d", tp=2, pp=2, microbatches=2, sequence_parallel=True), {}),
     (dict(mode="2d", tp=4, pp=2, microbatches=2), {}),
+    (dict(mode="subgraph", tp=2, pp=2, microbatches=2, subgrids=2), {}),
+    (dict(mode="subgraph", tp=2, pp=2, microbatches=2, subgrids=2, common="subgrid"), dict(tie_embeddings=False)),
     (dict(mode="serial", pp=2, dp=2, microbatches=2), {}),
 ]
 

@@ -286,7 +286,7 @@ class LMHead(TiedHead):
             part = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), reduction="sum") / targets.numel()
         else:  # no rows here; 0 that stays in the graph, so backward reaches the branches
             part = x.sum() * 0.0
-        return comm.all_reduce(part, self.ctx.model_group())
+        return comm.all_reduce(part, self.ctx.tensor_group())
 
     def logits(self, x):
         """Full (B, T, V) logits on every rank, gathered over the replica (inference only): each
@@ -298,10 +298,10 @@ class LMHead(TiedHead):
         local = torch.zeros(width, x.shape[1], V, dtype=x.dtype, device=x.device)
         if seg.runs_common:
             local[: x.shape[0]] = self._local_logits(x)
-        group = self.ctx.model_group()
+        group = self.ctx.tensor_group()
         everyone = comm.raw_all_gather(local, group, 0).view(-1, width, x.shape[1], V)
         full = torch.zeros(B, x.shape[1], V, dtype=x.dtype, device=x.device)
-        for i, rank in enumerate(topo.group_members(topo.model_axes, self.ctx.rank)):
+        for i, rank in enumerate(topo.group_members(topo.tensor_axes, self.ctx.rank)):
             c = topo.coords(rank)
             rows = seg.common_rows(B, c[SUB], c[MEM])
             full[rows] = everyone[i, : rows.stop - rows.start]
