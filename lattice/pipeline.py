@@ -218,9 +218,8 @@ def _residual_meta(gpt, microbatch: torch.Tensor) -> tuple[torch.Size, torch.dty
     """This rank's piece of the residual stream for one micro-batch (shape, dtype): the first
     stage runs its embedding once without gradients and sends the result's shape along the pp
     group, whose members share this tensor position. Given to PipelineStage up front, it spares
-    the schedule's own inference (a traced forward and backward of micro-batch 0 with every
-    collective in it, which also ran the loss on the last stage alone: sub-graph parallelism
-    deadlocked there)."""
+    the schedule's own inference: a traced forward and backward of micro-batch 0 on every stage
+    at the first step, with every collective, a dropout count and saved activations in it."""
     ctx = gpt.ctx
     meta = [None]
     if ctx.stage == 0:
@@ -310,14 +309,15 @@ def pipeline_forward_backward(gpt, tokens: torch.Tensor, targets: torch.Tensor) 
     """Forward and backward of the replica batch through the schedule; the mean loss."""
     check_batch(gpt.pipeline, gpt.mode, tokens)
     pcfg, ctx = gpt.pipeline, gpt.ctx
-    if gpt._schedule is None:
-        gpt._schedule = build_schedule(gpt, lambda x, y: gpt.head.loss(x, y) / pcfg.m, tokens[: len(tokens) // pcfg.m])
+    if gpt._schedule is None or gpt._schedule[0] != tuple(tokens.shape):  # the stages' shapes follow the batch's
+        schedule = build_schedule(gpt, lambda x, y: gpt.head.loss(x, y) / pcfg.m, tokens[: len(tokens) // pcfg.m])
+        gpt._schedule = (tuple(tokens.shape), schedule)
     gpt._grads_pending = True
     first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
     losses: list[torch.Tensor] = []
     args = (tokens,) if first else ()
     kwargs = {"target": targets, "losses": losses} if last else {}
-    gpt._schedule.step(*args, **kwargs)
+    gpt._schedule[1].step(*args, **kwargs)
     return _loss_to_replica(gpt, torch.stack(losses).sum() if last else None)
 
 

@@ -342,3 +342,23 @@ def test_recomputed_blocks_draw_the_dropout_masks_of_their_first_pass():
         assert l1 == pytest.approx(l2, rel=1e-12)
         assert all(rel_diff(g1[k], g2[k]) < 1e-10 for k in g1)
     assert plain[0][0][0] != plain[0][0][1]  # the masks differ between steps
+
+
+def _two_batch_sizes(layout: dict):
+    cfg = _cfg()
+    serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    model = lattice.GPT(cfg, cached_init(**layout), dtype=torch.float64)
+    model.load_full_state_dict(serial.full_state_dict())
+    x, y = _batch(cfg)
+    out = []
+    for rows in (8, 4, 8):
+        out.append((model.forward_backward(x[:rows], y[:rows]), float(serial(x[:rows], y[:rows]).detach())))
+    return out
+
+
+def test_a_new_batch_size_rebuilds_the_stages():
+    """Catches stages whose declared shapes stay those of the first batch (the next batch of
+    another size would fail in the schedule or hang)."""
+    for pairs in run_distributed(4, _two_batch_sizes, dict(mode="1d", tp=2, pp=2, microbatches=2)):
+        for got, expect in pairs:
+            assert abs(got - expect) <= 1e-10 * expect
