@@ -172,9 +172,14 @@ class Mode:
         raise NotImplementedError(f"mode {self.name!r} has no cost terms")
 
 
+def nearby_multiples(size: int, by: int) -> str:
+    """The multiples of `by` next to `size`, for a hint: "8 or 12", or "4" below the first."""
+    lower = size - size % by
+    return " or ".join(str(n) for n in sorted({lower or by, lower + by}))
+
+
 def divisible(what: str, size: int, by: int, by_what: str, fix: str = "") -> None:
     """Raise a one-line LatticeConfigError unless `size % by == 0`."""
     if size % by:
-        lower = size - size % by
-        hint = fix or f"use a multiple of {by} (for example {lower or by} or {lower + by})"
+        hint = fix or f"use a multiple of {by} (for example {nearby_multiples(size, by)})"
         raise LatticeConfigError(f"{what} = {size} is not divisible by {by_what} = {by}; {hint}")

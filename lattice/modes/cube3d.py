@@ -49,7 +49,7 @@ from lattice.context import LatticeConfigError, MeshAxis
 from lattice.layers import TiedHead, compute_dtype, normalize_split_hidden, round_up, vocab_table_spec
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
-from lattice.modes.base import Block, Mode, Option, Position, divisible
+from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.sharding import ShardSpec, register_sharded
 
 CI, CJ, CL = MeshAxis.CUBE_I, MeshAxis.CUBE_J, MeshAxis.CUBE_L
@@ -337,9 +337,8 @@ class Cube3D(Mode):
 
     def check_batch(self, tokens):
         q, b = self.q, tokens.shape[0]
-        lower = b - b % (q * q)
         divisible("batch size", b, q * q, "q² (the 3D cube side squared)",
-                  f"give each replica a multiple of {q * q} sequences (for example {lower or q * q} or {lower + q * q})")
+                  f"give each replica a multiple of {q * q} sequences (for example {nearby_multiples(b, q * q)})")
 
     def table_spec(self) -> ShardSpec:
         """(V, h): vocabulary rows in q² pieces over (j, i) -- block j, piece i -- and hidden

@@ -55,7 +55,7 @@ from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.layers import TiedHead, compute_dtype, local_linear, register_weight_and_bias
 from lattice.modes import register
-from lattice.modes.base import Block, Mode, Option, Position, divisible
+from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.modes import serial
 from lattice.sharding import ShardSpec
 
@@ -421,10 +421,9 @@ class SubGraph(Mode):
         b = tokens.shape[0]
         per = self.g * self.n_g if self.common_all else self.n_g
         what = "all p ranks (D&SP)" if self.common_all else "the n_g ranks of sub-grid 0 (D&SP-cSub)"
-        lower = b - b % per
         divisible("batch size", b, per, "the ranks running the common layers",
                   f"the common layers split each replica's batch over {what}: give each replica a multiple "
-                  f"of {per} sequences (for example {lower or per} or {lower + per})")
+                  f"of {per} sequences (for example {nearby_multiples(b, per)})")
         self.seg.batch = b
 
     def embedding(self):

@@ -26,7 +26,7 @@ from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
-from lattice.modes.base import Block, Mode, Position, divisible
+from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
 from lattice.layers import (TiedHead, compute_dtype, normalize_split_hidden, register_weight_and_bias, round_up,
                             vocab_table_spec)
 from lattice.sharding import ShardSpec, register_sharded
@@ -253,9 +253,8 @@ class Summa2D(Mode):
 
     def check_batch(self, tokens):
         q, b = self.q, tokens.shape[0]
-        lower = b - b % q
         divisible("batch size", b, q, "the 2D mesh side q",
-                  f"give each replica a multiple of {q} sequences (for example {lower or q} or {lower + q})")
+                  f"give each replica a multiple of {q} sequences (for example {nearby_multiples(b, q)})")
         self.grid.workspace.reserve(*self.workspace_plan(tokens.shape[0], tokens.shape[1]))
 
     def table_spec(self) -> ShardSpec:
