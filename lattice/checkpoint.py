@@ -100,7 +100,8 @@ def load_into(ckpt: dict, model, optimizer: torch.optim.Optimizer | None = None)
         load_optimizer(model, optimizer, ckpt["optimizer"])
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -123,9 +124,9 @@ def atomic_write(path: Path, write) -> None:
         os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lattice.checkpoint import atomic_write, check_version_and_keys
+from lattice.checkpoint import atomic_write, check_version_and_keys, fsync_dir
 from lattice.context import LatticeConfigError
 
 FORMAT = "lattice-sharded-checkpoint"
@@ -211,20 +211,18 @@ def remove_partial(root: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- save
-def _crc_file(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
 def _crc_range(f, offset: int, length: int) -> int:
+    """CRC-32 of `length` bytes of an open file from `offset`, read 1 MiB at a time."""
     crc = 0
     f.seek(offset)
     while length > 0 and (block := f.read(min(length, 1 << 20))):
         crc, length = zlib.crc32(block, crc), length - len(block)
     return crc
+
+
+def _crc_file(path: Path) -> int:
+    with open(path, "rb") as f:
+        return _crc_range(f, 0, path.stat().st_size)
 
 
 def item_name(index: MetadataIndex) -> str:
@@ -294,20 +292,12 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(partial, final)
-        _fsync_dir(base)
+        fsync_dir(base)
         shutil.rmtree(old, ignore_errors=True)
         prune(root, keep)
     if size > 1:
         dist.barrier(group)  # the checkpoint is visible to every rank once this returns
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class AsyncWriter:
@@ -425,7 +415,7 @@ def load(saved: dict, model, optimizer=None) -> None:
     elif optimizer is not None:
         optimizer.state.clear()
     state = training_state(model, optimizer, with_moments=with_moments)
-    problem = _verify_chunks(saved, state)
+    problem = _verify_chunks(saved, state, read_index(Path(saved["path"])))
     if dist.is_initialized() and dist.get_world_size() > 1:
         # a damaged chunk is seen only by the ranks that read it: agree before DCP's collectives,
         # so that every rank refuses with the same line instead of the others waiting in them
@@ -443,11 +433,10 @@ def _overlaps(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
 
 
-def _verify_chunks(saved: dict, state: dict[str, Chunk]) -> str | None:
+def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str | None:
     """Check the CRC-32 of every stored chunk this rank's regions overlap (exactly what DCP
     will read for it); a one-line problem, or None."""
     path = Path(saved["path"])
-    index = read_index(path)
     needed = []
     for key, chunk in state.items():
         for stored in index.state_dict_metadata[key].chunks:
@@ -465,10 +454,11 @@ def _verify_chunks(saved: dict, state: dict[str, Chunk]) -> str | None:
 def load_full(saved: dict, keys) -> dict[str, torch.Tensor]:
     """Full tensors of the given keys, in their saved dtype, in one process (for `lattice
     convert`; it holds the whole model, as a single-file checkpoint or HF export must)."""
-    index = read_index(Path(saved["path"])).state_dict_metadata
-    out = {k: torch.empty(index[k].size, dtype=index[k].properties.dtype) for k in keys}
+    index = read_index(Path(saved["path"]))
+    stored = index.state_dict_metadata
+    out = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys}
     state = {k: Chunk(t, (0,) * t.dim(), t.shape) for k, t in out.items()}
-    problem = _verify_chunks(saved, state)
+    problem = _verify_chunks(saved, state, index)
     if problem:
         raise LatticeConfigError(problem)
     with _single_process_ok():

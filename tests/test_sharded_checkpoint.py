@@ -123,7 +123,7 @@ from lattice.train import TrainConfig, Trainer
 moment, out = sys.argv[1], sys.argv[2]
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 saves = {"n": 0}
-real_write, real_item, real_atomic, real_fsync = sc.write, fs._write_item, sc.atomic_write, sc._fsync_dir
+real_write, real_item, real_atomic, real_fsync = sc.write, fs._write_item, sc.atomic_write, sc.fsync_dir
 
 def write(*args, **kwargs):
     saves["n"] += 1
@@ -156,7 +156,7 @@ def fsync_dir(path):
     return real_fsync(path)
 
 sc_checksums = sc._checksums
-sc.write, fs._write_item, sc._checksums, sc.atomic_write, sc._fsync_dir = write, write_item, checksums, atomic, fsync_dir
+sc.write, fs._write_item, sc._checksums, sc.atomic_write, sc.fsync_dir = write, write_item, checksums, atomic, fsync_dir
 cfg = TrainConfig(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, eval_interval=100, eval_batches=1,
                   progress=False, steps=6, checkpoint_interval=2, out_dir=out)
 Trainer(cfg, lattice.init("serial")).fit()
