@@ -13,12 +13,16 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 from lattice.modes import REFERENCE_MODE, get_mode
+
+if TYPE_CHECKING:
+    from lattice.pipeline import PipelineConfig
 
 
 def _natural_grid(world_size: int) -> tuple[int, ...]:
@@ -79,16 +83,24 @@ def make_topology(mode: str, *, tp: int = 1, dp: int = 1, pp: int = 1, ranks_per
                   placement: str = "natural", **options) -> tuple[Topology, dict]:
     """Validate a layout request and build its Topology (no processes involved). Pipeline
     options in `options` are checked (see `pipeline_config`) and not returned."""
+    topo, options, _ = _layout(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node, placement=placement,
+                               **options)
+    return topo, options
+
+
+def _layout(mode: str, *, tp: int, dp: int, pp: int, ranks_per_node: int | None, placement: str,
+            **options) -> tuple[Topology, dict, PipelineConfig | None]:
+    """(Topology, the mode's options, the PipelineConfig or None) of a layout request."""
     mode_cls = get_mode(mode)
+    if not isinstance(pp, int) or pp < 1:
+        raise LatticeConfigError(f"pp must be a positive integer, got {pp!r}")
     options = dict(options)
-    pipeline_config(pp, options) if isinstance(pp, int) and pp >= 1 else None
+    pipeline = pipeline_config(pp, options)  # takes the pipeline options out
     options = mode_cls.resolve_options(options)
     if not isinstance(dp, int) or dp < 1:
         raise LatticeConfigError(f"dp must be a positive integer, got {dp!r}")
     if not isinstance(tp, int) or tp < 1:
         raise LatticeConfigError(f"tp must be a positive integer, got {tp!r}")
-    if not isinstance(pp, int) or pp < 1:
-        raise LatticeConfigError(f"pp must be a positive integer, got {pp!r}")
     if pp > 1 and placement != "natural":
         raise LatticeConfigError("placement 'topology' is not implemented with pipeline parallelism; use the natural "
                                  "placement with pp > 1")
@@ -99,13 +111,14 @@ def make_topology(mode: str, *, tp: int = 1, dp: int = 1, pp: int = 1, ranks_per
     if placement not in ("natural", "topology"):
         raise LatticeConfigError(f"placement must be 'natural' or 'topology', got {placement!r}")
     grid = mode_cls.rank_grid(axes, rpn, placement, options) if placement == "topology" else _natural_grid(world)
-    return Topology(mode=mode, axes=axes, rank_grid=tuple(grid), ranks_per_node=rpn), options
+    return Topology(mode=mode, axes=axes, rank_grid=tuple(grid), ranks_per_node=rpn), options, pipeline
 
 
-def plan(mode: str, *, rank: int = 0, pp: int = 1, **kwargs) -> ParallelContext:
+def plan(mode: str, *, rank: int = 0, tp: int = 1, dp: int = 1, pp: int = 1, ranks_per_node: int | None = None,
+         placement: str = "natural", **options) -> ParallelContext:
     """A ParallelContext without process groups, for inspecting layouts and building meta models."""
-    pipeline = pipeline_config(pp, kwargs)
-    topo, options = make_topology(mode, pp=pp, **kwargs)
+    topo, options, pipeline = _layout(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node,
+                                      placement=placement, **options)
     return ParallelContext(topology=topo, rank=rank, options=options, pipeline=pipeline)
 
 
@@ -121,10 +134,8 @@ def init(mode: str = REFERENCE_MODE, *, tp: int = 1, dp: int = 1, pp: int = 1, r
     `microbatches`, `pp_schedule` ("gpipe", "1f1b", "interleaved"), `pp_virtual`, `pp_layers` and
     `pp_scatter_gather` (see lattice.pipeline).
     """
-    options = dict(options)
-    pipeline = pipeline_config(pp, options)
-    topo, options = make_topology(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node,
-                                  placement=placement, **options)
+    topo, options, pipeline = _layout(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node,
+                                      placement=placement, **options)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     world = dist.get_world_size() if dist.is_initialized() else env_world
     if world != topo.world_size:
