@@ -201,6 +201,33 @@ def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContex
 GRAD_BUCKET_BYTES = 25 * 2 ** 20
 
 
+def byte_buckets(items: list, nbytes, max_bytes: int = GRAD_BUCKET_BYTES) -> list[list]:
+    """Consecutive items in groups of at most max_bytes (`nbytes(item)` each; an item larger
+    than max_bytes gets a group of its own)."""
+    buckets, size = [], 0
+    for item in items:
+        n = nbytes(item)
+        if not buckets or size + n > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += n
+    return buckets
+
+
+@torch.no_grad()
+def all_reduce_grads(params: list[nn.Parameter], group, divide_by: int = 1) -> None:
+    """Sum the gradients of `params` over `group` in one flat all-reduce (metered as backward
+    traffic), divided by `divide_by` (the replica count, for an average). A missing gradient
+    joins as zeros."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = raw_all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, phase="backward")
+    if divide_by != 1:
+        flat = flat / divide_by
+    for p, part in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(p).clone()
+
+
 def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
     """The parameters this rank holds whose spec declares `grad_sum`, as (axes, names) buckets
     of at most GRAD_BUCKET_BYTES, in spec order (the same on every rank of a group)."""
@@ -210,18 +237,8 @@ def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
     for name, spec in model.specs.items():
         if spec.grad_sum and name in params:
             by_axes.setdefault(topo.canonical_axes(spec.grad_sum), []).append(name)
-    buckets = []
-    for axes, names in by_axes.items():
-        current, size = [], 0
-        for name in names:
-            nbytes = params[name].numel() * params[name].element_size()
-            if current and size + nbytes > GRAD_BUCKET_BYTES:
-                buckets.append((axes, current))
-                current, size = [], 0
-            current.append(name)
-            size += nbytes
-        buckets.append((axes, current))
-    return buckets
+    return [(axes, bucket) for axes, names in by_axes.items()
+            for bucket in byte_buckets(names, lambda n: params[n].numel() * params[n].element_size())]
 
 
 @torch.no_grad()
@@ -231,12 +248,8 @@ def sum_replica_grads(model: nn.Module) -> None:
     params = dict(model.named_parameters())
     for axes, names in grad_sum_buckets(model):
         group = model.ctx.group(*axes)
-        if group is None:
-            continue
-        grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
-        flat = raw_all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, phase="backward")
-        for name, part in zip(names, flat.split([g.numel() for g in grads])):
-            params[name].grad = part.view_as(params[name]).clone()
+        if group is not None:
+            all_reduce_grads([params[n] for n in names], group)
 
 
 def check_state_dict_keys(expected: Iterable[str], given: Iterable[str], what: str = "state dict"):

@@ -115,19 +115,6 @@ class TrainConfig:
         return GPTConfig.preset(self.model, vocab_size=vocab_size or self.vocab_size, dropout=self.dropout, **shape)
 
 
-def _buckets(params: list, max_bytes: int) -> list[list]:
-    """Consecutive parameters in groups of at most max_bytes (one parameter may exceed it)."""
-    out, size = [[]], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if out[-1] and size + nbytes > max_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += nbytes
-    return [b for b in out if b]
-
-
 def _tensorboard(out: Path):
     """A TensorBoard writer in OUT/tensorboard when the optional `tensorboard` package is
     installed (pip install 'lattice[tb]'); None otherwise (metrics.csv has the same numbers)."""
@@ -232,14 +219,10 @@ class Trainer:
         runs the stages): one flat, metered all-reduce over the dp group per bucket."""
         if self.ctx.dp == 1:
             return
-        from lattice.sharding import GRAD_BUCKET_BYTES
+        from lattice.sharding import all_reduce_grads, byte_buckets
 
-        group, params = self.ctx.group(MeshAxis.DP), list(self.model.parameters())
-        for bucket in _buckets(params, GRAD_BUCKET_BYTES):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = raw_all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, phase="backward") / self.ctx.dp
-            for p, part in zip(bucket, flat.split([g.numel() for g in grads])):
-                p.grad = part.view_as(p).clone()
+        for bucket in byte_buckets(list(self.model.parameters()), lambda p: p.numel() * p.element_size()):
+            all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
