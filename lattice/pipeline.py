@@ -295,14 +295,11 @@ def check_batch(pcfg: PipelineConfig, mode, tokens: torch.Tensor) -> None:
 
 def _loss_to_replica(gpt, loss: torch.Tensor | None) -> float:
     """The last stage's loss, broadcast to every stage of the replica."""
-    ctx = gpt.ctx
-    buf = (loss.detach().reshape(1).clone() if loss is not None
-           else torch.zeros(1, dtype=torch.promote_types(gpt.dtype, torch.float32), device=ctx.device))
-    buf = buf.to(torch.promote_types(gpt.dtype, torch.float32))
-    last = ctx.topology.rank_at({**ctx.coords, MeshAxis.PP: ctx.pipeline.stages - 1})
-    comm.record("broadcast", ctx.group(MeshAxis.PP), 1, buf.dtype, phase="forward")
-    dist.broadcast(buf, src=last, group=ctx.group(MeshAxis.PP))
-    return float(buf)
+    ctx, dtype = gpt.ctx, torch.promote_types(gpt.dtype, torch.float32)
+    buf = (loss.detach().reshape(1).to(dtype, copy=True) if loss is not None
+           else torch.zeros(1, dtype=dtype, device=ctx.device))
+    # group rank = pp coordinate (Topology keeps ranks increasing along every axis)
+    return float(comm.raw_broadcast(buf, ctx.group(MeshAxis.PP), src=ctx.pipeline.stages - 1))
 
 
 def pipeline_forward_backward(gpt, tokens: torch.Tensor, targets: torch.Tensor) -> float:
