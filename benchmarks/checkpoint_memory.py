@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
+
+from world import run_world  # benchmarks/world.py (scripts run from this folder)
 
 MIB = 2 ** 20
 
@@ -105,23 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # a fixed mmap threshold: freed buffers go back to the kernel at once, so that the resident
     # high-water mark measures live memory rather than what glibc's heap kept after a free
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_worker, args=(r, args.tp, port, args, out_dir, results)) for r in range(args.tp)]
-        for p in procs:
-            p.start()
-        rows = sorted((results.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join()
+        rows = sorted(run_world(args.tp, _worker, args, out_dir), key=lambda r: r["rank"])
     print(f"{args.model} (vocabulary {args.vocab_size}, float32) in {args.mode} tp={args.tp}: peak resident growth "
           f"per rank during each phase, MiB")
     cols = ("shards", "largest_local", "sharded_save", "sharded_load", "single_save", "single_load")

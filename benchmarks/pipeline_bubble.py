@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
+
+from world import run_world  # benchmarks/world.py (scripts run from this folder)
 
 FWD_S, BWD_S = 0.020, 0.040
 
@@ -108,19 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.pp, port, args, results)) for r in range(args.pp)]
-    for p in procs:
-        p.start()
-    out = sorted((results.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
+    out = sorted(run_world(args.pp, _worker, args), key=lambda r: r["rank"])
     print(f"pp = {args.pp}, serial stages of 2 blocks (20 ms forward + 40 ms backward of emulated device time each), "
           f"micro-batches of 2 sequences; median of {args.steps} steps, rank 0's clock")
     print(f"  {'schedule':<12}{'m':>4}{'v':>3}{'step ms':>10}{'ideal ms':>10}{'bubble':>9}{'(p-1)/(v m)':>13}")

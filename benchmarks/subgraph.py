@@ -21,7 +21,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from world import run_world  # benchmarks/world.py (scripts run from this folder)
 
 LAYOUTS = [
     ("data parallel (serial x dp)", "serial", {}),
@@ -87,19 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     args = ap.parse_args(argv)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = dict(run_world(args.nproc, _worker, args))
     print(f"{args.nproc} gloo processes on {os.cpu_count()} cores, model {args.model}, global batch {args.batch}; "
           f"median step time of the slowest rank over {args.steps} interleaved steps")
     print(f"  {'layout':<36}{'step ms':>10}{'MiB/step (rank 0)':>20}")
