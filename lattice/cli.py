@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lattice.context import LatticeConfigError
-from lattice.layout import make_topology
+from lattice.layout import PIPELINE_OPTIONS, make_topology
 from lattice.model import PRESETS
 from lattice.modes import REFERENCE_MODE, available_modes
 from lattice.options import add_mode_option_flags, given_mode_options
@@ -45,9 +45,6 @@ DELEGATED = {
     "convert": ("lattice.convert", "add_convert_arguments", "run_convert",
                 "convert checkpoints: sharded <-> single file, to and from a HuggingFace GPT-2 directory"),
 }
-
-
-PIPELINE_FLAGS = ("microbatches", "pp_schedule", "pp_virtual", "pp_layers", "pp_scatter_gather")
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -131,8 +128,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _layout_kwargs(args) -> dict:
     kw = dict(tp=args.tp, dp=args.dp, placement=args.placement, **given_mode_options(args))
-    if getattr(args, "pp", 1) != 1 or any(getattr(args, k, None) is not None for k in PIPELINE_FLAGS):
-        kw.update(pp=args.pp, **{k: getattr(args, k) for k in PIPELINE_FLAGS if getattr(args, k, None) is not None})
+    kw.update(pp=args.pp, **{k: getattr(args, k) for k in PIPELINE_OPTIONS if getattr(args, k) is not None})
     if args.ranks_per_node:
         kw["ranks_per_node"] = args.ranks_per_node
     return kw
