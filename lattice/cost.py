@@ -557,7 +557,7 @@ def pipeline_projection(cfg: GPTConfig, mode: str, *, tp: int, pp: int, batch: i
     interleaving; each slot adds the point-to-point transfer of one residual piece (scatter /
     gather applied) over the link between stages; the AdamW update follows."""
     from lattice.layout import plan
-    from lattice.pipeline import p2p_elements
+    from lattice.pipeline import p2p_piece, stage_sends
 
     if pp == 1:  # no pipeline: the whole batch through the tensor layout
         c = estimate(cfg, mode, batch=batch, tp=tp, **options)
@@ -570,11 +570,11 @@ def pipeline_projection(cfg: GPTConfig, mode: str, *, tp: int, pp: int, batch: i
     c = estimate(stage_cfg, mode, batch=batch // pcfg.m, tp=tp, **options)
     t = c.time(machine)
     slot = t["forward"] + t["backward"]  # one micro-batch through the slowest chunk (head included: an upper bound)
-    stage_p2p = [p2p_elements(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, stage=s, **options) for s in range(pp)]
-    piece = max(e["forward"] for e in stage_p2p) / (pcfg.m * pcfg.v) if pp > 1 else 0.0
-    inter = pp > 1 and tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
+    piece = p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, **options)
+    stage_p2p = [stage_sends(pcfg, s, piece) for s in range(pp)]
+    inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
     alpha, beta = (machine.alpha_inter, machine.beta_inter) if inter else (machine.alpha_intra, machine.beta_intra)
-    hop = 2 * (alpha + piece * c.itemsize * beta) if pp > 1 else 0.0  # activation forward, gradient backward
+    hop = 2 * (alpha + piece * c.itemsize * beta)  # activation forward, gradient backward
     slots = pcfg.m * pcfg.v + pp - 1
     pipeline_time = slots * (slot / pcfg.v + hop)
     update = t["update"] / pp
@@ -589,8 +589,9 @@ def format_pipeline(cfg: GPTConfig, mode: str, *, tp: int, pp: int, batch: int, 
 
     r = pipeline_projection(cfg, mode, tp=tp, pp=pp, batch=batch, machine=machine, **kw)
     pcfg = r["pcfg"]
+    virtual = f" (v={r['v']})" if r["v"] > 1 else ""
     lines = [f"{mode} tp={tp} x pp={pp}, {cfg}", f"batch {batch} per replica in {r['m']} micro-batches of "
-             f"{batch // r['m']}, schedule {r['schedule']}{f' (v={r[chr(118)]})' if r['v'] > 1 else ''}; bubble "
+             f"{batch // r['m']}, schedule {r['schedule']}{virtual}; bubble "
              f"(p-1)/(v m) = {r['bubble']:.3f}", "",
              f"  {'stage':<7}{'blocks':<22}{'p2p fwd elements':>18}{'p2p bwd elements':>18}{'MiB':>9}"
              f"{'in flight':>11}{'activations MiB':>17}"]

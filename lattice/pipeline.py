@@ -369,26 +369,34 @@ def sum_tied_embedding_grads(gpt) -> None:
 
 
 # ----------------------------------------------------------------------------- analysis
-def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,
-                 **options) -> dict[str, float]:
-    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
-    residual piece (B/m · T · h over the layout's residual split, the cost model's figure) out of
-    every chunk it holds but the last; backward, the same gradient out of every chunk but the
-    first. The scatter/gather optimisation divides both by the t tensor ranks that replicate the
-    residual."""
+def p2p_piece(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, seq: int | None = None,
+              **options) -> float:
+    """Elements of one micro-batch's residual piece that a tensor rank sends to the next stage:
+    B/m · T · h over the layout's residual split (the cost model's figure), divided by the t
+    tensor ranks that replicate it under the scatter/gather optimisation."""
     from lattice import cost
     from lattice.layout import plan
     from lattice.modes import get_mode
 
-    c = cost.estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options)
-    piece = c.residual_elements
+    piece = cost.estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options).residual_elements
     replicated = get_mode(mode)(cfg, plan(mode, tp=tp, **options)).residual_replicated
-    if pcfg.scatter_gather and replicated and tp > 1:
-        piece /= tp
-    mine = [k for k in range(stage, pcfg.stages * pcfg.v, pcfg.stages)]
+    return piece / tp if pcfg.scatter_gather and replicated and tp > 1 else piece
+
+
+def stage_sends(pcfg: PipelineConfig, stage: int, piece: float) -> dict[str, float]:
+    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
+    piece out of every chunk it holds but the last; backward, the same gradient out of every
+    chunk but the first."""
     n = pcfg.stages * pcfg.v
+    mine = range(stage, n, pcfg.stages)
     return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
             "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
+
+
+def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,
+                 **options) -> dict[str, float]:
+    """What one rank of `stage` sends point-to-point in one step (see p2p_piece, stage_sends)."""
+    return stage_sends(pcfg, stage, p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, seq=seq, **options))
 
 
 def in_flight(pcfg: PipelineConfig, stage: int) -> int:
