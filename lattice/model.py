@@ -344,11 +344,12 @@ class GPT(nn.Module):
         from lattice.pipeline import stage_of_module
 
         last = self.pipeline.stages - 1
+        chunks = self.pipeline.chunks(self.cfg.n_layers)
         for prefix, module in self.named_modules():
             specs = getattr(module, "_lattice_specs", None)
             if not specs:
                 continue
-            stage = stage_of_module(prefix, self.pipeline, self.cfg.n_layers)
+            stage = stage_of_module(prefix, chunks, self.pipeline.stages)
             for name, spec in specs.items():
                 staged = replace(spec, holders=spec.holders + ((MeshAxis.PP, stage),))
                 specs[name] = staged

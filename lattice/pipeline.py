@@ -269,17 +269,17 @@ def scatter_gather_group(gpt):
     return ctx.tensor_group()
 
 
-def stage_of_module(prefix: str, pcfg: PipelineConfig, n_layers: int) -> int:
-    """The pipeline stage (rank coordinate on pp) holding a GPT module."""
+def stage_of_module(prefix: str, chunks: list[range], stages: int) -> int:
+    """The pipeline stage (rank coordinate on pp) holding a GPT module, given the blocks of each
+    chunk (`PipelineConfig.chunks`)."""
     top = prefix.split(".")[0]
-    chunks = pcfg.chunks(n_layers)
     if top == "embed":
         return 0
     if top in ("ln_f", "head"):
-        return (len(chunks) - 1) % pcfg.stages
+        return (len(chunks) - 1) % stages
     if top == "blocks":
         block = int(prefix.split(".")[1])
-        return next(c for c, blocks in enumerate(chunks) if block in blocks) % pcfg.stages
+        return next(c for c, blocks in enumerate(chunks) if block in blocks) % stages
     raise ValueError(f"no pipeline stage for module {prefix!r}")
 
 
