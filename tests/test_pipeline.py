@@ -17,7 +17,7 @@ from lattice.config import GPTConfig
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
-from numerics import rel_diff
+from numerics import random_batch, rel_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, T = 8, 16
@@ -28,9 +28,7 @@ def _cfg(**overrides) -> GPTConfig:
 
 
 def _batch(cfg):
-    gen = torch.Generator().manual_seed(7)
-    return (torch.randint(0, cfg.vocab_size, (BATCH, T), generator=gen),
-            torch.randint(0, cfg.vocab_size, (BATCH, T), generator=gen))
+    return random_batch(BATCH, T, cfg.vocab_size, seed=7)
 
 
 def _serial_reference(cfg):
