@@ -36,6 +36,7 @@ FORMAT = "lattice-checkpoint"
 VERSION = 1
 FILENAME = "ckpt.pt"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+START_FRESH = "or start without --resume"  # the other way out, at the end of every refusal
 
 
 def single_file(path: str | os.PathLike) -> Path:
@@ -172,61 +173,60 @@ def read(path: str | os.PathLike) -> dict:
     from lattice import sharded_checkpoint as sharded
 
     given, path = Path(path), resolve(path)
-    fresh = "or start without --resume"
     if path.is_dir():
         return sharded.read(path)
     if not path.exists():
         what = (f"{given} holds no checkpoint (neither {sharded.SUBDIR}/step-N/ nor {FILENAME})" if given.is_dir()
                 else f"checkpoint {path} does not exist")
         raise LatticeConfigError(f"{what}; pass the run directory written by `lattice train --out-dir DIR` (or a "
-                                 f"checkpoint in it), {fresh}")
+                                 f"checkpoint in it), {START_FRESH}")
     with open(path, "rb") as f:
         head = f.read(4)
     if head != _ZIP_MAGIC:
         what = "an empty file" if not head else "not a torch.save archive"
         raise LatticeConfigError(f"checkpoint {path} is {what}, not a lattice checkpoint; pass the {FILENAME} "
-                                 f"written by `lattice train`, {fresh}")
+                                 f"written by `lattice train`, {START_FRESH}")
     if not zipfile.is_zipfile(path):
         raise LatticeConfigError(f"checkpoint {path} is truncated (its archive has no end); it was cut off while "
-                                 f"being copied or written: use an intact copy, {fresh}")
+                                 f"being copied or written: use an intact copy, {START_FRESH}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise LatticeConfigError(f"checkpoint {path} holds objects other than tensors and plain data, so it is "
                                  f"not a lattice checkpoint ({reason[:120]}); pass the {FILENAME} written by "
-                                 f"`lattice train`, {fresh}") from None
+                                 f"`lattice train`, {START_FRESH}") from None
     except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
         raise LatticeConfigError(f"checkpoint {path} is corrupt and cannot be read ({type(e).__name__}); use an "
-                                 f"intact copy, {fresh}") from None
+                                 f"intact copy, {START_FRESH}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         keys = f" with keys {sorted(map(str, ckpt))[:4]}" if isinstance(ckpt, dict) else ""
         what = f"a {type(ckpt).__name__}{keys}"
         raise LatticeConfigError(f"{path} is a torch file holding {what}, not a lattice checkpoint; pass the "
-                                 f"{FILENAME} written by `lattice train`, {fresh}")
+                                 f"{FILENAME} written by `lattice train`, {START_FRESH}")
     check_version_and_keys(ckpt, path, VERSION, ("step", "model_config", "model", "optimizer"))
     sums = ckpt.get("checksums", {})
     for name, t in _tensors(ckpt):
         if name in sums and checksum(t) != sums[name]:
             raise LatticeConfigError(f"checkpoint {path}: tensor {name} does not match its checksum, so the file is "
-                                     f"corrupt; use an intact copy, {fresh}")
+                                     f"corrupt; use an intact copy, {START_FRESH}")
     bad = non_finite(ckpt)
     if bad:
         raise LatticeConfigError(f"checkpoint {path} holds NaN or infinite values in {bad[:3]}; resume from an "
-                                 f"earlier checkpoint, {fresh}")
+                                 f"earlier checkpoint, {START_FRESH}")
     return ckpt
 
 
 def check_version_and_keys(record: dict, path, version: int, required) -> None:
     """Refuse a checkpoint record of another format version, or one lacking required keys."""
-    fresh = "or start without --resume"
     if record.get("version") != version:
         raise LatticeConfigError(f"checkpoint {path} has format version {record.get('version')!r} but this lattice "
-                                 f"reads version {version}; resume it with the lattice version that wrote it, {fresh}")
+                                 f"reads version {version}; resume it with the lattice version that wrote it, "
+                                 f"{START_FRESH}")
     missing = [k for k in required if k not in record]
     if missing:
         raise LatticeConfigError(f"checkpoint {path} lacks {missing}; it is damaged or not written by "
-                                 f"`lattice train`, {fresh}")
+                                 f"`lattice train`, {START_FRESH}")
 
 
 def check_model_config(ckpt: dict, model_config: dict, path: str | os.PathLike = "checkpoint") -> None:

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lattice.checkpoint import atomic_write, check_version_and_keys, fsync_dir
+from lattice.checkpoint import START_FRESH, atomic_write, check_version_and_keys, fsync_dir
 from lattice.context import LatticeConfigError
 
 FORMAT = "lattice-sharded-checkpoint"
@@ -51,7 +51,6 @@ VERSION = 1
 MARKER = "lattice.json"
 SUBDIR = "checkpoints"
 _DCP_INDEX = ".metadata"
-_FRESH = "or start without --resume"
 
 
 def step_name(step: int) -> str:
@@ -347,32 +346,32 @@ def read(path: Path) -> dict:
     if not (path / MARKER).is_file():
         others = ", ".join(p.name for p in complete(path.parent)) or "none"
         raise LatticeConfigError(f"checkpoint {path} is incomplete (no {MARKER}: its save was interrupted); resume from "
-                                 f"a complete one (in {path.parent}: {others}), {_FRESH}")
+                                 f"a complete one (in {path.parent}: {others}), {START_FRESH}")
     try:
         record = json.loads((path / MARKER).read_text())
     except (ValueError, UnicodeDecodeError):
         raise LatticeConfigError(f"checkpoint {path}: {MARKER} is not valid JSON, so the checkpoint is corrupt; use "
-                                 f"an intact copy, {_FRESH}") from None
+                                 f"an intact copy, {START_FRESH}") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise LatticeConfigError(f"{path / MARKER} is not the marker of a lattice sharded checkpoint; pass a "
-                                 f"checkpoint written by `lattice train`, {_FRESH}")
+                                 f"checkpoint written by `lattice train`, {START_FRESH}")
     check_version_and_keys(record, path, VERSION, ("step", "model_config", "files", "checksums"))
     for name, (size, *crc) in record["files"].items():
         f = path / name
         if not f.is_file():
             raise LatticeConfigError(f"checkpoint {path} lacks its file {name}; it was copied incompletely: use an intact "
-                                     f"copy, {_FRESH}")
+                                     f"copy, {START_FRESH}")
         if f.stat().st_size != size:
             raise LatticeConfigError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes where {size} were written, "
-                                     f"so it is truncated or damaged; use an intact copy, {_FRESH}")
+                                     f"so it is truncated or damaged; use an intact copy, {START_FRESH}")
         if crc and _crc_file(f) != crc[0]:
             raise LatticeConfigError(f"checkpoint {path}: {name} does not match its checksum, so the checkpoint is "
-                                     f"corrupt; use an intact copy, {_FRESH}")
+                                     f"corrupt; use an intact copy, {START_FRESH}")
     try:
         index = read_index(path)
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
         raise LatticeConfigError(f"checkpoint {path}: its index {_DCP_INDEX} cannot be read safely ({str(e)[:100]}); "
-                                 f"it is corrupt or not written by lattice, {_FRESH}") from None
+                                 f"it is corrupt or not written by lattice, {START_FRESH}") from None
     tensors = {k: tuple(md.size) for k, md in index.state_dict_metadata.items()
                if isinstance(md, TensorStorageMetadata)}
     return {**record, "path": str(path), "tensors": tensors}
@@ -388,7 +387,7 @@ def check_tensors(saved: dict, model, *, with_moments: bool, where) -> None:
             shape = saved["tensors"].get(key)
             if shape is None:
                 raise LatticeConfigError(f"checkpoint {where} lacks {key}; it was written for another model, "
-                                         f"{_FRESH}")
+                                         f"{START_FRESH}")
             if shape != spec.full_shape:
                 raise LatticeConfigError(f"checkpoint {where}: {key} has shape {list(shape)}, this model's is "
                                          f"{list(spec.full_shape)}; use the model config it was saved with")
@@ -447,7 +446,7 @@ def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str
         if recorded.get(name) != crc:
             what = "has no recorded checksum" if name not in recorded else "does not match its checksum"
             return (f"checkpoint {path}: the stored chunk {name} {what}, so the checkpoint is corrupt; use an intact "
-                    f"copy, {_FRESH}")
+                    f"copy, {START_FRESH}")
     return None
 
 
