@@ -2,7 +2,7 @@
 
     python benchmarks/build_memory.py --model gpt2 --layout 1d:4 --layout 2d:4
 
-Builds `lattice.GPT(cfg, ctx)` for one rank of the layout from a planning context (no process
+Builds `lattice.build_model(cfg, ctx)` for one rank of the layout from a planning context (no process
 group: construction does not communicate) and prints the process's peak resident memory above
 what `import torch` and the context already took, beside the size of that rank's shards and of
 the largest single full tensor. A rank should need its shards plus one full tensor at a time.
@@ -27,18 +27,18 @@ def _one(model: str, mode: str, tp: int, rank: int, vocab: int) -> dict:
     import torch
 
     import lattice
-    from lattice.model import GPTConfig
+    from lattice import GPTConfig
 
     torch.set_num_threads(1)
     cfg = GPTConfig.preset(model, vocab_size=vocab)
     ctx = lattice.plan(mode, tp=tp, rank=rank)
     with torch.device("meta"):  # specs only, to size the shards without allocating
-        meta = lattice.GPT(cfg, ctx)
+        meta = lattice.build_model(cfg, ctx)
     shard_bytes = sum(p.numel() * 4 for p in meta.parameters())
     largest_full = max(math.prod(s.full_shape) for s in meta.specs.values()) * 4
     del meta
     base = _peak_rss_bytes()
-    model_ = lattice.GPT(cfg, ctx)
+    model_ = lattice.build_model(cfg, ctx)
     peak = _peak_rss_bytes() - base
     return {"mode": mode, "tp": tp, "rank": rank, "peak_bytes": peak, "shard_bytes": shard_bytes,
             "largest_full_bytes": largest_full, "params": sum(p.numel() for p in model_.parameters())}

@@ -59,12 +59,12 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str, results):
     import lattice
     from lattice import checkpoint
     from lattice import sharded_checkpoint as sharded
-    from lattice.config import GPTConfig
+    from lattice import GPTConfig
 
     torch.set_num_threads(1)
     ctx = lattice.init(args.mode, tp=args.tp)
     cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size)
-    model = lattice.GPT(cfg, ctx)
+    model = lattice.build_model(cfg, ctx)
     opt = torch.optim.AdamW(model.parameters())
     for p in model.parameters():  # the state AdamW holds after its first step
         opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}

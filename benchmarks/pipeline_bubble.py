@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, args, results):
     import torch.nn as nn
 
     import lattice
-    from lattice.config import GPTConfig
+    from lattice import GPTConfig
 
     torch.set_num_threads(1)
 
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, args, results):
     rows = []
     for schedule, m in [(s, m) for s in ("gpipe", "1f1b", "interleaved") for m in (4, 8, 16)]:
         ctx = lattice.init("serial", pp=world, microbatches=m, pp_schedule=schedule)
-        model = lattice.GPT(cfg, ctx)
+        model = lattice.build_model(cfg, ctx)
         for i, block in enumerate(model.blocks):
             model.blocks[i] = Delayed(block)
         x = torch.randint(0, 256, (2 * m, 32))  # micro-batches of 2 sequences
@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, args, results):
     saved = {}
     for schedule in ("gpipe", "1f1b"):
         ctx = lattice.init("serial", pp=world, microbatches=8, pp_schedule=schedule)
-        model = lattice.GPT(cfg, ctx)
+        model = lattice.build_model(cfg, ctx)
         x = torch.randint(0, 256, (16, 32))
         live, peak = [0], [0]
         weights = {id(p) for p in model.parameters()}

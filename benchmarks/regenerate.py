@@ -84,7 +84,7 @@ def sweep_table(results: list[dict]) -> list[str]:
     """One row per (p, mode). Activations are compared with serial on the same model: measured
     where serial ran (p = 1 of the strong sweep), else the cost model's serial figure (which the
     tests hold to the measured one within 2%)."""
-    from lattice.model import GPTConfig
+    from lattice import GPTConfig
 
     out = ["| p | h | heads | batch | mode | step ms | predicted ms | error | comm ratio | activations × p / serial |",
            "|" + "---|" * 10]

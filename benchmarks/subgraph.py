@@ -44,7 +44,7 @@ def _worker(rank, world, port, args, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import lattice
     from lattice.comm import raw_all_reduce
-    from lattice.model import GPTConfig
+    from lattice import GPTConfig
 
     cfg = GPTConfig.preset(args.model, vocab_size=2048)
     gen = torch.Generator().manual_seed(0)
@@ -57,7 +57,7 @@ def _worker(rank, world, port, args, queue):
         else:
             ctx = lattice.init(mode, tp=world, **options)
             rows = slice(0, args.batch)
-        model = lattice.GPT(cfg, ctx)
+        model = lattice.build_model(cfg, ctx)
         dp_group = ctx.group(lattice.MeshAxis.DP)
 
         def step(model=model, rows=rows, dp_group=dp_group):

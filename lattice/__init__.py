@@ -1,11 +1,12 @@
-"""lattice: multi-dimensional tensor parallelism (1D, 2D, 3D, sub-graph) for GPT models on PyTorch."""
+"""lattice: multi-dimensional tensor parallelism (1D, 2D, 3D, sub-graph) for transformer model families on PyTorch."""
 
 from lattice.comm import CommMeter
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 from lattice.layout import init, plan
-from lattice.model import GPT, GPTConfig
+from lattice.models import available_archs, build_model, from_hf, get_arch
+from lattice.models.gpt2 import GPT, GPTConfig
 from lattice.modes import available_modes
 
-__all__ = ["init", "plan", "ParallelContext", "Topology", "MeshAxis", "LatticeConfigError",
-           "GPT", "GPTConfig", "CommMeter", "available_modes"]
+__all__ = ["init", "plan", "ParallelContext", "Topology", "MeshAxis", "LatticeConfigError", "GPT", "GPTConfig",
+           "build_model", "from_hf", "get_arch", "available_archs", "CommMeter", "available_modes"]
 __version__ = "0.1.0"

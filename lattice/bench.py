@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from lattice import cost as costmodel
 from lattice.comm import CommMeter, CommRecord
 from lattice.context import LatticeConfigError
-from lattice.model import PRESETS, GPTConfig
+from lattice.models import DEFAULT_ARCH, arch_of_config, available_archs, build_model, get_arch
+from lattice.models.gpt2 import GPTConfig
 from lattice.modes import REFERENCE_MODE, parallel_modes, peer_mode
 
 # ----------------------------------------------------------------------------- the DTensor peer
@@ -79,7 +80,7 @@ class _PeerBlock(nn.Module):
 class PeerGPT(nn.Module):
     """GPT-2 in plain PyTorch modules, the architecture of lattice.GPT (bias and tied embeddings)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg):
         super().__init__()
         h = cfg.d_model
         self.wte, self.wpe = nn.Embedding(cfg.vocab_size, h), nn.Parameter(torch.zeros(cfg.seq_len, h))
@@ -228,7 +229,7 @@ class Prepared:
                 self.times[k].append(v)
 
 
-def prepare(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, targets, ref_loss: float,
+def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_loss: float,
             args) -> Prepared | dict:
     """Collective over the world: build `mode` (or the peer, or serial on rank 0 alone), check its
     loss against serial's, meter one step, measure saved activations and parameters. Returns the
@@ -248,7 +249,7 @@ def prepare(label: str, mode: str, options: dict, cfg: GPTConfig, sd, tokens, ta
         analytic = costmodel.estimate(cfg, peer_mode("dtensor"), batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
         ctx = lattice.plan(REFERENCE_MODE) if mode == REFERENCE_MODE else lattice.init(mode, tp=p, **options)
-        model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
+        model = build_model(cfg, ctx, activation_checkpointing=ckpt)
         model.load_full_state_dict(sd)
         forward = lambda: model(tokens, targets)  # noqa: E731
         backward = lambda loss: (loss.backward(), model.sync_grads())  # noqa: E731  (in-replica gradient sums)
@@ -357,7 +358,7 @@ def variants() -> dict[str, tuple[str, dict]]:
     return out
 
 
-def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> tuple[list, list]:
+def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list, list]:
     """([(label, mode, options)], [(label, why not)]) for p processes: every registered mode (and
     the peer) whose layout fits p ranks and whose size checks pass this model and batch."""
     import lattice
@@ -373,6 +374,9 @@ def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> 
         if mode == REFERENCE_MODE:
             continue
         if mode == "dtensor":
+            if arch_of_config(cfg).name != "gpt2":
+                skipped.append((label, f"the DTensor peer is a GPT-2; {arch_of_config(cfg).name} has none"))
+                continue
             why = [f"{what} = {size} is not divisible by p = {p}"
                    for what, size in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)) if size % p]
             if why:
@@ -395,7 +399,7 @@ def applicable(cfg: GPTConfig, batch: int, p: int, wanted: list[str] | None) -> 
 # ----------------------------------------------------------------------------- calibration
 
 
-def calibrate(cfg: GPTConfig, batch: int, reps: int = 5) -> costmodel.Machine:
+def calibrate(cfg, batch: int, reps: int = 5) -> costmodel.Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
     micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
     attention and elementwise operators (LayerNorm, GELU, bias add, cross-entropy), each forward and
@@ -488,12 +492,12 @@ def _world(payload: dict):
     load falls on all of them alike; calibrate just before and after the timing."""
     import lattice
 
-    cfg = GPTConfig(**payload["cfg"])
+    cfg = get_arch(payload["arch"]).config_class(**payload["cfg"])
     args = argparse.Namespace(**payload["args"])
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
-    serial = lattice.GPT(cfg, lattice.plan(REFERENCE_MODE))
+    serial = build_model(cfg, lattice.plan(REFERENCE_MODE))
     sd = serial.full_state_dict()
     with torch.no_grad():
         ref_loss = float(serial(tokens, targets))
@@ -582,12 +586,12 @@ def run_world(p: int, payload: dict) -> dict:
     return msg[1]
 
 
-def bench_size(cfg: GPTConfig, p: int, batch: int, args, *, serial: bool) -> dict:
+def bench_size(cfg, p: int, batch: int, args, *, serial: bool) -> dict:
     """Every applicable mode (and serial on rank 0 if asked) on p processes."""
     runs, skipped = applicable(cfg, batch, p, args.modes)
     if p == 1:
         runs, serial = [], True
-    payload = {"cfg": cfg.to_dict(), "runs": runs, "skipped": skipped, "reference": serial, "timeout": args.timeout,
+    payload = {"arch": arch_of_config(cfg).name, "cfg": cfg.to_dict(), "runs": runs, "skipped": skipped, "reference": serial, "timeout": args.timeout,
                "args": {"batch": batch, **{k: getattr(args, k) for k in ("steps", "warmup", "seed", "calibrate",
                                                                          "activation_checkpointing")}}}
     return run_world(p, payload)
@@ -783,7 +787,9 @@ def plot_sweeps(report: dict, path: Path) -> None:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=4, help="processes (ranks per model replica), default 4")
-    p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small)")
+    p.add_argument("--arch", default=DEFAULT_ARCH, choices=available_archs(), help=f"model family (default {DEFAULT_ARCH})")
+    p.add_argument("--model", default=None, metavar="PRESET",
+                   help="size preset of the family (default its default preset, e.g. small for gpt2)")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--n-layers", type=int, default=None)
@@ -813,6 +819,8 @@ def check_args(args) -> None:
     unknown = [m for m in args.modes or [] if m not in known]
     if unknown:
         raise LatticeConfigError(f"unknown mode(s) {unknown} in --modes; choose from {', '.join(sorted(known))}")
+    if args.sweep and args.arch != "gpt2":
+        raise LatticeConfigError(f"the sweeps scale the papers' GPT-2 shapes; drop --arch {args.arch} or --sweep")
     for name, least in (("nproc", 1), ("batch", 1), ("steps", 1), ("warmup", 0)):
         if getattr(args, name) < least:
             raise LatticeConfigError(f"--{name} must be at least {least}, got {getattr(args, name)}")
@@ -834,10 +842,11 @@ def run_bench(args) -> int:
                                                                                  sys.argv[1:2] == ["bench"] else sys.argv[1:])}
     if args.sweep:
         return _run_sweeps(args, out, report)
-    overrides = {k: v for k, v in (("seq_len", args.seq_len), ("n_layers", args.n_layers), ("d_model", args.d_model),
-                                   ("n_heads", args.n_heads)) if v}
-    cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size, **overrides)
+    from lattice.cost.plan import model_config
+
     try:
+        cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, seq_len=args.seq_len,
+                           n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads)
         result = bench_size(cfg, args.nproc, args.batch, args, serial=not args.no_serial)
     except (RuntimeError, LatticeConfigError) as e:
         print(f"lattice bench: {e}", file=sys.stderr)

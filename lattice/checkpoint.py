@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
 
 import torch
 
+from lattice import sharded_checkpoint as sharded
+from lattice.checkpoint_files import START_FRESH, atomic_write, check_version_and_keys
 from lattice.context import LatticeConfigError
 from lattice.sharding import gather_full
 
@@ -36,7 +37,6 @@ FORMAT = "lattice-checkpoint"
 VERSION = 1
 FILENAME = "ckpt.pt"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
-START_FRESH = "or start without --resume"  # the other way out, at the end of every refusal
 
 
 def single_file(path: str | os.PathLike) -> Path:
@@ -49,8 +49,6 @@ def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint a path names: a single file, a sharded checkpoint's directory, or, for a
     run directory, its newest complete checkpoint (sharded ones in checkpoints/, or ckpt.pt;
     the more recently written when it has both)."""
-    from lattice import sharded_checkpoint as sharded
-
     path = Path(path)
     if not path.is_dir() or sharded.is_checkpoint_dir(path):
         return path
@@ -62,8 +60,6 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def run_dir(path: str | os.PathLike) -> Path:
     """The run directory a checkpoint path belongs to (where tokenizer.json and metrics.csv are)."""
-    from lattice import sharded_checkpoint as sharded
-
     path = resolve(path)
     if path.is_dir():
         return path.parent.parent if path.parent.name == sharded.SUBDIR else path.parent
@@ -71,8 +67,6 @@ def run_dir(path: str | os.PathLike) -> Path:
 
 
 def is_sharded(ckpt: dict) -> bool:
-    from lattice import sharded_checkpoint as sharded
-
     return ckpt.get("format") == sharded.FORMAT
 
 
@@ -80,8 +74,6 @@ def full_model(ckpt: dict) -> dict[str, torch.Tensor]:
     """The weights of a checkpoint that `read` validated, as full tensors keyed by serial names,
     in this process (the whole model in memory; no process group needed)."""
     if is_sharded(ckpt):
-        from lattice import sharded_checkpoint as sharded
-
         keys = [k for k in ckpt["tensors"] if k.startswith("model/")]
         return {k[len("model/"):]: t for k, t in sharded.load_full(ckpt, keys).items()}
     return ckpt["model"]
@@ -92,45 +84,11 @@ def load_into(ckpt: dict, model, optimizer: torch.optim.Optimizer | None = None)
     `read` validated: sliced from full tensors without communication, or read by DCP (sharded:
     a collective, every rank calls it)."""
     if is_sharded(ckpt):
-        from lattice import sharded_checkpoint as sharded
-
         sharded.load(ckpt, model, optimizer)
         return
     model.load_full_state_dict(ckpt["model"])
     if optimizer is not None:
         load_optimizer(model, optimizer, ckpt["optimizer"])
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (a rename or a new file in it) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp) on a temporary file in `path`'s directory, then rename it over `path`:
-    readers never see a half-written file, even when several processes write the same entry.
-    The file is flushed to disk before the rename and the directory after it, so a power cut
-    leaves either the old or the new file; it gets the permissions the umask gives new files."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        fsync_dir(path.parent)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _tensors(payload: dict):
@@ -170,8 +128,6 @@ def read(path: str | os.PathLike) -> dict:
 
     Raises a one-line LatticeConfigError naming the problem and the fix for a missing, truncated,
     corrupt or foreign file, or a format version this code does not read."""
-    from lattice import sharded_checkpoint as sharded
-
     given, path = Path(path), resolve(path)
     if path.is_dir():
         return sharded.read(path)
@@ -217,21 +173,17 @@ def read(path: str | os.PathLike) -> dict:
     return ckpt
 
 
-def check_version_and_keys(record: dict, path, version: int, required) -> None:
-    """Refuse a checkpoint record of another format version, or one lacking required keys."""
-    if record.get("version") != version:
-        raise LatticeConfigError(f"checkpoint {path} has format version {record.get('version')!r} but this lattice "
-                                 f"reads version {version}; resume it with the lattice version that wrote it, "
-                                 f"{START_FRESH}")
-    missing = [k for k in required if k not in record]
-    if missing:
-        raise LatticeConfigError(f"checkpoint {path} lacks {missing}; it is damaged or not written by "
-                                 f"`lattice train`, {START_FRESH}")
+def arch_of(ckpt: dict) -> str:
+    """The model family a checkpoint holds (checkpoints written before families are GPT-2's)."""
+    return ckpt.get("arch", "gpt2")
 
 
-def check_model_config(ckpt: dict, model_config: dict, path: str | os.PathLike = "checkpoint") -> None:
+def check_model_config(ckpt: dict, arch: str, model_config: dict, path: str | os.PathLike = "checkpoint") -> None:
     """Refuse a checkpoint whose model differs from this run's (one line, every differing field).
     Dropout is not compared: it changes training, not what the weights mean."""
+    if arch_of(ckpt) != arch:
+        raise LatticeConfigError(f"{path} holds a {arch_of(ckpt)} model, not {arch}; pass --arch {arch_of(ckpt)} (or "
+                                 f"leave --arch out to use the run's), or start without --resume")
     saved = ckpt["model_config"]
     keys = sorted((set(saved) | set(model_config)) - {"dropout"})
     diff = [f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}" for k in keys if saved.get(k) != model_config.get(k)]

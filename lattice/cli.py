@@ -33,29 +33,33 @@ from pathlib import Path
 
 from lattice.context import LatticeConfigError
 from lattice.layout import PIPELINE_OPTIONS, make_topology
-from lattice.model import PRESETS
+from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import REFERENCE_MODE, available_modes
 from lattice.options import add_mode_option_flags, given_mode_options
+from lattice.pipeline import SCHEDULES
 
 # subcommands whose arguments and implementation live in another module, imported only when used
 # (so that `lattice train` does not import the benchmark's plotting)
 DELEGATED = {
     "bench": ("lattice.bench", "add_bench_arguments", "run_bench", "measured benchmarks"),
-    "plan": ("lattice.cost", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
+    "plan": ("lattice.cost.plan", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
     "convert": ("lattice.convert", "add_convert_arguments", "run_convert",
-                "convert checkpoints: sharded <-> single file, to and from a HuggingFace GPT-2 directory"),
+                "convert checkpoints: sharded <-> single file, to and from a HuggingFace model directory"),
 }
 
 
 # ----------------------------------------------------------------------------- arguments
-def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
+def _add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False) -> None:
+    p.add_argument("--arch", default=None, choices=available_archs(),
+                   help="model family (default: the run's)" if arch_from_run else
+                        f"model family (default {DEFAULT_ARCH}; with --resume, the run's)")
     p.add_argument("--mode", default=REFERENCE_MODE, choices=available_modes(),
                    help=f"parallel layout (default {REFERENCE_MODE})")
     p.add_argument("--tp", type=int, default=1, help="ranks per model replica (tensor parallel degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (a model replica is tp x pp ranks)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step with --pp (default pp)")
-    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
+    p.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
                    help="pipeline schedule (default 1f1b)")
     p.add_argument("--pp-virtual", type=int, default=None, help="virtual stages per rank, interleaved (default 2)")
     p.add_argument("--pp-layers", default=None, metavar="N,N,...",
@@ -65,7 +69,9 @@ def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
     add_mode_option_flags(p)
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for placement")
     p.add_argument("--placement", choices=("natural", "topology"), default="natural")
-    p.add_argument("--model", default="small", choices=list(PRESETS), help="model preset (default small)")
+    p.add_argument("--model", default=None, metavar="PRESET",
+                   help="size preset of the family (default its default, e.g. small for gpt2; " +
+                        "; ".join(f"{a}: {', '.join(get_arch(a).config_class.presets)}" for a in available_archs()) + ")")
     for flag, what in (("--d-model", "width"), ("--n-layers", "transformer blocks"), ("--n-heads", "attention heads"),
                        ("--seq-len", "context length")):
         p.add_argument(flag, type=int, default=None, help=f"{what} (default: the preset's)")
@@ -139,7 +145,7 @@ def _train_config(args):
     from lattice.train import TrainConfig
 
     return TrainConfig(data=args.data, data_format=args.data_format, text_key=args.text_key, tokenizer=args.tokenizer,
-                       model=args.model, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                       arch=args.arch or DEFAULT_ARCH, model=args.model, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                        seq_len=args.seq_len, vocab_size=args.vocab_size or DEFAULT_VOCAB, dropout=args.dropout,
                        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
@@ -160,12 +166,14 @@ def _check_before_launch(args) -> None:
     from lattice.context import MeshAxis
     from lattice.layout import plan
     from lattice.modes import get_mode
+    from lattice.pipeline import check_batch as check_pipeline_batch
 
     topo, _ = make_topology(args.mode, **_layout_kwargs(args))
     if args.nproc != topo.world_size:
         axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
         raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: mode {args.mode!r} with {axes} "
                                  f"has {topo.world_size} ranks; use --nproc {topo.world_size} or change --tp/--dp/--pp")
+    ckpt = _resume_checkpoint(args)
     tcfg = _train_config(args)
     cfg = tcfg.model_config()
     ctx = plan(args.mode, **_layout_kwargs(args))
@@ -176,13 +184,22 @@ def _check_before_launch(args) -> None:
         replica = torch.zeros(tcfg.batch_size // topo.size(MeshAxis.DP), cfg.seq_len, dtype=torch.int64)
         mode.check_batch(replica)
         if ctx.pipeline is not None:
-            from lattice.pipeline import check_batch
-
-            check_batch(ctx.pipeline, mode, replica)
-    _check_out_dir_and_resume(args, tcfg, cfg)
+            check_pipeline_batch(ctx.pipeline, mode, replica)
+    _check_out_dir_and_resume(args, tcfg, cfg, ckpt)
 
 
-def _check_out_dir_and_resume(args, tcfg, cfg) -> None:
+def _resume_checkpoint(args) -> dict | None:
+    """The checkpoint --resume names (validated), and the family: --arch, else the run's, else
+    the default."""
+    from lattice import checkpoint
+
+    ckpt = checkpoint.read(args.resume) if args.resume else None
+    if args.arch is None:
+        args.arch = checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH
+    return ckpt
+
+
+def _check_out_dir_and_resume(args, tcfg, cfg, ckpt) -> None:
     """The out-dir (usable, not in use by another run) and the checkpoint to resume, if any. On
     every rank before any process group exists, and in the launcher before any process starts."""
     from lattice import checkpoint, faults
@@ -190,14 +207,11 @@ def _check_out_dir_and_resume(args, tcfg, cfg) -> None:
     if args.out_dir:
         out = faults.check_out_dir(args.out_dir, checkpoint.FILENAME)
         faults.RunLock(out).probe()
-    if args.resume:
-        ckpt = checkpoint.read(args.resume)
+    if ckpt is not None:
         where = checkpoint.resolve(args.resume)
-        checkpoint.check_model_config(ckpt, cfg.to_dict(), where)
+        checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
         faults.check_schedule(ckpt.get("train_config", {}), asdict(tcfg), args.allow_config_change, where)
         _continue_on_recorded_data(args, ckpt.get("train_config", {}), where)
-        return ckpt
-    return None
 
 
 def _continue_on_recorded_data(args, saved: dict, where) -> None:
@@ -263,9 +277,10 @@ def cmd_train(args, argv: list[str]) -> int:
                                  f"drop --nproc when launching with torchrun")
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
+    ckpt = _resume_checkpoint(args)
     tcfg = _train_config(args)
     cfg = tcfg.model_config()
-    ckpt = _check_out_dir_and_resume(args, tcfg, cfg)  # every rank, before any process group exists
+    _check_out_dir_and_resume(args, tcfg, cfg, ckpt)  # every rank, before any process group exists
     tcfg = _train_config(args)  # with the recorded data of a resumed run
     ctx = lattice.init(args.mode, seed=args.seed, timeout=args.dist_timeout, **_layout_kwargs(args))
     lock = None
@@ -315,7 +330,7 @@ def cmd_train(args, argv: list[str]) -> int:
 # ----------------------------------------------------------------------------- generate, eval
 def _add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
     p.add_argument("run", metavar="DIR", help="a run directory written by `lattice train` (or a checkpoint in it)")
-    _add_layout_arguments(p)
+    _add_layout_arguments(p, arch_from_run=True)
     p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
     p.add_argument("--seed", type=int, default=0)
     if generate:
@@ -335,11 +350,14 @@ def _load_for_inference(args, plan_only: bool = False):
     """The checkpoint, its model config and the layout; with plan_only, only validate them."""
     from lattice import checkpoint
     from lattice.layout import plan
-    from lattice.model import GPTConfig
     from lattice.modes import get_mode
 
     ckpt = checkpoint.read(args.run)
-    cfg = GPTConfig.from_dict(ckpt["model_config"])
+    arch = checkpoint.arch_of(ckpt)
+    if args.arch is not None and args.arch != arch:
+        raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
+                                 f"read from it) or pass another run")
+    cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
     get_mode(args.mode)(cfg, plan(args.mode, **_layout_kwargs(args)))  # the mode's size checks
     if plan_only:
         topo, _ = make_topology(args.mode, **_layout_kwargs(args))
@@ -372,7 +390,6 @@ def cmd_inference(args, argv: list[str]) -> int:
     import lattice
     from lattice import checkpoint
     from lattice.data import load_corpus
-    from lattice.model import GPT
 
     launched = "WORLD_SIZE" in os.environ
     if args.nproc and args.nproc > 1 and not launched:
@@ -390,7 +407,8 @@ def cmd_inference(args, argv: list[str]) -> int:
                 other = {"data": args.data, "data_format": args.data_format, "text_key": args.text_key,
                          "tokenizer": str(run_dir / "tokenizer.json") if (run_dir / "tokenizer.json").exists()
                          else saved.get("tokenizer")}
-            tcfg = TrainConfig.from_dict({**saved, "out_dir": None, "progress": False, **other,
+            tcfg = TrainConfig.from_dict({**saved, "arch": checkpoint.arch_of(ckpt), "out_dir": None, "progress": False,
+                                          **other,
                                           **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
             loss = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=True).evaluate()
             if ctx.rank == 0:
@@ -408,7 +426,7 @@ def cmd_inference(args, argv: list[str]) -> int:
         else:
             corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
             encode, decode = corpus.encode, corpus.decode
-        model = GPT(cfg, ctx)
+        model = lattice.build_model(cfg, ctx)
         checkpoint.load_into(ckpt, model)  # weights only
         ids = encode(args.prompt)
         if not ids:
@@ -439,22 +457,24 @@ def cmd_info(args) -> int:
     """Print a layout from the shard specs alone: no processes, no weights (a meta model)."""
     import torch
 
-    from lattice.layout import plan
+    from lattice.cost.plan import model_config
     from lattice.data import DEFAULT_VOCAB
-    from lattice.model import GPT, GPTConfig
+    from lattice.layout import plan
+    from lattice.models import build_model
 
     kw = _layout_kwargs(args)
     ctx = plan(args.mode, **kw)
     topo = ctx.topology
-    shape = {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(args, k)}
-    cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB, **shape)
+    arch = args.arch or DEFAULT_ARCH
+    cfg = model_config(arch, args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB, d_model=args.d_model,
+                       n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len)
     with torch.device("meta"):
-        model = GPT(cfg, ctx)
+        model = build_model(cfg, ctx)
     axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
     print(f"layout: mode {args.mode}, {topo.world_size} ranks, mesh {axes}, options {dict(ctx.options)}")
-    print(f"model: {args.model} {cfg.to_dict()}, {model.num_parameters():,} parameters")
+    print(f"model: {arch} {args.model or type(cfg).default_preset} {cfg.to_dict()}, {model.num_parameters():,} parameters")
     if ctx.pipeline is not None:
-        _print_stages(ctx, cfg)
+        _print_stages(model)
     print("ranks (mesh coordinates, node):")
     for r in range(topo.world_size):
         coords = ", ".join(f"{a.value}={c}" for a, c in topo.coords(r).items())
@@ -476,21 +496,23 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _print_stages(ctx, cfg) -> None:
+def _print_stages(model) -> None:
+    """Which (virtual) stage holds which of the model's parts, and on which ranks."""
     from lattice.context import MeshAxis
 
+    ctx, parts = model.ctx, model.parts_
     pcfg, topo = ctx.pipeline, ctx.topology
-    chunks = pcfg.chunks(cfg.n_layers)
+    chunks = pcfg.chunks(len(model.blocks))
     virtual = f", {pcfg.v} virtual stages per rank" if pcfg.v > 1 else ""
     print(f"pipeline: {pcfg.stages} stages, schedule {pcfg.schedule}, {pcfg.m} micro-batches{virtual}; bubble "
           f"(p-1)/(v m) = {pcfg.bubble():.3f}")
     for c, blocks in enumerate(chunks):
         stage = c % pcfg.stages
         ranks = [r for r in range(topo.world_size) if topo.coords(r)[MeshAxis.PP] == stage]
-        parts = (["embedding"] if c == 0 else []) + [f"blocks {blocks.start}-{blocks.stop - 1}"]
-        parts += ["final LayerNorm, LM head and loss"] if c == len(chunks) - 1 else []
+        held = (list(parts.first) if c == 0 else []) + [f"{parts.blocks} {blocks.start}-{blocks.stop - 1}"]
+        held += list(parts.last) + ["loss"] if c == len(chunks) - 1 else []
         label = f"stage {stage}" + (f" (chunk {c})" if pcfg.v > 1 else "")
-        print(f"  {label}: {', '.join(parts)}; ranks {ranks}")
+        print(f"  {label}: {', '.join(held)}; ranks {ranks}")
 
 
 def _print_message_counts(args, topo) -> None:
@@ -513,10 +535,12 @@ def _print_message_counts(args, topo) -> None:
 
 # ----------------------------------------------------------------------------- main
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lattice", description="Multi-dimensional tensor parallel GPT training.",
+    parser = argparse.ArgumentParser(prog="lattice", description="Multi-dimensional tensor parallel training of "
+                                                                 "transformer families.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train_arguments(sub.add_parser("train", help="train a GPT on the built-in corpus"))
+    _add_train_arguments(sub.add_parser("train", help="train a model (any family, any layout) on the built-in corpus "
+                                                       "or your own text"))
     _add_layout_arguments(sub.add_parser("info", help="print which rank holds which shard, and the groups"))
     _add_inference_arguments(sub.add_parser("generate", help="continue a prompt with a trained model, in any layout"),
                              generate=True)

@@ -2,10 +2,11 @@
 
     lattice convert runs/a runs/a.pt                 # sharded (the run's newest) -> one file of full tensors
     lattice convert runs/a.pt runs/b                 # one file -> sharded, in runs/b/checkpoints/step-N
-    lattice convert runs/a --to hf runs/a-hf         # config.json + model.safetensors for
-                                                     #   transformers.GPT2LMHeadModel.from_pretrained
-    lattice convert --from hf runs/a-hf runs/c       # a local HF GPT-2 directory -> a lattice checkpoint
-                                                     #   (step 0, no optimizer state) to train --resume from
+    lattice convert runs/a --to hf runs/a-hf         # config.json + model.safetensors for the family's
+                                                     #   transformers class (GPT2LMHeadModel.from_pretrained)
+    lattice convert --from hf runs/a-hf runs/c       # a local HF directory (its config.json's model_type
+                                                     #   names the family) -> a lattice checkpoint (step 0,
+                                                     #   no optimizer state) to train --resume from
 
 Converting holds the whole model (and AdamW's moments, between lattice forms) in this process's
 memory, as the single file and the HF directory do; sharded-to-sharded resharding needs no
@@ -21,8 +22,8 @@ import torch
 
 from lattice import checkpoint, hf
 from lattice import sharded_checkpoint as sharded
-from lattice.config import GPTConfig
 from lattice.context import LatticeConfigError
+from lattice.models import arch_of_hf, available_archs, get_arch, load_hf_dir
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "model", "optimizer", "rng",
@@ -31,12 +32,14 @@ _NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "m
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a run directory or checkpoint written by lattice (with --from hf: a HuggingFace "
-                               "GPT-2 directory)")
+                               "model directory)")
     p.add_argument("dst", help="where to write: a run directory for sharded, a .pt file for single, a directory for hf")
     p.add_argument("--to", choices=("sharded", "single", "hf"), default=None,
                    help="the form to write (default: single from sharded, sharded from anything else)")
     p.add_argument("--from", dest="source", choices=("lattice", "hf"), default="lattice",
                    help="what SRC is (default lattice)")
+    p.add_argument("--arch", default=None, choices=available_archs(),
+                   help="the model family SRC must hold (default: whatever it holds)")
 
 
 def run_convert(args) -> int:
@@ -49,6 +52,9 @@ def run_convert(args) -> int:
         ckpt = checkpoint.read(args.src)
         to = args.to or ("single" if checkpoint.is_sharded(ckpt) else "sharded")
         meta, tensors = _full_tensors(ckpt)
+    if args.arch is not None and meta["arch"] != args.arch:
+        raise LatticeConfigError(f"{args.src} holds a {meta['arch']} model, not {args.arch}; drop --arch or pass "
+                                 f"another source")
     where = {"sharded": _write_sharded, "single": _write_single, "hf": _write_hf}[to](Path(args.dst), meta, tensors)
     print(f"wrote {to} checkpoint {where} (step {meta['step']}, "
           f"{sum(t.numel() for k, t in tensors.items() if k.startswith('model/')):,} parameters"
@@ -59,6 +65,7 @@ def run_convert(args) -> int:
 def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, {"model/<name>" | "optimizer/<moment>/<name>": full tensor}) of either form."""
     meta = {k: v for k, v in ckpt.items() if k not in _NOT_CARRIED}
+    meta["arch"] = checkpoint.arch_of(ckpt)
     rng = ckpt.get("rng", {}).get("torch")
     if rng is not None:
         meta["rng"] = {"torch": rng if isinstance(rng, str) else sharded.encode_rng(rng)}
@@ -98,22 +105,17 @@ def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:
 
 
 def _write_hf(dst: Path, meta: dict, tensors: dict) -> Path:
-    cfg = GPTConfig.from_dict(meta["model_config"])
-    model = hf.hf_model(cfg, _model_part(tensors))
+    family = get_arch(meta["arch"])
+    cfg = family.config_class.from_dict(meta["model_config"])
+    model = hf.hf_model(family, cfg, _model_part(tensors))
     model.save_pretrained(dst, safe_serialization=True)
     return dst
 
 
 def _from_hf(src: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    if not (src / "config.json").is_file():
-        raise LatticeConfigError(f"{src} is not a HuggingFace model directory (no config.json); pass the directory "
-                                 f"that GPT2LMHeadModel.save_pretrained wrote")
-    transformers = hf._transformers()
-    try:
-        model = transformers.GPT2LMHeadModel.from_pretrained(src, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise LatticeConfigError(f"{src} cannot be loaded as a GPT-2 ({str(e).splitlines()[0][:160]})") from None
-    cfg, full = hf.read_hf(model)
-    meta = {"step": 0, "model_config": cfg.to_dict(), "train_config": {}, "optimizer_step": 0,
+    model = load_hf_dir(src)
+    family = arch_of_hf(model.config.model_type)
+    cfg, full = hf.read_hf(family, model)
+    meta = {"step": 0, "arch": family.name, "model_config": cfg.to_dict(), "train_config": {}, "optimizer_step": 0,
             "imported_from": str(src)}
     return meta, {f"model/{k}": t.detach() for k, t in full.items()}

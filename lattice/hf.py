@@ -1,227 +1,176 @@
-"""HuggingFace GPT-2 import and export.
+"""HuggingFace import and export, written once for every family.
 
-    model = lattice.GPT.from_hf(GPT2LMHeadModel(...), ctx)      # or a state dict with config=
-    sd = model.to_hf_state_dict()                                # GPT2LMHeadModel key names
+    model = lattice.from_hf(hf_model, ctx)              # the family from hf_model.config.model_type
+    model = lattice.GPT.from_hf(state_dict, ctx, config=GPT2Config(...))
+    sd = model.to_hf_state_dict()                        # the transformers model's key names
 
-This module knows names, shapes and configs only; `lattice.model` builds the models.
+A family declares how its tensors meet a transformers model's (`HFMapping`, as `Model.hf`):
+its model type and class, the config in both directions (refusing variants lattice does not
+implement), and every tensor as an `HFTensor` -- the HF name, the lattice name, the HF shape
+and whether the HF tensor is the transpose (nn.Linear keeps W[out, in], lattice W[in, out]);
+shapes that differ beyond that (GPT-2's fused c_attn (h, 3h) against lattice's (h, 3, h)) are
+reshapes. This module knows names, shapes and configs only; the families build the models.
 
-GPT-2 and lattice store the same tensors: both keep linear weights as W[in, out] (HF's Conv1D
-orientation), so only names change, except the fused qkv projection, which lattice keeps as
-(h, 3, h) with bias (3, h) where HF has c_attn (h, 3h) with bias (3h,); both put q, k, v in that
-order with heads contiguous, so a reshape is exact.
-
-Rules for GPT-2 variants lattice does not implement (refused with LatticeConfigError):
-- activation other than the tanh gelu ("gelu_new", "gelu_pytorch_tanh"); n_inner other than
-  4 * n_embd; scale_attn_weights=False; scale_attn_by_inverse_layer_idx; reorder_and_upcast_attn;
-  add_cross_attention.
-- Dropout: lattice has one rate for embeddings, attention and residuals. Equal resid/embd/attn
-  pdrop map to it; different ones are refused unless `dropout=` is given to `config_from_hf`
-  (or a GPTConfig to `from_hf`), which then replaces all three.
-- tie_word_embeddings maps to tie_embeddings; a tied config whose lm_head.weight differs from
-  wte.weight is refused (the weights are untied: set tie_word_embeddings=False).
-- Export of a bias-free lattice model writes zero biases (GPT-2 always has them; zeros compute
-  the same function), so it re-imports as a bias=True model.
-
-`transformers` is an optional extra (`pip install lattice[hf]`), imported only where a
-GPT2Config or GPT2LMHeadModel is built. Nothing is ever downloaded.
+`transformers` is an optional extra (`pip install lattice[hf]`), imported only where a config or
+model of it is built. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 
-from lattice.config import GPTConfig
 from lattice.context import LatticeConfigError
 from lattice.sharding import check_state_dict_keys
 
-_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older GPT-2 checkpoints
-_RENAMES = ((".attn.c_attn.", ".attn.qkv."), (".attn.c_proj.", ".attn.proj."),
-            (".mlp.c_fc.", ".mlp.fc."), (".mlp.c_proj.", ".mlp.proj."))
 
-
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("HuggingFace export needs the optional package transformers: "
+        raise ImportError("HuggingFace import and export need the optional package transformers: "
                           "pip install 'lattice[hf]' (or pip install transformers)") from e
     return transformers
 
 
-# ---------------------------------------------------------------------- configs
-def config_from_hf(hf_config, *, dropout: float | None = None) -> GPTConfig:
-    """The GPTConfig of a GPT2Config; refuses the GPT-2 variants lattice does not implement."""
-    c = hf_config
-    if getattr(c, "model_type", None) != "gpt2":
-        raise LatticeConfigError(f"expected a GPT-2 config (model_type 'gpt2'), got model_type "
-                                 f"{getattr(c, 'model_type', None)!r}; only GPT-2 can be imported")
-    if c.activation_function not in _TANH_GELUS:
-        raise LatticeConfigError(f"activation_function={c.activation_function!r} is not implemented; "
-                                 f"lattice uses the tanh gelu ({' or '.join(_TANH_GELUS)})")
-    if c.n_inner not in (None, 4 * c.n_embd):
-        raise LatticeConfigError(f"n_inner={c.n_inner} is not implemented; lattice's MLP width is "
-                                 f"4 * n_embd = {4 * c.n_embd} (set n_inner=None)")
-    for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                       ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
-        if bool(getattr(c, flag, want)) != want:
-            raise LatticeConfigError(f"{flag}={getattr(c, flag)} is not implemented; lattice needs {flag}={want}")
-    rates = {"resid_pdrop": c.resid_pdrop, "embd_pdrop": c.embd_pdrop, "attn_pdrop": c.attn_pdrop}
-    if dropout is None:
-        if len(set(rates.values())) != 1:
-            raise LatticeConfigError(f"lattice has one dropout rate but the GPT-2 config has {rates}; "
-                                     f"pass dropout=p to config_from_hf (or a GPTConfig to from_hf)")
-        dropout = c.resid_pdrop
-    return GPTConfig(vocab_size=c.vocab_size, seq_len=c.n_positions, d_model=c.n_embd, n_heads=c.n_head,
-                     n_layers=c.n_layer, dropout=float(dropout), bias=True,
-                     tie_embeddings=bool(c.tie_word_embeddings), layer_norm_eps=c.layer_norm_epsilon)
+@dataclass(frozen=True)
+class HFTensor:
+    hf: str  # name in the transformers model's state dict (after `HFMapping.normalize`)
+    lattice: str  # the serial lattice parameter
+    shape: tuple[int, ...]  # its shape in the transformers model
+    transpose: bool = False  # the HF tensor is the (2-d) transpose of lattice's
 
 
-def config_to_hf(cfg: GPTConfig):
-    """The transformers.GPT2Config computing the same function as `cfg`."""
-    special = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|> only if it exists
-    return _transformers().GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_head=cfg.n_heads,
-        n_layer=cfg.n_layers, n_inner=None, activation_function="gelu_new",
-        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-        layer_norm_epsilon=cfg.layer_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=special, eos_token_id=special)
+class HFMapping:
+    """How a family's weights and config meet a transformers model's; each family subclasses it."""
 
+    #: transformers' config.model_type of the models this family imports
+    model_type: str = ""
+    #: the transformers class exported to (and loaded from a directory)
+    model_class: str = ""
+    #: the family's description in messages ("a GPT-2")
+    label: str = ""
 
-def _check_same_architecture(given: GPTConfig, source: GPTConfig):
-    """A GPTConfig passed beside a model may change only the dropout rate."""
-    diff = {f.name: (getattr(given, f.name), getattr(source, f.name)) for f in dataclasses.fields(GPTConfig)
-            if f.name != "dropout" and getattr(given, f.name) != getattr(source, f.name)}
-    if diff:
-        raise LatticeConfigError(f"config disagrees with the HF model's config on {diff} (given, model); "
-                                 f"only dropout may differ: leave config=None or fix those fields")
+    def config_from_hf(self, hf_config, given=None):
+        """The lattice config of a transformers config; `given` (a lattice config or None) may
+        override what does not change the weights' meaning (dropout). Refuses variants lattice
+        computes differently, in one line."""
+        raise NotImplementedError
 
+    def config_to_hf(self, cfg):
+        """The transformers config computing the same function as `cfg`."""
+        raise NotImplementedError
 
-# ---------------------------------------------------------------------- names and shapes
-def _hf_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of a GPT2LMHeadModel for `cfg` (without the `transformer.` prefix)."""
-    h, v = cfg.d_model, cfg.vocab_size
-    out = {"wte.weight": (v, h), "wpe.weight": (cfg.seq_len, h)}
-    per_layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h),
-                 "attn.c_attn.bias": (3 * h,), "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,),
-                 "ln_2.weight": (h,), "ln_2.bias": (h,), "mlp.c_fc.weight": (h, 4 * h),
-                 "mlp.c_fc.bias": (4 * h,), "mlp.c_proj.weight": (4 * h, h), "mlp.c_proj.bias": (h,)}
-    for i in range(cfg.n_layers):
-        out.update({f"h.{i}.{k}": s for k, s in per_layer.items()})
-    out.update({"ln_f.weight": (h,), "ln_f.bias": (h,), "lm_head.weight": (v, h)})
-    return out
+    def tensors(self, cfg) -> list[HFTensor]:
+        """Every tensor of the transformers model for `cfg`, tied copies excluded."""
+        raise NotImplementedError
 
+    def tied(self, cfg) -> list[tuple[str, str]]:
+        """(HF name, HF name it must equal) of tensors the transformers model holds as a tied
+        copy (an LM head tied to the token table); export writes the copy."""
+        return []
 
-def _lattice_name(hf_name: str) -> str:
-    if hf_name in ("wte.weight", "wpe.weight"):
-        return "embed." + hf_name.split(".")[0]
-    if hf_name == "lm_head.weight":
-        return "head.weight"
-    if hf_name.startswith("h."):
-        name = "blocks." + hf_name[2:]
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
+    def normalize(self, state_dict: dict) -> dict:
+        """A transformers state dict with the keys `tensors` uses (prefixes, buffers)."""
+        return dict(state_dict)
+
+    def export_name(self, name: str) -> str:
+        """The key a `tensors` name has in the exported transformers model's state dict."""
         return name
-    return hf_name
+
+    def check_import(self, cfg) -> None:
+        """Refuse a lattice config the HF weights cannot fill."""
 
 
-def _strip(state_dict: dict) -> dict[str, torch.Tensor]:
-    """Keys as GPT2Model names them (no `transformer.` prefix), without the mask buffers."""
-    out = {}
-    for k, t in state_dict.items():
-        k = k.removeprefix("transformer.")
-        if not k.endswith(_BUFFERS):
-            out[k] = t
-    return out
+def _mapping(family):
+    if family.hf is None:
+        raise LatticeConfigError(f"family {family.name!r} has no HuggingFace mapping")
+    return family.hf
 
 
-# ---------------------------------------------------------------------- import / export
-def _lattice_shape(name: str, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """lattice keeps the fused qkv as (h, 3, h) / (3, h) where HF has (h, 3h) / (3h,)."""
-    if ".attn.qkv." not in name:
-        return hf_shape
-    return hf_shape[:-1] + (3, hf_shape[-1] // 3)
-
-
-def read_hf(model_or_state_dict, *, config=None) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The GPTConfig and full state dict (lattice names and shapes) of a GPT-2.
-
-    Accepts a GPT2LMHeadModel or GPT2Model, or a state dict (keys with or without the
-    `transformer.` prefix; lm_head.weight may be absent when tied) together with `config` (a
-    GPT2Config or GPTConfig). `lattice.GPT.from_hf` builds a model from it.
-    """
+def read_hf(family, model_or_state_dict, *, config=None):
+    """(lattice config, full state dict under lattice names and shapes) of a transformers model
+    of `family`, or of a state dict together with `config` (a transformers config or the
+    family's lattice config)."""
+    m = _mapping(family)
     if isinstance(model_or_state_dict, torch.nn.Module):
-        if not hasattr(model_or_state_dict, "config"):
-            raise LatticeConfigError(f"{type(model_or_state_dict).__name__} is not a HuggingFace model; "
-                                     f"pass a GPT2LMHeadModel, a GPT2Model or a state dict with config=")
-        source = config_from_hf(model_or_state_dict.config,
-                                dropout=config.dropout if isinstance(config, GPTConfig) else None)
-        if isinstance(config, GPTConfig):
-            _check_same_architecture(config, source)
-        elif config is not None:
-            raise LatticeConfigError("with a HF model, config may only be a GPTConfig (to change dropout); "
-                                     "leave it None to use the model's own config")
-        cfg, state_dict = config or source, model_or_state_dict.state_dict()
+        hf_config = getattr(model_or_state_dict, "config", None)
+        if hf_config is None or not hasattr(hf_config, "model_type"):
+            raise LatticeConfigError(f"{type(model_or_state_dict).__name__} is not a HuggingFace model; pass a "
+                                     f"{m.model_class}, or a state dict with config=")
+        if config is not None and not isinstance(config, family.config_class):
+            raise LatticeConfigError(f"with a HF model, config may only be a {family.config_class.__name__} (to change "
+                                     f"dropout); leave it None to use the model's own config")
+        cfg, state_dict = m.config_from_hf(hf_config, given=config), model_or_state_dict.state_dict()
     elif isinstance(model_or_state_dict, dict):
         if config is None:
-            raise LatticeConfigError("a GPT-2 state dict needs config= (a GPT2Config or GPTConfig): the number "
-                                     "of heads cannot be inferred from the tensor shapes")
-        cfg, state_dict = (config if isinstance(config, GPTConfig) else config_from_hf(config)), model_or_state_dict
+            raise LatticeConfigError(f"{m.label} state dict needs config= (a transformers config or "
+                                     f"{family.config_class.__name__}): the number of heads cannot be inferred from "
+                                     f"the tensor shapes")
+        cfg = config if isinstance(config, family.config_class) else m.config_from_hf(config)
+        state_dict = model_or_state_dict
     else:
-        raise LatticeConfigError(f"cannot import a {type(model_or_state_dict).__name__}; pass a GPT2LMHeadModel, "
-                                 f"a GPT2Model or a state dict with config=")
-    if not cfg.bias:
-        raise LatticeConfigError("GPT-2 weights always have biases; import them into a GPTConfig with bias=True")
-
-    sd = _strip(state_dict)
-    shapes = _hf_shapes(cfg)
-    if cfg.tie_embeddings:
-        shapes.pop("lm_head.weight")
-        head = sd.pop("lm_head.weight", None)
-        if head is not None and "wte.weight" in sd and not torch.equal(head, sd["wte.weight"]):
-            raise LatticeConfigError("the config ties lm_head to wte but lm_head.weight differs from wte.weight; "
-                                     "set tie_word_embeddings=False (tie_embeddings=False) to import an untied head")
-    check_state_dict_keys(shapes, sd, what="GPT-2 state dict")
-    for k, shape in shapes.items():
-        if tuple(sd[k].shape) != shape:
-            raise LatticeConfigError(f"GPT-2 {k}: expected shape {list(shape)} for this config, got "
-                                     f"{list(sd[k].shape)}; the config does not match the weights")
+        raise LatticeConfigError(f"cannot import a {type(model_or_state_dict).__name__}; pass a {m.model_class} or a "
+                                 f"state dict with config=")
+    m.check_import(cfg)
+    sd = m.normalize(state_dict)
+    for copy, source in m.tied(cfg):
+        held = sd.pop(copy, None)
+        if held is not None and source in sd and not torch.equal(held, sd[source]):
+            raise LatticeConfigError(f"the config ties {copy} to {source} but {copy} differs from {source}; set "
+                                     f"tie_word_embeddings=False (tie_embeddings=False) to import an untied head")
+    expected = m.tensors(cfg)
+    check_state_dict_keys([t.hf for t in expected], sd, what=f"{m.label} state dict")
+    for t in expected:
+        if tuple(sd[t.hf].shape) != t.shape:
+            raise LatticeConfigError(f"{m.label} {t.hf}: expected shape {list(t.shape)} for this config, got "
+                                     f"{list(sd[t.hf].shape)}; the config does not match the weights")
     full = {}
-    for k, shape in shapes.items():
-        name = _lattice_name(k)
-        full[name] = sd[k].detach().reshape(_lattice_shape(name, shape))
-    return cfg, full
+    for t in expected:
+        tensor = sd[t.hf].detach()
+        full[t.lattice] = tensor.t() if t.transpose else tensor
+    return cfg, _lattice_shapes(family, cfg, full)
 
 
-def to_hf_state_dict(cfg: GPTConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full tensors under GPT2LMHeadModel's key names (lm_head.weight is wte when tied), from a
-    lattice full state dict (`model.full_state_dict()`, or `model.to_hf_state_dict()` directly)."""
+def _lattice_shapes(family, cfg, full: dict) -> dict:
+    """`full` reshaped to the serial lattice model's parameter shapes (fused tensors)."""
+    from lattice.layout import plan
+
+    with torch.device("meta"):
+        specs = family(cfg, plan("serial")).specs
+    return {name: t.reshape(specs[name].full_shape) for name, t in full.items()}
+
+
+def to_hf_state_dict(family, cfg, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors under the transformers model's key names, from a lattice full state dict
+    (`model.full_state_dict()`, or `model.to_hf_state_dict()` directly). A tensor lattice does
+    not have (a bias of a bias-free model) is exported as zeros, which computes the same."""
+    m = _mapping(family)
+    like = next(iter(full.values()))
     out = {}
-    wte = full["embed.wte"]
-    for k, shape in _hf_shapes(cfg).items():
-        name = _lattice_name(k)
-        if name == "head.weight" and cfg.tie_embeddings:
-            t = wte
-        elif name in full:
-            t = full[name].reshape(shape)
-        else:  # a bias of a bias-free model
-            t = torch.zeros(shape, dtype=wte.dtype, device=wte.device)
-        out[k if k == "lm_head.weight" else "transformer." + k] = t
+    for t in m.tensors(cfg):
+        if t.lattice in full:
+            tensor = full[t.lattice]
+            tensor = tensor.reshape(tuple(reversed(t.shape))).t() if t.transpose else tensor.reshape(t.shape)
+        else:
+            tensor = torch.zeros(t.shape, dtype=like.dtype, device=like.device)
+        out[m.export_name(t.hf)] = tensor
+    for copy, source in m.tied(cfg):
+        out[m.export_name(copy)] = out[m.export_name(source)]
     return out
+
+
+def hf_model(family, cfg, full: dict[str, torch.Tensor]):
+    """A transformers model (eval mode, the weights' dtype) from a lattice full state dict."""
+    m = _mapping(family)
+    sd = to_hf_state_dict(family, cfg, full)
+    model = getattr(transformers_module(), m.model_class)(m.config_to_hf(cfg)).to(next(iter(full.values())).dtype)
+    model.load_state_dict({k: t.cpu() for k, t in sd.items()}, strict=True)
+    return model.eval()
 
 
 def to_hf_model(model):
-    """A transformers GPT2LMHeadModel (eval mode, the model's dtype) with a lattice.GPT's
-    weights. A collective under a parallel layout, as model.to_hf_state_dict."""
-    return hf_model(model.cfg, model.full_state_dict())
-
-
-def hf_model(cfg: GPTConfig, full: dict[str, torch.Tensor]):
-    """A transformers GPT2LMHeadModel (eval mode, the weights' dtype) from a lattice full state
-    dict."""
-    sd = to_hf_state_dict(cfg, full)
-    hf = _transformers().GPT2LMHeadModel(config_to_hf(cfg)).to(full["embed.wte"].dtype)
-    hf.load_state_dict({k: t.cpu() for k, t in sd.items()}, strict=True)
-    return hf.eval()
+    """A transformers model with a lattice model's weights (a collective under a parallel layout,
+    as model.to_hf_state_dict)."""
+    return hf_model(model.family, model.cfg, model.full_state_dict())

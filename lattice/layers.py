@@ -1,10 +1,13 @@
 """Pieces every mode repeats: float32 upcasting, vocabulary padding, the (tied) LM head's table,
-and the local linear product. Modes compose these with their own communication."""
+linear parameters (whole or in named segments) and the local product, the two norms' arithmetic
+over a hidden dim that may be split, and pooling one position of the residual stream. Modes
+compose these with their own communication."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lattice import comm
 from lattice.sharding import ShardSpec, register_sharded
@@ -48,18 +51,95 @@ class TiedHead(nn.Module):
         return self.embedding[0].wte if self.tied else self.weight
 
 
-def register_weight_and_bias(module: nn.Module, cfg, ctx, weight: ShardSpec, bias: ShardSpec) -> None:
-    """Register `weight` and, when the model has biases, `bias` (else bias = None)."""
+def register_weight_and_bias(module: nn.Module, ctx, weight: ShardSpec, bias: ShardSpec | None) -> None:
+    """Register `weight` and, given its spec, `bias` (else bias = None)."""
     register_sharded(module, "weight", weight, ctx)
-    if cfg.bias:
+    if bias is not None:
         register_sharded(module, "bias", bias, ctx)
     else:
         module.bias = None
 
 
-def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W + b on local shards: x (..., in), W (in, [stack,] out), b ([stack,] out) ->
-    (..., [stack,] out)."""
+NORM_KINDS = ("layer", "rms")
+
+
+def check_norm_kind(kind: str, bias: bool) -> None:
+    if kind not in NORM_KINDS:
+        raise ValueError(f"norm kind must be one of {NORM_KINDS}, got {kind!r}")
+    if kind == "rms" and bias:
+        raise ValueError("an RMSNorm has no bias; pass bias=False")
+
+
+def register_linear(module: nn.Module, ctx, out_shape: tuple[int, ...], weight_spec, bias_spec,
+                    bias: bool, segments: tuple[tuple[str, int], ...] | None = None) -> None:
+    """The parameters of y = x W + b: `weight_spec(out_shape)` and, with `bias`,
+    `bias_spec(out_shape)` give their specs. With `segments` ((name, width), ...) the output is
+    several tensors of different widths (q with n_heads, k and v with n_kv_heads): each segment
+    gets its own W and b in a child module named after it, split like a linear of that width, so
+    that every rank holds whole heads of every segment. `linear_params` returns the local
+    weight and bias (segments concatenated), `split_segments` cuts the product back."""
+    if segments is None:
+        register_weight_and_bias(module, ctx, weight_spec(out_shape), bias_spec(out_shape) if bias else None)
+        module.segment_names, module.segment_widths = None, None
+        return
+    if len(out_shape) != 1:
+        raise ValueError("a segmented linear has one output dim per segment (no stack)")
+    widths = []
+    for name, width in segments:
+        if hasattr(module, name):
+            raise ValueError(f"segment name {name!r} is an attribute of {type(module).__name__}; name it otherwise")
+        holder = nn.Module()
+        register_weight_and_bias(holder, ctx, weight_spec((width,)), bias_spec((width,)) if bias else None)
+        module.add_module(name, holder)
+        widths.append(weight_spec((width,)).local_shape(ctx.topology)[-1])
+    module.segment_names, module.segment_widths = tuple(n for n, _ in segments), tuple(widths)
+
+
+def linear_params(module: nn.Module) -> tuple:
+    """This rank's W (in, [stack,] out) and b of a linear registered by `register_linear`; with
+    segments, W is the tuple of the segments' (in, out_i) (a product keeps them apart, so that
+    autograd does not save a copy of their concatenation) and b their biases concatenated (None
+    where this rank holds none)."""
+    if module.segment_names is None:
+        return module.weight, module.bias
+    parts = [getattr(module, n) for n in module.segment_names]
+    weight = None if parts[0].weight is None else tuple(p.weight for p in parts)
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts], dim=-1)
+    return weight, bias
+
+
+def split_segments(module: nn.Module, y: torch.Tensor):
+    """A segmented linear's product cut into one tensor per segment (the tensor itself otherwise)."""
+    if module.segment_names is None:
+        return y
+    return tuple(y.split(module.segment_widths, dim=-1))
+
+
+class _SegmentProduct(torch.autograd.Function):
+    """y = x [W_1 | W_2 | ...] for a linear's segments. Forward saves x and the segments (its
+    parameters), not their concatenation; backward: dx = dy [W_1 | ...]ᵀ (concatenated again,
+    for the moment), dW_i = xᵀ dy_i (the columns of xᵀ dy that are segment i's)."""
+
+    @staticmethod
+    def forward(ctx, x, *ws):
+        ctx.save_for_backward(x, *ws)
+        return x @ torch.cat(ws, dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *ws = ctx.saved_tensors
+        dx = dy @ torch.cat(ws, dim=-1).t() if ctx.needs_input_grad[0] else None
+        dw = x.reshape(-1, x.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
+        return dx, *dw.split([w.shape[-1] for w in ws], dim=-1)
+
+
+def local_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W + b on local shards: x (..., in), W (in, [stack,] out) or a tuple of segments
+    (in, out_i), b ([stack,] out) -> (..., [stack,] out)."""
+    if isinstance(weight, tuple):
+        dtype = compute_dtype(x)  # under autocast, the casts outside the Function (as torch.mm would)
+        y = _SegmentProduct.apply(x.to(dtype), *(w.to(dtype) for w in weight))
+        return y if bias is None else y + bias
     y = x @ weight.reshape(weight.shape[0], -1)
     if bias is not None:
         y = y + bias.reshape(-1)
@@ -69,16 +149,24 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 class _NormalizeSplitHidden(torch.autograd.Function):
     """x̂ = (x - E[x]) / sqrt(Var[x] + eps) over a hidden dim split over `group` (Optimus §3.2.2;
     the 3D LayerNorm the same way). Forward: all-reduce (Σx, Σx²) over the group. Backward: with
-    g = dJ/dx̂, all-reduce (Σg, Σg·x̂); dx = rstd · (g - Σg/h - x̂ · Σ(g·x̂)/h)."""
+    g = dJ/dx̂, all-reduce (Σg, Σg·x̂); dx = rstd · (g - Σg/h - x̂ · Σ(g·x̂)/h).
+
+    RMSNorm (`rms`): x̂ = x / sqrt(E[x²] + eps): forward all-reduces Σx² alone, backward Σg·x̂
+    alone; dx = rstd · (g - x̂ · Σ(g·x̂)/h). With a one-rank group nothing is sent."""
 
     @staticmethod
-    def forward(ctx, x, group, h, eps):
+    def forward(ctx, x, group, h, eps, rms):
         xs = upcast(x)
-        sums = comm.raw_all_reduce(torch.stack([xs.sum(-1), (xs * xs).sum(-1)]), group)
-        mean = sums[0] / h
-        rstd = torch.rsqrt(sums[1] / h - mean * mean + eps)
-        xhat = ((xs - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).to(x.dtype)
-        ctx.group, ctx.h = group, h
+        if rms:
+            sq = comm.raw_all_reduce((xs * xs).sum(-1), group)
+            rstd = torch.rsqrt(sq / h + eps)
+            xhat = (xs * rstd.unsqueeze(-1)).to(x.dtype)
+        else:
+            sums = comm.raw_all_reduce(torch.stack([xs.sum(-1), (xs * xs).sum(-1)]), group)
+            mean = sums[0] / h
+            rstd = torch.rsqrt(sums[1] / h - mean * mean + eps)
+            xhat = ((xs - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).to(x.dtype)
+        ctx.group, ctx.h, ctx.rms = group, h, rms
         ctx.save_for_backward(xhat, rstd)
         return xhat
 
@@ -86,12 +174,26 @@ class _NormalizeSplitHidden(torch.autograd.Function):
     def backward(ctx, g):
         xhat, rstd = ctx.saved_tensors
         gs, xs = upcast(g), upcast(xhat)
-        sums = comm.raw_all_reduce(torch.stack([gs.sum(-1), (gs * xs).sum(-1)]), ctx.group)
-        dx = rstd.unsqueeze(-1) * (gs - sums[0].unsqueeze(-1) / ctx.h - xs * (sums[1].unsqueeze(-1) / ctx.h))
-        return dx.to(g.dtype), None, None, None
+        if ctx.rms:
+            dot = comm.raw_all_reduce((gs * xs).sum(-1), ctx.group)
+            dx = rstd.unsqueeze(-1) * (gs - xs * (dot.unsqueeze(-1) / ctx.h))
+        else:
+            sums = comm.raw_all_reduce(torch.stack([gs.sum(-1), (gs * xs).sum(-1)]), ctx.group)
+            dx = rstd.unsqueeze(-1) * (gs - sums[0].unsqueeze(-1) / ctx.h - xs * (sums[1].unsqueeze(-1) / ctx.h))
+        return dx.to(g.dtype), None, None, None, None
 
 
-def normalize_split_hidden(x: torch.Tensor, group, h: int, eps: float) -> torch.Tensor:
-    """LayerNorm's normalisation (no affine) of x (..., h/n) whose hidden dim of size h is split
-    over the n ranks of `group`."""
-    return _NormalizeSplitHidden.apply(x, group, h, eps)
+def normalize_split_hidden(x: torch.Tensor, group, h: int, eps: float, kind: str = "layer") -> torch.Tensor:
+    """LayerNorm's (kind "layer") or RMSNorm's ("rms") normalisation, no affine, of x (..., h/n)
+    whose hidden dim of size h is split over the n ranks of `group` (None: whole on this rank)."""
+    return _NormalizeSplitHidden.apply(x, group, h, eps, kind == "rms")
+
+
+def pool_pieces(piece: torch.Tensor | None, rows: slice, cols: slice, batch: int, width: int, group) -> torch.Tensor:
+    """One position of the residual stream, (batch, width), identical on every rank of `group`,
+    from each rank's piece of it (rows x cols of the whole, zeros padded around it; `piece` an
+    empty-batch tensor where this rank holds none of that position). Forward: an all-reduce (g)
+    sums the padded pieces; backward: the identity (every rank computes the same loss from the
+    pooled tensor), each piece taking its own region of the gradient."""
+    full = F.pad(piece, (cols.start, width - cols.stop, rows.start, batch - rows.stop))
+    return comm.all_reduce(full, group)

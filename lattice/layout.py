@@ -13,16 +13,12 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 from lattice.modes import REFERENCE_MODE, get_mode
-
-if TYPE_CHECKING:
-    from lattice.pipeline import PipelineConfig
+from lattice.pipeline import PipelineConfig
 
 
 def _natural_grid(world_size: int) -> tuple[int, ...]:
@@ -59,8 +55,6 @@ PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "pp_virtual", "pp_layers", "p
 def pipeline_config(pp: int, options: dict):
     """Take the pipeline options out of `options`: a PipelineConfig for pp > 1, else None
     (refusing pipeline options without pp)."""
-    from lattice.pipeline import PipelineConfig
-
     given = {k: options.pop(k) for k in PIPELINE_OPTIONS if k in options}
     given = {k: v for k, v in given.items() if v is not None}
     if pp == 1:

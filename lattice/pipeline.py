@@ -1,26 +1,32 @@
-"""Pipeline parallelism (Megatron-LM's PTD-P): the GPT split into stages by whole blocks, run
-by the schedules of `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B) on the
-process group of the `pp` mesh axis.
+"""Pipeline parallelism (Megatron-LM's PTD-P) around any model: its declared parts split into
+stages by whole blocks, run by the schedules of `torch.distributed.pipelining` (GPipe, 1F1B,
+interleaved 1F1B) on the process group of the `pp` mesh axis.
 
     ctx = lattice.init("1d", tp=2, pp=2, microbatches=4, pp_schedule="1f1b")   # 4 processes
-    model = lattice.GPT(cfg, ctx)
+    model = lattice.build_model(cfg, ctx)            # a PipelineModel: this rank's stages
     loss = model.forward_backward(tokens, targets)   # the replica's mean loss, on every rank
 
-A replica is tp x pp ranks. Stage s holds blocks [a_s, b_s) (an even split, or `pp_layers`);
-the first stage also the embedding, the last the final LayerNorm and the LM head (the loss is the
-schedule's loss function). With interleaving, the model is cut into pp x v chunks and rank s
-holds chunks s, s + pp, ... Every tensor-parallel rank sends its own piece of the residual
-stream to the same tensor position of the next stage. With tied embeddings the last stage keeps
-a mirror of the token table, updated like the original (its gradient is summed with the first
-stage's before the optimizer step, as Megatron does), so both stay equal.
+A model knows nothing of this: it declares its modules in order (`Model.parts()`: the first
+part, the blocks, the last part; torchtitan's model_parts), and `PipelineModel` keeps the
+parameters of this rank's stages and drops the others. A replica is tp x pp ranks. Stage s holds
+blocks [a_s, b_s) (an even split, or `pp_layers`); the first stage also the first part (the
+embedding), the last the last part (final norm and head; the loss is the schedule's loss
+function). With interleaving, the model is cut into pp x v chunks and rank s holds chunks s, s +
+pp, ... Every tensor-parallel rank sends its own piece of the residual stream to the same
+tensor position of the next stage. A parameter of the first part that the last part uses too
+(`Parts.shared`: a tied token table) is kept on the last stage as a mirror, updated like the
+original (its gradient is summed with the first stage's before the optimizer step, as
+Megatron does), so both stay equal.
 
 Bubble: a fraction (p - 1) / m of a GPipe or 1F1B step idles, (p - 1) / (v m) interleaved
 (Narayanan et al. 2021, papers/002). 1F1B keeps at most p micro-batches' activations in flight
-where GPipe keeps all m.
+where GPipe keeps all m. The point-to-point traffic and the activations in flight are the cost
+model's (lattice.cost).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,7 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
+from lattice.sharding import collect_specs, sum_replica_grads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -161,34 +168,29 @@ class _ContiguousGrad(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- stages
 class StageModule(nn.Module):
-    """One (virtual) stage of a GPT: its blocks, with the embedding on the first and the final
-    LayerNorm on the last. The LM head and loss are the schedule's loss function."""
+    """One (virtual) stage of a model: its blocks, with the first part on the first stage and the
+    last part's norm on the last (the head and loss are the schedule's loss function)."""
 
-    def __init__(self, gpt, blocks: range, first: bool, last: bool, scatter_gather_group=None):
+    def __init__(self, model, blocks: range, first: bool, last: bool, scatter_gather_group=None):
         super().__init__()
-        self.gpt = [gpt]  # not a submodule: the stage registers only its own layers
+        self.model = [model]  # not a submodule: the stage registers only its own layers
         self.first, self.last, self.block_ids = first, last, blocks
-        self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
-        if first:
-            self.embed = gpt.embed
-        if last:
-            self.ln_f = gpt.ln_f
-            self.head = gpt.head
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
         self.sg_group = scatter_gather_group
 
     def forward(self, x):
-        gpt = self.gpt[0]
-        if gpt.training:  # a new micro-batch: new dropout masks (recomputation reuses this count)
-            gpt.seeds.forward_count += 1
+        model = self.model[0]
+        if model.training:  # a new micro-batch: new dropout masks (recomputation reuses this count)
+            model.seeds.forward_count += 1
         if self.first:
-            x = gpt.drop(gpt.embed(x))  # tokens (B_mb, T) -> residual layout
+            x = model.embed_tokens(x)  # tokens (B_mb, T) -> residual layout
         else:
             x = _ContiguousGrad.apply(x)
             if self.sg_group is not None:
                 x = _GatherSlices.apply(x, self.sg_group)
-        x = gpt.run_blocks(x, self.blocks)
+        x = model.run_blocks(x, self.blocks)
         if self.last:
-            return gpt.ln_f(x)
+            return model.finish(x)
         if self.sg_group is not None:
             x = _KeepOwnSlice.apply(x, self.sg_group)
         return x.contiguous()  # sent as it is to the next stage
@@ -213,40 +215,24 @@ class _MeteredStage:
         return stage
 
 
-@torch.no_grad()
-def _residual_meta(gpt, microbatch: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    """This rank's piece of the residual stream for one micro-batch (shape, dtype): the first
-    stage runs its embedding once without gradients and sends the result's shape along the pp
-    group, whose members share this tensor position. Given to PipelineStage up front, it spares
-    the schedule's own inference: a traced forward and backward of micro-batch 0 on every stage
-    at the first step, with every collective, a dropout count and saved activations in it."""
-    ctx = gpt.ctx
-    meta = [None]
-    if ctx.stage == 0:
-        x = gpt.embed(microbatch)
-        meta = [(tuple(x.shape), str(x.dtype).removeprefix("torch."))]
-    first = ctx.topology.rank_at({**ctx.coords, MeshAxis.PP: 0})
-    dist.broadcast_object_list(meta, src=first, group=ctx.group(MeshAxis.PP))
-    shape, dtype = meta[0]
-    return torch.Size(shape), getattr(torch, dtype)
-
-
-def build_schedule(gpt, microbatch_loss, microbatch: torch.Tensor):
-    """The torch.distributed.pipelining schedule running this rank's stages of `gpt`, with the
-    tensors between stages declared up front (static mode)."""
+def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
+    """The torch.distributed.pipelining schedule running this rank's stages of `model`, with the
+    tensors between stages declared up front (static mode): this rank's piece of the residual
+    stream, whose shape the mode states (`Mode.residual_shape`), so nothing runs to infer it."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
 
-    ctx, pcfg = gpt.ctx, gpt.ctx.pipeline
+    pcfg = ctx.pipeline
     group = ctx.group(MeshAxis.PP)
-    chunks = pcfg.chunks(gpt.cfg.n_layers)
+    chunks = pcfg.chunks(len(model.blocks))
     n = len(chunks)
-    shape, dtype = _residual_meta(gpt, microbatch)
-    sg = scatter_gather_group(gpt)
+    shape = torch.Size(model.mode.residual_shape(microbatch.shape[0], microbatch.shape[1]))
+    dtype = model.dtype
+    sg = scatter_gather_group(model.mode, ctx)
     sent = torch.Size((*shape[:-1], shape[-1] // dist.get_world_size(sg))) if sg is not None else shape
     stages = []
     for c in range(ctx.stage, n, pcfg.stages):
-        module = StageModule(gpt, chunks[c], first=c == 0, last=c == n - 1, scatter_gather_group=sg)
+        module = StageModule(model, chunks[c], first=c == 0, last=c == n - 1, scatter_gather_group=sg)
         # a received activation requires grad: its gradient goes back to the previous stage
         inputs = microbatch if c == 0 else torch.empty(sent, dtype=dtype, device="meta", requires_grad=True)
         outputs = torch.empty(shape if c == n - 1 else sent, dtype=dtype, device="meta")
@@ -260,27 +246,12 @@ def build_schedule(gpt, microbatch_loss, microbatch: torch.Tensor):
     return cls(stages[0], n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
 
 
-def scatter_gather_group(gpt):
+def scatter_gather_group(mode, ctx):
     """The tensor ranks of this stage when its residual is replicated over them (1d without
     sequence parallelism) and the optimisation is on; else None."""
-    ctx = gpt.ctx
-    if not (ctx.pipeline.scatter_gather and gpt.mode.residual_replicated and ctx.tp > 1):
+    if not (ctx.pipeline.scatter_gather and mode.residual_replicated and ctx.tp > 1):
         return None
     return ctx.tensor_group()
-
-
-def stage_of_module(prefix: str, chunks: list[range], stages: int) -> int:
-    """The pipeline stage (rank coordinate on pp) holding a GPT module, given the blocks of each
-    chunk (`PipelineConfig.chunks`)."""
-    top = prefix.split(".")[0]
-    if top == "embed":
-        return 0
-    if top in ("ln_f", "head"):
-        return (len(chunks) - 1) % stages
-    if top == "blocks":
-        block = int(prefix.split(".")[1])
-        return next(c for c, blocks in enumerate(chunks) if block in blocks) % stages
-    raise ValueError(f"no pipeline stage for module {prefix!r}")
 
 
 def check_batch(pcfg: PipelineConfig, mode, tokens: torch.Tensor) -> None:
@@ -293,119 +264,162 @@ def check_batch(pcfg: PipelineConfig, mode, tokens: torch.Tensor) -> None:
     mode.check_batch(tokens[: tokens.shape[0] // m])  # the layout's own constraints, per micro-batch
 
 
-def _loss_to_replica(gpt, loss: torch.Tensor | None) -> float:
-    """The last stage's loss, broadcast to every stage of the replica."""
-    ctx, dtype = gpt.ctx, torch.promote_types(gpt.dtype, torch.float32)
-    buf = (loss.detach().reshape(1).to(dtype, copy=True) if loss is not None
-           else torch.zeros(1, dtype=dtype, device=ctx.device))
-    # group rank = pp coordinate (Topology keeps ranks increasing along every axis)
-    return float(comm.raw_broadcast(buf, ctx.group(MeshAxis.PP), src=ctx.pipeline.stages - 1))
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages of a model of `family`, with the model's interface:
+    `forward_backward(tokens, targets)` runs the schedule (the replica's mean loss on every
+    rank), `model(tokens, targets)` under torch.no_grad() evaluates through the stages, and
+    loading, gathering and exporting full tensors work as on the whole model (each rank holds the
+    parameters of its stages; `is_mirror` names the last stage's copies of shared ones)."""
 
+    def __init__(self, family, cfg, ctx, *, dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False):
+        super().__init__()
+        planning = torch.empty(()).is_meta
+        stage_ctx = dataclasses.replace(ctx, pipeline=None)  # the model sees its tensor layout only
+        with torch.device("meta"):
+            model = family(cfg, stage_ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+        parts = model.parts()
+        if parts is None:
+            raise LatticeConfigError(f"family {family.name!r} cannot be split into pipeline stages; use pp = 1 (any "
+                                     f"tensor layout, with dp for more ranks)")
+        self.ctx, self.pcfg, self.parts_ = ctx, ctx.pipeline, parts
+        object.__setattr__(self, "_model", model)  # not a submodule: parameter names stay the model's
+        self._keep_this_stage(model, parts)
+        model.specs = collect_specs(model)
+        self._schedules: dict[tuple, object] = {}
+        self._grads_pending = False
+        if not planning:
+            model.materialize()
 
-def pipeline_forward_backward(gpt, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-    """Forward and backward of the replica batch through the schedule; the mean loss."""
-    check_batch(gpt.pipeline, gpt.mode, tokens)
-    pcfg, ctx = gpt.pipeline, gpt.ctx
-    if gpt._schedule is None or gpt._schedule[0] != tuple(tokens.shape):  # the stages' shapes follow the batch's
-        schedule = build_schedule(gpt, lambda x, y: gpt.head.loss(x, y) / pcfg.m, tokens[: len(tokens) // pcfg.m])
-        gpt._schedule = (tuple(tokens.shape), schedule)
-    gpt._grads_pending = True
-    first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
-    losses: list[torch.Tensor] = []
-    args = (tokens,) if first else ()
-    kwargs = {"target": targets, "losses": losses} if last else {}
-    gpt._schedule[1].step(*args, **kwargs)
-    return _loss_to_replica(gpt, torch.stack(losses).sum() if last else None)
+    def _keep_this_stage(self, model, parts) -> None:
+        """Give every parameter its stage (the first part: the first; blocks: by the split; the
+        last part: the last) as a holder along the pp axis, and drop the parameters of other
+        stages from this rank, but for the last stage's mirrors of `parts.shared`."""
+        ctx, pcfg = self.ctx, self.pcfg
+        blocks = getattr(model, parts.blocks)
+        chunks = pcfg.chunks(len(blocks))
+        last = (len(chunks) - 1) % pcfg.stages
+        stage_of: dict[int, int] = {}
+        owners = [(model.get_submodule(name), 0) for name in parts.first]
+        owners += [(blocks[i], c % pcfg.stages) for c, ids in enumerate(chunks) for i in ids]
+        owners += [(model.get_submodule(name), last) for name in parts.last]
+        for owner, stage in owners:
+            for module in owner.modules():
+                if id(module) in stage_of:
+                    raise ValueError(f"{model.name}.parts() names a module twice (under {type(owner).__name__})")
+                stage_of[id(module)] = stage
+        for prefix, module in model.named_modules():
+            specs = getattr(module, "_lattice_specs", None)
+            if not specs:
+                continue
+            if id(module) not in stage_of:
+                raise ValueError(f"{model.name}.parts() leaves out the module {prefix!r}, which holds parameters")
+            for name, spec in specs.items():
+                staged = dataclasses.replace(spec, holders=spec.holders + ((MeshAxis.PP, stage_of[id(module)]),))
+                specs[name] = staged
+                full = f"{prefix}.{name}" if prefix else name
+                mirror = full in parts.shared and ctx.stage == last and spec.holds(ctx.coords)
+                if not staged.holds(ctx.coords) and not mirror and module._parameters.get(name) is not None:
+                    module._parameters[name] = None
 
+    # ---- the model's interface
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
 
-@torch.no_grad()
-def pipeline_evaluate(gpt, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The replica's mean loss without gradients: the whole batch through the stages in turn
-    (blocking sends; each message is preceded by its shape). Identical on every rank."""
-    ctx, pcfg = gpt.ctx, gpt.pipeline
-    chunks = pcfg.chunks(gpt.cfg.n_layers)
-    group, n, s = ctx.group(MeshAxis.PP), len(chunks), pcfg.stages
+    @property
+    def family(self):
+        return type(self._model)
 
-    def rank_of(stage):
-        return ctx.topology.rank_at({**ctx.coords, MeshAxis.PP: stage})
+    def named_parameters(self, *args, **kwargs):
+        return self._model.named_parameters(*args, **kwargs)
 
-    x, loss = None, None
-    for c in range(n):
-        if c % s != ctx.stage:
-            continue
-        module = StageModule(gpt, chunks[c], first=c == 0, last=c == n - 1,
-                             scatter_gather_group=scatter_gather_group(gpt))
-        if c == 0:
-            x = tokens
-        else:
-            shape = torch.zeros(8, dtype=torch.int64)
-            dist.recv(shape, src=rank_of((c - 1) % s), group=group)
-            x = torch.empty(tuple(shape[1:1 + shape[0]].tolist()), dtype=gpt.dtype, device=ctx.device)
-            dist.recv(x, src=rank_of((c - 1) % s), group=group)
-        x = module(x)
-        if c == n - 1:
-            loss = gpt.head.loss(x, targets)
-        else:
-            shape = torch.zeros(8, dtype=torch.int64)
-            shape[0], shape[1:1 + x.dim()] = x.dim(), torch.tensor(x.shape)
-            dist.send(shape, dst=rank_of((c + 1) % s), group=group)
-            dist.send(x.contiguous(), dst=rank_of((c + 1) % s), group=group)
-    return torch.tensor(_loss_to_replica(gpt, loss), dtype=torch.promote_types(gpt.dtype, torch.float32))
+    def parameters(self, recurse: bool = True):
+        return self._model.parameters(recurse)
 
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._model.train(mode)
+        return self
 
-@torch.no_grad()
-def sum_tied_embedding_grads(gpt) -> None:
-    """With tied embeddings, sum the token table's gradient of the first stage (embedding) and
-    the last (LM head) on both, so that the table and its mirror take the same step."""
-    ctx = gpt.ctx
-    if not gpt.cfg.tie_embeddings or ctx.stage not in (0, ctx.pipeline.stages - 1):
-        return
-    wte = gpt.embed.wte
-    if wte is None:
-        return  # a tensor rank that holds no part of the table (never the case in the built-in modes)
-    group = ctx.group(MeshAxis.PP) if ctx.pipeline.stages == 2 else ctx.embedding_group
-    grad = wte.grad if wte.grad is not None else torch.zeros_like(wte)
-    wte.grad = comm.raw_all_reduce(grad.contiguous(), group, phase="backward")
+    def is_mirror(self, name: str) -> bool:
+        """A parameter this rank keeps as a copy of another stage's (the tied table on the last
+        stage): it trains like the original but counts only once."""
+        return not self._model.specs[name].holds(self.ctx.coords)
 
+    def forward(self, tokens, targets=None, *, cache=None, **_):
+        if cache is not None:
+            raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
+                                     "(any tensor layout) to generate")
+        if torch.is_grad_enabled():
+            raise LatticeConfigError("with pipeline parallelism a training step is model.forward_backward(tokens, "
+                                     "targets); model(tokens, targets) evaluates, under torch.no_grad()")
+        if targets is None:
+            raise LatticeConfigError("with pipeline parallelism model(tokens, targets) returns the loss only; full "
+                                     "logits need pp = 1")
+        loss = self._run(tokens, targets, train=False)
+        return torch.tensor(loss, dtype=torch.promote_types(self._model.dtype, torch.float32))
 
-# ----------------------------------------------------------------------------- analysis
-def p2p_piece(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, seq: int | None = None,
-              **options) -> float:
-    """Elements of one micro-batch's residual piece that a tensor rank sends to the next stage:
-    B/m · T · h over the layout's residual split (the cost model's figure), divided by the t
-    tensor ranks that replicate it under the scatter/gather optimisation."""
-    from lattice import cost
-    from lattice.layout import plan
-    from lattice.modes import get_mode
+    def generate(self, *args, **kwargs):
+        raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
+                                 "(any tensor layout) to generate")
 
-    piece = cost.estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options).residual_elements
-    replicated = get_mode(mode)(cfg, plan(mode, tp=tp, **options)).residual_replicated
-    return piece / tp if pcfg.scatter_gather and replicated and tp > 1 else piece
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of the replica batch through the schedule, with the in-replica
+        gradient sums; the mean loss, identical on every rank of the replica."""
+        loss = self._run(tokens, targets, train=True)
+        self._grads_pending = True
+        self.sync_grads()
+        return loss
 
+    def _run(self, tokens, targets, *, train: bool) -> float:
+        model, pcfg, ctx = self._model, self.pcfg, self.ctx
+        model.check_tokens(tokens, targets)
+        check_batch(pcfg, model.mode, tokens)
+        key = tuple(tokens.shape)  # the stages' shapes follow the batch's
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(model, ctx, lambda x, y: model.head_loss(x, y) / pcfg.m,
+                                                  tokens[: len(tokens) // pcfg.m])
+        schedule = self._schedules[key]
+        first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        (schedule.step if train else schedule.eval)(*args, **kwargs)
+        return self._loss_to_replica(torch.stack(losses).sum() if last else None)
 
-def stage_sends(pcfg: PipelineConfig, stage: int, piece: float) -> dict[str, float]:
-    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
-    piece out of every chunk it holds but the last; backward, the same gradient out of every
-    chunk but the first."""
-    n = pcfg.stages * pcfg.v
-    mine = range(stage, n, pcfg.stages)
-    return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
-            "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
+    def _loss_to_replica(self, loss: torch.Tensor | None) -> float:
+        """The last stage's loss, broadcast to every stage of the replica."""
+        ctx, dtype = self.ctx, torch.promote_types(self._model.dtype, torch.float32)
+        buf = (loss.detach().reshape(1).to(dtype, copy=True) if loss is not None
+               else torch.zeros(1, dtype=dtype, device=ctx.device))
+        # group rank = pp coordinate (Topology keeps ranks increasing along every axis)
+        return float(comm.raw_broadcast(buf, ctx.group(MeshAxis.PP), src=self.pcfg.stages - 1))
 
+    def sync_grads(self) -> None:
+        """The model's in-replica gradient sums over its tensor axes, and the gradients of shared
+        parameters summed between the first stage and the last, so that the table and its
+        mirror take the same step."""
+        if self._grads_pending:
+            sum_replica_grads(self._model)
+            self._sum_shared_grads()
+            self._grads_pending = False
 
-def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,
-                 **options) -> dict[str, float]:
-    """What one rank of `stage` sends point-to-point in one step (see p2p_piece, stage_sends)."""
-    return stage_sends(pcfg, stage, p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, seq=seq, **options))
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        self.sync_grads()
+        return self._model.gather_grads()
 
-
-def in_flight(pcfg: PipelineConfig, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak: all m under GPipe; under 1F1B
-    the warm-up depth p - stage (at most m); interleaved, Megatron's warm-up of
-    (p - stage - 1) * 2 + (v - 1) * p forwards plus the current one, in chunk-forwards (at most v m)."""
-    p, m, v = pcfg.stages, pcfg.m, pcfg.v
-    if pcfg.schedule == "gpipe":
-        return m
-    if pcfg.schedule == "1f1b":
-        return min(m, p - stage)
-    return min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    @torch.no_grad()
+    def _sum_shared_grads(self) -> None:
+        ctx = self.ctx
+        if not self.parts_.shared or ctx.stage not in (0, self.pcfg.stages - 1):
+            return
+        params = dict(self._model.named_parameters())
+        group = ctx.group(MeshAxis.PP) if self.pcfg.stages == 2 else ctx.embedding_group
+        for name in self.parts_.shared:
+            p = params.get(name)
+            if p is None:
+                continue  # a tensor rank that holds no part of the table (never the case in the built-in modes)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = comm.raw_all_reduce(grad.contiguous(), group, phase="backward")

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lattice.checkpoint import START_FRESH, atomic_write, check_version_and_keys, fsync_dir
+from lattice.checkpoint_files import START_FRESH, atomic_write, check_version_and_keys, fsync_dir
 from lattice.context import LatticeConfigError
 
 FORMAT = "lattice-sharded-checkpoint"

@@ -185,6 +185,25 @@ class _Summa(torch.autograd.Function):
         return None, *grads, None
 
 
+class _SummaSegments(torch.autograd.Function):
+    """C = A [B_1 | B_2 | ...] (Alg. 1) with the segments' blocks side by side (SUMMA's columns
+    are independent), saving the segments rather than a copy of their concatenation. Backward:
+    dA = dC [B_1 | ...]ᵀ (Alg. 2), dB_i = the columns of Aᵀ dC (Alg. 3) that are segment i's."""
+
+    @staticmethod
+    def forward(ctx, a, grid, *bs):
+        ctx.grid = grid
+        ctx.save_for_backward(a, *bs)
+        return summa_ab_raw(a, torch.cat(bs, dim=-1), grid)
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, *bs = ctx.saved_tensors
+        da = summa_abt_raw(dc, torch.cat(bs, dim=-1), ctx.grid) if ctx.needs_input_grad[0] else None
+        db = summa_atb_raw(a, dc, ctx.grid)
+        return da, None, *db.split([b.shape[-1] for b in bs], dim=-1)
+
+
 def _autocast(a: torch.Tensor, b: torch.Tensor):
     """Under autocast a product runs in the autocast dtype, as torch.mm would (the casts stay
     outside the Function, so their backward returns gradients in the operands' dtypes)."""
@@ -195,8 +214,13 @@ def _autocast(a: torch.Tensor, b: torch.Tensor):
     return a, b
 
 
-def summa_ab(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
-    """C = A B (Alg. 1). Backward (Eq. 1): dA = dC Bᵀ (Alg. 2), dB = Aᵀ dC (Alg. 3)."""
+def summa_ab(a: torch.Tensor, b, grid: SummaGrid) -> torch.Tensor:
+    """C = A B (Alg. 1). Backward (Eq. 1): dA = dC Bᵀ (Alg. 2), dB = Aᵀ dC (Alg. 3). `b` may be a
+    tuple of column segments (see _SummaSegments)."""
+    if isinstance(b, tuple):
+        device = a.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
+        return _SummaSegments.apply(a.to(dtype), grid, *(x.to(dtype) for x in b))
     return _Summa.apply("ab", *_autocast(a, b), grid)
 
 

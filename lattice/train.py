@@ -4,8 +4,9 @@ gradient sync through DDP, bf16 autocast, validation, metrics CSV and exact-resu
     ctx = lattice.init("1d", tp=2, dp=2)
     result = Trainer(TrainConfig(steps=200, out_dir="runs/x"), ctx).fit()
 
-The trainer never looks at a mode's sharding; it only uses each parameter's shard spec (for
-weight decay, the gradient norm and checkpoints), so every mode trains through the same code.
+The trainer never looks at a mode's sharding or a family's layers; it only uses each parameter's
+shard spec (for weight decay, the gradient norm and checkpoints) and the model interface every
+family (and its pipeline stages) has, so every layout and family trains through the same code.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, load_data_corpus,
                           train_batch, unigram_baseline, val_batches)
-from lattice.model import GPT, GPTConfig
+from lattice.models import DEFAULT_ARCH, build_model, get_arch
+from lattice.pipeline import check_batch as check_pipeline_batch
 
 METRICS_FILE = "metrics.csv"
 METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "elapsed_s")
@@ -37,7 +39,8 @@ METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "grad_norm", "tokens_p
 class TrainConfig:
     """Everything about a run except the layout (which is the ParallelContext's)."""
 
-    model: str = "small"  # a lattice.model.PRESETS name
+    arch: str = DEFAULT_ARCH  # the model family (lattice.available_archs())
+    model: str | None = None  # a size preset of the family (None: the family's default preset)
     d_model: int | None = None  # shape overrides of the preset (None: the preset's)
     n_layers: int | None = None
     n_heads: int | None = None
@@ -109,10 +112,12 @@ class TrainConfig:
         self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
         return corpus
 
-    def model_config(self, vocab_size: int | None = None) -> GPTConfig:
-        """The model this run trains: the preset with the shape overrides."""
+    def model_config(self, vocab_size: int | None = None):
+        """The model this run trains: the family's preset with the shape overrides."""
+        config_class = get_arch(self.arch).config_class
         shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(self, k)}
-        return GPTConfig.preset(self.model, vocab_size=vocab_size or self.vocab_size, dropout=self.dropout, **shape)
+        return config_class.preset(self.model or config_class.default_preset, vocab_size=vocab_size or self.vocab_size,
+                                   dropout=self.dropout, **shape)
 
 
 def _tensorboard(out: Path):
@@ -135,7 +140,7 @@ def _metered_allreduce_hook(group, bucket):
 
 
 class Trainer:
-    """Trains `lattice.GPT` on the built-in corpus (or a given Corpus) under any layout."""
+    """Trains a model of any family on the built-in corpus (or a given Corpus) under any layout."""
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
                  resume: str | os.PathLike | dict | None = None, allow_config_change: bool = False):
@@ -150,18 +155,16 @@ class Trainer:
         self.model_config = cfg.model_config(self.corpus.vocab_size)
         if ckpt is not None:
             where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume)
-            checkpoint.check_model_config(ckpt, self.model_config.to_dict(), where)
+            checkpoint.check_model_config(ckpt, cfg.arch, self.model_config.to_dict(), where)
             faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change, where)
         check_batch_size(self.corpus, cfg.batch_size, self.model_config.seq_len, ctx.dp)
-        self.model = GPT(self.model_config, ctx, dtype=getattr(torch, cfg.dtype),
-                         activation_checkpointing=cfg.activation_checkpointing)
+        self.model = build_model(self.model_config, ctx, dtype=getattr(torch, cfg.dtype),
+                                 activation_checkpointing=cfg.activation_checkpointing)
         self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
                                    seq_len=self.model_config.seq_len, num_batches=cfg.eval_batches)
         self.model.mode.check_batch(self.val_set[0][0])  # the mode's own constraints (e.g. b % q)
         if ctx.pipeline is not None:
-            from lattice.pipeline import check_batch
-
-            check_batch(ctx.pipeline, self.model.mode, self.val_set[0][0])
+            check_pipeline_batch(ctx.pipeline, self.model.mode, self.val_set[0][0])
         self.optimizer = self._make_optimizer()
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
         self._saved_step = None  # the step of the last checkpoint written or loaded
@@ -375,10 +378,10 @@ class Trainer:
     def _step_flops(self) -> float:
         """Matrix-product FLOPs of one training step on this rank, from the cost model."""
         if getattr(self, "_flops", None) is None:
-            from lattice import cost
+            from lattice.cost import estimate
 
             topo = self.ctx.topology
-            c = cost.estimate(self.model_config, self.ctx.mode, batch=self.cfg.batch_size // self.ctx.dp,
+            c = estimate(self.model_config, self.ctx.mode, batch=self.cfg.batch_size // self.ctx.dp,
                               tp=topo.tp_size, dp=self.ctx.dp, rank=self.ctx.rank,
                               activation_checkpointing=self.cfg.activation_checkpointing, **self.ctx.options)
             # with pipeline stages each rank runs about 1/pp of the layers
@@ -425,6 +428,7 @@ class Trainer:
         meta = {
             "step": self.step,
             "elapsed_s": self.elapsed,
+            "arch": self.cfg.arch,
             "model_config": self.model_config.to_dict(),
             "train_config": asdict(self.cfg),
             "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp, "pp": self.ctx.pp,

@@ -1,9 +1,12 @@
-"""The mode interface: the building blocks a layout supplies to the one GPT definition.
+"""The mode interface: the building blocks a layout supplies to every model family.
 
-A mode decides how every activation and parameter is split over the ranks. `lattice.GPT` asks
-its mode for an embedding, layer norms, linear layers (by block and position) and an LM head
-with loss; it never looks at the layout itself. Adding a mode is one module in this package
-plus `register`, and everything else reads the mode's declarations:
+A mode decides how every activation and parameter is split over the ranks. A family
+(lattice/models/) asks its mode for an embedding (with or without a position table), norms
+(LayerNorm or RMSNorm), linear layers (by block and position; the first may be stacked or cut
+into segments of different widths), parameters split like the attention heads, an LM head with
+loss and the pooling of one position for other heads; it never looks at the layout itself.
+Adding a mode is one module in this package plus `register`, and everything else reads the
+mode's declarations:
 
 | declaration        | read by                                                            |
 |--------------------|--------------------------------------------------------------------|
@@ -13,7 +16,8 @@ plus `register`, and everything else reads the mode's declarations:
 | `rank_grid`        | placement="topology"                                               |
 | shard specs        | loading, gathering, checkpoints, HF, gradient sync (`grad_sum`),   |
 |                    | parameter memory and vocabulary padding in the cost model          |
-| `cost_terms`       | lattice.cost (communication terms, FLOP shares, saved activations) |
+| `cost_*`           | lattice.cost (each operation's collectives, saved activations and  |
+|                    | share of the work)                                                 |
 | `test_layouts`     | the conformance suite (tests/test_conformance.py)                  |
 
 Activations between blocks ("the residual layout") are always 3-d local tensors
@@ -23,6 +27,7 @@ Activations between blocks ("the residual layout") are always 3-d local tensors
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -30,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
+from lattice.sharding import ShardSpec, register_sharded
 
 
 class Block(str, enum.Enum):
@@ -70,7 +76,7 @@ class Option:
 
 class Mode:
     """Base class of every layout. Subclasses set `name`, `options`, `test_layouts` and override
-    the factories and `cost_terms`."""
+    the factories and the `cost_*` methods."""
 
     name: ClassVar[str]
     #: keyword options of lattice.init that this mode accepts
@@ -89,6 +95,8 @@ class Mode:
         self.cfg = cfg
         self.ctx = ctx
         self.check_config(cfg)
+        for name, count in cfg.head_counts().items():
+            self.check_heads(name, count)
 
     # ---- topology (class level: no model needed)
     @classmethod
@@ -122,38 +130,78 @@ class Mode:
     @classmethod
     def rank_grid(cls, axes, ranks_per_node: int, placement: str, options) -> tuple[int, ...]:
         """Global rank at each mesh position for placement="topology"; natural by default."""
-        import math
         return tuple(range(math.prod(s for _, s in axes)))
 
     # ---- validation (every rank, before any collective)
     def check_config(self, cfg) -> None:
-        """Raise LatticeConfigError when the model's sizes do not fit this layout."""
+        """Raise LatticeConfigError when the model's sizes (other than head counts) do not fit
+        this layout."""
+
+    def check_heads(self, name: str, count: int) -> None:
+        """Raise LatticeConfigError when `count` heads (n_heads, n_kv_heads, ...: the family's
+        `head_counts()`) cannot be split into whole heads per rank by this layout."""
 
     def check_batch(self, tokens: torch.Tensor) -> None:
         """Raise LatticeConfigError when a batch's shape does not fit this layout."""
 
     # ---- building blocks
-    def embedding(self) -> nn.Module:
-        """tokens (B, T) int64, identical across the replica -> x in the residual layout."""
+    #: mesh axes the attention heads are split over (each rank holding whole heads), and the
+    #: axes over which ranks with the same heads hold different sequences; parameters split like
+    #: the heads (`per_head`) sum their gradients over the latter
+    head_axes: tuple = ()
+    attention_batch_axes: tuple = ()
+
+    def embedding(self, *, positions: bool = True) -> nn.Module:
+        """tokens (B, T) int64, identical across the replica -> x in the residual layout. With
+        `positions`, a learned position table of seq_len rows is added (GPT-2, BERT); without
+        it the table does not exist (rotary or relative positions live in attention)."""
         raise NotImplementedError
 
-    def layer_norm(self) -> nn.Module:
-        """LayerNorm over d_model, residual layout in and out."""
+    def norm(self, kind: str = "layer", *, eps: float, bias: bool) -> nn.Module:
+        """LayerNorm (kind "layer": mean and variance, weight and optional bias) or RMSNorm
+        ("rms": root mean square, weight only) over d_model, residual layout in and out."""
         raise NotImplementedError
 
     def linear(self, in_features: int, out_features: int, *, block: Block, position: Position,
-               stack: int | None = None) -> nn.Module:
-        """y = x W + b with full W of shape (in, out), or (in, stack, out) when stacked.
+               stack: int | None = None, segments: tuple[tuple[str, int], ...] | None = None,
+               bias: bool | None = None) -> nn.Module:
+        """y = x W + b with full W of shape (in, out), or (in, stack, out) when stacked; `bias`
+        defaults to the config's.
 
         Position.IN takes the residual layout and returns this rank's part of the features,
         (B_l, T_l, [stack,] out_l); for attention out_l must be whole heads. Position.OUT takes
-        that and returns the residual layout.
+        that and returns the residual layout. `segments` ((name, width), ...; Position.IN only)
+        cuts the output into tensors of different widths summing to out_features (q, k, v with
+        n_heads, n_kv_heads, n_kv_heads heads): each segment has its own parameters, named
+        `<name>.weight` / `<name>.bias`, split so that every rank holds whole heads of every
+        segment, and the forward returns one tensor per segment.
         """
         raise NotImplementedError
 
     def lm_head(self, embedding: nn.Module) -> nn.Module:
         """Module with loss(x, targets) -> mean cross-entropy over the replica batch (identical on
         every rank of the replica) and logits(x) -> full (B, T, V) logits."""
+        raise NotImplementedError
+
+    def per_head(self, shape: tuple[int, ...], heads_dim: int) -> nn.Module:
+        """A module holding `weight`, a parameter whose dim `heads_dim` runs over the attention
+        heads (T5's relative position bias, (buckets, n_heads)), split like the heads: each rank
+        holds the heads its attention computes, in the same order. Its gradient is summed over
+        the ranks that hold the same heads for other sequences (`attention_batch_axes`)."""
+        module = nn.Module()
+        splits = ((heads_dim, tuple(self.head_axes)),) if self.head_axes else ()
+        register_sharded(module, "weight", ShardSpec(tuple(shape), splits=splits,
+                                                     grad_sum=tuple(self.attention_batch_axes)), self.ctx)
+        return module
+
+    def residual_shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        """This rank's piece of the residual stream (batch, seq, d_model) of a replica batch."""
+        raise NotImplementedError
+
+    def pool(self, x: torch.Tensor, index: int, batch: int) -> torch.Tensor:
+        """The residual stream at position `index` of every sequence of the replica batch, (batch,
+        d_model), identical on every rank of the replica (for a head over pooled tokens, run
+        replicated). Its backward is the identity: every rank holds the same loss."""
         raise NotImplementedError
 
     # ---- analysis
@@ -164,12 +212,39 @@ class Mode:
         "forward_mults"/"backward_mults" scalar multiplications per rank."""
         return None
 
-    def cost_terms(self, b) -> None:
-        """Describe one training step of this layout to a `lattice.cost.CostBuilder`: its
-        collectives (`b.add`), FLOP shares (`b.share`) and activations saved for backward
-        (`b.activations`). Parameter memory, vocabulary padding, gradient sync and DP come from
-        the shard specs and are added by the builder itself."""
-        raise NotImplementedError(f"mode {self.name!r} has no cost terms")
+    # The price of each operation a family describes (lattice.cost.model.CostBuilder): every
+    # method adds the operation's collectives (`b.add`, in CommMeter's units) and returns the
+    # elements it saves for backward (with what the next operation sees where asked).
+    def padded_vocab(self) -> int:
+        """Rows of the token table as this layout stores it (padded so that it divides)."""
+        return self.cfg.vocab_size
+
+    def cost_shares(self, b) -> dict[str, float]:
+        """This rank's fraction of each kind of work ("attention", "mlp", "head", "replicated":
+        elementwise work on the residual stream; "split": the default), where not 1/p."""
+        return {}
+
+    def cost_embedding(self, b, positions: bool) -> None:
+        """The embedding (and position table): collectives and the index bytes saved."""
+        raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+    def cost_norm(self, b, kind: str, bias: bool) -> float:
+        """A norm of the residual stream: collectives; returns the elements saved."""
+        raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+    def cost_linear(self, b, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
+                    input_from_attention: bool) -> tuple[float, float]:
+        """A linear layer: collectives; returns (elements saved, elements of the output storage)."""
+        raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+    def cost_lm_head(self, b) -> float:
+        """The LM head and its cross-entropy: collectives and index bytes; returns the elements saved."""
+        raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+    def cost_pool(self, b) -> float:
+        """`pool` of one position of the replica batch: its collectives; returns the elements of
+        the storage the pooled tensor keeps alive (a view of the residual, or its own)."""
+        raise NotImplementedError(f"mode {self.name!r} has no cost model")
 
 
 def nearby_multiples(size: int, by: int) -> str:

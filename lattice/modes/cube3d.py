@@ -46,7 +46,8 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import TiedHead, compute_dtype, normalize_split_hidden, round_up, vocab_table_spec
+from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
+                            pool_pieces, register_linear, round_up, split_segments, vocab_table_spec)
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
@@ -74,30 +75,36 @@ class Cube:
         return members.index(topo.rank_at({**self.ctx.coords, **{a: 0 for a in axes}}))
 
 
-def _autocast_pair(x, w):
+def _autocast_pair(x, ws):
     """Under autocast the product runs in the autocast dtype, as torch.mm would; the casts stay
     outside the Function so that their backward returns gradients in the operands' dtypes."""
     dtype = compute_dtype(x)
-    return x.to(dtype), w.to(dtype)
+    return x.to(dtype), tuple(w.to(dtype) for w in ws)
 
 
 class _Linear3D(torch.autograd.Function):
     """y = x W (or x Wᵀ with transpose_w) on the cube. Forward: X = all-gather(x, gx),
     W = all-gather(w, gw), Y_partial = X W, y = reduce-scatter(Y_partial, gy). Backward:
     dY = all-gather(dy, gy); dx = reduce-scatter(dY Wᵀ, gx); dw = reduce-scatter(Xᵀ dY, gw), with X
-    and W gathered again rather than saved. All gathers and scatters are along dim 0 (rows)."""
+    and W gathered again rather than saved. All gathers and scatters are along dim 0 (rows).
+
+    W may be given as segments W = [W_1 | W_2 | ...] (columns): they are concatenated for the
+    product and again in backward, where dW is cut back into them, so that what is saved is
+    the segments themselves, not a copy of their concatenation."""
 
     @staticmethod
-    def forward(ctx, x, w, gx, gw, gy, transpose_w, overlap):
+    def forward(ctx, x, gx, gw, gy, transpose_w, overlap, *ws):
         ctx.groups, ctx.transpose_w, ctx.overlap = (gx, gw, gy), transpose_w, overlap
-        ctx.save_for_backward(x, w)
+        ctx.save_for_backward(x, *ws)
+        w = torch.cat(ws, dim=-1) if len(ws) > 1 else ws[0]
         X, W = _gather_both(x, gx, w, gw, overlap)
         return comm.raw_reduce_scatter(X @ (W.t() if transpose_w else W), gy, 0)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, *ws = ctx.saved_tensors
         gx, gw, gy = ctx.groups
+        w = torch.cat(ws, dim=-1) if len(ws) > 1 else ws[0]
         W, work = comm.start_all_gather(w, gw) if ctx.overlap else (comm.raw_all_gather(w, gw, 0), None)
         dY = comm.raw_all_gather(dy.contiguous(), gy, 0)
         X = comm.raw_all_gather(x, gx, 0)
@@ -107,7 +114,7 @@ class _Linear3D(torch.autograd.Function):
         dx = comm.raw_reduce_scatter(dY @ Wm.t(), gx, 0)
         dWm = X.t() @ dY
         dw = comm.raw_reduce_scatter((dWm.t() if ctx.transpose_w else dWm).contiguous(), gw, 0)
-        return dx, dw, None, None, None, None, None
+        return dx, None, None, None, None, None, *dw.split([w.shape[-1] for w in ws], dim=-1)
 
 
 def _gather_both(x, gx, w, gw, overlap):
@@ -122,7 +129,9 @@ def _gather_both(x, gx, w, gw, overlap):
 
 
 def linear_3d(x2d, w2d, gx, gw, gy, transpose_w=False, overlap=True):
-    return _Linear3D.apply(*_autocast_pair(x2d, w2d), gx, gw, gy, transpose_w, overlap)
+    """y = x W on the cube (see _Linear3D); `w2d` a tensor or a tuple of column segments."""
+    x, ws = _autocast_pair(x2d, w2d if isinstance(w2d, tuple) else (w2d,))
+    return _Linear3D.apply(x, gx, gw, gy, transpose_w, overlap, *ws)
 
 
 def hosted(param, shape, cube: Cube, plane, dtype, device) -> torch.Tensor:
@@ -182,11 +191,12 @@ class Embedding(nn.Module):
     """tokens (B, T), identical on every rank of the replica -> (B/q², T, h/q): batch pieces (i, j),
     hidden block l."""
 
-    def __init__(self, cfg, mode: "Cube3D"):
+    def __init__(self, cfg, mode: "Cube3D", positions: bool):
         super().__init__()
-        self.cube, self.q = mode.cube, mode.q
+        self.cube, self.q, self.positions = mode.cube, mode.q, positions
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
-        register_sharded(self, "wpe", vector_spec((cfg.seq_len, cfg.d_model), 1, CL), mode.ctx)
+        if positions:
+            register_sharded(self, "wpe", vector_spec((cfg.seq_len, cfg.d_model), 1, CL), mode.ctx)
 
     def forward(self, tokens, start: int = 0):
         c, q = self.cube, self.q
@@ -195,20 +205,24 @@ class Embedding(nn.Module):
         vocab_start = c.j * q * self.wte.shape[0]
         x = _Embed3D.apply(self.wte, rows, vocab_start, (c.group(CI), c.group(CJ)))
         x = x.view(B // (q * q), T, -1)
+        if not self.positions:
+            return x
         pos = hosted(None if self.wpe is None else self.wpe[start:start + T], (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
         return x + pos
 
 
-class LayerNorm(nn.Module):
-    """(B/q², T, h/q) hidden block l -> same; statistics all-reduced along l."""
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm of (B/q², T, h/q), hidden block l -> same; statistics all-reduced
+    along l."""
 
-    def __init__(self, cfg, mode: "Cube3D"):
+    def __init__(self, cfg, mode: "Cube3D", kind: str, eps: float, bias: bool):
         super().__init__()
-        self.cube, self.h, self.eps = mode.cube, cfg.d_model, cfg.layer_norm_eps
+        check_norm_kind(kind, bias)
+        self.cube, self.h, self.eps, self.kind = mode.cube, cfg.d_model, eps, kind
         spec = vector_spec((cfg.d_model,), 0, CL)
         register_sharded(self, "weight", spec, mode.ctx)
-        self.has_bias = cfg.bias
-        if cfg.bias:
+        self.has_bias = bias
+        if bias:
             register_sharded(self, "bias", spec, mode.ctx)
         else:
             self.bias = None
@@ -217,7 +231,7 @@ class LayerNorm(nn.Module):
         c, shape = self.cube, x.shape[-1:]
         w = hosted(self.weight, shape, c, PLANE[CL], x.dtype, x.device)
         b = hosted(self.bias, shape, c, PLANE[CL], x.dtype, x.device) if self.has_bias else None
-        y = normalize_split_hidden(x, c.group(CL), self.h, self.eps) * w
+        y = normalize_split_hidden(x, c.group(CL), self.h, self.eps, self.kind) * w
         return y + b if b is not None else y
 
 
@@ -225,28 +239,29 @@ class Linear(nn.Module):
     """Position.IN: (B/q², T, in/q) batch (i, j), features l -> (B/q², T, [stack,] out/q) batch
     (i, l), features j. Position.OUT: the swapped roles, back to the residual layout."""
 
-    def __init__(self, cfg, mode: "Cube3D", in_features, out_features, position, stack=None):
+    def __init__(self, cfg, mode: "Cube3D", in_features, out_features, position, stack=None, segments=None,
+                 bias=True):
         super().__init__()
-        self.cube, self.q, self.overlap = mode.cube, mode.q, mode.overlap
+        self.cube, self.overlap = mode.cube, mode.overlap
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
         # IN: x columns along l, output along j; OUT: the other way round
         self.x_axis, self.y_axis = (CL, CJ) if position == Position.IN else (CJ, CL)
-        w_spec = ShardSpec((in_features,) + out_shape, ((0, (self.x_axis, CI)), (last, (self.y_axis,))))
-        register_sharded(self, "weight", w_spec, mode.ctx)
-        self.has_bias = cfg.bias
-        if cfg.bias:
-            register_sharded(self, "bias", vector_spec(out_shape, last - 1, self.y_axis), mode.ctx)
-        else:
-            self.bias = None
+        # with segments, piece i of block (l, j) of each segment side by side: the gathers run
+        # along rows and the reduce-scatter along tokens, so the segments' columns stay apart
+        register_linear(self, mode.ctx, out_shape,
+                        lambda s: ShardSpec((in_features,) + s, ((0, (self.x_axis, CI)), (last, (self.y_axis,)))),
+                        lambda s: vector_spec(s, last - 1, self.y_axis), bias, segments)
+        self.has_bias = bias
         self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
 
     def forward(self, x):
         c = self.cube
+        weight, bias = linear_params(self)
         # the bias broadcast first, so that checkpoint recomputation repeats every collective
-        b = (hosted(self.bias, self.local_out, c, PLANE[self.y_axis], compute_dtype(x), x.device)
+        b = (hosted(bias, self.local_out, c, PLANE[self.y_axis], compute_dtype(x), x.device)
              if self.has_bias else None)
-        w = self.weight.reshape(self.weight.shape[0], -1)
+        w = weight if isinstance(weight, tuple) else weight.reshape(weight.shape[0], -1)
         # the input's batch pieces are gathered along the axis that is not its feature axis, and
         # the product reduce-scattered along its feature axis (which then indexes the batch pieces)
         batch_axis = CJ if self.x_axis == CL else CL
@@ -254,7 +269,7 @@ class Linear(nn.Module):
                       overlap=self.overlap)
         if b is not None:
             y = y + b.reshape(-1)
-        return y.view(x.shape[0], x.shape[1], *self.local_out)
+        return split_segments(self, y.view(x.shape[0], x.shape[1], *self.local_out))
 
 
 class LMHead(TiedHead):
@@ -330,10 +345,11 @@ class Cube3D(Mode):
         self.cube = Cube(ctx)
 
     def check_config(self, cfg):
-        q = self.q
-        divisible("d_model", cfg.d_model, q * q, "q² (the 3D cube side squared)")
-        divisible("n_heads", cfg.n_heads, q, "the 3D cube side q",
-                  f"use a head count that is a multiple of {q}, or a cube with a side dividing {cfg.n_heads}")
+        divisible("d_model", cfg.d_model, self.q * self.q, "q² (the 3D cube side squared)")
+
+    def check_heads(self, name, count):
+        divisible(name, count, self.q, "the 3D cube side q",
+                  f"use a head count that is a multiple of {self.q}, or a cube with a side dividing {count}")
 
     def check_batch(self, tokens):
         q, b = self.q, tokens.shape[0]
@@ -345,81 +361,105 @@ class Cube3D(Mode):
         columns over l; V padded with zero rows to a multiple of q²."""
         return vocab_table_spec(self.cfg, ((0, (CJ, CI)), (1, (CL,))), self.q * self.q)
 
-    def embedding(self):
-        return Embedding(self.cfg, self)
+    # after the first linear of a block, feature block j (whole heads) of batch pieces (i, l)
+    head_axes, attention_batch_axes = (CJ,), (CI, CL)
 
-    def layer_norm(self):
-        return LayerNorm(self.cfg, self)
+    def embedding(self, *, positions=True):
+        return Embedding(self.cfg, self, positions)
 
-    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
-        return Linear(self.cfg, self, in_features, out_features, position, stack)
+    def norm(self, kind="layer", *, eps, bias):
+        return Norm(self.cfg, self, kind, eps, bias)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
+               bias=None):
+        if segments and position != Position.IN:
+            raise ValueError("only a Position.IN linear can be segmented")
+        return Linear(self.cfg, self, in_features, out_features, position, stack, segments,
+                      self.cfg.bias if bias is None else bias)
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self, embedding)
 
-    def cost_terms(self, b):
-        """Per linear Y = X W (X [M, N], W [N, K], M = B·T): forward all-gathers X's pieces (M·N/q²
-        gathered) along its batch-piece axis and W's (N·K/q²) along i, reduce-scatters the product
-        (M·K/q²) along its feature axis; backward all-gathers dY, X and W again and reduce-scatters
-        dX and dW. The embedding is such a product with the swapped roles (table pieces along i,
-        rows reduce-scattered along j) and the head X Eᵀ with the first roles. Vectors of a K/q
-        block are broadcast over their plane (q² ranks) and reduced back; LayerNorm all-reduces
-        (Σx, Σx²) of M/q² tokens along l, forward and backward; the cross-entropy all-reduces
-        the max and (Σe^x, target logit) of M/q² tokens along j, and the mean loss over the (i, l)
-        plane. Under checkpointing every forward collective of a layer runs again: a custom
-        Function packs its saved inputs only after its forward (collectives included) returns."""
-        B, T, h, n, q, Vp = b.B, b.T, b.h, b.n, self.q, b.vocab_padded
-        M, p = B * T, q ** 3
-        vec = 2 if b.bias else 1
-        plane_l, plane_j = PLANE[CL], PLANE[CJ]
+    def residual_shape(self, batch, seq):
+        return (batch // self.q ** 2, seq, self.cfg.d_model // self.q)
 
-        def product(M_, N_, K_, batch_axis, x_axis, site, layer=True):
-            mn, nk, mk = M_ * N_ / q ** 2, N_ * K_ / q ** 2, M_ * K_ / q ** 2
-            for op, axis, elements in (("all_gather", batch_axis, mn), ("all_gather", CI, nk),
-                                       ("reduce_scatter", x_axis, mk)):
-                b.add("forward", op, (axis,), elements, 1, site, layer=layer)
-            for op, axis, elements in (("all_gather", x_axis, mk), ("all_gather", batch_axis, mn),
-                                       ("all_gather", CI, nk), ("reduce_scatter", batch_axis, mn),
-                                       ("reduce_scatter", CI, nk)):
-                b.add("backward", op, (axis,), elements, 1, site, layer=layer)
+    def pool(self, x, index, batch):
+        """(B/q², T, h/q) batch pieces (i, j), hidden block l -> the (batch, h) position `index`."""
+        c, (rows, h_local) = self.cube, (x.shape[0], x.shape[-1])
+        start = c.i * self.q * rows + c.j * rows
+        return pool_pieces(x[:, index], slice(start, start + rows), slice(c.l * h_local, (c.l + 1) * h_local),
+                           batch, h_local * self.q, self.ctx.tensor_group())
 
-        def vectors(elements, calls, plane, site, layer=True):
-            b.add("forward", "broadcast", plane, elements, calls, site, layer=layer)
-            b.add("backward", "reduce", plane, elements, calls, site, layer=layer)
+    def padded_vocab(self):
+        return self.vocab_pad
 
-        def layer_norm(site, layer=True):
-            vectors(vec * h / q, vec, plane_l, site, layer)
-            b.add("forward", "all_reduce", (CL,), 2 * M / q ** 2, 1, site, layer=layer)
-            b.add("backward", "all_reduce", (CL,), 2 * M / q ** 2, 1, site, layer=layer)
+    # Per linear Y = X W (X [M, N], W [N, K]): forward all-gathers X's pieces (M·N/q² gathered)
+    # along its batch-piece axis and W's (N·K/q²) along i, reduce-scatters the product (M·K/q²)
+    # along its feature axis; backward all-gathers dY, X and W again and reduce-scatters dX and
+    # dW. Vectors of a K/q block are broadcast over their plane (q² ranks) and reduced back.
+    # Under checkpointing every forward collective of a layer runs again: a custom Function
+    # packs its saved inputs only after its forward (collectives included) returns.
+    def _product(self, b, M, N, K, batch_axis, x_axis, site):
+        q = self.q
+        mn, nk, mk = M * N / q ** 2, N * K / q ** 2, M * K / q ** 2
+        for op, axis, elements in (("all_gather", batch_axis, mn), ("all_gather", CI, nk),
+                                   ("reduce_scatter", x_axis, mk)):
+            b.add("forward", op, (axis,), elements, 1, site)
+        for op, axis, elements in (("all_gather", x_axis, mk), ("all_gather", batch_axis, mn),
+                                   ("all_gather", CI, nk), ("reduce_scatter", batch_axis, mn),
+                                   ("reduce_scatter", CI, nk)):
+            b.add("backward", op, (axis,), elements, 1, site)
 
-        # embedding: onehot(tokens) E with the swapped roles; wpe[:T] broadcast over its plane
-        b.add("forward", "all_gather", (CI,), Vp * h / q ** 2, 1, "embedding")
-        b.add("forward", "reduce_scatter", (CJ,), M * h / q ** 2, 1, "embedding")
-        b.add("backward", "all_gather", (CJ,), M * h / q ** 2, 1, "embedding")
-        b.add("backward", "reduce_scatter", (CI,), Vp * h / q ** 2, 1, "embedding")
-        vectors(T * h / q, 1, plane_l, "embedding", layer=False)
-        layer_norm("layer.norm")
-        for k_in, n_out in ((h, 3 * h), (h, h)):  # attention: qkv (IN), proj (OUT)
-            first = n_out == 3 * h
-            if b.bias:
-                vectors(n_out / q, 1, plane_j if first else plane_l, "layer.bias")
-            product(M, k_in, n_out, CJ if first else CL, CL if first else CJ, "layer.linear")
-        layer_norm("layer.norm")
-        if b.bias:
-            vectors(4 * h / q, 1, plane_j, "layer.bias")
-        product(M, h, 4 * h, CJ, CL, "layer.linear")
-        if b.bias:
-            vectors(h / q, 1, plane_l, "layer.bias")
-        product(M, 4 * h, h, CL, CJ, "layer.linear")
-        layer_norm("head", layer=False)
-        product(M, h, Vp, CJ, CL, "head", layer=False)
+    def _vectors(self, b, elements, calls, plane, site):
+        b.add("forward", "broadcast", plane, elements, calls, site)
+        b.add("backward", "reduce", plane, elements, calls, site)
+
+    def cost_embedding(self, b, positions):
+        """onehot(tokens) E with the swapped roles (table pieces gathered along i, rows
+        reduce-scattered along j); wpe[:T] broadcast over its plane. Saves the token ids."""
+        q, h = self.q, b.h
+        b.add("forward", "all_gather", (CI,), b.vocab_padded * h / q ** 2)
+        b.add("forward", "reduce_scatter", (CJ,), b.M * h / q ** 2)
+        b.add("backward", "all_gather", (CJ,), b.M * h / q ** 2)
+        b.add("backward", "reduce_scatter", (CI,), b.vocab_padded * h / q ** 2)
+        if positions:
+            self._vectors(b, b.T * h / q, 1, PLANE[CL], "embedding")
+        b.save_ints(8 * b.M)
+
+    def cost_norm(self, b, kind, bias):
+        """Weight (and bias) blocks broadcast over the (i, j) plane; (Σx, Σx²) (RMSNorm: Σx²) of
+        M/q² tokens all-reduced along l, forward and backward. Saves x̂, rstd per token and the
+        broadcast weight block."""
+        q, vec, sums = self.q, (2 if bias else 1), (2 if kind == "layer" else 1)
+        self._vectors(b, vec * b.h / q, vec, PLANE[CL], "norm")
+        b.add("forward", "all_reduce", (CL,), sums * b.M / q ** 2, 1, "norm")
+        b.add("backward", "all_reduce", (CL,), sums * b.M / q ** 2, 1, "norm")
+        return b.M * b.h / q ** 3 + b.M / q ** 2 + b.h / q
+
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+        """IN: the input's batch pieces gathered along j, the product reduce-scattered along l
+        (features j out); OUT: the swapped roles, back to the residual layout."""
+        q = self.q
+        first = position == "in"
+        if bias:
+            self._vectors(b, out_features / q, 1, PLANE[CJ] if first else PLANE[CL], "bias")
+        self._product(b, b.M, in_features, out_features, CJ if first else CL, CL if first else CJ, "linear")
+        saved = 0 if input_from_attention else b.M * in_features / q ** 3
+        return saved, b.M * out_features / q ** 3
+
+    def cost_lm_head(self, b):
+        """X Eᵀ as a product with the first roles; the cross-entropy's max and (Σe^x, target
+        logit) of M/q² tokens all-reduced along j, the mean loss over the (i, l) plane. Saves the
+        head input, the softmax piece and the targets of the rank's batch pieces."""
+        q, M = self.q, b.M
+        self._product(b, M, b.h, b.vocab_padded, CJ, CL, "head")
         loss_size = max(4, b.c.itemsize)
         b.add("forward", "all_reduce", (CJ,), 3 * M / q ** 2, 2, "loss", itemsize=loss_size)
         b.add("forward", "all_reduce", (CI, CL), 1, 1, "loss", itemsize=loss_size)
-        # saved per layer: 16 [B, T, h]-sized tensors of serial at 1/p (LayerNorm x̂ in place of its
-        # input), the norms' rstd per token (M/q²), each norm's broadcast weight block, log-sum-exp
-        b.residual_split = p
-        per_layer = 16 * M * h / p + 2 * M / q ** 2 + B * n * T / p + 2 * h / q
-        head = 2 * M * h / p + M / q ** 2 + h / q + M * Vp / p
-        ints = 8 * M + M / q ** 2 * (8 + 1)  # the token ids (a view of the batch); target ids, hit mask
-        b.activations(per_layer, head, ints)
+        b.save_ints(M / q ** 2 * (8 + 1))  # target ids, hit mask
+        return M * b.h / q ** 3 + M * b.vocab_padded / q ** 3
+
+    def cost_pool(self, b):
+        """Every piece of the position placed and all-reduced over the q³ ranks."""
+        b.add("forward", "all_reduce", (CI, CJ, CL), b.B * b.h)
+        return b.B * b.h

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from lattice import comm
 from lattice.context import MeshAxis
 from lattice.loss import vocab_parallel_cross_entropy
+from lattice.layers import (TiedHead, linear_params, local_linear, pool_pieces, register_linear, split_segments,
+                            vocab_table_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
-from lattice.modes.serial import LayerNorm
-from lattice.layers import TiedHead, register_weight_and_bias, local_linear, vocab_table_spec
+from lattice.modes.serial import Norm
 from lattice.sharding import ShardSpec, register_sharded
 
 
@@ -65,26 +66,29 @@ class VocabParallelEmbedding(nn.Module):
     tokens (B, T) whole on every rank -> (B, T, h), or (B, T/p, h) with sequence parallel.
     """
 
-    def __init__(self, cfg, ctx, sequence_parallel: bool):
+    def __init__(self, cfg, ctx, sequence_parallel: bool, positions: bool):
         super().__init__()
-        self.ctx, self.sp = ctx, sequence_parallel
+        self.ctx, self.sp, self.positions = ctx, sequence_parallel, positions
         self.vocab_start, self.vocab_local = vocab_range(cfg, ctx)
         register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
-        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
+        if positions:
+            register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
 
     def forward(self, tokens, start: int = 0):
         group = tp_group(self.ctx)
         T = tokens.shape[1]
-        positions = self.wpe[start:start + T]
         local = tokens - self.vocab_start
         elsewhere = (local < 0) | (local >= self.vocab_local)  # another rank owns these rows
         part = F.embedding(local.masked_fill(elsewhere, 0), self.wte)  # (B, T, h), zero-filled below
         part = part.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         if not self.sp:
-            return comm.all_reduce(part, group) + positions
+            x = comm.all_reduce(part, group)
+            return x + self.wpe[start:start + T] if self.positions else x
         x_seq = comm.reduce_scatter(part, group, 1)  # (B, T/p, h)
+        if not self.positions:
+            return x_seq
         t_local = x_seq.shape[1]
-        wpe = comm.copy_to_group(positions, group)  # each rank's rows are a partial gradient
+        wpe = comm.copy_to_group(self.wpe[start:start + T], group)  # each rank's rows are a partial gradient
         first = comm.group_rank(group) * t_local
         return x_seq + wpe[first:first + t_local]
 
@@ -96,18 +100,19 @@ class ColumnParallelLinear(nn.Module):
     parallel -> (B, T, [stack,] out/p).
     """
 
-    def __init__(self, cfg, ctx, in_features, out_features, stack, sequence_parallel):
+    def __init__(self, cfg, ctx, in_features, out_features, stack, segments, bias, sequence_parallel):
         super().__init__()
         self.ctx, self.sp = ctx, sequence_parallel
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
-        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features,) + out_shape, splits=((last, (MeshAxis.TP,)),)),
-                       ShardSpec(out_shape, splits=((last - 1, (MeshAxis.TP,)),)))
+        register_linear(self, ctx, out_shape,
+                        lambda s: ShardSpec((in_features,) + s, splits=((last, (MeshAxis.TP,)),)),
+                        lambda s: ShardSpec(s, splits=((last - 1, (MeshAxis.TP,)),)), bias, segments)
 
     def forward(self, x):
         group = tp_group(self.ctx)
         x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)  # (B, T, in)
-        return local_linear(x, self.weight, self.bias)
+        return split_segments(self, local_linear(x, *linear_params(self)))
 
 
 class RowParallelLinear(nn.Module):
@@ -117,12 +122,12 @@ class RowParallelLinear(nn.Module):
     x: (B, T, in/p) -> (B, T, out) all-reduced (g), or (B, T/p, out) reduce-scattered over T.
     """
 
-    def __init__(self, cfg, ctx, in_features, out_features, sequence_parallel):
+    def __init__(self, cfg, ctx, in_features, out_features, bias, sequence_parallel):
         super().__init__()
         self.ctx, self.sp = ctx, sequence_parallel
         # the bias is added to a sequence chunk under sequence parallelism: partial gradients
-        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features, out_features), splits=((0, (MeshAxis.TP,)),)),
-                       ShardSpec((out_features,), grad_sum=(MeshAxis.TP,) if sequence_parallel else ()))
+        register_linear(self, ctx, (out_features,), lambda s: ShardSpec((in_features,) + s, splits=((0, (MeshAxis.TP,)),)),
+                        lambda s: ShardSpec(s, grad_sum=(MeshAxis.TP,) if sequence_parallel else ()), bias)
 
     def forward(self, x):
         group = tp_group(self.ctx)
@@ -186,8 +191,9 @@ class Megatron1D(Mode):
 
     def check_config(self, cfg):
         divisible("d_model", cfg.d_model, self.p, "tp")
-        divisible("n_heads", cfg.n_heads, self.p, "tp",
-                  f"use a tp that divides {cfg.n_heads} or a head count that is a multiple of {self.p}")
+
+    def check_heads(self, name, count):
+        divisible(name, count, self.p, "tp", f"use a tp that divides {count} or a head count that is a multiple of {self.p}")
 
     def check_batch(self, tokens):
         if self.sp:
@@ -195,21 +201,37 @@ class Megatron1D(Mode):
                       f"with sequence_parallel=True use sequences whose length is a multiple of {self.p}, "
                       f"or turn sequence_parallel off")
 
-    def embedding(self):
-        return VocabParallelEmbedding(self.cfg, self.ctx, self.sp)
+    head_axes = (MeshAxis.TP,)
 
-    def layer_norm(self):
-        return LayerNorm(self.cfg, self.ctx, grad_sum=(MeshAxis.TP,) if self.sp else ())
+    def embedding(self, *, positions=True):
+        return VocabParallelEmbedding(self.cfg, self.ctx, self.sp, positions)
 
-    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+    def norm(self, kind="layer", *, eps, bias):
+        return Norm(self.cfg, self.ctx, kind, eps, bias, grad_sum=(MeshAxis.TP,) if self.sp else ())
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
+               bias=None):
+        bias = self.cfg.bias if bias is None else bias
         if position == Position.IN:
-            return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, self.sp)
-        if stack:
-            raise ValueError("a row-parallel (Position.OUT) linear cannot be stacked")
-        return RowParallelLinear(self.cfg, self.ctx, in_features, out_features, self.sp)
+            return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, segments, bias, self.sp)
+        if stack or segments:
+            raise ValueError("a row-parallel (Position.OUT) linear cannot be stacked or segmented")
+        return RowParallelLinear(self.cfg, self.ctx, in_features, out_features, bias, self.sp)
 
     def lm_head(self, embedding):
         return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp)
+
+    def residual_shape(self, batch, seq):
+        return (batch, seq // self.p if self.sp else seq, self.cfg.d_model)
+
+    def pool(self, x, index, batch):
+        if not self.sp:
+            return x[:, index]  # replicated on every rank already
+        chunk = x.shape[1]  # this rank's T/p positions: index lives on rank index // chunk
+        here = index // chunk == self.ctx.coord(MeshAxis.TP)
+        piece = x[:, index % chunk] if here else x[:0, 0]
+        rows = slice(0, batch) if here else slice(0, 0)
+        return pool_pieces(piece, rows, slice(0, x.shape[-1]), batch, x.shape[-1], tp_group(self.ctx))
 
     @classmethod
     def optimus_table1_row(cls, b, s, h, p):
@@ -218,45 +240,72 @@ class Megatron1D(Mode):
                 "forward_mults": (12 * b * s * h * h + 2 * b * s * s * h) / p,
                 "backward_mults": (36 * b * s * h * h + 6 * b * s * s * h) / p}
 
-    def cost_terms(self, b):
-        """f/g around every column/row pair: forward g = all-reduce of [B, T, h] after the
-        attention and MLP output linears, backward f = all-reduce of the input gradient before qkv
-        and fc. Vocab-parallel embedding (forward all-reduce) and head fused with the
-        cross-entropy: three per-token values all-reduced (max, then Σe^x and the target logit in
-        one call), and the head's f in backward. Sequence parallelism swaps each all-reduce for a
-        reduce-scatter plus an all-gather over T of the same buffer, and all-reduces the wpe rows
-        in use; the LayerNorm and row-bias sums come from their specs (grad_sum)."""
-        B, T, h, n, p, V = b.B, b.T, b.h, b.n, b.p, b.vocab_padded
-        TP = MeshAxis.TP
-        act = B * T * h
-        N = B * T  # tokens
+    def padded_vocab(self):
+        return vocab_spec(self.cfg, self.ctx).storage_shape[0]
+
+    def cost_shares(self, b):
+        return {"replicated": 1 / self.p if self.sp else 1}
+
+    # f/g around every column/row pair: forward g = all-reduce of the row linear's [B, T, h]
+    # output, backward f = all-reduce of the column linear's input gradient. Sequence
+    # parallelism swaps each all-reduce for a reduce-scatter plus an all-gather over T of the same
+    # buffer; LayerNorm and row-bias sums come from their specs (grad_sum).
+    def cost_embedding(self, b, positions):
+        """Vocab-parallel rows summed (all-reduce; reduce-scatter over T with sequence parallelism,
+        whose wpe rows in use are all-reduced in backward). Saves the token ids and the mask."""
+        act, TP = b.M * b.h, MeshAxis.TP
         if not self.sp:
-            b.add("forward", "all_reduce", (TP,), act, 1, "embedding")
-            for _ in range(2):  # attention, MLP
-                b.add("forward", "all_reduce", (TP,), act, 1, "layer.linear", layer=True)
-                b.add("backward", "all_reduce", (TP,), act, 1, "layer.linear", layer=True)
-            # recomputation stops at the MLP's last saved input: its g is not repeated
-            b.recompute.pop()
-            b.add("backward", "all_reduce", (TP,), act, 1, "head")
+            b.add("forward", "all_reduce", (TP,), act)
         else:
-            b.add("forward", "reduce_scatter", (TP,), act, 1, "embedding")
-            b.add("backward", "all_gather", (TP,), act, 1, "embedding")
-            b.add("backward", "all_reduce", (TP,), T * h, 1, "embedding")  # wpe over the chunks
-            for _ in range(2):
-                b.add("forward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
-                b.add("backward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
-                b.add("forward", "reduce_scatter", (TP,), act, 1, "layer.linear", layer=True)
-                b.add("backward", "all_gather", (TP,), act, 1, "layer.linear", layer=True)
-            b.recompute.pop()  # the MLP's reduce-scatter follows its last saved input
-            b.add("forward", "all_gather", (TP,), act, 1, "head")
-            b.add("backward", "reduce_scatter", (TP,), act, 1, "head")
+            b.add("forward", "reduce_scatter", (TP,), act)
+            b.add("backward", "all_gather", (TP,), act)
+            if positions:
+                b.add("backward", "all_reduce", (TP,), b.T * b.h)  # wpe over the chunks
+        b.save_ints(b.M * (8 + 1))
+
+    def cost_norm(self, b, kind, bias):
+        """On the whole residual (a 1/p sequence chunk with sequence parallelism): its input (or
+        x̂), and mean and rstd (or rstd) per token."""
+        r = self.p if self.sp else 1
+        return b.M * b.h / r + (2 if kind == "layer" else 1) * b.M / r
+
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+        TP = MeshAxis.TP
+        if position == "in":  # saves its whole (all-gathered) input
+            x = b.M * in_features
+            if not self.sp:
+                b.add("backward", "all_reduce", (TP,), x, site="linear")
+            else:
+                b.add("forward", "all_gather", (TP,), x, site="linear")
+                b.add("backward", "reduce_scatter", (TP,), x, site="linear")
+            return x, b.M * out_features / self.p
+        y = b.M * out_features  # the sum over ranks follows the product, which saved the input
+        if not self.sp:
+            b.add("forward", "all_reduce", (TP,), y, site="linear", after_saves=True)
+        else:
+            b.add("forward", "reduce_scatter", (TP,), y, site="linear", after_saves=True)
+            b.add("backward", "all_gather", (TP,), y, site="linear")
+        saved = 0 if input_from_attention else b.M * in_features / self.p
+        return saved, y / (self.p if self.sp else 1)
+
+    def cost_lm_head(self, b):
+        """The head's f (all-gather over T with sequence parallelism) and the vocab-parallel
+        cross-entropy: three per-token values all-reduced (max, then Σe^x and the target logit in
+        one call). Saves the whole head input and this rank's softmax columns."""
+        act, N, TP = b.M * b.h, b.M, MeshAxis.TP
+        if not self.sp:
+            b.add("backward", "all_reduce", (TP,), act)
+        else:
+            b.add("forward", "all_gather", (TP,), act)
+            b.add("backward", "reduce_scatter", (TP,), act)
         b.add("forward", "all_reduce", (TP,), 3 * N, 2, "loss", itemsize=max(4, b.c.itemsize))
-        b.share = {"split": 1 / p, "replicated": 1 / p if self.sp else 1}
-        # saved: LayerNorm inputs whole (a 1/p chunk under sequence parallelism) and outputs whole
-        # (all-gathered there), q, k, v, attention output and the MLP's 4h tensors at 1/p
-        r = p if self.sp else 1
-        b.residual_split = r
-        per_layer = 2 * act / r + 2 * act + 12 * act / p + 4 * N / r + B * n * T / p
-        head = act / r + act + N * V / p + 2 * N / r
-        ints = N * (8 + 1) + N * (8 + 1)  # token ids, mask; target ids, mask
-        b.activations(per_layer, head, ints)
+        b.save_ints(N * (8 + 1))  # target ids, mask
+        return act + N * b.vocab_padded / self.p
+
+    def cost_pool(self, b):
+        """Without sequence parallelism a view of the (whole) residual; with it, the pooled
+        pieces all-reduced over the ranks."""
+        if not self.sp:
+            return b.residual
+        b.add("forward", "all_reduce", (MeshAxis.TP,), b.B * b.h)
+        return b.B * b.h

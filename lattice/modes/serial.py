@@ -8,54 +8,63 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lattice.context import LatticeConfigError
+from lattice.layers import (TiedHead, check_norm_kind, linear_params, local_linear, normalize_split_hidden,
+                            register_linear, split_segments, upcast)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
-from lattice.layers import TiedHead, register_weight_and_bias, local_linear, upcast  # noqa: F401  (upcast: shared)
 from lattice.sharding import ShardSpec, register_sharded
 
 
 class Embedding(nn.Module):
-    """Token + position embedding, both tables whole on this rank. `whole` (here and below):
+    """Token (+ position) embedding, the tables whole on this rank. `whole` (here and below):
     further ShardSpec fields of these unsplit tensors (`holders`, `grad_sum`) for modes that
     reuse the module."""
 
-    def __init__(self, cfg, ctx, **whole):
+    def __init__(self, cfg, ctx, positions: bool = True, **whole):
         super().__init__()
         register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
-        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), **whole), ctx)
+        if positions:
+            register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), **whole), ctx)
+        self.positions = positions
 
     def forward(self, tokens, start: int = 0):  # (B, T) at positions start.. -> (B, T, h)
-        return F.embedding(tokens, self.wte) + self.wpe[start:start + tokens.shape[1]]
+        x = F.embedding(tokens, self.wte)
+        return x + self.wpe[start:start + tokens.shape[1]] if self.positions else x
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with whole (replicated) weight and bias; a `grad_sum` in `whole` names the axes
-    along which ranks see different tokens, so that their partial gradients must be summed."""
+class Norm(nn.Module):
+    """LayerNorm (weight, optional bias) or RMSNorm (weight) with whole (replicated) parameters; a
+    `grad_sum` in `whole` names the axes along which ranks see different tokens, so that their
+    partial gradients must be summed."""
 
-    def __init__(self, cfg, ctx, **whole):
+    def __init__(self, cfg, ctx, kind: str, eps: float, bias: bool, **whole):
         super().__init__()
-        self.eps = cfg.layer_norm_eps
+        check_norm_kind(kind, bias)
+        self.kind, self.eps = kind, eps
         register_sharded(self, "weight", ShardSpec((cfg.d_model,), **whole), ctx)
-        if cfg.bias:
+        if bias:
             register_sharded(self, "bias", ShardSpec((cfg.d_model,), **whole), ctx)
         else:
             self.bias = None
 
     def forward(self, x):
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        if self.kind == "layer":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return normalize_split_hidden(x, None, x.shape[-1], self.eps, "rms") * self.weight
 
 
 class Linear(nn.Module):
-    """y = x W + b; W (in, [stack,] out) whole."""
+    """y = x W + b; W (in, [stack,] out) whole, or one W per segment."""
 
-    def __init__(self, cfg, ctx, in_features, out_features, stack=None, **whole):
+    def __init__(self, cfg, ctx, in_features, out_features, stack=None, segments=None, bias=True, **whole):
         super().__init__()
         out_shape = (stack, out_features) if stack else (out_features,)
-        register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features,) + out_shape, **whole),
-                                 ShardSpec(out_shape, **whole))
+        register_linear(self, ctx, out_shape, lambda s: ShardSpec((in_features,) + s, **whole),
+                        lambda s: ShardSpec(s, **whole), bias, segments)
 
-    def forward(self, x):  # (B, T, in) -> (B, T, [stack,] out)
-        return local_linear(x, self.weight, self.bias)
+    def forward(self, x):  # (B, T, in) -> (B, T, [stack,] out), or a tuple of segments
+        return split_segments(self, local_linear(x, *linear_params(self)))
 
 
 class LMHead(TiedHead):
@@ -80,25 +89,46 @@ class Serial(Mode):
     @classmethod
     def mesh_axes(cls, tp, options):
         if tp != 1:
-            from lattice.context import LatticeConfigError
             raise LatticeConfigError(f"mode 'serial' runs one rank per replica; got tp={tp}: use tp=1, "
                                      f"or a parallel mode (1d, 2d, 3d, subgraph)")
         return ()
 
-    def embedding(self):
-        return Embedding(self.cfg, self.ctx)
+    def embedding(self, *, positions=True):
+        return Embedding(self.cfg, self.ctx, positions)
 
-    def layer_norm(self):
-        return LayerNorm(self.cfg, self.ctx)
+    def norm(self, kind="layer", *, eps, bias):
+        return Norm(self.cfg, self.ctx, kind, eps, bias)
 
-    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
-        return Linear(self.cfg, self.ctx, in_features, out_features, stack)
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
+               bias=None):
+        return Linear(self.cfg, self.ctx, in_features, out_features, stack, segments,
+                      self.cfg.bias if bias is None else bias)
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self.ctx, embedding)
 
-    def cost_terms(self, b):
-        """Whole model on one rank: no communication. Saved per layer: LayerNorm input, output,
-        mean, rstd (x2); q, k, v; attention output and log-sum-exp; the MLP's 4h input and output."""
-        B, T, h, n = b.B, b.T, b.h, b.n
-        b.activations(16 * B * T * h + 4 * B * T + B * n * T, 2 * B * T * h + 2 * B * T + B * T * b.V + 1, 16 * B * T)
+    def residual_shape(self, batch, seq):
+        return (batch, seq, self.cfg.d_model)
+
+    def pool(self, x, index, batch):
+        return x[:, index]
+
+    # ---- cost: the whole model on one rank, no communication
+    def cost_embedding(self, b, positions):
+        b.save_ints(8 * b.M)  # the token ids
+
+    def cost_norm(self, b, kind, bias):
+        """LayerNorm saves its input, mean and rstd; RMSNorm x̂ and rstd."""
+        return b.M * b.h + (2 if kind == "layer" else 1) * b.M
+
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+        return (0 if input_from_attention else b.M * in_features), b.M * out_features
+
+    def cost_lm_head(self, b):
+        """Saves the head's input, the log-softmax of the logits, the loss's total weight; the targets."""
+        b.save_ints(8 * b.M)
+        return b.M * b.h + b.M * b.V + 1
+
+    def cost_pool(self, b):
+        """A view of the residual: the classifier's product keeps the residual's storage."""
+        return b.residual

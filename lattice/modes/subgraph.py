@@ -53,7 +53,8 @@ import torch.nn.functional as F
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import TiedHead, compute_dtype, local_linear, register_weight_and_bias
+from lattice.layers import (TiedHead, compute_dtype, linear_params, local_linear, pool_pieces, register_linear,
+                            register_weight_and_bias, split_segments)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.modes import serial
@@ -231,10 +232,10 @@ def _idle_output(x: torch.Tensor, feature_shape: tuple[int, ...]) -> torch.Tenso
 
 
 class Embedding(serial.Embedding):
-    """Token + position embedding of this rank's common rows: tokens (B, T) -> (rows, T, h)."""
+    """Token (+ position) embedding of this rank's common rows: tokens (B, T) -> (rows, T, h)."""
 
-    def __init__(self, cfg, ctx, mode: "SubGraph"):
-        super().__init__(cfg, ctx, **mode.common_spec)
+    def __init__(self, cfg, ctx, mode: "SubGraph", positions: bool):
+        super().__init__(cfg, ctx, positions, **mode.common_spec)
         self.seg, self.d_model = mode.seg, cfg.d_model
         # carries the model's dtype and device to the idle ranks' empty residual (GPT.to moves it)
         self.register_buffer("idle_residual", torch.zeros(0), persistent=False)
@@ -247,9 +248,9 @@ class Embedding(serial.Embedding):
         return super().forward(rows, start)
 
 
-class LayerNorm(serial.LayerNorm):
-    def __init__(self, cfg, ctx, mode: "SubGraph"):
-        super().__init__(cfg, ctx, **mode.common_spec)
+class Norm(serial.Norm):
+    def __init__(self, cfg, ctx, mode: "SubGraph", kind: str, eps: float, bias: bool):
+        super().__init__(cfg, ctx, kind, eps, bias, **mode.common_spec)
         self.runs = mode.seg.runs_common
 
     def forward(self, x):
@@ -259,13 +260,17 @@ class LayerNorm(serial.LayerNorm):
 class CommonLinear(serial.Linear):
     """A whole linear of the common layers (MLP; attention projections with projections="common")."""
 
-    def __init__(self, cfg, ctx, mode: "SubGraph", in_features, out_features, stack=None):
-        super().__init__(cfg, ctx, in_features, out_features, stack, **mode.common_spec)
+    def __init__(self, cfg, ctx, mode: "SubGraph", in_features, out_features, stack=None, segments=None, bias=True):
+        super().__init__(cfg, ctx, in_features, out_features, stack, segments, bias, **mode.common_spec)
         self.seg = mode.seg
         self.out_shape = (stack, out_features) if stack else (out_features,)
 
     def forward(self, x):
-        return super().forward(x) if self.seg.runs_common else _idle_output(x, self.out_shape)
+        if self.seg.runs_common:
+            return super().forward(x)
+        if self.segment_names is None:
+            return _idle_output(x, self.out_shape)
+        return tuple(_idle_output(x, (w,)) for w in self.segment_widths)
 
 
 class LMHead(TiedHead):
@@ -320,24 +325,25 @@ class BranchLinear(nn.Module):
     OUT: y (B/n_g, T, h/g) @ W[block k, :] --sum--> (common rows, T, h) + b (common)
     """
 
-    def __init__(self, cfg, ctx, mode: "SubGraph", in_features, out_features, position, stack=None):
+    def __init__(self, cfg, ctx, mode: "SubGraph", in_features, out_features, position, stack=None, segments=None,
+                 bias=True):
         super().__init__()
         self.seg, self.position = mode.seg, position
         member_sum = {"grad_sum": (MEM,)}
         if position == Position.IN:
             out_shape = (stack, out_features) if stack else (out_features,)
             last = len(out_shape)
-            register_weight_and_bias(self, cfg, ctx,
-                                     ShardSpec((in_features,) + out_shape, splits=((last, (SUB,)),), **member_sum),
-                                     ShardSpec(out_shape, splits=((last - 1, (SUB,)),), **member_sum))
+            register_linear(self, ctx, out_shape,
+                            lambda s: ShardSpec((in_features,) + s, splits=((last, (SUB,)),), **member_sum),
+                            lambda s: ShardSpec(s, splits=((last - 1, (SUB,)),), **member_sum), bias, segments)
         else:  # the bias is added once, after the sum: a common parameter
-            register_weight_and_bias(self, cfg, ctx, ShardSpec((in_features, out_features), splits=((0, (SUB,)),),
-                                                               **member_sum),
-                                     ShardSpec((out_features,), **mode.common_spec))
+            register_weight_and_bias(self, ctx, ShardSpec((in_features, out_features), splits=((0, (SUB,)),),
+                                                          **member_sum),
+                                     ShardSpec((out_features,), **mode.common_spec) if bias else None)
 
     def forward(self, x):
         if self.position == Position.IN:
-            return local_linear(self.seg.split(x), self.weight, self.bias)
+            return split_segments(self, local_linear(self.seg.split(x), *linear_params(self)))
         y = self.seg.sum(x @ self.weight)
         if self.bias is None or not self.seg.runs_common:
             return y
@@ -346,16 +352,23 @@ class BranchLinear(nn.Module):
 
 class SlicedProjection(CommonLinear):
     """A projection in the common layers (projections="common") whose output (IN) is sliced by
-    heads into the branches, or whose input (OUT) is the branches' heads concatenated back."""
+    heads into the branches, or whose input (OUT) is the branches' heads concatenated back.
+    Segments (q, k, v of different widths) are interleaved by head block before the slice, so
+    that one segmented collective gives sub-grid k head block k of every segment."""
 
-    def __init__(self, cfg, ctx, mode, in_features, out_features, position, stack=None):
-        super().__init__(cfg, ctx, mode, in_features, out_features, stack)
+    def __init__(self, cfg, ctx, mode, in_features, out_features, position, stack=None, segments=None, bias=True):
+        super().__init__(cfg, ctx, mode, in_features, out_features, stack, segments, bias)
         self.position = position
 
     def forward(self, x):
-        if self.position == Position.IN:
-            return self.seg.slice(super().forward(x))
-        return super().forward(self.seg.concat(x))
+        if self.position == Position.OUT:
+            return super().forward(self.seg.concat(x))
+        y = super().forward(x)
+        if self.segment_names is None:
+            return self.seg.slice(y)
+        g = self.seg.g
+        blocks = torch.cat([part.unflatten(-1, (g, -1)) for part in y], dim=-1).flatten(-2)  # head block major
+        return tuple(self.seg.slice(blocks).split([w // g for w in self.segment_widths], dim=-1))
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -412,9 +425,9 @@ class SubGraph(Mode):
         common_axes = (SUB, MEM) if self.common_all else (MEM,)
         self.common_spec = {"grad_sum": common_axes, "holders": () if self.common_all else ((SUB, 0),)}
 
-    def check_config(self, cfg):
-        divisible("n_heads", cfg.n_heads, self.g, "subgrids g",
-                  f"use a number of sub-grids that divides {cfg.n_heads} heads, or a head count that is a "
+    def check_heads(self, name, count):
+        divisible(name, count, self.g, "subgrids g",
+                  f"use a number of sub-grids that divides {count} heads, or a head count that is a "
                   f"multiple of {self.g}")
 
     def check_batch(self, tokens):
@@ -426,75 +439,116 @@ class SubGraph(Mode):
                   f"of {per} sequences (for example {nearby_multiples(b, per)})")
         self.seg.batch = b
 
-    def embedding(self):
-        return Embedding(self.cfg, self.ctx, self)
+    # heads: sub-grid k's block; the members of a sub-grid run other sequences
+    head_axes, attention_batch_axes = (SUB,), (MEM,)
 
-    def layer_norm(self):
-        return LayerNorm(self.cfg, self.ctx, self)
+    def embedding(self, *, positions=True):
+        return Embedding(self.cfg, self.ctx, self, positions)
 
-    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
+    def norm(self, kind="layer", *, eps, bias):
+        return Norm(self.cfg, self.ctx, self, kind, eps, bias)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
+               bias=None):
+        bias = self.cfg.bias if bias is None else bias
+        if segments and position != Position.IN:
+            raise ValueError("only a Position.IN linear can be segmented")
         if block == Block.MLP:
-            return CommonLinear(self.cfg, self.ctx, self, in_features, out_features, stack)
-        if self.projections == "branch":
-            return BranchLinear(self.cfg, self.ctx, self, in_features, out_features, position, stack)
-        return SlicedProjection(self.cfg, self.ctx, self, in_features, out_features, position, stack)
+            return CommonLinear(self.cfg, self.ctx, self, in_features, out_features, stack, segments, bias)
+        kind = BranchLinear if self.projections == "branch" else SlicedProjection
+        return kind(self.cfg, self.ctx, self, in_features, out_features, position, stack, segments, bias)
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self.ctx, self, embedding)
 
-    def cost_terms(self, b):
-        """Rank (k, m) runs common rows r_c (D&SP: B/p; D&SP-cSub: B/n_g on sub-grid 0, none
-        elsewhere) and branch rows r_b = B/n_g. With projections="branch" a layer's attention is
-        entered by a split of (r_b, T, h) (D&SP all-gather, cSub broadcast) and left by a sum of the
-        same size (reduce-scatter, reduce), each with the other as its backward; with
-        projections="common" by a slice of q, k, v and a concatenation of the heads (all-to-all
-        counting the buffer a rank sends, scatter/gather the group's whole buffer; or all-gather /
-        broadcast and discard). Every forward boundary is recomputed under checkpointing (the
-        block's last saved tensors follow them). The loss is one value all-reduced over the
-        replica. Gradient sums (branch weights over the sub-grid, common parameters over the
-        ranks running them) follow from the specs."""
-        B, T, h, n, g = b.B, b.T, b.h, b.n, self.g
-        proj_common = self.projections == "common"
-        by_gather = self.slice_collective == "all_gather"
-        runs_common = self.seg.runs_common
-        r_b = B / self.n_g
-        r_c = (B / (g * self.n_g) if self.common_all else r_b) if runs_common else 0
-        act = r_b * T * h  # one rank's branch activation
+    def residual_shape(self, batch, seq):
+        rows = self.seg.common_rows(batch)
+        return (rows.stop - rows.start, seq, self.cfg.d_model)
 
-        def boundary(fwd_op, bwd_op, elements):
-            b.add("forward", fwd_op, (SUB,), elements, 1, "layer.branch", layer=True)
-            b.add("backward", bwd_op, (SUB,), elements, 1, "layer.branch", layer=True)
+    def pool(self, x, index, batch):
+        """This rank's common rows (none on an idle rank of D&SP-cSub) of the position `index`."""
+        rows = self.seg.common_rows(batch)
+        return pool_pieces(x[:, index], rows, slice(0, x.shape[-1]), batch, x.shape[-1], self.ctx.tensor_group())
 
-        if not proj_common:
+    # Rank (k, m) runs common rows r_c (D&SP: B/p; D&SP-cSub: B/n_g on sub-grid 0, none
+    # elsewhere) and branch rows r_b = B/n_g. Every forward boundary is recomputed under
+    # checkpointing (the block's last saved tensors follow them). Gradient sums (branch weights
+    # over the sub-grid, common parameters over the ranks running them) follow from the specs.
+    def _rows(self, b) -> tuple[float, float]:
+        r_b = b.B / self.n_g
+        if not self.seg.runs_common:
+            return 0.0, r_b
+        return (b.B / (self.g * self.n_g) if self.common_all else r_b), r_b
+
+    def cost_shares(self, b):
+        r_c, r_b = self._rows(b)
+        common = r_c / b.B
+        return {"attention": r_b / b.B / self.g, "mlp": common, "head": common, "replicated": common}
+
+    def _boundary(self, b, forward, backward, elements):
+        b.add("forward", forward, (SUB,), elements, 1, "branch")
+        b.add("backward", backward, (SUB,), elements, 1, "branch")
+
+    def cost_embedding(self, b, positions):
+        """Common rows only; no communication. Saves the token ids (a view of the whole batch)."""
+        b.save_ints(8 * b.M if self.seg.runs_common else 0)
+
+    def cost_norm(self, b, kind, bias):
+        r_c, _ = self._rows(b)
+        return r_c * b.T * (b.h + (2 if kind == "layer" else 1))
+
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+        """MLP linears are common layers. With projections="branch" an attention block is
+        entered by a split of (r_b, T, h) (D&SP all-gather, cSub broadcast) and left by a sum of
+        the same size (reduce-scatter, reduce), each with the other as its backward; with
+        projections="common" by a slice of the projection's output and a concatenation of the
+        heads (all-to-all counting the buffer a rank sends, scatter/gather the group's whole
+        buffer; or all-gather / broadcast and discard)."""
+        r_c, r_b = self._rows(b)
+        T, g = b.T, self.g
+        if block == "mlp":
+            return r_c * T * in_features, r_c * T * out_features
+        first = position == "in"
+        if self.projections == "branch":
             split, join = ("all_gather", "reduce_scatter") if self.common_all else ("broadcast", "reduce")
-            boundary(split, join, act)
-            boundary(join, split, act)
-        elif self.common_all and not by_gather:  # the slice sends its common rows of every head
-            boundary("all_to_all", "all_to_all", 3 * B / (g * self.n_g) * T * h)
-            boundary("all_to_all", "all_to_all", act / g)
-        elif self.common_all:
-            boundary("all_gather", "reduce_scatter", 3 * act)
-            boundary("all_gather", "reduce_scatter", act)
-        elif not by_gather:
-            boundary("scatter", "gather", 3 * act)
-            boundary("gather", "scatter", act)
-        else:
-            boundary("broadcast", "reduce", 3 * act)
-            boundary("all_gather", "reduce_scatter", act)
+            if first:
+                self._boundary(b, split, join, r_b * T * in_features)
+                return r_b * T * in_features, r_b * T * out_features / g
+            self._boundary(b, join, split, r_b * T * out_features)
+            return (0 if input_from_attention else r_b * T * in_features / g), r_c * T * out_features
+        by_gather = self.slice_collective == "all_gather"
+        if first:  # the slice of q, k, v
+            if self.common_all and not by_gather:  # the slice sends its common rows of every head
+                self._boundary(b, "all_to_all", "all_to_all", r_c * T * out_features)
+            elif self.common_all:
+                self._boundary(b, "all_gather", "reduce_scatter", r_b * T * out_features)
+            elif not by_gather:
+                self._boundary(b, "scatter", "gather", r_b * T * out_features)
+            else:
+                self._boundary(b, "broadcast", "reduce", r_b * T * out_features)
+            return r_c * T * in_features, r_b * T * out_features / (1 if by_gather else g)
+        # the concatenation of the heads back into the common rows
+        if self.common_all and not by_gather:
+            self._boundary(b, "all_to_all", "all_to_all", r_b * T * in_features / g)
+            saved = r_c * T * in_features
+        elif not self.common_all and not by_gather:
+            self._boundary(b, "gather", "scatter", r_b * T * in_features)
+            saved = r_c * T * in_features
+        else:  # all-gather and discard: the whole gathered buffer stays alive through the view
+            self._boundary(b, "all_gather", "reduce_scatter", r_b * T * in_features)
+            saved = r_b * T * in_features if self.seg.runs_common else 0
+        return saved, r_c * T * out_features
+
+    def cost_lm_head(self, b):
+        """Cross-entropy of the common rows, its one value all-reduced over the replica. Saves
+        the head input, the log-softmax, the total weight and the targets (common ranks)."""
+        r_c, _ = self._rows(b)
         b.add("forward", "all_reduce", (SUB, MEM), 1, 1, "loss", itemsize=max(4, b.c.itemsize))
-        share = r_c / B
-        b.share = {"attention": r_b / B / g, "mlp": share, "head": share, "replicated": share}
-        b.residual_split = B / r_c if r_c else float("inf")
-        # saved per layer: common rows keep both LayerNorm inputs, the fc input, GELU input and
-        # MLP-proj input (11h) and the norms' mean/rstd; a branch keeps its qkv input, the q, k, v
-        # storage, the attention output (which the proj input views) and the log-sum-exp. With
-        # projections in the common layers their inputs are common rows, and the discarding
-        # collectives keep whole buffers alive through the views taken of them.
-        if not proj_common:
-            per_layer = r_c * T * (11 * h + 4) + r_b * T * (h + 4 * h / g + n / g)
-        else:
-            qkv, proj_in = (3 * h, r_b * T * h if runs_common else 0) if by_gather else (3 * h / g, r_c * T * h)
-            per_layer = r_c * T * (12 * h + 4) + proj_in + r_b * T * (qkv + h / g + n / g)
-        head = r_c * T * (2 * h + 2 + b.V) + (1 if runs_common else 0)
-        ints = 2 * 8 * B * T if runs_common else 0  # token and target rows: views of the whole batch
-        b.activations(per_layer, head, ints)
+        runs = self.seg.runs_common
+        b.save_ints(8 * b.M if runs else 0)
+        return r_c * b.T * (b.h + b.V) + (1 if runs else 0)
+
+    def cost_pool(self, b):
+        """Every rank's common rows of the position placed and all-reduced over the replica."""
+        b.add("forward", "all_reduce", (SUB, MEM), b.B * b.h)
+        return b.B * b.h

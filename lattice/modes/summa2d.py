@@ -27,7 +27,8 @@ from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
-from lattice.layers import (TiedHead, compute_dtype, normalize_split_hidden, register_weight_and_bias, round_up,
+from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
+                            pool_pieces, register_linear, register_weight_and_bias, round_up, split_segments,
                             vocab_table_spec)
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
@@ -89,60 +90,75 @@ class _Embed2D(torch.autograd.Function):
 class Embedding(nn.Module):
     """Tokens (B, T), identical on every rank of the replica -> x (B/q, T, h/q)."""
 
-    def __init__(self, cfg, mode: "Summa2D"):
+    def __init__(self, cfg, mode: "Summa2D", positions: bool):
         super().__init__()
-        self.grid = mode.grid
+        self.grid, self.positions = mode.grid, positions
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
-        register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
+        if positions:
+            register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
 
     def forward(self, tokens, start: int = 0):
         g = self.grid
         B, T = tokens.shape
         rows = tokens[g.i * (B // g.q):(g.i + 1) * (B // g.q)]  # (B/q, T)
         x = _Embed2D.apply(self.wte, rows.reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
+        if not self.positions:
+            return x
         pos = hosted(None if self.wpe is None else self.wpe[start:start + T], (T, x.shape[-1]), g, x.dtype, x.device)
         return x + pos
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, cfg, mode: "Summa2D"):
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm of (B/q, T, h/q): the statistics all-reduced along the row (§3.2.2),
+    weight and bias hosted on row 0 and broadcast down the column."""
+
+    def __init__(self, cfg, mode: "Summa2D", kind: str, eps: float, bias: bool):
         super().__init__()
-        self.grid, self.h, self.eps = mode.grid, cfg.d_model, cfg.layer_norm_eps
+        check_norm_kind(kind, bias)
+        self.grid, self.h, self.eps, self.kind = mode.grid, cfg.d_model, eps, kind
         spec = ShardSpec((cfg.d_model,), ((0, (COL,)),), ON_ROW_0)
-        register_weight_and_bias(self, cfg, mode.ctx, spec, spec)
-        self.has_bias = cfg.bias
+        register_weight_and_bias(self, mode.ctx, spec, spec if bias else None)
+        self.has_bias = bias
 
     def forward(self, x):  # (B/q, T, h/q) -> same
         shape = x.shape[-1:]
         w = hosted(self.weight, shape, self.grid, x.dtype, x.device)
         b = hosted(self.bias, shape, self.grid, x.dtype, x.device) if self.has_bias else None
-        y = normalize_split_hidden(x, self.grid.row, self.h, self.eps) * w
+        y = normalize_split_hidden(x, self.grid.row, self.h, self.eps, self.kind) * w
         return y + b if b is not None else y
 
 
 class Linear(nn.Module):
     """y = x W + b as SUMMA C = A B: x (B/q, T, in/q), W block (in/q, [stack,] out/q) ->
-    (B/q, T, [stack,] out/q). With a stack (qkv), out columns j are heads j·n/q .. of q, k and v."""
+    (B/q, T, [stack,] out/q). With a stack (qkv), out columns j are heads j·n/q .. of q, k and v;
+    with segments, block j of every segment (SUMMA's columns are independent, so the segments'
+    blocks side by side are one product)."""
 
-    def __init__(self, cfg, mode: "Summa2D", in_features, out_features, stack=None):
+    def __init__(self, cfg, mode: "Summa2D", in_features, out_features, stack=None, segments=None, bias=True):
         super().__init__()
         self.grid = mode.grid
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
-        w_spec = ShardSpec((in_features,) + out_shape, ((0, (ROW,)), (last, (COL,))))  # rows over ROW, out over COL
-        register_weight_and_bias(self, cfg, mode.ctx, w_spec, ShardSpec(out_shape, ((last - 1, (COL,)),), ON_ROW_0))
-        self.has_bias = cfg.bias
+        register_linear(self, mode.ctx, out_shape,
+                        lambda s: ShardSpec((in_features,) + s, ((0, (ROW,)), (last, (COL,)))),  # rows over ROW, out over COL
+                        lambda s: ShardSpec(s, ((last - 1, (COL,)),), ON_ROW_0), bias, segments)
+        self.has_bias = bias
         self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
+        total = math.prod(out_shape)
+        mode.products.append((in_features, total))  # for the workspace plan
+        if bias:
+            mode.vectors.append(total // mode.q)
 
     def forward(self, x):
+        weight, bias = linear_params(self)
         # the bias broadcast comes first so that checkpoint recomputation, which stops after the
         # last tensor saved for backward, repeats every collective of the block
-        b = hosted(self.bias, self.local_out, self.grid, compute_dtype(x), x.device) if self.has_bias else None
-        w = self.weight.reshape(self.weight.shape[0], -1)  # (in/q, [stack·]out/q)
+        b = hosted(bias, self.local_out, self.grid, compute_dtype(x), x.device) if self.has_bias else None
+        w = weight if isinstance(weight, tuple) else weight.reshape(weight.shape[0], -1)  # (in/q, [stack·]out/q)
         y = summa_ab(x.reshape(-1, x.shape[-1]), w, self.grid)  # (B/q·T, [stack·]out/q)
         if b is not None:
             y = y + b.reshape(-1)
-        return y.view(*x.shape[:-1], *self.local_out)
+        return split_segments(self, y.view(*x.shape[:-1], *self.local_out))
 
 
 class LMHead(TiedHead):
@@ -245,11 +261,16 @@ class Summa2D(Mode):
         self.q = ctx.size(ROW)
         self.vocab_pad = round_up(cfg.vocab_size, self.q)
         self.grid = SummaGrid(ctx)
+        # (K, N) of every linear's product and the local length of every row-0 vector the model
+        # builds, recorded as its modules are made: the workspace is sized from them
+        self.products: list[tuple[int, int]] = [(self.vocab_pad, cfg.d_model)]  # the LM head: (K, N) = (V, h)
+        self.vectors: list[int] = [cfg.d_model // self.q]  # norms
 
     def check_config(self, cfg):
-        q = self.ctx.size(ROW)
-        divisible("d_model", cfg.d_model, q, "the 2D mesh side q")
-        divisible("n_heads", cfg.n_heads, q, "the 2D mesh side q")
+        divisible("d_model", cfg.d_model, self.ctx.size(ROW), "the 2D mesh side q")
+
+    def check_heads(self, name, count):
+        divisible(name, count, self.ctx.size(ROW), "the 2D mesh side q")
 
     def check_batch(self, tokens):
         q, b = self.q, tokens.shape[0]
@@ -267,23 +288,37 @@ class Summa2D(Mode):
         cfg, q = self.cfg, self.q
         h, m = cfg.d_model, batch // q * seq
         # a product of A [M, K] and B [K, N]: blocks of (M/q)·(K/q) and (K/q)·(N/q) in every form
-        products = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h), (self.vocab_pad, h)]  # LM head: (K, N) = (V, h)
-        step = max(m * k // q + k * n // (q * q) for k, n in products)
+        step = max(m * k // q + k * n // (q * q) for k, n in self.products)
         step = max(step, self.vocab_pad * h // (q * q))  # embedding: one table block
-        recv = max(seq * h // q, (4 * h // q) if cfg.bias else h // q)
+        recv = max([seq * h // q] + self.vectors)  # the position rows, biases and norm weights
         return recv, step
 
-    def embedding(self):
-        return Embedding(self.cfg, self)
+    # heads by column j, sequences by row i
+    head_axes, attention_batch_axes = (COL,), (ROW,)
 
-    def layer_norm(self):
-        return LayerNorm(self.cfg, self)
+    def embedding(self, *, positions=True):
+        return Embedding(self.cfg, self, positions)
 
-    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None):
-        return Linear(self.cfg, self, in_features, out_features, stack)
+    def norm(self, kind="layer", *, eps, bias):
+        return Norm(self.cfg, self, kind, eps, bias)
+
+    def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
+               bias=None):
+        if segments and position != Position.IN:
+            raise ValueError("only a Position.IN linear can be segmented")
+        return Linear(self.cfg, self, in_features, out_features, stack, segments, self.cfg.bias if bias is None else bias)
 
     def lm_head(self, embedding):
         return LMHead(self.cfg, self, embedding)
+
+    def residual_shape(self, batch, seq):
+        return (batch // self.q, seq, self.cfg.d_model // self.q)
+
+    def pool(self, x, index, batch):
+        """(B/q, T, h/q) -> rows i, columns j of the (batch, h) position `index`."""
+        g, (rows, h_local) = self.grid, (x.shape[0], x.shape[-1])
+        return pool_pieces(x[:, index], slice(g.i * rows, (g.i + 1) * rows), slice(g.j * h_local, (g.j + 1) * h_local),
+                           batch, h_local * g.q, self.ctx.tensor_group())
 
     @classmethod
     def optimus_table1_row(cls, b, s, h, p):
@@ -294,57 +329,69 @@ class Summa2D(Mode):
                 "forward_mults": (12 * b * s * h * h + 2 * b * s * s * h) / p,
                 "backward_mults": (36 * b * s * h * h + 6 * b * s * s * h) / p}
 
-    def cost_terms(self, b):
-        """Activations [B/q, T, h/q], weights in q x q blocks; SUMMA for every linear; bias,
-        LayerNorm and wpe on row 0, broadcast down the column forward and reduced back in backward
-        (Fig. 5); LayerNorm sums (Σx, Σx²) and cross-entropy sums (max, then Σe^x with the target
-        logit) all-reduced along the row (§3.2.2). Embedding as SUMMA with the one-hot token matrix
-        local to the row: q table-block broadcasts down the column, and the gradient's q reduces
-        (Alg. 3). LM head C = X Eᵀ (Alg. 2: q broadcasts of table blocks, q reduces of logit
-        blocks), its backward by Alg. 1 and Alg. 3; the mean loss is summed down the column."""
-        B, T, h, n, q, Vp = b.B, b.T, b.h, b.n, self.q, b.vocab_padded
-        M = B * T  # the full token count; blocks are M/q rows
-        m = M / q
-        vec = 2 if b.bias else 1
-        # embedding: table block (V'/q, h/q) broadcast q times; wpe hosted on row 0
-        b.add("forward", "broadcast", (ROW,), Vp * h / q, q, "embedding")
-        b.add("backward", "reduce", (ROW,), Vp * h / q, q, "embedding")
-        b.add("forward", "broadcast", (ROW,), T * h / q, 1, "embedding")
-        b.add("backward", "reduce", (ROW,), T * h / q, 1, "embedding")
+    def padded_vocab(self):
+        return self.vocab_pad
 
-        def layer_norm(layer, site):
-            b.add("forward", "broadcast", (ROW,), vec * h / q, vec, site, layer=layer)
-            b.add("backward", "reduce", (ROW,), vec * h / q, vec, site, layer=layer)
-            b.add("forward", "all_reduce", (COL,), 2 * m, 1, site, layer=layer)
-            b.add("backward", "all_reduce", (COL,), 2 * m, 1, site, layer=layer)
+    # Activations [B/q, T, h/q], weights in q x q blocks; SUMMA for every linear; bias, norm and
+    # wpe vectors on row 0, broadcast down the column forward and reduced back in backward
+    # (Fig. 5); norm and cross-entropy sums all-reduced along the row (§3.2.2).
+    def cost_embedding(self, b, positions):
+        """SUMMA with the one-hot token matrix local to the row: q table-block (V'/q, h/q)
+        broadcasts down the column, and the gradient's q reduces (Alg. 3); wpe hosted on row 0.
+        Saves the token ids (a view of the whole batch)."""
+        q, h = self.q, b.h
+        b.add("forward", "broadcast", (ROW,), b.vocab_padded * h / q, q)
+        b.add("backward", "reduce", (ROW,), b.vocab_padded * h / q, q)
+        if positions:
+            b.add("forward", "broadcast", (ROW,), b.T * h / q)
+            b.add("backward", "reduce", (ROW,), b.T * h / q)
+        b.save_ints(8 * b.M)
 
-        for k_in, n_out in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
-            if b.bias:
-                b.add("forward", "broadcast", (ROW,), n_out / q, 1, "layer.bias", layer=True)
-                b.add("backward", "reduce", (ROW,), n_out / q, 1, "layer.bias", layer=True)
-            summa_product_terms(b, "layer.linear", M, k_in, n_out, q)
-        for _ in range(2):
-            layer_norm(True, "layer.norm")
-        layer_norm(False, "head")
-        # head: logits (M, V') = X (M, h) Eᵀ; forward Alg. 2, backward Alg. 1 (dX) and Alg. 3 (dE)
-        e, z = Vp * h / q ** 2, M * Vp / q ** 2
-        b.add("forward", "broadcast", (ROW,), q * e, q, "head")
-        b.add("forward", "reduce", (COL,), q * z, q, "head")
-        b.add("backward", "broadcast", (COL,), q * z, q, "head")
-        b.add("backward", "broadcast", (ROW,), q * e, q, "head")
-        b.add("backward", "broadcast", (COL,), q * z, q, "head")
-        b.add("backward", "reduce", (ROW,), q * e, q, "head")
+    def cost_norm(self, b, kind, bias):
+        """Weight (and bias) broadcast from row 0; (Σx, Σx²) (RMSNorm: Σx²) of the row block's
+        m = M/q tokens all-reduced along the row, and in backward (Σg, Σg·x̂) (Σg·x̂). Saves x̂,
+        rstd per token of the row block (q-fold replicated) and the broadcast weight."""
+        q, m = self.q, b.M / self.q
+        vec = 2 if bias else 1
+        sums = 2 if kind == "layer" else 1
+        b.add("forward", "broadcast", (ROW,), vec * b.h / q, vec, "norm")
+        b.add("backward", "reduce", (ROW,), vec * b.h / q, vec, "norm")
+        b.add("forward", "all_reduce", (COL,), sums * m, 1, "norm")
+        b.add("backward", "all_reduce", (COL,), sums * m, 1, "norm")
+        return b.M * b.h / q ** 2 + m + b.h / q
+
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+        q = self.q
+        if bias:
+            b.add("forward", "broadcast", (ROW,), out_features / q, 1, "bias")
+            b.add("backward", "reduce", (ROW,), out_features / q, 1, "bias")
+        summa_product_terms(b, "linear", b.M, in_features, out_features, q)
+        saved = 0 if input_from_attention else b.M * in_features / q ** 2
+        return saved, b.M * out_features / q ** 2
+
+    def cost_lm_head(self, b):
+        """logits (M, V') = X Eᵀ: forward Alg. 2 (q broadcasts of table blocks, q reduces of
+        logit blocks), backward Alg. 1 (dX) and Alg. 3 (dE); the cross-entropy's (max, then
+        Σe^x with the target logit) of m tokens all-reduced along the row, the mean loss down
+        the column. Saves the head input, the softmax block, and the targets of the row block."""
+        q, M, Vp = self.q, b.M, b.vocab_padded
+        e, z = Vp * b.h / q ** 2, M * Vp / q ** 2
+        b.add("forward", "broadcast", (ROW,), q * e, q)
+        b.add("forward", "reduce", (COL,), q * z, q)
+        b.add("backward", "broadcast", (COL,), q * z, q)
+        b.add("backward", "broadcast", (ROW,), q * e, q)
+        b.add("backward", "broadcast", (COL,), q * z, q)
+        b.add("backward", "reduce", (ROW,), q * e, q)
         loss_size = max(4, b.c.itemsize)
-        b.add("forward", "all_reduce", (COL,), 3 * m, 2, "loss", itemsize=loss_size)
+        b.add("forward", "all_reduce", (COL,), 3 * M / q, 2, "loss", itemsize=loss_size)
         b.add("forward", "all_reduce", (ROW,), 1, 1, "loss", itemsize=loss_size)
-        # saved per layer: every [B, T, h]-sized tensor of serial at 1/p; x̂ replaces the LayerNorm
-        # input, whose rstd is per token of the row block (q-fold replicated); broadcast vectors
-        p = q * q
-        b.residual_split = p
-        per_layer = 16 * M * h / p + 2 * m + B * n * T / p + 2 * h / q
-        head = (2 * M * h + M * Vp) / p + m + h / q
-        ints = 8 * M + m * (8 + 1)  # the token ids (a view of the whole batch); target ids, hit mask
-        b.activations(per_layer, head, ints)
+        b.save_ints(M / q * (8 + 1))  # target ids, hit mask
+        return (M * b.h + M * Vp) / q ** 2
+
+    def cost_pool(self, b):
+        """Every block of the position placed and all-reduced over the q² ranks."""
+        b.add("forward", "all_reduce", (ROW, COL), b.B * b.h)
+        return b.B * b.h
 
 
 def summa_product_terms(b, site, M, K, N, q):
@@ -353,9 +400,9 @@ def summa_product_terms(b, site, M, K, N, q):
     (q broadcasts of B blocks, q reduces of A-sized blocks along the row) and dB by Alg. 3 (q
     broadcasts of A blocks along the row, q reduces of B-sized blocks along the column)."""
     a, w = M * K / q ** 2, K * N / q ** 2
-    b.add("forward", "broadcast", (COL,), q * a, q, site, layer=True)
-    b.add("forward", "broadcast", (ROW,), q * w, q, site, layer=True)
-    b.add("backward", "broadcast", (ROW,), q * w, q, site, layer=True)
-    b.add("backward", "reduce", (COL,), q * a, q, site, layer=True)
-    b.add("backward", "broadcast", (COL,), q * a, q, site, layer=True)
-    b.add("backward", "reduce", (ROW,), q * w, q, site, layer=True)
+    b.add("forward", "broadcast", (COL,), q * a, q, site)
+    b.add("forward", "broadcast", (ROW,), q * w, q, site)
+    b.add("backward", "broadcast", (ROW,), q * w, q, site)
+    b.add("backward", "reduce", (COL,), q * a, q, site)
+    b.add("backward", "broadcast", (COL,), q * a, q, site)
+    b.add("backward", "reduce", (ROW,), q * w, q, site)

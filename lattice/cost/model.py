@@ -1,0 +1,472 @@
+"""Analytic cost of one training step, per rank: communication, computation, memory, time.
+
+    cost = estimate(cfg, "2d", batch=8, tp=4)
+    cost.elements(phase="forward")            # CommMeter units (see lattice/comm.py)
+    cost.flops, cost.memory, cost.time(machine)
+
+Every figure is derived from the papers and the layout, never from a run. The model family
+describes one step as its sequence of operations (`Model.cost_layout`: embedding, per layer
+norms, linears, attention, activation; final norm and head), and the mode prices each
+operation in its layout (`Mode.cost_embedding`, `cost_norm`, `cost_linear`, `cost_lm_head`,
+`cost_pool`): its collectives, the bytes autograd saves, its share of the work. Communication is
+a list of `Term`s (phase, collective, mesh axes, calls, elements) in CommMeter's units --
+elements of the logical buffer per call: the tensor for all-reduce / broadcast / reduce /
+all-to-all, the gathered output for all-gather, the full input for reduce-scatter -- so
+measured / analytic is a ratio of like with like. `wire()` converts to the papers' per-rank
+volume (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, tree
+broadcast / reduce log2 n), in which `lattice.cost.tables.optimus_table1` reproduces Table 1 of
+Optimus (papers/000).
+
+Symbols: B sequences of T tokens per replica, M = B·T tokens, h = d_model, L layers, V' the
+vocabulary padded to what the layout divides, p ranks per replica (q = √p in 2D, ∛p in 3D).
+FLOPs count matrix products only (2 per multiply-add); backward is twice the forward, plus one
+forward of every layer under activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from lattice.context import MeshAxis, Topology
+from lattice.layout import plan
+from lattice.models import arch_of_config
+from lattice.sharding import grad_sum_buckets
+
+DP = MeshAxis.DP
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
+
+
+@dataclass(frozen=True)
+class Term:
+    """`calls` collectives of one kind at one site of the model, per rank, moving `elements` in all."""
+
+    phase: str  # "forward" | "backward"
+    op: str  # CommMeter op name
+    axes: tuple[MeshAxis, ...]  # the group: ranks that differ only along these mesh axes
+    calls: float
+    elements: float
+    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | head | loss | grads
+    itemsize: int = 4
+
+    @property
+    def bytes(self) -> float:
+        return self.elements * self.itemsize
+
+
+# ----------------------------------------------------------------------------- collective algorithms
+
+
+def wire_factor(op: str, n: int) -> float:
+    """Per-rank words on the wire per element of the CommMeter buffer: ring algorithms for
+    all-reduce (Optimus Eq. 5), all-gather, reduce-scatter and all-to-all; a binomial tree for
+    broadcast and reduce (Optimus Eq. 4)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return math.log2(n)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def message_steps(op: str, n: int) -> int:
+    """Sequential point-to-point steps (latency terms α) of one call under the same algorithms."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1
+    return math.ceil(math.log2(n))
+
+
+def _algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
+    """(latency steps, wire words per element) of one call. A pipelined broadcast / reduce (NCCL's
+    ring) moves each element once per rank, over n - 1 steps, instead of a tree's log2 n times."""
+    if pipelined and op in ("broadcast", "reduce") and n > 1:
+        return n - 1, 1.0
+    return message_steps(op, n), wire_factor(op, n)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """α-β-F machine: latency α (s per message) and inverse bandwidth β (s per byte) inside a node
+    and between nodes, and per rank: the matrix-product rate F (FLOP/s), the rate of elementwise
+    operators (LayerNorm, GELU, bias and residual adds, softmax: elements/s), of causal attention
+    (score elements B·n·T² per second, forward), and the optimizer update's cost per parameter
+    tensor (s) and memory bandwidth (bytes/s). Backward runs at the same rates (twice the work)."""
+
+    name: str
+    flop_rate: float
+    alpha_intra: float
+    beta_intra: float
+    alpha_inter: float
+    beta_inter: float
+    ranks_per_node: int
+    elem_rate: float = 1e9
+    attn_rate: float = 1e9
+    update_per_tensor: float = 0.0
+    mem_bandwidth: float = 10e9
+    pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
+
+    def describe(self) -> str:
+        return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "
+                f"G elements/s, attention {self.attn_rate / 1e9:.3g} G scores/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
+                f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "
+                f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
+                f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "
+                f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce")
+
+
+# A GPU cluster like the papers' (4 GPUs per node: Frontera RTX, Longhorn V100), for projections.
+PAPER_CLUSTER = Machine("4-GPU nodes, InfiniBand EDR", flop_rate=30e12, alpha_intra=10e-6,
+                        beta_intra=1 / 40e9, alpha_inter=20e-6, beta_inter=1 / 10e9, ranks_per_node=4,
+                        elem_rate=60e9, attn_rate=60e9, update_per_tensor=10e-6, mem_bandwidth=700e9, pipelined_broadcast=True)
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+@dataclass
+class Cost:
+    """One training step (forward, backward, optimizer update) of one rank."""
+
+    mode: str
+    cfg: object
+    batch: int
+    seq: int
+    topology: Topology
+    options: dict
+    itemsize: int
+    checkpointing: bool
+    terms: list[Term] = field(default_factory=list)
+    flops: dict[str, float] = field(default_factory=dict)  # forward, backward (attention's included)
+    attention_flops: dict[str, float] = field(default_factory=dict)  # the QKᵀ and AV products alone
+    elementwise: dict[str, float] = field(default_factory=dict)  # elements through non-matmul operators
+    scores: dict[str, float] = field(default_factory=dict)  # attention score elements (B·n·T² share)
+    stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
+    memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
+    param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
+    residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks
+
+    def _select(self, phase=None, op=None, site=None):
+        return [t for t in self.terms if (phase is None or t.phase == phase) and (op is None or t.op == op)
+                and (site is None or t.site == site or t.site.startswith(site + "."))]
+
+    def group_size(self, axes) -> int:
+        return math.prod(self.topology.size(a) for a in axes)
+
+    def elements(self, phase=None, op=None, site=None) -> float:
+        return sum(t.elements for t in self._select(phase, op, site))
+
+    def bytes(self, phase=None, op=None, site=None) -> float:
+        return sum(t.bytes for t in self._select(phase, op, site))
+
+    def calls(self, phase=None, op=None, site=None) -> float:
+        return sum(t.calls for t in self._select(phase, op, site))
+
+    def wire(self, phase=None, op=None, site=None) -> float:
+        """Per-rank words on the wire, the papers' unit (Optimus Table 1)."""
+        return sum(t.elements * wire_factor(t.op, self.group_size(t.axes)) for t in self._select(phase, op, site))
+
+    def messages(self, phase=None, op=None, site=None) -> float:
+        """Point-to-point message steps per rank under the ring / tree algorithms."""
+        return sum(t.calls * message_steps(t.op, self.group_size(t.axes)) for t in self._select(phase, op, site))
+
+    def summary(self) -> dict[tuple[str, str, int], dict[str, float]]:
+        """{(phase, op, group size): {calls, elements, bytes}}, CommMeter.summary()'s shape."""
+        out: dict = {}
+        for t in self.terms:
+            row = out.setdefault((t.phase, t.op, self.group_size(t.axes)), {"calls": 0, "elements": 0, "bytes": 0})
+            row["calls"] += t.calls
+            row["elements"] += t.elements
+            row["bytes"] += t.bytes
+        return out
+
+    def spans_nodes(self, axes) -> bool:
+        """Whether some group along `axes` has ranks on more than one node."""
+        topo = self.topology
+        for rank in range(topo.world_size):
+            coords = topo.coords(rank)
+            nodes = {topo.node_of(topo.rank_at({**coords, **dict(zip(axes, ks))}))
+                     for ks in product([topo.size(a) for a in axes])}
+            if len(nodes) > 1:
+                return True
+        return False
+
+    def comm_time(self, machine: Machine, phase: str, site: str | None = None) -> float:
+        total, span = 0.0, {}
+        for t in self._select(phase, site=site):
+            n = self.group_size(t.axes)
+            if t.axes not in span:
+                span[t.axes] = self.spans_nodes(t.axes)
+            alpha, beta = ((machine.alpha_inter, machine.beta_inter) if span[t.axes]
+                           else (machine.alpha_intra, machine.beta_intra))
+            steps, words = _algorithm(t.op, n, machine.pipelined_broadcast)
+            total += t.calls * steps * alpha + t.bytes * words * beta
+        return total
+
+    def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:
+        """Predicted seconds (no overlap of communication and computation). With stem=True, the
+        Transformer layers alone (no embedding, head, loss or update), as the papers measure."""
+        out = {}
+        work = self.stem if stem else {"flops": self.flops, "attention_flops": self.attention_flops,
+                                       "elementwise": self.elementwise, "scores": self.scores}
+        for phase in ("forward", "backward"):
+            linear = work["flops"][phase] - work["attention_flops"][phase]
+            out[f"{phase}_compute"] = (linear / machine.flop_rate + work["scores"][phase] / machine.attn_rate
+                                       + work["elementwise"][phase] / machine.elem_rate)
+            out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
+            out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
+        if stem:
+            out["step"] = out["forward"] + out["backward"]
+            return out
+        # AdamW reads parameter, gradient and two moments and writes three of them back
+        out["update"] = (self.param_tensors * machine.update_per_tensor
+                         + 7 * self.memory["parameters"] / machine.mem_bandwidth)
+        out["step"] = out["forward"] + out["backward"] + out["update"]
+        return out
+
+
+def product(sizes):
+    """Every coordinate tuple of a grid of `sizes`, row-major."""
+    if not sizes:
+        yield ()
+        return
+    for k in range(sizes[0]):
+        for rest in product(sizes[1:]):
+            yield (k,) + rest
+
+
+def estimate(cfg, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1,
+             dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+             ranks_per_node: int | None = None, placement: str = "natural", rank: int = 0,
+             **options) -> Cost:
+    """The analytic cost of one step of `mode` on `batch` sequences (per replica) of `seq` tokens,
+    for global rank `rank` (ranks differ where a mode hosts parameters on some ranks), of the
+    model `cfg` describes (any family)."""
+    ctx = plan(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node, placement=placement, rank=rank, **options)
+    with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
+        model = arch_of_config(cfg)(cfg, ctx)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
+                activation_checkpointing)
+    CostBuilder(cost, model).build()
+    return cost
+
+
+class CostBuilder:
+    """Fills a Cost from the family's description of one step (`Model.cost_layout(builder)`,
+    which calls the operations below in the order its forward runs them) and the mode's price of
+    each operation. What follows from the shard specs alone the builder adds itself: parameter
+    memory and tensor count, the in-replica gradient sums (`ShardSpec.grad_sum`, bucketed as
+    `sync_grads` does) and the data-parallel gradient all-reduce (bucketed as DDP does).
+
+    For the mode: B sequences of T tokens per replica, M = B·T, h, V, `vocab_padded`, p ranks
+    per replica, `options`, `c.itemsize`, `residual` (this rank's residual elements) and
+    `current` (the elements of the storage the last operation produced, which the next one may
+    save)."""
+
+    def __init__(self, cost: Cost, model):
+        c, cfg = cost, cost.cfg
+        self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
+        self.B, self.T, self.h, self.L = c.batch, c.seq, cfg.d_model, cfg.n_layers
+        self.M = self.B * self.T
+        self.V = cfg.vocab_size
+        self.p = c.topology.tp_size
+        self.options = c.options
+        self.vocab_padded = self.mode.padded_vocab()
+        self.residual = math.prod(self.mode.residual_shape(self.B, self.T))
+        self.current = 0.0
+        self.share = {"split": 1 / self.p, **self.mode.cost_shares(self)}  # FLOP shares (see `work`)
+        self.region = "embedding"  # embedding | layer | head: the site of terms outside layers
+        self.layer_terms: list[tuple[Term, int, bool]] = []  # (term, operation index, after its saves)
+        self.op = 0  # operations described so far (in the current layer)
+        self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0}
+        self.output_saved = False  # whether the last operation's output is saved already (by itself)
+        self.work = {part: {k: 0.0 for k in ("flops", "attention_flops", "elementwise", "scores")}
+                     for part in ("layer", "other")}
+
+    # ---- for the modes
+    def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False):
+        """One collective term at `site` ("linear", "bias", "norm", "branch" inside a layer, where
+        it counts once per layer; "loss"; elsewhere the region's). `after_saves`: issued after
+        every tensor its operation saves for backward, so that recomputation under activation
+        checkpointing, which stops after the layer's last saved tensor, may not repeat it."""
+        in_layer = self.region == "layer"
+        where = "loss" if site == "loss" else (f"layer.{site}" if in_layer else self.region)
+        t = Term(phase, op, tuple(axes), calls, elements, where, itemsize or self.c.itemsize)
+        if in_layer:
+            self.layer_terms.append((t, self.op, after_saves))
+        else:
+            self.c.terms.append(t)
+
+    def save(self, elements: float) -> None:
+        """Elements (in the step's dtype) the current operation saves for backward."""
+        self.saved["layer" if self.region == "layer" else "other"] += elements
+
+    def save_ints(self, nbytes: float) -> None:
+        """Bytes of token ids, indices and masks saved for backward."""
+        self.saved["layer_ints" if self.region == "layer" else "ints"] += nbytes
+
+    def _work(self, kind: str, amount: float) -> None:
+        self.work["layer" if self.region == "layer" else "other"][kind] += amount
+
+    # ---- for the families: the operations of one step, in order
+    def embedding(self, *, positions: bool = True) -> None:
+        self.region = "embedding"
+        self.mode.cost_embedding(self, positions)
+        self.current = self.residual
+
+    @contextmanager
+    def layer(self):
+        """The operations of one layer (counted L times)."""
+        self.region, self.op = "layer", 0
+        yield
+        # recomputation stops after the layer's last saved tensor (every operation saves some,
+        # if only a view or an empty tensor): collectives its last operation issues after its
+        # saves (a 1D row-parallel linear's all-reduce) are not repeated
+        last = self.op
+        for t, op, after in self.layer_terms:
+            self.c.terms.append(Term(t.phase, t.op, t.axes, t.calls * self.L, t.elements * self.L, t.site, t.itemsize))
+            if self.c.checkpointing and t.phase == "forward" and (op < last or (op == last and not after)):
+                self.c.terms.append(Term("backward", t.op, t.axes, t.calls * self.L, t.elements * self.L, t.site,
+                                         t.itemsize))
+        self.region = "head"
+
+    def _next(self):
+        if self.region == "layer":
+            self.op += 1
+
+    def norm(self, kind: str = "layer", *, bias: bool) -> None:
+        """LayerNorm (kind "layer") or RMSNorm ("rms") of the residual stream."""
+        self._next()
+        self.save(self.mode.cost_norm(self, kind, bias))
+        self._work("elementwise", self.M * self.h * self.share.get("replicated", self.share["split"]))
+        self.current, self.output_saved = self.residual, False
+
+    def linear(self, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
+               input_from_attention: bool = False) -> None:
+        """`block` "attention" or "mlp", `position` "in" or "out"; out_features counts every
+        stacked copy or segment. `input_from_attention`: the input is attention's output (which
+        attention saves already where the layout feeds it on as a view)."""
+        self._next()
+        saved, out = self.mode.cost_linear(self, in_features, out_features, block=block, position=position,
+                                           bias=bias, input_from_attention=input_from_attention and self.output_saved)
+        self.save(saved)
+        share = self.share.get(block, self.share["split"])
+        replicated = self.share.get("replicated", self.share["split"])
+        self._work("flops", 2 * self.M * in_features * out_features * share)
+        if position == "in":
+            self._work("elementwise", self.M * out_features * (share if bias else 0))
+        else:  # the bias and the residual add
+            self._work("elementwise", self.M * out_features * replicated * (2 if bias else 1))
+        self.current, self.output_saved = out, False
+
+    def attention(self, *, heads: int, kv_heads: int, head_size: int, causal: bool = True, rotary: bool = False,
+                  bias: bool = False) -> None:
+        """Scaled dot-product attention of q (heads), k and v (kv_heads) of `head_size`, which
+        the preceding IN linear produced in one storage (`current`). Without an additive bias the
+        fused kernel runs: it saves q, k, v (views of that storage, or rotated copies of q and k
+        with `rotary`, whose cos and sin are saved too), the output and the log-sum-exp per head
+        and token, with k and v at kv_heads. With a per-head bias (a mask that requires grad)
+        the math kernel runs: it saves q, k and v expanded to every head and the attention
+        weights, and the bias's distance indices (and the causal mask); its output is not saved,
+        so the next linear saves its own copy."""
+        self._next()
+        share = self.share.get("attention", self.share["split"])
+        q = self.M * heads * head_size * share
+        kv = self.M * kv_heads * head_size * share
+        T = self.T
+        if rotary:
+            self.save(2 * T * head_size)  # cos and sin of the positions
+        if bias:
+            self.save(3 * q + self.B * heads * T * T * share)
+            self.save_ints(8 * T * T + (T * T if causal else 0))
+            self.output_saved = False
+        else:
+            self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share)
+            self.output_saved = True
+        scores = self.B * heads * T * T * share
+        self._work("scores", scores)
+        self._work("attention_flops", 4 * head_size * scores)
+        self._work("flops", 4 * head_size * scores)
+        self.current = q
+
+    def activation(self, width: int, *, gated: bool = False) -> None:
+        """The MLP's elementwise activation on `width` hidden features: saves its input; gated
+        (SwiGLU), act(gate) * up over the IN linear's two segments, saves both (one storage) and
+        act(gate)."""
+        self._next()
+        share = self.share.get("mlp", self.share["split"])
+        out = self.M * width * share
+        self.save(self.current + (out if gated else 0))
+        self._work("elementwise", self.M * width * share * (2 if gated else 1))
+        self.current, self.output_saved = out, False
+
+    def lm_head(self) -> None:
+        """The LM head against the (tied) table and the cross-entropy."""
+        self.region = "head"
+        self.save(self.mode.cost_lm_head(self))
+        share = self.share.get("head", self.share["split"])
+        self._work("flops", 2 * self.M * self.h * self.vocab_padded * share)
+        self._work("elementwise", 2 * self.M * self.vocab_padded * share)
+
+    def classifier(self, num_labels: int) -> None:
+        """A head over the first token of every sequence (`Mode.pool`), run replicated: a linear
+        to `num_labels` and the cross-entropy of the replica batch's class ids."""
+        self.region = "head"
+        self.save(self.mode.cost_pool(self) + self.B * num_labels + 1)  # its input, log-softmax, total weight
+        self.save_ints(8 * self.B)  # the class ids
+        self._work("flops", 2 * self.B * self.h * num_labels)
+        self._work("elementwise", 2 * self.B * num_labels)
+
+    # ---- the step
+    def build(self):
+        c, L = self.c, self.L
+        self.model.cost_layout(self)
+        c.residual_elements = self.residual
+        per_layer, layer_ints = self.saved["layer"], self.saved["layer_ints"]
+        if c.checkpointing:  # only each layer's input survives the forward
+            per_layer, layer_ints = self.residual, 0
+        c.memory["activations"] = (c.itemsize * (L * per_layer + self.saved["other"]) + L * layer_ints
+                                   + self.saved["ints"])
+        params = list(self.model.parameters())
+        c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
+        c.param_tensors = len(params)
+        self._gradient_sums()
+        if self.topo.size(DP) > 1:  # data-parallel gradient averaging, bucketed as DDP does
+            grads = c.memory["parameters"] / c.itemsize
+            self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
+                     "grads")
+        c.memory["gradients"] = c.memory["parameters"]
+        c.memory["optimizer"] = 2 * c.memory["parameters"]  # AdamW's two moments
+        self._totals()
+
+    def _gradient_sums(self):
+        """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes."""
+        self.region = "grads"
+        params = dict(self.model.named_parameters())
+        for axes, names in grad_sum_buckets(self.model):
+            if self.c.group_size(axes) > 1:
+                self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
+
+    def _totals(self):
+        """Forward and backward work: backward is twice the forward, plus one forward of every
+        layer under activation checkpointing."""
+        L, ckpt = self.L, self.c.checkpointing
+        layer, other = self.work["layer"], self.work["other"]
+        out = {}
+        for kind in ("flops", "attention_flops", "elementwise", "scores"):
+            fwd = L * layer[kind] + other[kind]
+            out[kind] = {"forward": fwd, "backward": 2 * fwd + (L * layer[kind] if ckpt else 0)}
+        self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
+        self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
+        self.c.stem = {kind: {"forward": L * layer[kind], "backward": (3 if ckpt else 2) * L * layer[kind]}
+                       for kind in ("flops", "attention_flops", "elementwise", "scores")}

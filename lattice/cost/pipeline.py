@@ -1,0 +1,83 @@
+"""Pipeline parallelism in the cost model (papers/002 §2.2, §3): the point-to-point traffic of
+each stage, the micro-batches it holds in flight, and a step's projected time for a tp x pp split."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lattice.context import LatticeConfigError
+from lattice.cost.model import Machine, estimate
+from lattice.layout import plan
+from lattice.modes import get_mode
+from lattice.pipeline import PipelineConfig
+
+
+def p2p_piece(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, seq: int | None = None,
+              **options) -> float:
+    """Elements of one micro-batch's residual piece that a tensor rank sends to the next stage:
+    B/m · T · h over the layout's residual split (the cost model's figure), divided by the t
+    tensor ranks that replicate it under the scatter/gather optimisation."""
+    piece = estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options).residual_elements
+    replicated = get_mode(mode)(cfg, plan(mode, tp=tp, **options)).residual_replicated
+    return piece / tp if pcfg.scatter_gather and replicated and tp > 1 else piece
+
+
+def stage_sends(pcfg: PipelineConfig, stage: int, piece: float) -> dict[str, float]:
+    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
+    piece out of every chunk it holds but the last; backward, the same gradient out of every
+    chunk but the first."""
+    n = pcfg.stages * pcfg.v
+    mine = range(stage, n, pcfg.stages)
+    return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
+            "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
+
+
+def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,
+                 **options) -> dict[str, float]:
+    """What one rank of `stage` sends point-to-point in one step (see p2p_piece, stage_sends)."""
+    return stage_sends(pcfg, stage, p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, seq=seq, **options))
+
+
+def in_flight(pcfg: PipelineConfig, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak: all m under GPipe; under 1F1B
+    the warm-up depth p - stage (at most m); interleaved, Megatron's warm-up of
+    (p - stage - 1) * 2 + (v - 1) * p forwards plus the current one, in chunk-forwards (at most v m)."""
+    p, m, v = pcfg.stages, pcfg.m, pcfg.v
+    if pcfg.schedule == "gpipe":
+        return m
+    if pcfg.schedule == "1f1b":
+        return min(m, p - stage)
+    return min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)
+
+
+def pipeline_projection(cfg, mode: str, *, tp: int, pp: int, batch: int, machine: Machine,
+                        schedule: str = "1f1b", microbatches: int | None = None, **options) -> dict:
+    """One step of tp x pp ranks per replica (papers/002 §2.2, §3): each stage runs its L/pp
+    blocks on micro-batches of B/m sequences under the tensor layout (this module's estimate,
+    forward and backward; the embedding on the first stage and the head on the last); the
+    schedule takes (m + p - 1) micro-batch slots of the slowest stage, (m + (p - 1)/v) with
+    interleaving; each slot adds the point-to-point transfer of one residual piece (scatter /
+    gather applied) over the link between stages; the AdamW update follows."""
+    if pp == 1:  # no pipeline: the whole batch through the tensor layout
+        c = estimate(cfg, mode, batch=batch, tp=tp, **options)
+        return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": c.time(machine)["step"]}
+    ctx = plan(mode, tp=tp, pp=pp, microbatches=microbatches, pp_schedule=schedule, **options)
+    pcfg = ctx.pipeline
+    chunks = pcfg.chunks(cfg.n_layers)
+    blocks = max(len(c) for c in chunks)
+    stage_cfg = dataclasses.replace(cfg, n_layers=blocks)
+    c = estimate(stage_cfg, mode, batch=batch // pcfg.m, tp=tp, **options)
+    t = c.time(machine)
+    slot = t["forward"] + t["backward"]  # one micro-batch through the slowest chunk (head included: an upper bound)
+    piece = p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, **options)
+    stage_p2p = [stage_sends(pcfg, s, piece) for s in range(pp)]
+    inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
+    alpha, beta = (machine.alpha_inter, machine.beta_inter) if inter else (machine.alpha_intra, machine.beta_intra)
+    hop = 2 * (alpha + piece * c.itemsize * beta)  # activation forward, gradient backward
+    slots = pcfg.m * pcfg.v + pp - 1
+    pipeline_time = slots * (slot / pcfg.v + hop)
+    update = t["update"] / pp
+    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": schedule, "bubble": pcfg.bubble(),
+            "slot_s": slot / pcfg.v, "p2p_s": hop, "step_s": pipeline_time + update, "stage_p2p": stage_p2p,
+            "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
+            "pcfg": pcfg}

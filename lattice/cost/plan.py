@@ -1,0 +1,195 @@
+"""`lattice plan`: the analytic model's figures for a layout, a pipeline split, every tp x pp split
+of N ranks, or Optimus Table 1, printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import MISSING
+from dataclasses import fields as dataclass_fields
+
+import torch
+
+from lattice.context import LatticeConfigError
+from lattice.cost.model import PAPER_CLUSTER, Cost, Machine, estimate, message_steps, wire_factor
+from lattice.cost.pipeline import in_flight, pipeline_projection
+from lattice.cost.tables import layer_table, optimus_table1
+from lattice.models import DEFAULT_ARCH, available_archs, get_arch
+from lattice.modes import available_modes, parallel_modes
+from lattice.options import add_mode_option_flags, given_mode_options
+from lattice.pipeline import SCHEDULES
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default=DEFAULT_ARCH, choices=available_archs(), help=f"model family (default {DEFAULT_ARCH})")
+    p.add_argument("--mode", default=parallel_modes()[0], choices=available_modes())
+    p.add_argument("--tp", type=int, default=4, help="ranks per model replica")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--rank", type=int, default=0, help="which rank's share to show")
+    p.add_argument("--model", default=None, metavar="PRESET",
+                   help="size preset of the family (default its default preset, e.g. small for gpt2)")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--n-heads", type=int, default=None)
+    p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch", type=int, default=8, help="sequences per replica")
+    p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    add_mode_option_flags(p)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--placement", choices=("natural", "topology"), default="natural")
+    p.add_argument("--machine", default=None, metavar="JSON",
+                   help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
+                        "default: the papers' 4-GPU-node cluster")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the cost above is then per micro-batch and stage)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step with --pp (default pp)")
+    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--splits", type=int, default=None, metavar="N",
+                   help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
+    p.add_argument("--table1", action="store_true",
+                   help="print Optimus Table 1 for this b, s, h, p beside this model's rows for every mode")
+
+
+def model_config(arch: str, preset: str | None, **sizes):
+    """The config of `arch`'s preset (its default one without a name) with the sizes given (None: the preset's)."""
+    config_class = get_arch(arch).config_class
+    return config_class.preset(preset or config_class.default_preset, **{k: v for k, v in sizes.items() if v})
+
+
+def run_plan(args) -> int:
+    try:
+        cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
+                           n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len)
+        if args.table1:
+            print(format_table1(args.batch, cfg.seq_len, cfg.d_model, args.tp))
+            return 0
+        options = given_mode_options(args)
+        machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
+        if args.splits:
+            print(format_splits(cfg, args.mode, args.splits, batch=args.batch, machine=machine,
+                                schedule=args.pp_schedule, microbatches=args.microbatches, **options))
+            return 0
+        if args.pp > 1:
+            print(format_pipeline(cfg, args.mode, tp=args.tp, pp=args.pp, batch=args.batch, machine=machine,
+                                  schedule=args.pp_schedule, microbatches=args.microbatches, **options))
+            return 0
+        c = estimate(cfg, args.mode, batch=args.batch, tp=args.tp, dp=args.dp, rank=args.rank,
+                     dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                     activation_checkpointing=args.activation_checkpointing,
+                     ranks_per_node=args.ranks_per_node, placement=args.placement, **options)
+    except LatticeConfigError as e:
+        print(f"lattice plan: {e}")
+        return 2
+    try:
+        machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
+    except LatticeConfigError as e:
+        print(f"lattice plan: {e}")
+        return 2
+    print(format_cost(c, machine))
+    return 0
+
+
+def _machine(spec: str) -> Machine:
+    """A Machine from inline JSON or from a JSON file (e.g. a calibration `lattice bench` wrote)."""
+    try:
+        text = open(spec).read() if os.path.isfile(spec) else spec
+        values = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise LatticeConfigError(f"--machine {spec[:60]!r} is neither a JSON file nor inline JSON ({type(e).__name__}); "
+                                 f"pass e.g. '{{\"flop_rate\": 1e12}}' or a file holding such an object") from None
+    known = {f.name for f in dataclass_fields(Machine)}
+    if not isinstance(values, dict) or set(values) - known:
+        extra = sorted(set(values) - known) if isinstance(values, dict) else type(values).__name__
+        raise LatticeConfigError(f"--machine has unknown fields {extra}; Machine takes {', '.join(sorted(known))}")
+    required = {f.name for f in dataclass_fields(Machine) if f.default is MISSING} - {"name"}
+    if required - set(values):
+        raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
+                                 f"{', '.join(sorted(required))}")
+    return Machine(**{"name": "given", **values})
+
+
+def format_cost(c: Cost, machine: Machine) -> str:
+    axes = " x ".join(f"{a.value}={n}" for a, n in c.topology.axes)
+    lines = [f"{c.mode} on {axes}, {c.cfg}", f"batch {c.batch} x {c.seq} per replica, {c.itemsize}-byte values"
+             f"{', activation checkpointing' if c.checkpointing else ''}; per rank:", "",
+             f"  {'phase':<9}{'collective':<15}{'group':>6}{'calls':>8}{'elements':>14}{'MiB':>10}"
+             f"{'wire words':>14}{'messages':>10}"]
+    for (phase, op, n), row in sorted(c.summary().items()):
+        sel = [t for t in c.terms if t.phase == phase and t.op == op and c.group_size(t.axes) == n]
+        wire = sum(t.elements * wire_factor(op, n) for t in sel)
+        msgs = sum(t.calls * message_steps(op, n) for t in sel)
+        lines.append(f"  {phase:<9}{op:<15}{n:>6}{row['calls']:>8.0f}{row['elements']:>14,.0f}"
+                     f"{row['bytes'] / 2 ** 20:>10.3f}{wire:>14,.0f}{msgs:>10.0f}")
+    lines.append(f"  {'total':<30}{c.calls():>8.0f}{c.elements():>14,.0f}{c.bytes() / 2 ** 20:>10.3f}"
+                 f"{c.wire():>14,.0f}{c.messages():>10.0f}")
+    lines += ["", f"  compute: forward {c.flops['forward'] / 1e9:.3f} GFLOP, backward {c.flops['backward'] / 1e9:.3f} "
+                  f"GFLOP (matrix products); elementwise {c.elementwise['forward'] / 1e6:.2f} + "
+                  f"{c.elementwise['backward'] / 1e6:.2f} M elements",
+              "  memory: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MiB" for k, v in c.memory.items()),
+              "", f"  time on {machine.describe()}:"]
+    t = c.time(machine)
+    lines.append("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()))
+    return "\n".join(lines)
+
+
+def format_pipeline(cfg, mode: str, *, tp: int, pp: int, batch: int, machine: Machine, **kw) -> str:
+    r = pipeline_projection(cfg, mode, tp=tp, pp=pp, batch=batch, machine=machine, **kw)
+    pcfg = r["pcfg"]
+    virtual = f" (v={r['v']})" if r["v"] > 1 else ""
+    lines = [f"{mode} tp={tp} x pp={pp}, {cfg}", f"batch {batch} per replica in {r['m']} micro-batches of "
+             f"{batch // r['m']}, schedule {r['schedule']}{virtual}; bubble "
+             f"(p-1)/(v m) = {r['bubble']:.3f}", "",
+             f"  {'stage':<7}{'blocks':<22}{'p2p fwd elements':>18}{'p2p bwd elements':>18}{'MiB':>9}"
+             f"{'in flight':>11}{'activations MiB':>17}"]
+    n = len(r["chunks"])
+    for s in range(pp):
+        mine = [c for c in range(s, n, pp)]
+        blocks = ", ".join(f"{r['chunks'][c].start}-{r['chunks'][c].stop - 1}" for c in mine)
+        e = r["stage_p2p"][s]
+        k = in_flight(pcfg, s)
+        mib = (e["forward"] + e["backward"]) * r["itemsize"] / 2 ** 20
+        lines.append(f"  {s:<7}{blocks:<22}{e['forward']:>18,.0f}{e['backward']:>18,.0f}{mib:>9.3f}{k:>11}"
+                     f"{k * r['per_microbatch_activations'] / 2 ** 20:>17.2f}")
+    lines += ["", f"  time on {machine.describe()}:",
+              f"  micro-batch slot {r['slot_s'] * 1e3:.3f} ms + stage hop {r['p2p_s'] * 1e3:.3f} ms, "
+              f"step {r['step_s'] * 1e3:.3f} ms"]
+    return "\n".join(lines)
+
+
+def format_splits(cfg, mode: str, ranks: int, *, batch: int, machine: Machine, **kw) -> str:
+    """Megatron-LM's Fig. 9 as a projection: every tp x pp = ranks the layout and model allow."""
+    rows = []
+    for pp in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+        try:
+            rows.append(pipeline_projection(cfg, mode, tp=ranks // pp, pp=pp, batch=batch, machine=machine, **kw))
+        except LatticeConfigError as e:
+            rows.append({"tp": ranks // pp, "pp": pp, "error": str(e)})
+    lines = [f"{mode}: tp x pp = {ranks} ranks per replica, {cfg}, batch {batch}, on {machine.name}",
+             f"  {'tp':>4}{'pp':>4}{'m':>4}{'bubble':>8}{'step ms':>10}"]
+    ok = [r for r in rows if "error" not in r]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['tp']:>4}{r['pp']:>4}  does not fit: {r['error'][:100]}")
+        else:
+            lines.append(f"  {r['tp']:>4}{r['pp']:>4}{r['m']:>4}{r['bubble']:>8.3f}{r['step_s'] * 1e3:>10.3f}")
+    if ok:
+        best = min(ok, key=lambda r: r["step_s"])
+        lines.append(f"  fastest: tp={best['tp']} x pp={best['pp']}")
+    return "\n".join(lines)
+
+
+def format_table1(b: int, s: int, h: int, p: int) -> str:
+    """Optimus Table 1 (as printed) beside this model's figures, and the 3D / sub-graph rows."""
+    paper, ours = optimus_table1(b, s, h, p), layer_table(b, s, h, p)
+    lines = [f"one layer, b={b} s={s} h={h} p={p}, activation checkpointing: words moved per rank "
+             f"(ring all-reduce 2(p-1)/p, tree broadcast/reduce log2 q) and multiplications per rank",
+             f"  {'':<14}{'fwd comm':>16}{'bwd comm':>16}{'bwd as run':>16}{'fwd mults':>18}{'bwd mults':>18}"]
+    for mode, row in ours.items():
+        for src, r in (("paper", paper.get(mode)), ("model", row)):
+            if r:
+                run = f"{r['backward_as_run']:,.0f}" if "backward_as_run" in r else ""
+                lines.append(f"  {mode + ' ' + src:<14}{r['forward']:>16,.0f}{r['backward']:>16,.0f}{run:>16}"
+                             f"{r['forward_mults']:>18,.0f}{r['backward_mults']:>18,.0f}")
+    return "\n".join(lines)

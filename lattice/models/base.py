@@ -1,0 +1,440 @@
+"""What every model family shares, and the registry of families.
+
+A family is one module in this package (gpt2.py, ...) defining a `Model` subclass, registered
+with `register`, that declares, as class attributes:
+
+| declaration     | what it is                                                   | read by                 |
+|-----------------|--------------------------------------------------------------|-------------------------|
+| `name`          | the `--arch` name                                            | registry, CLI, run dirs |
+| `config_class`  | its config dataclass (a `ModelConfig`), with `presets`       | CLI, trainer, checkpoints |
+| `test_shapes`   | small configs the conformance suite runs in every mode       | tests/test_conformance.py |
+| `hf`            | its HuggingFace mapping (`lattice.hf.HFMapping`) or None     | lattice.hf, `convert`   |
+| `parts()`       | its modules in order: first part, blocks, last part          | the pipeline builder    |
+| `cost_layout()` | the operations of one step, in order, for the cost model     | lattice.cost            |
+
+and builds its layers in `build()` from the mode's blocks (`self.mode`: embedding, norms,
+linears, LM head, per-head parameters, pooling) and the shared components
+(lattice.models.components). The model holds only this rank's shards; everything else here --
+initialisation, loading and gathering full tensors, gradient sums, the training step,
+generation, HuggingFace import/export -- is written once for every family.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+import zlib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from lattice.context import LatticeConfigError, ParallelContext
+from lattice.models.components import DropoutSeeds
+from lattice.modes import get_mode
+from lattice.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
+
+DEFAULT_ARCH = "gpt2"
+
+
+# ----------------------------------------------------------------------------- configs
+class ModelConfig:
+    """Mixin of every family's config dataclass. Every family config has vocab_size, seq_len,
+    d_model, n_heads and n_layers (the sizes the trainer, data and CLI set), and `presets`."""
+
+    #: size presets by name (the CLI's --model); each a dict of config fields
+    presets: ClassVar[dict[str, dict]] = {}
+    #: the preset `lattice train --arch NAME` uses without --model
+    default_preset: ClassVar[str] = "small"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in cls.presets:
+            raise LatticeConfigError(f"unknown model preset {name!r}; choose one of {', '.join(cls.presets)}")
+        return cls(**{**cls.presets[name], **overrides})
+
+    def head_counts(self) -> dict[str, int]:
+        """Every count of attention heads a layout must split into whole heads per rank."""
+        return {"n_heads": self.n_heads}
+
+    def check_positive(self, *names: str) -> None:
+        for f in names:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LatticeConfigError(f"{type(self).__name__}.{f} must be a positive integer, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- registry
+_FAMILIES: dict[str, type["Model"]] = {}
+
+
+def register(cls: type["Model"]) -> type["Model"]:
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # every module of this package but the shared ones defines and registers one family
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name not in ("base", "components"):
+            importlib.import_module(f"lattice.models.{info.name}")
+
+
+def available_archs() -> list[str]:
+    """Registered family names, sorted."""
+    _load_builtin()
+    return sorted(_FAMILIES)
+
+
+def get_arch(name: str) -> type["Model"]:
+    _load_builtin()
+    if name not in _FAMILIES:
+        raise LatticeConfigError(f"unknown architecture {name!r}; available: {', '.join(available_archs())}")
+    return _FAMILIES[name]
+
+
+def arch_of_config(cfg) -> type["Model"]:
+    """The family whose config class `cfg` is."""
+    _load_builtin()
+    for family in _FAMILIES.values():
+        if type(cfg) is family.config_class:
+            return family
+    raise LatticeConfigError(f"{type(cfg).__name__} is not the config of a registered family "
+                             f"({', '.join(available_archs())})")
+
+
+def build_model(cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
+                activation_checkpointing: bool = False) -> nn.Module:
+    """The model `cfg` describes, holding this rank's shards under ctx's layout: the family's
+    model, or with pipeline stages in ctx (pp > 1) this rank's stages of it
+    (`lattice.pipeline.PipelineModel`). Every method a training loop or a user calls --
+    `model(tokens, targets)`, `forward_backward`, `full_grad_dict`, `load_full_state_dict`,
+    `full_state_dict`, `to_hf_state_dict` -- means the same on both."""
+    family = arch_of_config(cfg)
+    if ctx.pipeline is None:
+        return family(cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+    from lattice.pipeline import PipelineModel
+
+    return PipelineModel(family, cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class Parts:
+    """A model's modules in the order its forward runs them, for splitting it into pipeline
+    stages: `first` (tokens -> the residual stream, on the first stage), the blocks (the
+    nn.ModuleList named `blocks`, cut between stages), `last` (after the blocks: final norm and
+    head, on the last stage). `shared` names parameters of the first part that the last part
+    uses too (a tied token table), which the last stage keeps a copy of."""
+
+    first: tuple[str, ...]
+    blocks: str
+    last: tuple[str, ...]
+    shared: tuple[str, ...] = ()
+
+
+class Model(nn.Module):
+    """Base of every family's model: this rank's shards of the full model under ctx's layout.
+    Parameter names are the serial model's."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    #: config keyword sets the conformance suite builds this family with (each small enough for
+    #: every declared layout); a family without any fails the suite
+    test_shapes: ClassVar[Sequence[Mapping[str, Any]]] = ()
+    #: the HuggingFace mapping (lattice.hf.HFMapping), or None
+    hf: ClassVar[Any] = None
+
+    def __init__(self, cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
+                 activation_checkpointing: bool = False):
+        """Allocates only this rank's shards and fills them with the serial model's initial
+        values. Under `with torch.device("meta")` nothing is allocated (for planning)."""
+        super().__init__()
+        if not isinstance(cfg, self.config_class):
+            raise LatticeConfigError(f"{type(self).__name__} takes a {self.config_class.__name__}, got "
+                                     f"{type(cfg).__name__}")
+        if ctx.pipeline is not None:
+            raise LatticeConfigError(f"this layout has pp = {ctx.pp} pipeline stages: build the model with "
+                                     f"lattice.build_model(cfg, ctx), which splits it into stages")
+        self.cfg, self.ctx = cfg, ctx
+        self.mode = get_mode(ctx.mode)(cfg, ctx)  # validates sizes on every rank, no collectives
+        self.activation_checkpointing = activation_checkpointing
+        self.seeds = DropoutSeeds(ctx)
+        planning = torch.empty(()).is_meta  # the caller's default device is meta
+        with torch.device("meta"):  # declare shards without memory; allocated once below
+            self.build()
+        self.specs: dict[str, ShardSpec] = collect_specs(self)
+        self._grads_pending = False
+        self._built_dtype = dtype
+        if not planning:
+            self.materialize()
+
+    def materialize(self) -> None:
+        """Allocate this rank's shards on its device in the built dtype, with serial's initial
+        values (after a meta build)."""
+        self.to_empty(device=self.ctx.device)
+        self.to(dtype=self._built_dtype)
+        self.reset_parameters()
+
+    @property
+    def family(self) -> type["Model"]:
+        """The family class (the same for a pipelined model: lattice.pipeline.PipelineModel)."""
+        return type(self)
+
+    # ---- what a family defines
+    def build(self) -> None:
+        """Create the layers (on the meta device; the base allocates them)."""
+        raise NotImplementedError
+
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The first part: tokens (B, T) at positions start.. -> the residual stream."""
+        raise NotImplementedError
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The last part before the head (a final norm)."""
+        return x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the replica batch from the finished residual stream."""
+        raise NotImplementedError
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Full logits from the finished residual stream (inference)."""
+        raise NotImplementedError
+
+    def parts(self) -> Parts | None:
+        """The modules in order for pipeline stages; None: this family cannot be pipelined."""
+        return None
+
+    def cost_layout(self, b) -> None:
+        """Describe one training step, operation by operation, to a lattice.cost.CostBuilder."""
+        raise NotImplementedError(f"family {self.name!r} describes no cost layout")
+
+    def init_std(self, name: str) -> float:
+        """Standard deviation of a random initial matrix (GPT-2's: 0.02, output projections
+        scaled by 1/sqrt(2 n_layers))."""
+        return 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith("proj.weight") else 0.02
+
+    # ---- forward
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                cache: list[dict] | None = None, start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """The mean loss over this replica's batch, or full logits without targets (of the last
+        position alone with last_only). Inference: `cache` holds one dict per block (see
+        generate) and `start` is the position of tokens[:, 0]."""
+        self.check_inputs(tokens, targets, start)
+        if self.training:
+            self.seeds.forward_count += 1
+        if torch.is_grad_enabled():
+            self._grads_pending = True  # a backward may follow: sync_grads has work again
+        x = self.embed_tokens(tokens, start)  # residual layout, e.g. (B, T, h) in serial
+        if cache is not None:
+            for i, block in enumerate(self.blocks):
+                x = block(x, cache=cache[i], start=start)
+        else:
+            x = self.run_blocks(x, self.blocks)
+        x = self.finish(x)
+        if targets is None:
+            return self.head_logits(x[:, -1:] if last_only else x)
+        return self.head_loss(x, targets)
+
+    def run_blocks(self, x: torch.Tensor, blocks) -> torch.Tensor:
+        """x through `blocks` (residual layout in and out), checkpointed when asked. A
+        recomputed block draws its dropout masks at the forward count of its first pass (under a
+        pipeline schedule other micro-batches run in between)."""
+        count = self.seeds.forward_count
+        for block in blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(self._block_at_count, block, x, count, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+    def _block_at_count(self, block, x, count: int):
+        now, self.seeds.forward_count = self.seeds.forward_count, count
+        try:
+            return block(x)
+        finally:
+            self.seeds.forward_count = now
+
+    def check_inputs(self, tokens, targets, start=0):
+        """Refuse tokens, targets or a start position this model and layout cannot take (every
+        rank, before any collective)."""
+        self.check_tokens(tokens, targets, start)
+        self.mode.check_batch(tokens)
+
+    def check_tokens(self, tokens, targets, start=0):
+        if tokens.dim() != 2 or tokens.dtype != torch.int64:
+            raise LatticeConfigError(f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        if start + tokens.shape[1] > self.cfg.seq_len:
+            raise LatticeConfigError(f"sequence length {tokens.shape[1]} exceeds {type(self.cfg).__name__}.seq_len = "
+                                     f"{self.cfg.seq_len}; shorten the batch or raise seq_len")
+        if targets is not None:
+            self.check_targets(tokens, targets)
+
+    def check_targets(self, tokens, targets):
+        if targets.shape != tokens.shape:
+            raise LatticeConfigError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> torch.Tensor:
+        """Continue (B, T0) prompts, identical on every rank of the replica, by `max_new_tokens`
+        tokens: greedy at temperature 0, else sampled from softmax(logits / temperature) over the
+        top_k, with a generator seeded alike on every rank (so every rank draws the same tokens).
+        With `use_cache` each block keeps its keys and values in the mode's layout and every step
+        runs the newest position alone; only the last position's logits are computed."""
+        if prompt.shape[1] + max_new_tokens > self.cfg.seq_len:
+            raise LatticeConfigError(f"prompt length {prompt.shape[1]} + {max_new_tokens} new tokens exceeds seq_len = "
+                                     f"{self.cfg.seq_len}; shorten the prompt or ask for fewer tokens")
+        was_training = self.training
+        self.eval()
+        gen = torch.Generator().manual_seed(seed)
+        tokens = prompt
+        cache = [{} for _ in self.blocks] if use_cache else None
+        step_input, start = tokens, 0
+        for _ in range(max_new_tokens):
+            logits = self(step_input, cache=cache, start=start, last_only=True)[:, -1].float()  # (B, V)
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen).to(tokens.device)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            if use_cache:
+                step_input, start = nxt, tokens.shape[1] - 1
+            else:
+                step_input = tokens
+        self.train(was_training)
+        return tokens
+
+    # ---- weights
+    def init_full(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The full initial tensor of one parameter, from the seed and its name alone, so that
+        every layout starts from the serial model's weights: biases zero, norm weights one,
+        matrices normal with `init_std`."""
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if len(shape) == 1 and name.endswith(".weight"):  # a norm's scale
+            return torch.ones(shape)
+        gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen).mul_(self.init_std(name))  # in place: one full tensor alive
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Serial's initial weights: one full tensor at a time, of which this rank keeps its shard
+        (so a rank's peak is its shards plus the largest single full tensor)."""
+        params = dict(self.named_parameters())
+        for name, spec in self.specs.items():
+            if name in params:
+                full = self.init_full(name, spec.full_shape)
+                params[name].copy_(spec.shard(full, self.ctx.coords, self.ctx.topology))
+                del full
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (a rank may hold none: an idle rank of D&SP-cSub's common
+        layers with projections in the common layers too; then the dtype it was built with)."""
+        first = next(self.parameters(), None)
+        return self._built_dtype if first is None else first.dtype
+
+    def is_mirror(self, name: str) -> bool:
+        """Whether this rank's `name` is a copy of a parameter another rank holds (it trains like
+        the original but counts once); see lattice.pipeline."""
+        return False
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full (serial) tensors; each rank keeps its shard. No communication."""
+        check_state_dict_keys(self.specs, state_dict)
+        params = dict(self.named_parameters())
+        for name, spec in self.specs.items():
+            full = state_dict[name]
+            if tuple(full.shape) != spec.full_shape:
+                raise LatticeConfigError(f"{name}: expected shape {list(spec.full_shape)}, got {list(full.shape)}; "
+                                         f"the weights were saved for a different model config")
+            if name in params:
+                params[name].copy_(spec.shard(full.to(self.dtype), self.ctx.coords, self.ctx.topology))
+
+    def full_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors (a collective: every rank must call it). By default identical on every
+        rank; with `to_rank`, gathered one tensor at a time onto that global rank alone, the
+        others returning {} and holding no more than their own shards."""
+        params = dict(self.named_parameters())
+        out = {}
+        for name, spec in self.specs.items():
+            full = gather_full(params.get(name), spec, self.ctx, dtype=self.dtype, dst=to_rank)
+            if full is not None:
+                out[name] = full
+        return out
+
+    def gather_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the synced local ones, averaged over data-parallel replicas (a
+        collective); a missing gradient counts as zero."""
+        params = dict(self.named_parameters())
+        return {name: gather_full(params[name].grad if name in params else None, spec, self.ctx,
+                                  dtype=self.dtype, average_dp=True)
+                for name, spec in self.specs.items()}
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the global mean loss (averaged over data-parallel replicas),
+        identical on every rank (a collective). Runs `sync_grads` first if a backward has not been
+        synced yet."""
+        self.sync_grads()
+        return self.gather_grads()
+
+    def num_parameters(self) -> int:
+        """Parameters of the full model (not this rank's shards)."""
+        return sum(math.prod(s.full_shape) for s in self.specs.values())
+
+    # ---- one training step
+    def sync_grads(self) -> None:
+        """Sum the partial gradients that the shard specs declare (`ShardSpec.grad_sum`) over
+        their axes inside the model replica, in bucketed, metered all-reduces. Every rank of a
+        replica must call it after backward; a second call before the next forward does nothing.
+        (Data-parallel averaging across replicas is DDP's, in the Trainer.)"""
+        if self._grads_pending:
+            sum_replica_grads(self)
+            self._grads_pending = False
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of this replica's batch, with the in-replica gradient sums; the
+        replica's mean loss as a float, identical on every rank of the replica."""
+        loss = self(tokens, targets)
+        loss.backward()
+        self.sync_grads()
+        return float(loss.detach())
+
+    # ---- HuggingFace
+    @classmethod
+    def from_hf(cls, model_or_state_dict, ctx: ParallelContext, *, config=None, dtype: torch.dtype | None = None):
+        """This family's model (this rank's shards, under ctx's layout; its pipeline stages with
+        pp > 1) with a HuggingFace model's weights: a transformers model, or a state dict with
+        config= (see lattice.hf). dtype defaults to that of the weights. No communication: every
+        rank passes the same weights."""
+        from lattice import hf
+
+        cfg, full = hf.read_hf(cls, model_or_state_dict, config=config)
+        model = build_model(cfg, ctx, dtype=dtype or next(iter(full.values())).dtype)
+        model.load_full_state_dict(full)
+        return model
+
+    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the HuggingFace model's names (a collective: every rank calls it)."""
+        from lattice import hf
+
+        return hf.to_hf_state_dict(self.family, self.cfg, self.full_state_dict())

@@ -1,0 +1,233 @@
+"""Components the families share, written once against the mode interface: dropout with
+layout-independent masks, self-attention (causal or bidirectional; fused or grouped-query
+projections; optional rotary positions and an additive per-head bias), the MLP variants and a
+small replicated linear for heads over pooled tokens.
+
+Every tensor a component sees is in its mode's layout; attention always gets whole heads of
+whole sequences, so the softmax, the rotary embedding and a per-head bias are local.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
+from lattice.modes.base import Block, Position
+from lattice.sharding import ShardSpec, register_sharded
+
+
+class DropoutSeeds:
+    """Seeds for dropout masks, as Megatron's RNG tracker keeps them, without global state.
+
+    Two streams: "replicated" for activations identical on every rank of a model replica (same
+    mask there, so replicas stay identical), "sharded" for activations that differ per rank
+    (independent masks). A mask depends only on (seed, stream, forward count, site), so the
+    recomputation under activation checkpointing draws exactly the masks of the first pass.
+    """
+
+    def __init__(self, ctx: ParallelContext):
+        self.base = ctx.seed
+        self.stream_ids = {"replicated": ctx.coord(MeshAxis.DP), "sharded": ctx.rank}
+        self.forward_count = 0
+        self.sites = 0
+
+    def new_site(self) -> int:
+        self.sites += 1
+        return self.sites
+
+    def seed(self, stream: str, site: int) -> int:
+        key = f"{self.base}/{stream}/{self.stream_ids[stream]}/{self.forward_count}/{site}"
+        return zlib.crc32(key.encode()) * 7919 + self.forward_count
+
+
+class Dropout(nn.Module):
+    def __init__(self, p: float, seeds: DropoutSeeds, stream: str):
+        super().__init__()
+        self.p, self.seeds, self.stream = p, seeds, stream
+        self.site = seeds.new_site()
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        gen = torch.Generator(device=x.device).manual_seed(self.seeds.seed(self.stream, self.site))
+        keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= self.p
+        return x * keep.to(x.dtype) / (1.0 - self.p)
+
+
+def residual_dropout(p: float, mode, seeds: DropoutSeeds) -> Dropout:
+    """Dropout on the residual stream: the replicated mask stream where every rank of the
+    replica holds the same residual, the sharded one where each holds a different piece."""
+    return Dropout(p, seeds, "replicated" if mode.residual_replicated else "sharded")
+
+
+# ----------------------------------------------------------------------------- rotary positions
+def rotary_frequencies(head_size: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies theta^(-2i/d), i < d/2, in float64; with `scaling` of type
+    "llama3" (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
+    Llama 3's: long wavelengths divided by factor, short ones kept, those between blended."""
+    inv = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64, device="cpu") / head_size)
+    if not scaling:
+        return inv
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise LatticeConfigError(f"rope_scaling {scaling} is not implemented; lattice implements type 'llama3'")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > old / low, inv / factor, inv)
+    middle = (wavelen <= old / low) & (wavelen >= old / high)
+    return torch.where(middle, blended, out)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (.., T, hs) rotated by RoPE in the half-split convention (transformers' rotate_half)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
+
+
+class Rotary:
+    """cos and sin of RoPE for positions start..start+T, (T, hs), in the activations' dtype and
+    device (computed in float64 on the CPU: a model is built on the meta device)."""
+
+    def __init__(self, head_size: int, theta: float, scaling: dict | None = None):
+        self.inv_freq = rotary_frequencies(head_size, theta, scaling)
+
+    def __call__(self, start: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + length, dtype=torch.float64, device="cpu")
+        angles = torch.outer(positions, self.inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(like.dtype).to(like.device), angles.sin().to(like.dtype).to(like.device)
+
+
+# ----------------------------------------------------------------------------- attention
+class SelfAttention(nn.Module):
+    """Multi-head self-attention in the mode's layout: an IN linear to q, k, v (one stacked
+    (h, 3, h) weight, `qkv.weight`, when k and v have every head; else segments `qkv.q`,
+    `qkv.k`, `qkv.v` with n_kv_heads for k and v, grouped-query attention), attention over
+    this rank's whole heads of whole sequences, and an OUT linear `proj` back to the residual.
+
+    `causal` masks future positions (decoders) or not (encoders); `rotary` (a Rotary) rotates q
+    and k by their positions; `bias(T_q, T_k, start)` (a module returning (nh_local, T_q, T_k))
+    is added to the scores (T5's relative position bias). Dropout on the attention weights
+    draws from the sharded stream, on the output from the residual's."""
+
+    def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, n_heads: int, n_kv_heads: int | None = None,
+                 head_size: int | None = None, dropout: float = 0.0, bias: bool = True, causal: bool = True,
+                 rotary: Rotary | None = None):
+        super().__init__()
+        self.head_size = head_size or d_model // n_heads
+        n_kv = n_kv_heads or n_heads
+        inner, kv_inner = n_heads * self.head_size, n_kv * self.head_size
+        if n_kv == n_heads and inner == d_model:
+            self.qkv = mode.linear(d_model, d_model, block=Block.ATTENTION, position=Position.IN, stack=3, bias=bias)
+            self.stacked = True
+        else:
+            self.qkv = mode.linear(d_model, inner + 2 * kv_inner, block=Block.ATTENTION, position=Position.IN,
+                                   segments=(("q", inner), ("k", kv_inner), ("v", kv_inner)), bias=bias)
+            self.stacked = False
+        self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT, bias=bias)
+        self.causal, self.rotary, self.attn_p = causal, rotary, dropout
+        self.seeds, self.site = seeds, seeds.new_site()
+        self.resid_drop = residual_dropout(dropout, mode, seeds)
+
+    def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None):
+        """`cache` (inference): this layer's keys and values so far, in this rank's layout (its
+        heads of its sequences); the new positions' are appended, and a query attends to every
+        cached key (one new position) or causally (a prompt, into an empty cache)."""
+        hs = self.head_size
+        if self.stacked:
+            qkv = self.qkv(x)  # (B_l, T, 3, h_l): this rank's heads
+            B, T, _, h_local = qkv.shape
+            q, k, v = qkv.view(B, T, 3, h_local // hs, hs).permute(2, 0, 3, 1, 4)  # (B_l, nh_l, T, hs)
+        else:
+            q, k, v = (t.unflatten(-1, (-1, hs)).transpose(1, 2) for t in self.qkv(x))  # (B_l, nh_l | nkv_l, T, hs)
+            B, T = q.shape[0], q.shape[2]
+        if self.rotary is not None:
+            cos, sin = self.rotary(start, T, q)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is not None:
+            if "k" in cache:
+                if T != 1:
+                    raise LatticeConfigError("a KV cache extends one position at a time after the prompt")
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B_l, nkv_l, T_all, hs)
+            cache["k"], cache["v"] = k, v
+        y = self._attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
+                         causal=self.causal and (cache is None or T > 1))
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B_l, T, nh_l · hs)
+        return self.resid_drop(self.proj(y))
+
+    def _attend(self, q, k, v, bias, causal: bool):
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        mask = None
+        if bias is not None:
+            mask = bias.to(q.dtype)
+            if causal:  # the bias and the causal mask in one additive mask
+                future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(k.shape[2] - q.shape[2] + 1)
+                mask = mask.masked_fill(future, float("-inf"))
+            causal = False
+        if self.training and self.attn_p > 0:
+            # heads differ per rank: the sharded stream, seeded so that recomputation repeats it
+            devices = [q.device] if q.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, device_type=q.device.type):
+                torch.manual_seed(self.seeds.seed("sharded", self.site))
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.attn_p,
+                                                      **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
+
+
+# ----------------------------------------------------------------------------- MLP
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's
+    "gelu": F.gelu,  # the exact erf GELU (BERT; T5 v1.1's gated-gelu is gelu_tanh)
+    "relu": F.relu,
+    "silu": F.silu,  # SwiGLU's gate (Llama)
+}
+
+
+class MLP(nn.Module):
+    """IN linear `fc` to `hidden` features, activation, OUT linear `proj` back to d_model. Gated
+    (SwiGLU, gated GELU): `fc` has two segments, `gate` and `up`, and the hidden state is
+    act(gate) * up."""
+
+    def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, hidden: int, activation: str = "gelu_tanh",
+                 gated: bool = False, bias: bool = True, dropout: float = 0.0):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise LatticeConfigError(f"activation {activation!r} is not implemented; choose one of {sorted(ACTIVATIONS)}")
+        self.act, self.gated = ACTIVATIONS[activation], gated
+        segments = (("gate", hidden), ("up", hidden)) if gated else None
+        self.fc = mode.linear(d_model, 2 * hidden if gated else hidden, block=Block.MLP, position=Position.IN,
+                              segments=segments, bias=bias)
+        self.proj = mode.linear(hidden, d_model, block=Block.MLP, position=Position.OUT, bias=bias)
+        self.drop = residual_dropout(dropout, mode, seeds)
+
+    def forward(self, x):
+        if self.gated:
+            gate, up = self.fc(x)
+            return self.drop(self.proj(self.act(gate) * up))
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+# ----------------------------------------------------------------------------- heads
+class ReplicatedLinear(nn.Module):
+    """y = x W + b with W (in, out) whole on every rank of the replica: a head small enough to
+    run replicated on a pooled tensor that every rank holds (identical inputs give identical
+    gradients, so nothing is summed)."""
+
+    def __init__(self, ctx: ParallelContext, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        register_sharded(self, "weight", ShardSpec((in_features, out_features)), ctx)
+        if bias:
+            register_sharded(self, "bias", ShardSpec((out_features,)), ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        y = x @ self.weight
+        return y if self.bias is None else y + self.bias
