@@ -132,7 +132,7 @@ class Probe(Model):
                      input_from_attention=True)
             b.norm("rms", bias=False)
             b.linear(cfg.d_model, 2 * cfg.hidden, block="mlp", position="in", bias=False)
-            b.activation(cfg.hidden, gated=True)
+            b.activation(cfg.hidden, kind="silu", gated=True)
             b.linear(cfg.hidden, cfg.d_model, block="mlp", position="out", bias=False)
         b.norm("rms", bias=False)
         if cfg.num_labels:

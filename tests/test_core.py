@@ -183,7 +183,6 @@ def test_a_hung_check_reports_every_stuck_ranks_stack():
 def _check_groups_and_gather_to_one_rank():
     import torch.distributed as dist
 
-    from lattice.model import GPT
     from multiproc import cached_init
 
     ctx = cached_init(mode="2d", tp=4)
@@ -192,7 +191,7 @@ def _check_groups_and_gather_to_one_rank():
     dist.all_reduce(summed, group=ctx.model_group())
     members = ctx.topology.group_members((MeshAxis.ROW, MeshAxis.COL), ctx.rank)
     cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=8, n_heads=2, n_layers=1)
-    model = GPT(cfg, ctx)
+    model = lattice.GPT(cfg, ctx)
     everywhere = model.full_state_dict()
     on_one = model.full_state_dict(to_rank=1)
     same = ctx.rank != 1 or all(torch.equal(on_one[k], v) for k, v in everywhere.items())

@@ -9,6 +9,7 @@ import torch
 
 import lattice
 from lattice import cost
+from lattice.cost import plan as cost_plan
 from lattice.context import MeshAxis
 from multiproc import cached_init, run_distributed
 
@@ -78,11 +79,11 @@ def test_plan_command_refuses_a_layout_that_cannot_exist(capsys):
     """Catches `lattice plan` crashing with a traceback (or printing a plan) for an impossible
     layout instead of one line that names the fix."""
     parser = argparse.ArgumentParser()
-    cost.add_plan_arguments(parser)
-    assert cost.run_plan(parser.parse_args(["--mode", "2d", "--tp", "6"])) != 0
+    cost_plan.add_plan_arguments(parser)
+    assert cost_plan.run_plan(parser.parse_args(["--mode", "2d", "--tp", "6"])) != 0
     out = capsys.readouterr().out.strip()
     assert "tp=6" in out and "\n" not in out
-    assert cost.run_plan(parser.parse_args(["--mode", "2d", "--tp", "4"])) == 0
+    assert cost_plan.run_plan(parser.parse_args(["--mode", "2d", "--tp", "4"])) == 0
     assert "total" in capsys.readouterr().out
 
 
@@ -102,7 +103,7 @@ def _layouts():
 
 
 def test_every_mode_has_a_cost_model():
-    """Catches a mode that lands without its analytic model (Mode.cost_terms)."""
+    """Catches a mode that lands without its analytic model (the Mode.cost_* methods)."""
     cfg = lattice.GPTConfig(**CFG)
     from lattice.modes import get_mode
 

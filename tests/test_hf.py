@@ -1,4 +1,5 @@
-"""HuggingFace GPT-2 import/export against transformers' own GPT2LMHeadModel (nothing downloaded)."""
+"""HuggingFace GPT-2 import/export against transformers' own GPT2LMHeadModel (nothing downloaded),
+in one process and under every layout."""
 
 import sys
 
@@ -8,7 +9,9 @@ import torch.nn.functional as F
 
 import lattice
 from lattice import hf as lhf
+from lattice.models.gpt2 import config_from_hf, config_to_hf
 from multiproc import cached_init, run_distributed
+from numerics import rel_diff
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +76,7 @@ def test_from_state_dict_with_config_matches_transformers():
     hf = random_hf_model(seed=2)
     ctx = lattice.init("serial")
     body_only = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    cfg = lhf.config_from_hf(hf.config)
+    cfg = config_from_hf(hf.config)
     for sd, config in ((hf.state_dict(), hf.config), (body_only, hf.config), (body_only, cfg)):
         model = lattice.GPT.from_hf(sd, ctx, config=config).eval()
         assert_matches_hf(model, hf, tokens(3))
@@ -157,15 +160,15 @@ def test_import_under_1d_tensor_parallel_layout():
 def test_unsupported_gpt2_variants_are_refused(overrides, match):
     """Catches importing a GPT-2 variant lattice computes differently (silently wrong outputs)."""
     with pytest.raises(lattice.LatticeConfigError, match=match) as e:
-        lhf.config_from_hf(hf_config(**overrides))
+        config_from_hf(hf_config(**overrides))
     assert "\n" not in str(e.value)
 
 
 def test_dropout_rule():
     """Catches the documented dropout rule not holding: equal rates map, dropout= replaces them."""
-    assert lhf.config_from_hf(hf_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)).dropout == 0.1
-    assert lhf.config_from_hf(hf_config(attn_pdrop=0.2), dropout=0.05).dropout == 0.05
-    back = lhf.config_to_hf(lhf.config_from_hf(hf_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)))
+    assert config_from_hf(hf_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)).dropout == 0.1
+    assert config_from_hf(hf_config(attn_pdrop=0.2), dropout=0.05).dropout == 0.05
+    back = config_to_hf(config_from_hf(hf_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)))
     assert (back.resid_pdrop, back.embd_pdrop, back.attn_pdrop, back.n_positions, back.n_head) == (0.1, 0.1, 0.1, T, 6)
 
 
@@ -186,7 +189,7 @@ def test_bad_weights_are_refused_in_one_line():
         (lambda: lattice.GPT.from_hf(wrong_shape, ctx, config=hf.config), r"c_attn\.weight: expected shape \[24, 72\]"),
         (lambda: lattice.GPT.from_hf(sd, ctx, config=hf_config(n_layer=3)), "missing 12 keys"),
         (lambda: lattice.GPT.from_hf(untied, ctx, config=hf.config), "lm_head.weight differs"),
-        (lambda: lattice.GPT.from_hf(hf, ctx, config=lhf.config_from_hf(hf_config(n_head=4))), "n_heads"),
+        (lambda: lattice.GPT.from_hf(hf, ctx, config=config_from_hf(hf_config(n_head=4))), "n_heads"),
         (lambda: lattice.GPT.from_hf(torch.nn.Linear(2, 2), ctx), "not a HuggingFace model"),
     ]
     for fn, match in cases:
@@ -200,4 +203,34 @@ def test_missing_transformers_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     cfg = lattice.GPTConfig(vocab_size=96, seq_len=T, d_model=24, n_heads=6, n_layers=1)
     with pytest.raises(ImportError, match=r"lattice\[hf\]"):
-        lhf.config_to_hf(cfg)
+        config_to_hf(cfg)
+
+
+def _equals_transformers(layout: dict):
+    """lattice.from_hf of a random float64 GPT2LMHeadModel under `layout`: the replica's loss and
+    every full gradient, beside transformers' own forward and backward in float64 (the
+    cross-entropy of its logits)."""
+    ctx = cached_init(**layout)
+    hf = random_hf_model(seed=11, tie_word_embeddings=layout.get("tp", 1) != 4)
+    x, y = tokens(12, batch=4), tokens(13, batch=4)  # inputs and (aligned) targets
+    reference = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+    reference.backward()
+    expected = {name: p.grad for name, p in hf.named_parameters()}
+    model = lattice.from_hf(hf, ctx)
+    loss = model.forward_backward(x, y)
+    grads = lhf.to_hf_state_dict(model.family, model.cfg, model.full_grad_dict())
+    return abs(loss - reference.item()) / reference.item(), max(rel_diff(grads[k], g) for k, g in expected.items())
+
+
+@pytest.mark.parametrize("layout", [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True),
+                                    dict(mode="2d", tp=4), dict(mode="3d", tp=8), dict(mode="subgraph", tp=4, subgrids=2),
+                                    dict(mode="serial", pp=2, microbatches=2), dict(mode="1d", tp=2, pp=2, microbatches=2)],
+                         ids=lambda layout: "-".join(f"{k}={v}" for k, v in layout.items()))
+def test_from_hf_equals_transformers_in_every_mode_and_in_pipeline_stages(layout):
+    """Catches an import that is right in serial but not under a layout (a mapped tensor sharded
+    along the wrong dim, the tied head's two gradients not summed across stages) or a family
+    lookup that picks the wrong model: lattice.from_hf(GPT2LMHeadModel) gives transformers'
+    float64 loss and every gradient within 1e-10 on every rank."""
+    world = lattice.plan(**layout).world_size
+    for loss, grads in run_distributed(world, _equals_transformers, layout):
+        assert loss < 1e-10 and grads < 1e-10, (loss, grads)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import lattice
-from lattice import checkpoint, cli, pipeline
+from lattice import checkpoint, cli
+from lattice.cost import p2p_elements
 from lattice.comm import CommMeter
-from lattice.config import GPTConfig
+from lattice import GPTConfig
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
@@ -45,7 +46,7 @@ def _pipelined_step(layout: dict, cfg_overrides: dict):
     cfg = _cfg(**cfg_overrides)
     serial, _, _ = _serial_reference(cfg)
     ctx = cached_init(**layout)
-    model = lattice.GPT(cfg, ctx, dtype=torch.float64)
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
     model.load_full_state_dict(serial.full_state_dict())
     x, y = _batch(cfg)
     rows = BATCH // ctx.dp
@@ -165,7 +166,7 @@ def test_a_checkpoint_moves_between_pipeline_layouts(tmp_path):
 def _metered_step(layout: dict):
     cfg = _cfg(tie_embeddings=False)
     ctx = cached_init(**layout)
-    model = lattice.GPT(cfg, ctx, dtype=torch.float64)
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
     x, y = _batch(cfg)
     with CommMeter() as meter:
         model.forward_backward(x, y)
@@ -189,7 +190,7 @@ def test_point_to_point_elements_equal_the_formula(layout):
     for stage, sent in run_distributed(world, _metered_step, layout):
         kw = dict(layout)
         ctx = lattice.plan(rank=0, **kw)
-        expect = pipeline.p2p_elements(cfg, kw.pop("mode"), tp=kw.pop("tp", 1), pcfg=ctx.pipeline, batch=BATCH,
+        expect = p2p_elements(cfg, kw.pop("mode"), tp=kw.pop("tp", 1), pcfg=ctx.pipeline, batch=BATCH,
                                        stage=stage, **{k: v for k, v in kw.items() if k not in (
                                            "pp", "microbatches", "pp_schedule", "pp_scatter_gather")})
         assert sent == expect, (stage, sent, expect)
@@ -211,7 +212,7 @@ def test_scatter_gather_divides_the_traffic_by_t():
 def _refusal(layout: dict, cfg_overrides: dict, batch: int):
     try:
         ctx = cached_init(**layout)
-        model = lattice.GPT(_cfg(**cfg_overrides), ctx)
+        model = lattice.build_model(_cfg(**cfg_overrides), ctx)
         x = torch.zeros(batch, T, dtype=torch.int64)
         model.forward_backward(x, x)
     except LatticeConfigError as e:
@@ -268,8 +269,8 @@ def test_pipeline_options_from_the_command_line(tmp_path, capsys):
                      "--microbatches", "4", "--model", "tiny", "--n-layers", "4"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: 2 stages, schedule interleaved, 4 micro-batches, 2 virtual stages per rank" in out
-    assert "stage 0 (chunk 0): embedding, blocks 0-0; ranks [0, 1]" in out
-    assert "stage 1 (chunk 3): blocks 3-3, final LayerNorm, LM head and loss; ranks [2, 3]" in out
+    assert "stage 0 (chunk 0): embed, drop, blocks 0-0; ranks [0, 1]" in out  # the model's parts, by module name
+    assert "stage 1 (chunk 3): blocks 3-3, ln_f, head, loss; ranks [2, 3]" in out
     assert f"bubble (p-1)/(v m) = {1 / 8:.3f}" in out
 
 
@@ -303,7 +304,7 @@ def test_bubble_formula():
 def _hf_export_and_generate(layout: dict):
     cfg = _cfg()
     serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
-    model = lattice.GPT(cfg, cached_init(**layout), dtype=torch.float64)
+    model = lattice.build_model(cfg, cached_init(**layout), dtype=torch.float64)
     model.load_full_state_dict(serial.full_state_dict())
     exported, expect = model.to_hf_state_dict(), serial.to_hf_state_dict()
     same = sorted(exported) == sorted(expect) and all(torch.equal(exported[k], expect[k]) for k in expect)
@@ -325,7 +326,7 @@ def test_hf_export_under_pp_and_generation_refused_in_one_line():
 
 def _dropout_step(layout: dict, checkpointing: bool):
     cfg = _cfg(dropout=0.2)
-    model = lattice.GPT(cfg, cached_init(**layout), dtype=torch.float64, activation_checkpointing=checkpointing)
+    model = lattice.build_model(cfg, cached_init(**layout), dtype=torch.float64, activation_checkpointing=checkpointing)
     x, y = _batch(cfg)
     losses = [model.forward_backward(x, y) for _ in range(2)]  # two steps: the counts move on
     return losses, model.full_grad_dict()
@@ -347,7 +348,7 @@ def test_recomputed_blocks_draw_the_dropout_masks_of_their_first_pass():
 def _two_batch_sizes(layout: dict):
     cfg = _cfg()
     serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
-    model = lattice.GPT(cfg, cached_init(**layout), dtype=torch.float64)
+    model = lattice.build_model(cfg, cached_init(**layout), dtype=torch.float64)
     model.load_full_state_dict(serial.full_state_dict())
     x, y = _batch(cfg)
     out = []

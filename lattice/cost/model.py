@@ -33,7 +33,7 @@ import torch
 
 from lattice.context import MeshAxis, Topology
 from lattice.layout import plan
-from lattice.models import arch_of_config
+from lattice.models import build_model
 from lattice.sharding import grad_sum_buckets
 
 DP = MeshAxis.DP
@@ -49,8 +49,9 @@ class Term:
     axes: tuple[MeshAxis, ...]  # the group: ranks that differ only along these mesh axes
     calls: float
     elements: float
-    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | head | loss | grads
+    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | head | loss | grads | pipeline
     itemsize: int = 4
+    ranks: int | None = None  # the group's size where it is not the product of `axes` (a first + last stage pair)
 
     @property
     def bytes(self) -> float:
@@ -153,6 +154,8 @@ class Cost:
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
+    pipeline: object = None  # lattice.pipeline.PipelineConfig with pp > 1, and this rank's stage
+    stage: int = 0
     residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks
 
     def _select(self, phase=None, op=None, site=None):
@@ -161,6 +164,9 @@ class Cost:
 
     def group_size(self, axes) -> int:
         return math.prod(self.topology.size(a) for a in axes)
+
+    def term_ranks(self, t: Term) -> int:
+        return t.ranks if t.ranks is not None else self.group_size(t.axes)
 
     def elements(self, phase=None, op=None, site=None) -> float:
         return sum(t.elements for t in self._select(phase, op, site))
@@ -173,17 +179,17 @@ class Cost:
 
     def wire(self, phase=None, op=None, site=None) -> float:
         """Per-rank words on the wire, the papers' unit (Optimus Table 1)."""
-        return sum(t.elements * wire_factor(t.op, self.group_size(t.axes)) for t in self._select(phase, op, site))
+        return sum(t.elements * wire_factor(t.op, self.term_ranks(t)) for t in self._select(phase, op, site))
 
     def messages(self, phase=None, op=None, site=None) -> float:
         """Point-to-point message steps per rank under the ring / tree algorithms."""
-        return sum(t.calls * message_steps(t.op, self.group_size(t.axes)) for t in self._select(phase, op, site))
+        return sum(t.calls * message_steps(t.op, self.term_ranks(t)) for t in self._select(phase, op, site))
 
     def summary(self) -> dict[tuple[str, str, int], dict[str, float]]:
         """{(phase, op, group size): {calls, elements, bytes}}, CommMeter.summary()'s shape."""
         out: dict = {}
         for t in self.terms:
-            row = out.setdefault((t.phase, t.op, self.group_size(t.axes)), {"calls": 0, "elements": 0, "bytes": 0})
+            row = out.setdefault((t.phase, t.op, self.term_ranks(t)), {"calls": 0, "elements": 0, "bytes": 0})
             row["calls"] += t.calls
             row["elements"] += t.elements
             row["bytes"] += t.bytes
@@ -203,7 +209,7 @@ class Cost:
     def comm_time(self, machine: Machine, phase: str, site: str | None = None) -> float:
         total, span = 0.0, {}
         for t in self._select(phase, site=site):
-            n = self.group_size(t.axes)
+            n = self.term_ranks(t)
             if t.axes not in span:
                 span[t.axes] = self.spans_nodes(t.axes)
             alpha, beta = ((machine.alpha_inter, machine.beta_inter) if span[t.axes]
@@ -244,19 +250,23 @@ def product(sizes):
             yield (k,) + rest
 
 
-def estimate(cfg, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1,
+def estimate(cfg, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1, pp: int = 1,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
              ranks_per_node: int | None = None, placement: str = "natural", rank: int = 0,
              **options) -> Cost:
     """The analytic cost of one step of `mode` on `batch` sequences (per replica) of `seq` tokens,
     for global rank `rank` (ranks differ where a mode hosts parameters on some ranks), of the
-    model `cfg` describes (any family)."""
-    ctx = plan(mode, tp=tp, dp=dp, ranks_per_node=ranks_per_node, placement=placement, rank=rank, **options)
+    model `cfg` describes (any family). With pp > 1 (and the pipeline options) the rank runs
+    its stages' blocks (with the first part on the first stage, the head on the last) on each
+    of the m micro-batches of batch/m sequences, sends the residual point-to-point (see
+    lattice.cost.pipeline) and sums shared parameters' gradients between the end stages; the
+    activations are those of one micro-batch through its stages."""
+    ctx = plan(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node, placement=placement, rank=rank, **options)
     with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
-        model = arch_of_config(cfg)(cfg, ctx)
+        model = build_model(cfg, ctx)
     itemsize = torch.empty((), dtype=dtype).element_size()
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
-                activation_checkpointing)
+                activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage)
     CostBuilder(cost, model).build()
     return cost
 
@@ -277,6 +287,14 @@ class CostBuilder:
         c, cfg = cost, cost.cfg
         self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
         self.B, self.T, self.h, self.L = c.batch, c.seq, cfg.d_model, cfg.n_layers
+        self.repeat, self.first, self.last = 1, True, True  # micro-batches; the stage holds the first / last part
+        pcfg = c.pipeline
+        if pcfg is not None:  # one micro-batch through this rank's chunks, m times
+            chunks = pcfg.chunks(len(model.blocks))
+            mine = range(c.stage, len(chunks), pcfg.stages)
+            self.B, self.repeat = c.batch // pcfg.m, pcfg.m
+            self.L = sum(len(chunks[k]) for k in mine)
+            self.first, self.last = 0 in mine, len(chunks) - 1 in mine
         self.M = self.B * self.T
         self.V = cfg.vocab_size
         self.p = c.topology.tp_size
@@ -301,6 +319,10 @@ class CostBuilder:
         checkpointing, which stops after the layer's last saved tensor, may not repeat it."""
         in_layer = self.region == "layer"
         where = "loss" if site == "loss" else (f"layer.{site}" if in_layer else self.region)
+        if (where == "embedding" and not self.first) or (where in ("head", "loss") and not self.last):
+            return  # a pipeline stage without that part
+        if where != "grads":
+            calls, elements = calls * self.repeat, elements * self.repeat
         t = Term(phase, op, tuple(axes), calls, elements, where, itemsize or self.c.itemsize)
         if in_layer:
             self.layer_terms.append((t, self.op, after_saves))
@@ -399,14 +421,16 @@ class CostBuilder:
         self._work("flops", 4 * head_size * scores)
         self.current = q
 
-    def activation(self, width: int, *, gated: bool = False) -> None:
-        """The MLP's elementwise activation on `width` hidden features: saves its input; gated
-        (SwiGLU), act(gate) * up over the IN linear's two segments, saves both (one storage) and
-        act(gate)."""
+    def activation(self, width: int, *, kind: str = "gelu_tanh", gated: bool = False) -> None:
+        """The MLP's elementwise activation (lattice.models.components.ACTIVATIONS) on `width`
+        hidden features: GELU and SiLU save their input, ReLU its output (which the next linear
+        saves anyway); gated (SwiGLU), act(gate) * up over the IN linear's two segments saves
+        both (one storage) and act(gate)."""
         self._next()
         share = self.share.get("mlp", self.share["split"])
         out = self.M * width * share
-        self.save(self.current + (out if gated else 0))
+        saves_input = kind != "relu"
+        self.save((self.current + out) if gated else (self.current if saves_input else 0))
         self._work("elementwise", self.M * width * share * (2 if gated else 1))
         self.current, self.output_saved = out, False
 
@@ -441,6 +465,8 @@ class CostBuilder:
         c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
         c.param_tensors = len(params)
         self._gradient_sums()
+        if c.pipeline is not None:
+            self._pipeline_terms()
         if self.topo.size(DP) > 1:  # data-parallel gradient averaging, bucketed as DDP does
             grads = c.memory["parameters"] / c.itemsize
             self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
@@ -456,6 +482,41 @@ class CostBuilder:
         for axes, names in grad_sum_buckets(self.model):
             if self.c.group_size(axes) > 1:
                 self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
+
+    def _pipeline_terms(self):
+        """What the pipeline adds to a stage's tensor terms: the residual sent point-to-point
+        (`stage_sends`), its all-gather on arrival under the scatter/gather optimisation (and in
+        backward on the sending side), the gradients of shared parameters summed between the
+        first and the last stage, and the loss broadcast from the last stage."""
+        from lattice.context import MeshAxis
+        from lattice.cost.pipeline import stage_sends
+
+        c, pcfg, PP = self.c, self.c.pipeline, MeshAxis.PP
+        piece, tensor_axes = self.residual, self.topo.tensor_axes
+        scatter = pcfg.scatter_gather and self.mode.residual_replicated and self.p > 1
+        sent = stage_sends(pcfg, c.stage, piece / self.p if scatter else piece)
+        n = pcfg.stages * pcfg.v
+        mine = range(c.stage, n, pcfg.stages)
+        calls = {"forward": pcfg.m * sum(1 for k in mine if k < n - 1), "backward": pcfg.m * sum(1 for k in mine if k > 0)}
+        for phase in ("forward", "backward"):
+            if calls[phase]:
+                self.c.terms.append(Term(phase, "send", (PP,), calls[phase], sent[phase], "pipeline", c.itemsize))
+        if scatter:
+            received = pcfg.m * sum(1 for k in mine if k > 0)
+            if received:
+                self.c.terms.append(Term("forward", "all_gather", tensor_axes, received, received * piece, "pipeline",
+                                         c.itemsize))
+            if calls["forward"]:
+                self.c.terms.append(Term("backward", "all_gather", tensor_axes, calls["forward"],
+                                         calls["forward"] * piece, "pipeline", c.itemsize))
+        shared = self.model.parts_.shared
+        if shared and (self.first or self.last) and not (self.first and self.last):
+            params = dict(self.model.named_parameters())
+            for name in shared:
+                if name in params:  # over the pp group (two stages) or the first and last stage's pair
+                    self.c.terms.append(Term("backward", "all_reduce", (PP,), 1, params[name].numel(), "grads",
+                                             c.itemsize, ranks=2))
+        self.c.terms.append(Term("forward", "broadcast", (PP,), 1, 1, "loss", max(4, c.itemsize)))
 
     def _totals(self):
         """Forward and backward work: backward is twice the forward, plus one forward of every

@@ -117,7 +117,7 @@ def format_cost(c: Cost, machine: Machine) -> str:
              f"  {'phase':<9}{'collective':<15}{'group':>6}{'calls':>8}{'elements':>14}{'MiB':>10}"
              f"{'wire words':>14}{'messages':>10}"]
     for (phase, op, n), row in sorted(c.summary().items()):
-        sel = [t for t in c.terms if t.phase == phase and t.op == op and c.group_size(t.axes) == n]
+        sel = [t for t in c.terms if t.phase == phase and t.op == op and c.term_ranks(t) == n]
         wire = sum(t.elements * wire_factor(op, n) for t in sel)
         msgs = sum(t.calls * message_steps(op, n) for t in sel)
         lines.append(f"  {phase:<9}{op:<15}{n:>6}{row['calls']:>8.0f}{row['elements']:>14,.0f}"

@@ -233,7 +233,7 @@ class GPT(Model):
                      input_from_attention=True)
             b.norm("layer", bias=cfg.bias)
             b.linear(cfg.d_model, 4 * cfg.d_model, block="mlp", position="in", bias=cfg.bias)
-            b.activation(4 * cfg.d_model)
+            b.activation(4 * cfg.d_model, kind="gelu_tanh")
             b.linear(4 * cfg.d_model, cfg.d_model, block="mlp", position="out", bias=cfg.bias)
         b.norm("layer", bias=cfg.bias)
         b.lm_head()
