@@ -5,9 +5,10 @@ model and against its own analytic cost model.
 
 Per (family, layout), on its processes (each world size starts once per session):
 - float64, weights loaded from the family's serial model, the same global batch split over
-  data-parallel replicas: the loss, every full gradient and (after one AdamW step) every full
-  parameter and both AdamW moments equal serial's within 1e-10 relative, with and without
-  activation checkpointing, for every config the family declares (`Model.test_shapes`);
+  data-parallel replicas: the loss (the same float on every rank of a replica), every full
+  gradient, the full logits of inference and (after one AdamW step) every full parameter and
+  both AdamW moments equal serial's within 1e-10 relative, with and without activation
+  checkpointing, for every config the family declares (`Model.test_shapes`);
 - CommMeter's (phase, collective, group size) calls and elements of one step of a replica equal
   `lattice.cost.estimate`'s, with and without checkpointing, and the bytes autograd saves for
   backward are within 2% of its activation figure;
@@ -122,6 +123,12 @@ def _check_layout(family: str, layout: dict) -> dict:
             model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=ckpt)
             model.load_full_state_dict(weights)
             round_trip = model.full_state_dict()
+            logits = 0.0
+            if not pipelined and not getattr(cfg, "num_labels", 0) and not ckpt:  # inference: full logits
+                model.eval()
+                with torch.no_grad():
+                    logits = _rel(model(tokens[mine]), replica_ref(tokens[mine]))
+                model.train()
             with lattice.CommMeter() as meter:
                 loss = model.forward_backward(tokens[mine], targets[mine])
             if dp > 1:  # data-parallel averaging by hand (the Trainer's DDP does this)
@@ -134,8 +141,11 @@ def _check_layout(family: str, layout: dict) -> dict:
             opt.step()
             after = model.full_state_dict()
             moments = checkpoint.gather_optimizer(model, opt)
+            losses = [None] * ctx.world_size  # the same float on every rank of a replica, bit for bit
+            dist.all_gather_object(losses, (d, loss))
             out["exact"].append(dict(
-                shape=shape, ckpt=ckpt, loss=abs(loss - replica_loss) / abs(replica_loss),
+                shape=shape, ckpt=ckpt, loss=abs(loss - replica_loss) / abs(replica_loss), logits=logits,
+                replica_losses_equal=len({x for r, x in losses if r == d}) == 1,
                 grads=max(_rel(grads[n], ref_grads[n]) for n in ref_grads),
                 step=max(_rel(after[n], ref_after[n]) for n in ref_after),
                 moments=max(_rel(moments[k][n], ref_moments[k][n]) for k in ref_moments for n in ref_grads),
@@ -189,8 +199,8 @@ def test_layout_equals_serial_and_its_cost_model(family, layout):
     results = run_distributed(world, _check_layout, family, layout)
     for rank, result in enumerate(results):
         for r in result["exact"]:
-            assert r["keys"] and r["round_trip"], (rank, r)
-            worst = max(r["loss"], r["grads"], r["step"], r["moments"])
+            assert r["keys"] and r["round_trip"] and r["replica_losses_equal"], (rank, r)
+            worst = max(r["loss"], r["grads"], r["step"], r["moments"], r["logits"])
             assert worst < 1e-10, (rank, r)
         for shape, ckpt, measured, modelled in result["comm"]:
             assert set(measured) == set(modelled), (rank, shape, ckpt, set(measured) ^ set(modelled))

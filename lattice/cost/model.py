@@ -250,6 +250,17 @@ def product(sizes):
             yield (k,) + rest
 
 
+def stage_sends(pcfg, stage: int, piece: float) -> dict[str, float]:
+    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
+    piece out of every chunk it holds but the last; backward, the same gradient out of every
+    chunk but the first."""
+    n = pcfg.stages * pcfg.v
+    mine = range(stage, n, pcfg.stages)
+    return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
+            "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
+
+
+
 def estimate(cfg, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1, pp: int = 1,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
              ranks_per_node: int | None = None, placement: str = "natural", rank: int = 0,
@@ -488,9 +499,6 @@ class CostBuilder:
         (`stage_sends`), its all-gather on arrival under the scatter/gather optimisation (and in
         backward on the sending side), the gradients of shared parameters summed between the
         first and the last stage, and the loss broadcast from the last stage."""
-        from lattice.context import MeshAxis
-        from lattice.cost.pipeline import stage_sends
-
         c, pcfg, PP = self.c, self.c.pipeline, MeshAxis.PP
         piece, tensor_axes = self.residual, self.topo.tensor_axes
         scatter = pcfg.scatter_gather and self.mode.residual_replicated and self.p > 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from lattice.context import LatticeConfigError
-from lattice.cost.model import Machine, estimate
+from lattice.cost.model import Machine, estimate, stage_sends
 from lattice.layout import plan
 from lattice.modes import get_mode
 from lattice.pipeline import PipelineConfig
@@ -20,16 +20,6 @@ def p2p_piece(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, seq:
     piece = estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options).residual_elements
     replicated = get_mode(mode)(cfg, plan(mode, tp=tp, **options)).residual_replicated
     return piece / tp if pcfg.scatter_gather and replicated and tp > 1 else piece
-
-
-def stage_sends(pcfg: PipelineConfig, stage: int, piece: float) -> dict[str, float]:
-    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
-    piece out of every chunk it holds but the last; backward, the same gradient out of every
-    chunk but the first."""
-    n = pcfg.stages * pcfg.v
-    mine = range(stage, n, pcfg.stages)
-    return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
-            "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
 
 
 def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,

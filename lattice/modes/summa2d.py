@@ -227,7 +227,7 @@ class Summa2D(Mode):
 
     name = "2d"
     residual_replicated = False
-    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2})
+    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2}, {"tp": 4, "ranks_per_node": 2, "placement": "topology"})
 
     @classmethod
     def mesh_axes(cls, tp, options):

@@ -1,0 +1,200 @@
+"""A layout is one file, and so is an architecture: a throwaway mode added as a single module under
+lattice/modes/ (a variant of 1d under another name, with mesh axes of its own) and a throwaway
+family added as a single module under lattice/models/ (GPT-2 with a ReLU MLP and no biases,
+under another name) pass the conformance suite -- the family in every mode and in pipeline
+stages, the mode with every family --, appear in `lattice train --help`, `lattice plan` and
+`lattice info`, and train from the command line, with no edit anywhere else in the repository.
+Both go into one copy of the repository, so the suite runs once for the two.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODE, FAMILY = "shard1d", "relugpt"
+
+
+def _mode_source() -> str:
+    """megatron1d.py renamed, its TP axis replaced by an Enum the file declares itself."""
+    src = (REPO / "lattice" / "modes" / "megatron1d.py").read_text()
+    src = src.replace('    name = "1d"', f'    name = "{MODE}"')
+    src = src.replace('    peer = "dtensor"', "    peer = None")
+    # two layouts are enough to show the suite runs it (the 1d file declares five)
+    start = src.index("    test_layouts = (")
+    end = src.index("\n", src.index(")\n", start) + 1)
+    src = src[:start] + '    test_layouts = ({"tp": 2}, {"tp": 2, "dp": 2, "sequence_parallel": True})' + src[end:]
+    src = src.replace("MeshAxis.TP", "ShardAxis.SHARD")
+    src = src.replace("from lattice.context import MeshAxis\n",
+                      "import enum\n\nfrom lattice.context import MeshAxis  # noqa: F401\n\n\n"
+                      "class ShardAxis(str, enum.Enum):\n    SHARD = \"shard\"\n")
+    assert f'name = "{MODE}"' in src and "ShardAxis.SHARD" in src and "MeshAxis.TP" not in src
+    return src
+
+
+
+FAMILY_SOURCE = '''"""GPT-2 with a ReLU MLP and no biases: a family written as one file."""
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from lattice.models.base import Model, ModelConfig, Parts, register
+from lattice.models.components import MLP, SelfAttention
+
+
+@dataclass
+class ReluConfig(ModelConfig):
+    vocab_size: int = 512
+    seq_len: int = 64
+    d_model: int = 48
+    n_heads: int = 6
+    n_layers: int = 2
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    bias: bool = False
+
+    presets = {"tiny": dict(seq_len=64, d_model=48, n_heads=6, n_layers=2),
+               "small": dict(seq_len=128, d_model=96, n_heads=6, n_layers=2)}
+    default_preset = "tiny"
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, mode, seeds):
+        super().__init__()
+        self.ln_1 = mode.norm("layer", eps=1e-5, bias=False)
+        self.attn = SelfAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, bias=False)
+        self.ln_2 = mode.norm("layer", eps=1e-5, bias=False)
+        self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=4 * cfg.d_model, activation="relu", bias=False)
+
+    def forward(self, x, cache=None, start=0):
+        x = x + self.attn(self.ln_1(x), cache=cache, start=start)
+        return x + self.mlp(self.ln_2(x))
+
+
+@register
+class ReluGPT(Model):
+    name = "relugpt"
+    config_class = ReluConfig
+    test_shapes = (dict(vocab_size=61, seq_len=12, d_model=24, n_heads=4, n_layers=2),)
+
+    def build(self):
+        self.embed = self.mode.embedding()
+        self.blocks = nn.ModuleList(Block(self.cfg, self.mode, self.seeds) for _ in range(self.cfg.n_layers))
+        self.ln_f = self.mode.norm("layer", eps=1e-5, bias=False)
+        self.head = self.mode.lm_head(self.embed)
+
+    def embed_tokens(self, tokens, start=0):
+        return self.embed(tokens, start)
+
+    def finish(self, x):
+        return self.ln_f(x)
+
+    def head_loss(self, x, targets):
+        return self.head.loss(x, targets)
+
+    def head_logits(self, x):
+        return self.head.logits(x)
+
+    def parts(self):
+        return Parts(first=("embed",), blocks="blocks", last=("ln_f", "head"), shared=("embed.wte",))
+
+    def cost_layout(self, b):
+        h = self.cfg.d_model
+        b.embedding(positions=True)
+        with b.layer():
+            b.norm("layer", bias=False)
+            b.linear(h, 3 * h, block="attention", position="in", bias=False)
+            b.attention(heads=self.cfg.n_heads, kv_heads=self.cfg.n_heads, head_size=h // self.cfg.n_heads)
+            b.linear(h, h, block="attention", position="out", bias=False, input_from_attention=True)
+            b.norm("layer", bias=False)
+            b.linear(h, 4 * h, block="mlp", position="in", bias=False)
+            b.activation(4 * h, kind="relu")
+            b.linear(4 * h, h, block="mlp", position="out", bias=False)
+        b.norm("layer", bias=False)
+        b.lm_head()
+'''
+
+
+
+def _run(args, cwd, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def extended_copy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    for part in ("lattice", "tests", "pyproject.toml", "README.md"):
+        src = REPO / part
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, root / part,
+                                                           **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                                              if src.is_dir() else {}))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    assert _run(git + ["init", "-q"], root).returncode == 0
+    assert _run(git + ["add", "-A"], root).returncode == 0
+    assert _run(git + ["commit", "-qm", "base"], root).returncode == 0
+    (root / "lattice" / "modes" / f"{MODE}.py").write_text(_mode_source())
+    (root / "lattice" / "models" / f"{FAMILY}.py").write_text(FAMILY_SOURCE)
+    return root
+
+
+def test_the_new_modules_are_the_only_change(extended_copy):
+    """Catches a registry that needs a second edit (a list of modes or families, a CLI choice) to
+    see a new one."""
+    status = _run(["git", "status", "--porcelain", "--untracked-files=all"], extended_copy).stdout
+    assert sorted(status.split()) == sorted(["??", f"lattice/modes/{MODE}.py", "??", f"lattice/models/{FAMILY}.py"])
+
+
+def test_the_new_mode_and_family_pass_the_conformance_suite(extended_copy):
+    """Catches tooling that a new mode or family cannot plug into: the suite must find them and
+    run the family in every mode and in pipeline stages, and every family in the mode, against
+    serial and their cost descriptions."""
+    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py",
+                "-k", f"{MODE} or {FAMILY}"], extended_copy, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ran = [line for line in out.stdout.splitlines() if "passed" in line][-1]
+    counts = _run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import probe_family, lattice; "
+                   "print(len(lattice.available_modes()), len(lattice.available_archs()))"], extended_copy).stdout.split()
+    modes, families = int(counts[0]), int(counts[1])
+    # the family: each mode's first layout and two pipeline layouts (exactness), each mode (refusals);
+    # the mode, both tests: its 2 layouts for gpt2, its first for every other family but the new one
+    expected = (2 * modes + 2) + 2 * (2 + (families - 2))
+    assert ran.startswith(f"{expected} passed"), (ran, expected)
+
+
+def test_the_new_mode_appears_in_the_commands_and_trains(extended_copy):
+    """Catches a CLI, planner or info command with a hard-coded list of modes, and a trainer that
+    cannot run a mode it was not written for."""
+    root = extended_copy
+    assert MODE in _run([sys.executable, "-m", "lattice", "train", "--help"], root).stdout
+    plan = _run([sys.executable, "-m", "lattice", "plan", "--mode", MODE, "--tp", "2"], root)
+    assert plan.returncode == 0 and plan.stdout.startswith(f"{MODE} on dp=1 x shard=2"), plan.stdout + plan.stderr
+    info = _run([sys.executable, "-m", "lattice", "info", "--mode", MODE, "--tp", "2", "--model", "tiny"], root)
+    assert info.returncode == 0 and "shard: [0, 1]" in info.stdout, info.stdout + info.stderr
+    train = _run([sys.executable, "-m", "lattice", "train", "--mode", MODE, "--tp", "2", "--nproc", "2",
+                  "--model", "tiny", "--steps", "2", "--eval-interval", "2", "--no-progress",
+                  "--out-dir", str(root / "run-mode")], root, timeout=600)
+    assert train.returncode == 0 and "final val loss" in train.stdout, train.stdout[-2000:] + train.stderr[-2000:]
+
+
+def test_the_new_family_appears_in_the_commands_and_trains(extended_copy):
+    """Catches a CLI, planner or info command with a hard-coded family, and a trainer, eval or run
+    directory that cannot hold a family it was not written for."""
+    root = extended_copy
+    assert FAMILY in _run([sys.executable, "-m", "lattice", "train", "--help"], root).stdout
+    plan = _run([sys.executable, "-m", "lattice", "plan", "--arch", FAMILY, "--mode", "1d", "--tp", "2"], root)
+    assert plan.returncode == 0 and "ReluConfig(" in plan.stdout, plan.stdout + plan.stderr
+    info = _run([sys.executable, "-m", "lattice", "info", "--arch", FAMILY, "--mode", "1d", "--tp", "2"], root)
+    assert info.returncode == 0 and f"model: {FAMILY} tiny" in info.stdout, info.stdout + info.stderr
+    assert "blocks.0.mlp.fc.weight" in info.stdout and "blocks.0.mlp.fc.bias" not in info.stdout
+    train = _run([sys.executable, "-m", "lattice", "train", "--arch", FAMILY, "--mode", "1d", "--tp", "2", "--nproc", "2",
+                  "--steps", "2", "--eval-interval", "2", "--no-progress", "--out-dir", str(root / "run")], root,
+                 timeout=600)
+    assert train.returncode == 0 and "final val loss" in train.stdout, train.stdout[-2000:] + train.stderr[-2000:]
+    evaluated = _run([sys.executable, "-m", "lattice", "eval", str(root / "run")], root)  # the family read from the run
+    assert evaluated.returncode == 0 and "val loss" in evaluated.stdout, evaluated.stdout + evaluated.stderr

@@ -1,0 +1,110 @@
+"""The package's import graph: no circle among lattice's modules, counting every import (at module
+level and inside functions: a lazy import that hides a circle is still one), and no family
+module that knows about pipelines."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "lattice"
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: the lattice modules it imports}, from every import statement in every file.
+    `from P import a` counts as importing P.a when that is a module, else P."""
+    modules = {}
+    for f in root.rglob("*.py"):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = f
+
+    def resolve(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {m: set() for m in modules}
+    for m, f in modules.items():
+        package = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    p = package.split(".")
+                    base = ".".join(p[: len(p) - (node.level - 1)] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                r = resolve(t)
+                if r and r != m:
+                    edges[m].add(r)
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_finds_a_circle_when_there_is_one(tmp_path):
+    """Catches a walker that cannot see circles (then the next test would pass on anything): two
+    modules importing each other, one of them inside a function."""
+    pkg = tmp_path / "lattice"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from lattice import b\n")
+    (pkg / "b.py").write_text("def f():\n    from lattice.a import g\n")
+    assert circles(import_graph(pkg)) == [["lattice.a", "lattice.b"]]
+
+
+def test_lattice_has_no_import_circle():
+    """Catches modules that import each other (cost <-> layout <-> model <-> pipeline, checkpoint <->
+    sharded_checkpoint, as there were), whether the import is at the top or inside a function."""
+    edges = import_graph()
+    assert len(edges) > 30 and sum(map(len, edges.values())) > 100  # the walk saw the package
+    assert circles(edges) == []
+
+
+def test_family_modules_do_not_know_about_pipelines():
+    """Catches a family that branches on pipeline stages instead of declaring its parts: in the
+    family modules (every lattice/models/ file but the shared base and components) the word
+    appears only in comments and docstrings."""
+    for f in sorted((ROOT / "models").glob("*.py")):
+        if f.name in ("base.py", "components.py", "__init__.py"):
+            continue
+        tree = ast.parse(f.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        code = [n for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Attribute, ast.alias, ast.Constant))
+                and id(n) not in docs]
+        words = [getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", None)
+                 or (n.value if isinstance(n.value, str) else "") for n in code]
+        assert not [w for w in words if w and "pipeline" in str(w).lower()], f.name
