@@ -376,16 +376,19 @@ class Trainer:
         board.add_scalar("perf/peak_memory_mib", peak / 2 ** 20, step)
 
     def _step_flops(self) -> float:
-        """Matrix-product FLOPs of one training step on this rank, from the cost model."""
+        """Matrix-product FLOPs of one training step on this rank (its stages with pp > 1), from
+        the cost model."""
         if getattr(self, "_flops", None) is None:
             from lattice.cost import estimate
 
-            topo = self.ctx.topology
-            c = estimate(self.model_config, self.ctx.mode, batch=self.cfg.batch_size // self.ctx.dp,
-                              tp=topo.tp_size, dp=self.ctx.dp, rank=self.ctx.rank,
-                              activation_checkpointing=self.cfg.activation_checkpointing, **self.ctx.options)
-            # with pipeline stages each rank runs about 1/pp of the layers
-            self._flops = (c.flops["forward"] + c.flops["backward"]) / self.ctx.pp
+            ctx, pcfg = self.ctx, self.ctx.pipeline
+            stages = {} if pcfg is None else dict(
+                pp=ctx.pp, microbatches=pcfg.microbatches, pp_schedule=pcfg.schedule, pp_virtual=pcfg.virtual,
+                pp_layers=pcfg.layers, pp_scatter_gather=pcfg.scatter_gather)
+            c = estimate(self.model_config, ctx.mode, batch=self.cfg.batch_size // ctx.dp, tp=ctx.tp, dp=ctx.dp,
+                         rank=ctx.rank, activation_checkpointing=self.cfg.activation_checkpointing, **stages,
+                         **ctx.options)
+            self._flops = c.flops["forward"] + c.flops["backward"]
         return self._flops
 
     def _stop_requested(self, stop: faults.StopRequest) -> bool:

@@ -164,8 +164,9 @@ def _check_adamw(tp, dp, sp, steps=30):
 
 
 def _check_adamw_on_4():
-    return {"tp=4": _check_adamw(4, 1, False), "tp=4 sp": _check_adamw(4, 1, True),
-            "tp=2 x dp=2 sp": _check_adamw(2, 2, True)}
+    # sequence parallelism (partial gradients of replicated vectors) and data parallelism at once;
+    # tp=4 without either is the conformance suite's, step by step
+    return {"tp=2 x dp=2 sp": _check_adamw(2, 2, True)}
 
 
 def test_adamw_30_steps_match_serial_and_replicas_stay_identical():

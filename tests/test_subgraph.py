@@ -58,7 +58,7 @@ def _check_equals_serial(p: int, batch: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("p", [8])  # p = 4: the conformance suite's layouts
 def test_loss_and_every_gradient_equal_serial(p):
     """Catches a wrong row assignment between common layers and branches (a sequence attended
     by the wrong sub-grid or lost), a branch boundary whose backward is not the conjugate
@@ -75,35 +75,6 @@ def test_loss_and_every_gradient_equal_serial(p):
         print(f"p={p} {r['options']} ckpt={r['ckpt']!s:5} bias={r['variant']['bias']!s:5}: "
               f"loss rel {r['loss_rel']:.1e}, max grad rel {r['grad_rel']:.1e}")
     print(f"p={p}: {len(results[0])} configurations on {p} ranks, worst relative difference {worst:.1e}")
-
-
-def _check_data_parallel_replicas():
-    """subgraph tp=2 x dp=2: each replica its half of the batch, gradients averaged by hand."""
-    cfg = lattice.GPTConfig(**TINY)
-    serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
-    tokens, targets = _batch(8, 7, cfg.vocab_size, seed=11)
-    ref = serial(tokens, targets)
-    ref.backward()
-    out = []
-    for common in ("all", "subgrid"):
-        ctx = cached_init(mode="subgraph", tp=2, dp=2, subgrids=2, common=common)
-        model = lattice.GPT(cfg, ctx, dtype=torch.float64)
-        model.load_full_state_dict(serial.full_state_dict())
-        d = ctx.coord(MeshAxis.DP)
-        loss = model.forward_backward(tokens[4 * d:4 * d + 4], targets[4 * d:4 * d + 4])
-        grads = model.full_grad_dict()  # averages the replicas' gradients
-        total = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(total)  # two ranks per replica: the sum counts each replica's loss twice
-        out.append((abs(total.item() / 4 - ref.item()) / ref.item(),
-                    max(_rel(grads[n], q.grad) for n, q in serial.named_parameters())))
-    return out
-
-
-def test_data_parallel_replicas_equal_serial():
-    """Catches replicas that share a sub-grid group, or in-replica sums that leak across replicas."""
-    for rank_result in run_distributed(4, _check_data_parallel_replicas):
-        for loss_rel, grad_rel in rank_result:
-            assert loss_rel < 1e-10 and grad_rel < 1e-10, rank_result
 
 
 def _check_adamw(options, steps=30):
