@@ -167,32 +167,22 @@ def test_the_new_mode_and_family_pass_the_conformance_suite(extended_copy):
     assert ran.startswith(f"{expected} passed"), (ran, expected)
 
 
-def test_the_new_mode_appears_in_the_commands_and_trains(extended_copy):
-    """Catches a CLI, planner or info command with a hard-coded list of modes, and a trainer that
-    cannot run a mode it was not written for."""
+def test_the_new_mode_and_family_appear_in_the_commands_and_train(extended_copy):
+    """Catches a CLI, planner or info command with a hard-coded list of modes or families, and a
+    trainer, eval or run directory that cannot run a mode or hold a family it was not written
+    for: the new family trains in the new mode."""
     root = extended_copy
-    assert MODE in _run([sys.executable, "-m", "lattice", "train", "--help"], root).stdout
+    help_text = _run([sys.executable, "-m", "lattice", "train", "--help"], root).stdout
+    assert MODE in help_text and FAMILY in help_text
     plan = _run([sys.executable, "-m", "lattice", "plan", "--mode", MODE, "--tp", "2"], root)
     assert plan.returncode == 0 and plan.stdout.startswith(f"{MODE} on dp=1 x shard=2"), plan.stdout + plan.stderr
-    info = _run([sys.executable, "-m", "lattice", "info", "--mode", MODE, "--tp", "2", "--model", "tiny"], root)
-    assert info.returncode == 0 and "shard: [0, 1]" in info.stdout, info.stdout + info.stderr
-    train = _run([sys.executable, "-m", "lattice", "train", "--mode", MODE, "--tp", "2", "--nproc", "2",
-                  "--model", "tiny", "--steps", "2", "--eval-interval", "2", "--no-progress",
-                  "--out-dir", str(root / "run-mode")], root, timeout=600)
-    assert train.returncode == 0 and "final val loss" in train.stdout, train.stdout[-2000:] + train.stderr[-2000:]
-
-
-def test_the_new_family_appears_in_the_commands_and_trains(extended_copy):
-    """Catches a CLI, planner or info command with a hard-coded family, and a trainer, eval or run
-    directory that cannot hold a family it was not written for."""
-    root = extended_copy
-    assert FAMILY in _run([sys.executable, "-m", "lattice", "train", "--help"], root).stdout
     plan = _run([sys.executable, "-m", "lattice", "plan", "--arch", FAMILY, "--mode", "1d", "--tp", "2"], root)
     assert plan.returncode == 0 and "ReluConfig(" in plan.stdout, plan.stdout + plan.stderr
-    info = _run([sys.executable, "-m", "lattice", "info", "--arch", FAMILY, "--mode", "1d", "--tp", "2"], root)
-    assert info.returncode == 0 and f"model: {FAMILY} tiny" in info.stdout, info.stdout + info.stderr
+    info = _run([sys.executable, "-m", "lattice", "info", "--arch", FAMILY, "--mode", MODE, "--tp", "2"], root)
+    assert info.returncode == 0 and "shard: [0, 1]" in info.stdout and f"model: {FAMILY} tiny" in info.stdout, \
+        info.stdout + info.stderr
     assert "blocks.0.mlp.fc.weight" in info.stdout and "blocks.0.mlp.fc.bias" not in info.stdout
-    train = _run([sys.executable, "-m", "lattice", "train", "--arch", FAMILY, "--mode", "1d", "--tp", "2", "--nproc", "2",
+    train = _run([sys.executable, "-m", "lattice", "train", "--arch", FAMILY, "--mode", MODE, "--tp", "2", "--nproc", "2",
                   "--steps", "2", "--eval-interval", "2", "--no-progress", "--out-dir", str(root / "run")], root,
                  timeout=600)
     assert train.returncode == 0 and "final val loss" in train.stdout, train.stdout[-2000:] + train.stderr[-2000:]
