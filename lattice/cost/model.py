@@ -64,12 +64,15 @@ class Term:
 def wire_factor(op: str, n: int) -> float:
     """Per-rank words on the wire per element of the CommMeter buffer: ring algorithms for
     all-reduce (Optimus Eq. 5), all-gather, reduce-scatter and all-to-all; a binomial tree for
-    broadcast and reduce (Optimus Eq. 4)."""
+    broadcast and reduce (Optimus Eq. 4); scatter and gather move every rank's piece of the
+    group's buffer through the root ((n - 1)/n of it); a point-to-point send moves its tensor."""
+    if op == "send":
+        return 1.0
     if n <= 1:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
         return (n - 1) / n
     if op in ("broadcast", "reduce"):
         return math.log2(n)
@@ -78,13 +81,17 @@ def wire_factor(op: str, n: int) -> float:
 
 def message_steps(op: str, n: int) -> int:
     """Sequential point-to-point steps (latency terms α) of one call under the same algorithms."""
+    if op == "send":
+        return 1
     if n <= 1:
         return 0
     if op == "all_reduce":
         return 2 * (n - 1)
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
         return n - 1
-    return math.ceil(math.log2(n))
+    if op in ("broadcast", "reduce"):
+        return math.ceil(math.log2(n))
+    raise ValueError(f"unknown collective {op!r}")
 
 
 def _algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
