@@ -458,7 +458,6 @@ def cmd_info(args) -> int:
     import torch
 
     from lattice.cost.plan import model_config
-    from lattice.data import DEFAULT_VOCAB
     from lattice.layout import plan
     from lattice.models import build_model
 
@@ -466,7 +465,7 @@ def cmd_info(args) -> int:
     ctx = plan(args.mode, **kw)
     topo = ctx.topology
     arch = args.arch or DEFAULT_ARCH
-    cfg = model_config(arch, args.model, vocab_size=args.vocab_size or DEFAULT_VOCAB, d_model=args.d_model,
+    cfg = model_config(arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
                        n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len)
     with torch.device("meta"):
         model = build_model(cfg, ctx)

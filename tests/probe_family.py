@@ -83,7 +83,10 @@ class Block(nn.Module):
 class Probe(Model):
     name = "probe"
     config_class = ProbeConfig
-    test_shapes = (dict(), dict(num_labels=3, vocab_size=64))
+    # classification only: the language-model pieces (RMSNorm, GQA, rotary, SwiGLU, untied head)
+    # run in every mode as the Llama family; what Llama lacks -- a per-head bias, bidirectional
+    # attention, pooling and a replicated head -- runs here
+    test_shapes = (dict(num_labels=3, vocab_size=64),)
 
     def build(self):
         cfg, mode = self.cfg, self.mode

@@ -12,6 +12,7 @@ from dataclasses import fields as dataclass_fields
 import torch
 
 from lattice.context import LatticeConfigError
+from lattice.data import DEFAULT_VOCAB
 from lattice.cost.model import PAPER_CLUSTER, Cost, Machine, estimate, message_steps, wire_factor
 from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
@@ -29,7 +30,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=0, help="which rank's share to show")
     p.add_argument("--model", default=None, metavar="PRESET",
                    help="size preset of the family (default its default preset, e.g. small for gpt2)")
-    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"default: the preset's (published models), else the built-in corpus's {DEFAULT_VOCAB}")
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--n-heads", type=int, default=None)
     p.add_argument("--n-layers", type=int, default=None)
@@ -55,7 +57,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def model_config(arch: str, preset: str | None, **sizes):
     """The config of `arch`'s preset (its default one without a name) with the sizes given (None: the preset's)."""
     config_class = get_arch(arch).config_class
-    return config_class.preset(preset or config_class.default_preset, **{k: v for k, v in sizes.items() if v})
+    name = preset or config_class.default_preset
+    sizes = {k: v for k, v in sizes.items() if v}
+    if "vocab_size" not in sizes and "vocab_size" not in config_class.presets.get(name, {}):
+        sizes["vocab_size"] = DEFAULT_VOCAB  # the built-in corpus's, for presets of no published model
+    return config_class.preset(name, **sizes)
 
 
 def run_plan(args) -> int:

@@ -9,6 +9,7 @@ whole sequences, so the softmax, the rotary embedding and a per-head bias are lo
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -66,22 +67,27 @@ def residual_dropout(p: float, mode, seeds: DropoutSeeds) -> Dropout:
 
 # ----------------------------------------------------------------------------- rotary positions
 def rotary_frequencies(head_size: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """RoPE's inverse frequencies theta^(-2i/d), i < d/2, in float64; with `scaling` of type
-    "llama3" (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
-    Llama 3's: long wavelengths divided by factor, short ones kept, those between blended."""
-    inv = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64, device="cpu") / head_size)
+    """RoPE's inverse frequencies theta^(-2i/d), i < d/2, in float32 as transformers and Meta's
+    reference compute them (so that imported weights compute the same function); with `scaling`
+    of type "llama3" (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
+    Llama 3's: wavelengths longer than original/low divided by factor, shorter than original/high
+    kept, those between blended linearly in original/wavelength."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.float32, device="cpu") / head_size))
     if not scaling:
         return inv
     if scaling.get("rope_type", scaling.get("type")) != "llama3":
         raise LatticeConfigError(f"rope_scaling {scaling} is not implemented; lattice implements type 'llama3'")
+    missing = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} - set(scaling)
+    if missing:
+        raise LatticeConfigError(f"rope_scaling of type 'llama3' needs {sorted(missing)} as well")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    wavelen = 2 * torch.pi / inv
-    smooth = (old / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv / factor + smooth * inv
-    out = torch.where(wavelen > old / low, inv / factor, inv)
-    middle = (wavelen <= old / low) & (wavelen >= old / high)
-    return torch.where(middle, blended, out)
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv
+    scaled = torch.where(wavelength > original / low, inv / factor, inv)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelength < original / high) * ~(wavelength > original / low)
+    return torch.where(between, blended, scaled)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,16 +99,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class Rotary:
     """cos and sin of RoPE for positions start..start+T, (T, hs), in the activations' dtype and
-    device (computed in float64 on the CPU: a model is built on the meta device)."""
+    device. The angles and their cos/sin are float32 in every dtype, as in transformers (float64
+    models included), computed on the CPU (a model is built on the meta device)."""
 
     def __init__(self, head_size: int, theta: float, scaling: dict | None = None):
         self.inv_freq = rotary_frequencies(head_size, theta, scaling)
 
     def __call__(self, start: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + length, dtype=torch.float64, device="cpu")
-        angles = torch.outer(positions, self.inv_freq)
+        positions = torch.arange(start, start + length, device="cpu").float()
+        angles = positions[:, None] * self.inv_freq  # (T, hs/2)
         angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(like.dtype).to(like.device), angles.sin().to(like.dtype).to(like.device)
+        return angles.cos().to(like.device, like.dtype), angles.sin().to(like.device, like.dtype)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -1,0 +1,159 @@
+"""The Llama family against transformers' own LlamaForCausalLM (built locally from a LlamaConfig
+with random weights; nothing downloaded), in every layout, with pipeline and data parallelism.
+
+The reference's RMSNorm: transformers casts the input to float32 before normalising (to protect
+half precision); in a float64 model that is a downcast which alone puts the reference ~1e-7 from
+any float64 computation. The reference therefore runs the same formula at the input's precision
+when that is float64 (`_reference_rms_norm`); everything else is transformers' code as shipped.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lattice
+from lattice import hf as lhf
+from lattice.models.llama import LLAMA3_SCALING, Llama, LlamaConfig
+from multiproc import cached_init, run_distributed
+from numerics import rel_diff
+
+transformers = pytest.importorskip("transformers")
+
+# grouped-query (8 query heads share 4 kv heads), a non-default rope_theta with Llama 3's scaling
+# (original context 8: every band of the scaling -- kept, blended, divided -- is in use), untied
+CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=8, n_kv_heads=4, n_layers=2, intermediate_size=40,
+           rope_theta=500.0, rope_scaling=dict(LLAMA3_SCALING, factor=4.0, original_max_position_embeddings=8))
+
+
+def _reference_rms_norm(self, x):
+    xs = x if x.dtype == torch.float64 else x.float()
+    return self.weight * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+
+@torch.no_grad()
+def random_hf_llama(seed=0, **overrides):
+    """A float64 LlamaForCausalLM in eval mode with every parameter random (HF's init leaves the
+    norm weights at 1, which would hide a norm mix-up)."""
+    from transformers.models.llama import modeling_llama
+
+    modeling_llama.LlamaRMSNorm.forward = _reference_rms_norm
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(Llama.hf.config_to_hf(LlamaConfig(**{**CFG, **overrides}))).double().eval()
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _tokens(seed, batch=4, length=12):
+    return torch.randint(0, CFG["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _equals_transformers(layout: dict, generate: bool):
+    """lattice.from_hf of a random float64 LlamaForCausalLM under `layout`: relative differences
+    of the loss and of the worst gradient from transformers' own float64 forward and backward,
+    and (with `generate`) whether greedy generation with lattice's KV cache gives
+    transformers' generate() tokens."""
+    ctx = cached_init(**layout)
+    hf = random_hf_llama(seed=5)
+    x, y = _tokens(6), _tokens(7)
+    reference = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+    reference.backward()
+    model = lattice.from_hf(hf, ctx)
+    loss = model.forward_backward(x, y)
+    grads = lhf.to_hf_state_dict(model.family, model.cfg, model.full_grad_dict())
+    worst = max(rel_diff(grads[name], p.grad) for name, p in hf.named_parameters())
+    same_tokens = None
+    if generate:
+        prompt = _tokens(8, batch=4, length=4)  # 3d splits the batch over q² = 4
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                               pad_token_id=CFG["vocab_size"])  # no prompt token is padding
+        same_tokens = torch.equal(model.generate(prompt, 8), expected)
+    return abs(loss - reference.item()) / reference.item(), worst, same_tokens
+
+
+LAYOUTS = [dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True), dict(mode="1d", tp=4),
+           dict(mode="1d", tp=4, sequence_parallel=True), dict(mode="2d", tp=4), dict(mode="3d", tp=8),
+           dict(mode="subgraph", tp=2, subgrids=2), dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"),
+           dict(mode="1d", tp=2, pp=2, microbatches=2), dict(mode="serial", dp=2)]
+GENERATES = ({"mode": "1d", "tp": 2}, {"mode": "2d", "tp": 4}, {"mode": "3d", "tp": 8})
+
+
+def test_serial_equals_transformers_and_generates_its_tokens():
+    """Catches a wrong name map or transpose (q/k/v, gate/up), kv heads expanded in the wrong
+    order, rotary frequencies or Llama 3's scaling computed differently, or a KV cache that
+    drops or repeats a position: loss, gradients or greedy tokens would differ."""
+    loss, grads, same_tokens = _equals_transformers(dict(mode="serial"), True)
+    print(f"serial: loss {loss:.1e}, worst gradient {grads:.1e}, generate equal {same_tokens}")
+    assert loss < 1e-10 and grads < 1e-10 and same_tokens
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lo: "-".join(f"{k}={v}" for k, v in lo.items()))
+def test_layout_equals_transformers(layout):
+    """Catches a layout that splits q and k/v heads differently (a query group meeting the
+    wrong kv head), a k/v segment sharded along the wrong dim, a cache holding another rank's kv
+    heads, or the pipeline/data-parallel paths losing a gradient: every rank's loss and full
+    gradients must equal transformers' within 1e-10, and the listed layouts' greedy tokens its."""
+    world = lattice.plan(**layout).world_size
+    results = run_distributed(world, _equals_transformers, layout, layout in GENERATES)
+    for loss, grads, same_tokens in results:
+        assert loss < 1e-10 and grads < 1e-10, (loss, grads)
+        assert same_tokens in (None, True)
+    print(f"{layout}: loss {max(r[0] for r in results):.1e}, worst gradient {max(r[1] for r in results):.1e}")
+
+
+def _train(layout, steps, lr):
+    ctx = cached_init(**layout) if layout["mode"] != "serial" else lattice.plan("serial")
+    cfg = LlamaConfig(**CFG)
+    model = lattice.build_model(cfg, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        losses.append(model.forward_backward(_tokens(step % 4), _tokens(100 + step % 4)))
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("layout", [dict(mode="2d", tp=4), dict(mode="3d", tp=8)], ids=["2d-q2", "3d-q2"])
+def test_adamw_30_steps_float32_follow_serial(layout):
+    """Catches drift one step hides (a norm weight or a kv segment updated on one rank only):
+    30 float32 AdamW steps from the same initial weights follow serial's losses within 1e-5."""
+    ref = _train(dict(mode="serial"), 30, 3e-3)
+    results = run_distributed(lattice.plan(**layout).world_size, _train, layout, 30, 3e-3)
+    diff = max(abs(a - b) for losses in results for a, b in zip(losses, ref))
+    print(f"{layout['mode']}: serial {ref[0]:.6f} -> {ref[-1]:.6f}, max |diff| over 30 steps {diff:.2e}")
+    assert ref[-1] < ref[0] - 0.5, "the reference did not train: the comparison would be vacuous"
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("change, layout, match", [
+    (dict(n_kv_heads=3), dict(mode="serial"), "n_kv_heads = 3 does not divide n_heads = 8"),
+    (dict(n_heads=6), dict(mode="serial"), "d_model = 32 is not divisible by n_heads = 6"),
+    (dict(intermediate_size=0), dict(mode="serial"), "intermediate_size must be a positive integer"),
+    (dict(vocab_size=-1), dict(mode="serial"), "vocab_size must be a positive integer"),
+    (dict(n_heads=16, n_kv_heads=4, d_model=64), dict(mode="1d", tp=8), "n_kv_heads"),
+    (dict(n_kv_heads=1), dict(mode="2d", tp=4), "n_kv_heads"),
+    (dict(intermediate_size=41), dict(mode="1d", tp=2), "41"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), dict(mode="serial"), "yarn"),
+])
+def test_bad_sizes_are_refused_in_one_line(change, layout, match):
+    """Catches a size that fails deep in a kernel (or splits a kv head between ranks) instead
+    of one line naming it: the config or the layout refuses it before anything is allocated.
+    (Every layout's refusal runs on every rank before any collective: test_conformance.)"""
+    with pytest.raises(lattice.LatticeConfigError, match=match) as e:
+        cfg, ctx = LlamaConfig(**{**CFG, **change}), lattice.plan(**layout)
+        with torch.device("meta"):
+            lattice.build_model(cfg, ctx)
+    assert "\n" not in str(e.value)
+
+
+def test_presets_build_on_meta_with_their_published_sizes():
+    """Catches a preset whose shape is not the published model's: parameter counts of
+    Llama-3.2-1B (1.24 B, tied), Llama-3-8B (8.03 B) and Llama-3-70B (70.6 B), as Meta states
+    them, from a meta-device build in the layouts that fit them."""
+    expected = {"llama3.2-1b": 1.24e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9}
+    ctx = lattice.plan("1d", tp=8)
+    for preset, count in expected.items():
+        with torch.device("meta"):
+            model = lattice.build_model(LlamaConfig.preset(preset), ctx)
+        assert abs(model.num_parameters() - count) / count < 0.005, (preset, model.num_parameters())
