@@ -8,9 +8,10 @@
                                                      #   names the family) -> a lattice checkpoint (step 0,
                                                      #   no optimizer state) to train --resume from
 
-Converting holds the whole model (and AdamW's moments, between lattice forms) in this process's
-memory, as the single file and the HF directory do; sharded-to-sharded resharding needs no
-conversion (every layout loads every sharded checkpoint).
+Between a sharded checkpoint and an HF directory (either way) one full tensor is in memory at a
+time, plus, on export, the safetensors shard being written (at most 2 GiB); writing the single
+file holds the whole model (and AdamW's moments), as that form does. Sharded-to-sharded
+resharding needs no conversion (every layout loads every sharded checkpoint).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from lattice import checkpoint, hf
 from lattice import sharded_checkpoint as sharded
 from lattice.context import LatticeConfigError
-from lattice.models import arch_of_hf, available_archs, get_arch, load_hf_dir
+from lattice.models import arch_of_hf, available_archs, get_arch
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "model", "optimizer", "rng",
@@ -73,7 +74,9 @@ def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         meta["optimizer_step"] = int(ckpt.get("optimizer_step", 0))
         keys = [k for k in ckpt["tensors"] if k.startswith("model/") or (meta["optimizer_step"] and
                                                                           k.startswith("optimizer/"))]
-        return meta, sharded.load_full(ckpt, keys)
+        stored = sharded.read_index(Path(ckpt["path"])).state_dict_metadata
+        return meta, {k: hf.LazyTensor(lambda k=k: sharded.load_full(ckpt, [k])[k], stored[k].size,
+                                       stored[k].properties.dtype) for k in keys}
     meta["optimizer_step"] = int(ckpt["optimizer"].get("step", 0))
     tensors = {f"model/{k}": t for k, t in ckpt["model"].items()}
     if meta["optimizer_step"]:
@@ -81,8 +84,13 @@ def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
-def _model_part(tensors: dict) -> dict[str, torch.Tensor]:
+def _model_part(tensors: dict) -> dict:
     return {k[len("model/"):]: t for k, t in tensors.items() if k.startswith("model/")}
+
+
+def _loaded(tensors: dict) -> dict[str, torch.Tensor]:
+    """Every tensor in memory (the single-file form holds them all)."""
+    return {k: t.load() if isinstance(t, hf.LazyTensor) else t for k, t in tensors.items()}
 
 
 def _write_sharded(dst: Path, meta: dict, tensors: dict) -> Path:
@@ -93,6 +101,7 @@ def _write_sharded(dst: Path, meta: dict, tensors: dict) -> Path:
 
 
 def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:
+    tensors = _loaded(tensors)
     model = _model_part(tensors)
     step = meta["optimizer_step"]
     optimizer = {m: {name: tensors[f"optimizer/{m}/{name}"] if step else torch.zeros_like(t)
@@ -107,15 +116,16 @@ def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:
 def _write_hf(dst: Path, meta: dict, tensors: dict) -> Path:
     family = get_arch(meta["arch"])
     cfg = family.config_class.from_dict(meta["model_config"])
-    model = hf.hf_model(family, cfg, _model_part(tensors))
-    model.save_pretrained(dst, safe_serialization=True)
+    hf.write_hf_dir(family, cfg, _model_part(tensors), dst)
     return dst
 
 
-def _from_hf(src: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    model = load_hf_dir(src)
-    family = arch_of_hf(model.config.model_type)
-    cfg, full = hf.read_hf(family, model)
+def _from_hf(src: Path) -> tuple[dict, dict]:
+    """The directory's weights as lazy tensors: each is read from its safetensors file only
+    while it is written (sharded or hf), so the import holds one full tensor at a time."""
+    hf_config = hf.read_hf_config(src)
+    family = arch_of_hf(hf_config.model_type)
+    cfg, full = hf.read_hf_dir(family, src, hf_config)
     meta = {"step": 0, "arch": family.name, "model_config": cfg.to_dict(), "train_config": {}, "optimizer_step": 0,
             "imported_from": str(src)}
-    return meta, {f"model/{k}": t.detach() for k, t in full.items()}
+    return meta, {f"model/{k}": t for k, t in full.items()}

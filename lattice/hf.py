@@ -17,7 +17,12 @@ model of it is built. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,33 +118,55 @@ def read_hf(family, model_or_state_dict, *, config=None):
     else:
         raise LatticeConfigError(f"cannot import a {type(model_or_state_dict).__name__}; pass a {m.model_class} or a "
                                  f"state dict with config=")
+    plan = import_plan(family, cfg, {k: tuple(t.shape) for k, t in state_dict.items()},
+                       lambda a, b: torch.equal(state_dict[a], state_dict[b]))
+    return cfg, {item.lattice: item.convert(state_dict[item.key].detach()) for item in plan}
+
+
+@dataclass(frozen=True)
+class ImportItem:
+    """One lattice parameter of an import: which source tensor fills it and how."""
+
+    lattice: str  # the serial lattice parameter
+    key: str  # the source's key (state dict or safetensors file)
+    transpose: bool
+    shape: tuple[int, ...]  # the lattice parameter's shape
+
+    def convert(self, tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.t() if self.transpose else tensor).reshape(self.shape)
+
+
+def import_plan(family, cfg, shapes: dict[str, tuple[int, ...]], equal) -> list[ImportItem]:
+    """Check a transformers checkpoint against `cfg` from its keys and shapes alone (`shapes`:
+    key -> shape; `equal(key_a, key_b)` compares two of its tensors, for tied copies) and say
+    which tensor fills each lattice parameter. Nothing is loaded here: a directory import reads
+    the tensors one at a time afterwards."""
+    m = _mapping(family)
     m.check_import(cfg)
-    sd = m.normalize(state_dict)
+    keys = m.normalize({k: k for k in shapes})  # the mapping's names -> the source's keys
     for copy, source in m.tied(cfg):
-        held = sd.pop(copy, None)
-        if held is not None and source in sd and not torch.equal(held, sd[source]):
+        held = keys.pop(copy, None)
+        if held is not None and source in keys and not equal(held, keys[source]):
             raise LatticeConfigError(f"the config ties {copy} to {source} but {copy} differs from {source}; set "
                                      f"tie_word_embeddings=False (tie_embeddings=False) to import an untied head")
     expected = m.tensors(cfg)
-    check_state_dict_keys([t.hf for t in expected], sd, what=f"{m.label} state dict")
+    check_state_dict_keys([t.hf for t in expected], keys, what=f"{m.label} state dict")
     for t in expected:
-        if tuple(sd[t.hf].shape) != t.shape:
+        if tuple(shapes[keys[t.hf]]) != t.shape:
             raise LatticeConfigError(f"{m.label} {t.hf}: expected shape {list(t.shape)} for this config, got "
-                                     f"{list(sd[t.hf].shape)}; the config does not match the weights")
-    full = {}
-    for t in expected:
-        tensor = sd[t.hf].detach()
-        full[t.lattice] = tensor.t() if t.transpose else tensor
-    return cfg, _lattice_shapes(family, cfg, full)
+                                     f"{list(shapes[keys[t.hf]])}; the config does not match the weights")
+    lattice_shapes = _lattice_shapes(family, cfg)
+    return [ImportItem(t.lattice, keys[t.hf], t.transpose, lattice_shapes[t.lattice]) for t in expected]
 
 
-def _lattice_shapes(family, cfg, full: dict) -> dict:
-    """`full` reshaped to the serial lattice model's parameter shapes (fused tensors)."""
+def _lattice_shapes(family, cfg) -> dict[str, tuple[int, ...]]:
+    """The serial lattice model's parameter shapes (fused tensors), from a meta build."""
     from lattice.layout import plan
 
+    serial = plan("serial")
     with torch.device("meta"):
-        specs = family(cfg, plan("serial")).specs
-    return {name: t.reshape(specs[name].full_shape) for name, t in full.items()}
+        specs = family(cfg, serial).specs
+    return {name: spec.full_shape for name, spec in specs.items()}
 
 
 def to_hf_state_dict(family, cfg, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,3 +201,137 @@ def to_hf_model(model):
     """A transformers model with a lattice model's weights (a collective under a parallel layout,
     as model.to_hf_state_dict)."""
     return hf_model(model.family, model.cfg, model.full_state_dict())
+
+
+# ----------------------------------------------------------------------------- directories, a tensor at a time
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class LazyTensor:
+    """A full tensor read only when `load()` is called (and not kept), with its shape and dtype
+    known before: converting a directory holds one full tensor at a time."""
+
+    def __init__(self, load, shape: tuple[int, ...], dtype: torch.dtype):
+        self.load, self.shape, self.dtype = load, torch.Size(shape), dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_hf_config(src: Path):
+    """The transformers config in a local directory's config.json (nothing downloaded)."""
+    if not (src / "config.json").is_file():
+        raise LatticeConfigError(f"{src} is not a HuggingFace model directory (no config.json); pass the directory "
+                                 f"that save_pretrained wrote")
+    try:
+        return transformers_module().AutoConfig.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise LatticeConfigError(f"{src}/config.json cannot be read as a transformers config "
+                                 f"({str(e).splitlines()[0][:160]}); pass an intact HuggingFace model directory") from None
+
+
+def _safetensors_files(src: Path) -> dict[str, Path]:
+    """Every tensor's key -> the safetensors file holding it (a sharded directory's index, or
+    the one model.safetensors)."""
+    from safetensors import safe_open
+
+    if (src / INDEX).is_file():
+        try:
+            weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise LatticeConfigError(f"{src / INDEX} is not a safetensors index ({type(e).__name__}); pass an intact "
+                                     f"HuggingFace model directory") from None
+        files = {k: src / name for k, name in weight_map.items()}
+        absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if absent:
+            raise LatticeConfigError(f"{src} lacks {len(absent)} weight file(s) its index names (first: {absent[0]}); "
+                                     f"copy the whole directory")
+        return files
+    if (src / WEIGHTS).is_file():
+        with safe_open(src / WEIGHTS, "pt") as f:
+            return {k: src / WEIGHTS for k in f.keys()}
+    raise LatticeConfigError(f"{src} holds no {WEIGHTS} or {INDEX}; lattice reads safetensors only (re-save the model "
+                             f"with save_pretrained(..., safe_serialization=True))")
+
+
+def _read_one(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.get_tensor(key)
+
+
+def read_hf_dir(family, src: Path, hf_config) -> tuple[Any, dict[str, LazyTensor]]:
+    """(lattice config, {lattice name: LazyTensor}) of a local HF directory's safetensors,
+    checked against its config from the files' headers alone; each tensor is read when loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    cfg = _mapping(family).config_from_hf(hf_config)
+    files = _safetensors_files(src)
+    shapes, dtypes = {}, {}
+    try:
+        for path in sorted(set(files.values())):
+            with safe_open(path, "pt") as f:
+                for k in f.keys():
+                    piece = f.get_slice(k)
+                    shapes[k], dtypes[k] = tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype())
+    except (SafetensorError, OSError) as e:
+        raise LatticeConfigError(f"{src}: a weight file cannot be read ({str(e)[:160]}); pass an intact HuggingFace "
+                                 f"model directory") from None
+    plan = import_plan(family, cfg, shapes, lambda a, b: torch.equal(_read_one(files[a], a), _read_one(files[b], b)))
+    out = {}
+    for item in plan:
+        if dtypes[item.key] is None:
+            raise LatticeConfigError(f"{src}: {item.key} is stored as a dtype lattice does not train in; convert it to "
+                                     f"float32 or bfloat16")
+        out[item.lattice] = LazyTensor(lambda item=item: item.convert(_read_one(files[item.key], item.key)),
+                                       item.shape, dtypes[item.key])
+    return cfg, out
+
+
+def write_hf_dir(family, cfg, tensors: dict, dst: Path, *, max_shard_bytes: int = 2 << 30) -> list[Path]:
+    """A directory `from_pretrained` loads: config.json and safetensors files of at most
+    `max_shard_bytes` each (with model.safetensors.index.json when there are several), written
+    from lattice full tensors (tensors or LazyTensors: each is loaded, converted and written
+    before the next shard fills, so the peak is one shard plus one full tensor)."""
+    from safetensors.torch import save_file
+
+    m = _mapping(family)
+    dst.mkdir(parents=True, exist_ok=True)
+    m.config_to_hf(cfg).save_pretrained(dst)
+    like = next(iter(tensors.values()))
+    written, shard, shard_bytes, weight_map, total = [], {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        path = dst / f".shard-{len(written):05d}.safetensors"
+        save_file(shard, path, metadata={"format": "pt"})
+        written.append((path, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for t in m.tensors(cfg):
+        source = tensors.get(t.lattice)
+        if source is None:  # a tensor lattice does not have (a bias-free GPT-2): zeros compute the same
+            tensor = torch.zeros(t.shape, dtype=like.dtype)
+        else:
+            full = source.load() if isinstance(source, LazyTensor) else source
+            tensor = full.reshape(tuple(reversed(t.shape))).t() if t.transpose else full.reshape(t.shape)
+        tensor = tensor.detach().cpu().contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+        shard[m.export_name(t.hf)] = tensor
+        shard_bytes, total = shard_bytes + size, total + size
+    flush()
+    for old in list(dst.glob("model*.safetensors")) + [dst / INDEX]:
+        old.unlink(missing_ok=True)  # a previous export's files would shadow or contradict these
+    paths = []
+    for i, (path, keys) in enumerate(written):
+        name = WEIGHTS if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(path, dst / name)
+        weight_map.update({k: name for k in keys})
+        paths.append(dst / name)
+    if len(written) > 1:
+        (dst / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return paths

@@ -465,7 +465,31 @@ def load_full(saved: dict, keys) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_full(root: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """A sharded checkpoint from full tensors, in one process (for `lattice convert`)."""
-    state = {k: Chunk(t, (0,) * t.dim(), t.shape) for k, t in tensors.items()}
+class LazyChunk(Chunk):
+    """A whole tensor that is read only when DCP writes it (`load()`, not kept), so that
+    converting holds one full tensor at a time; its shape and dtype are known before."""
+
+    def __init__(self, load, full_shape: tuple[int, ...], dtype: torch.dtype):
+        self.load, self.dtype = load, dtype
+        self.full_shape, self.offsets = torch.Size(full_shape), torch.Size((0,) * len(full_shape))
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.load()
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.full_shape)]
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self.__create_chunk_list__()[0],
+                                                      properties=TensorProperties(dtype=self.dtype),
+                                                      size=self.full_shape))]
+
+
+def write_full(root: Path, meta: dict, tensors: dict) -> Path:
+    """A sharded checkpoint from full tensors, in one process (for `lattice convert`); a value
+    with a `load()` (lattice.hf.LazyTensor) is read only while it is written."""
+    state = {k: LazyChunk(t.load, t.shape, t.dtype) if hasattr(t, "load") else Chunk(t, (0,) * t.dim(), t.shape)
+             for k, t in tensors.items()}
     return write(root, meta, state)
