@@ -19,7 +19,11 @@ parallelism: q, k, v and fc ColwiseParallel, both output projections RowwisePara
 attention input prepared once as Replicate (one gradient all-reduce for q, k, v together), the
 token embedding RowwiseParallel (vocabulary-split, output all-reduced) and the tied LM head
 ColwiseParallel with `loss_parallel`, so neither side ever gathers logits; wpe and LayerNorms are
-replicated. Its collectives are counted by a dispatch mode in CommMeter's units.
+replicated. For `--arch llama` the peer is transformers' own LlamaForCausalLM under torchtitan's
+Llama plan (q/k/v and gate/up ColwiseParallel behind one Replicate input each, o_proj and
+down_proj RowwiseParallel, the token table RowwiseParallel and the untied LM head
+ColwiseParallel into `loss_parallel`). Its collectives are counted by a dispatch mode in
+CommMeter's units.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from lattice.models.gpt2 import GPTConfig
 from lattice.modes import REFERENCE_MODE, parallel_modes, peer_mode
 
 # ----------------------------------------------------------------------------- the DTensor peer
+PEER_ARCHS = ("gpt2", "llama")  # families with a DTensor peer
+
 
 
 class _PeerAttention(nn.Module):
@@ -132,7 +138,50 @@ def parallelize_peer(model: PeerGPT, mesh) -> PeerGPT:
     return model
 
 
-def peer_loss(model: PeerGPT, tokens, targets):
+class PeerLlama(nn.Module):
+    """transformers' own LlamaForCausalLM (sdpa attention) with lattice's serial weights, returning
+    logits like PeerGPT."""
+
+    def __init__(self, cfg, sd: dict[str, torch.Tensor]):
+        super().__init__()
+        from lattice import hf
+
+        family = arch_of_config(cfg)
+        self.hf = hf.hf_model(family, cfg, sd).train()
+
+    def forward(self, tokens):
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def parallelize_peer_llama(model: PeerLlama, mesh) -> PeerLlama:
+    """torchtitan's Llama plan on a 1-D mesh, without sequence parallelism: the token table
+    RowwiseParallel, q/k/v and gate/up ColwiseParallel behind one Replicate input each
+    (attention, MLP), o_proj and down_proj RowwiseParallel, the untied LM head ColwiseParallel
+    into `loss_parallel`; RMSNorms and rotary tables replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    inner = model.hf.model
+    if model.hf.config.tie_word_embeddings:
+        raise LatticeConfigError("the DTensor Llama peer splits the LM head and the token table differently; "
+                                 "bench an untied Llama (tie_embeddings=False)")
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(inner.layers)):
+        b = f"model.layers.{i}."
+        plan[b + "self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                                   desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        plan[b + "mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[b + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[b + name] = RowwiseParallel()
+    parallelize_module(model.hf, mesh, plan)  # HF reshapes q/k/v with -1 heads: each rank sees its own
+    return model
+
+
+def peer_loss(model, tokens, targets):
     from torch.distributed.tensor.parallel import loss_parallel
 
     with loss_parallel():
@@ -181,7 +230,13 @@ class DTensorComm(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _local(t):
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    """The plain tensor holding t's data: a DTensor's local shard, or the buffer of a collective's
+    result that DTensor hands out before waiting on it (an AsyncCollectiveTensor, which has no
+    storage of its own)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def saved_activation_bytes(model: nn.Module, run) -> int:
@@ -242,9 +297,13 @@ def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_
     if mode == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
-        model = PeerGPT(cfg)
-        model.load_lattice(sd)
-        parallelize_peer(model, init_device_mesh("cpu", (p,), mesh_dim_names=("tp",)))
+        mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
+        if arch_of_config(cfg).name == "llama":
+            model = parallelize_peer_llama(PeerLlama(cfg, sd), mesh)
+        else:
+            model = PeerGPT(cfg)
+            model.load_lattice(sd)
+            parallelize_peer(model, mesh)
         forward, backward, meter_ctx = (lambda: peer_loss(model, tokens, targets)), peer_backward, DTensorComm
         analytic = costmodel.estimate(cfg, peer_mode("dtensor"), batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
@@ -374,11 +433,11 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
         if mode == REFERENCE_MODE:
             continue
         if mode == "dtensor":
-            if arch_of_config(cfg).name != "gpt2":
-                skipped.append((label, f"the DTensor peer is a GPT-2; {arch_of_config(cfg).name} has none"))
+            if arch_of_config(cfg).name not in PEER_ARCHS:
+                skipped.append((label, f"the DTensor peer is a GPT-2 or a Llama; {arch_of_config(cfg).name} has none"))
                 continue
-            why = [f"{what} = {size} is not divisible by p = {p}"
-                   for what, size in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size)) if size % p]
+            counts = [("vocab_size", cfg.vocab_size), *cfg.head_counts().items()]
+            why = [f"{what} = {size} is not divisible by p = {p}" for what, size in counts if size % p]
             if why:
                 skipped.append((label, "; ".join(why)))
             else:

@@ -63,6 +63,38 @@ def test_dtensor_peer_equals_serial_and_moves_what_1d_moves():
         assert measured == pytest.approx(model, rel=0.01)
 
 
+def _llama_peer_on_ranks():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lattice.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.preset("tiny", vocab_size=64, seq_len=8)
+    ref = lattice.build_model(cfg, lattice.plan("serial"))
+    tokens, targets = _batch(cfg)
+    ref_loss = ref(tokens, targets)
+    ref_loss.backward()
+    peer = bench.parallelize_peer_llama(bench.PeerLlama(cfg, ref.full_state_dict()),
+                                        init_device_mesh("cpu", (dist.get_world_size(),)))
+    meter = lattice.CommMeter()
+    with meter, bench.DTensorComm(meter):
+        loss = bench.peer_loss(peer, tokens, targets)
+        bench.peer_backward(loss)
+    torch.testing.assert_close(loss.full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    grad = peer.hf.model.layers[0].self_attn.k_proj.weight.grad.full_tensor()
+    torch.testing.assert_close(grad.t(), ref.blocks[0].attn.qkv.k.weight.grad, rtol=1e-4, atol=1e-6)
+    model = cost.estimate(cfg, "1d", batch=4, tp=dist.get_world_size())
+    return {k: v["elements"] for k, v in meter.summary().items()}, {k: v["elements"] for k, v in model.summary().items()}
+
+
+def test_dtensor_llama_peer_equals_serial_and_moves_what_1d_moves():
+    """The same for the Llama peer (transformers' LlamaForCausalLM under torchtitan's plan):
+    catches a peer computing another function (loss, a kv projection's gradient) or Llama
+    collectives (q/k/v behind one input, gate/up behind another) the cost model counts
+    differently from what DTensor sends."""
+    for measured, model in run_distributed(2, _llama_peer_on_ranks):
+        assert measured == pytest.approx(model, rel=0.01)
+
+
 def test_saved_activation_bytes_counts_each_storage_once_and_no_parameters():
     """Catches double counting of views (x and x.t() share a storage) or counting a weight that
     autograd saves as if it were an activation."""
