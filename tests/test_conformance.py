@@ -23,7 +23,10 @@ interface no built-in family uses yet (RMSNorm, grouped-query attention through 
 linear, no position table, a per-head bias, a gated MLP, the pooled classification head).
 """
 
+import contextlib
+import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +94,33 @@ def test_every_family_and_mode_declares_what_the_suite_runs():
         assert get_arch(family).test_shapes, f"family {family!r} declares no test_shapes"
 
 
+@contextlib.contextmanager
+def plugins_registered(paths=()):
+    """Modes or families written as module files outside lattice's packages (a copy of the
+    repository with a new file, tests/test_extending.py) imported into lattice's registries while
+    the block runs, then removed, so that no other check sees them."""
+    from lattice import modes as mode_registry
+    from lattice.models import base as model_base
+
+    added = []
+    for path in map(Path, paths):
+        package = "lattice.modes" if path.parent.name == "modes" else "lattice.models"
+        name = f"{package}.{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)  # registers it
+        added.append((name, path.stem))
+    try:
+        yield
+    finally:
+        for name, stem in added:
+            sys.modules.pop(name, None)
+            registry = mode_registry._REGISTRY if name.startswith("lattice.modes") else model_base._FAMILIES
+            for key in [k for k, cls in registry.items() if cls.__module__ == name]:
+                del registry[key]
+
+
 def _serial_step(cfg, tokens, targets):
     """Serial's loss, gradients, and parameters and AdamW moments after one step (float64)."""
     serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
@@ -103,7 +133,12 @@ def _serial_step(cfg, tokens, targets):
     return weights, loss, grads, serial.full_state_dict(), moments
 
 
-def _check_layout(family: str, layout: dict) -> dict:
+def _check_layout(family: str, layout: dict, plugins=()) -> dict:
+    with plugins_registered(plugins):
+        return _check_layout_registered(family, layout)
+
+
+def _check_layout_registered(family: str, layout: dict) -> dict:
     layout = dict(layout)
     ctx = cached_init(**layout)
     mode = layout.pop("mode")
@@ -163,9 +198,14 @@ def _check_layout(family: str, layout: dict) -> dict:
     return out
 
 
-def _check_refusals(family: str, layout: dict, root: str) -> dict:
+def _check_refusals(family: str, layout: dict, root: str, plugins=()) -> dict:
     """Every head count 1 (no tensor-parallel layout divides it); a sharded checkpoint (weights and
     AdamW moments) written and read back under the layout; the HF round trip."""
+    with plugins_registered(plugins):
+        return _check_refusals_registered(family, layout, root)
+
+
+def _check_refusals_registered(family: str, layout: dict, root: str) -> dict:
     from lattice import hf
     from lattice import sharded_checkpoint as sharded
 
@@ -213,8 +253,12 @@ def test_layout_equals_serial_and_its_cost_model(family, layout):
     reverse), an activation model that misses a saved tensor, and a load/gather round trip that
     is not the identity -- for every family, including the mode-interface pieces only a newer
     family uses."""
+    assert_layout_equals_serial(family, layout)
+
+
+def assert_layout_equals_serial(family: str, layout: dict, plugins=()) -> None:
     world = _world(layout)
-    results = run_distributed(world, _check_layout, family, layout)
+    results = run_distributed(world, _check_layout, family, layout, plugins)
     for rank, result in enumerate(results):
         for r in result["exact"]:
             assert r["keys"] and r["round_trip"] and r["replica_losses_equal"], (rank, r)
@@ -238,9 +282,13 @@ def test_layout_refuses_bad_sizes_and_round_trips_checkpoints_and_hf_weights(fam
     """Catches a size error raised on some ranks only (a hang) or after a collective, a sharded
     checkpoint that loses or misplaces a shard of a weight or a moment, and an HF import/export
     that loses or reshapes a tensor under this layout."""
+    assert_refusals_and_round_trips(family, layout, tmp_path)
+
+
+def assert_refusals_and_round_trips(family: str, layout: dict, tmp_path, plugins=()) -> None:
     world = _world(layout)
     replica = lattice.plan(**layout).topology.tp_size
-    for result in run_distributed(world, _check_refusals, family, layout, str(tmp_path)):
+    for result in run_distributed(world, _check_refusals, family, layout, str(tmp_path), tuple(plugins)):
         assert result["sent"] == 0 and result["checkpoint_equal"], result
         if get_arch(family).hf is not None:
             assert result["hf_equal"], result

@@ -75,7 +75,7 @@ LAYOUTS = [dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True),
            dict(mode="1d", tp=4, sequence_parallel=True), dict(mode="2d", tp=4), dict(mode="3d", tp=8),
            dict(mode="subgraph", tp=2, subgrids=2), dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"),
            dict(mode="1d", tp=2, pp=2, microbatches=2), dict(mode="serial", dp=2)]
-GENERATES = ({"mode": "1d", "tp": 2}, {"mode": "2d", "tp": 4}, {"mode": "3d", "tp": 8})
+GENERATES = ({"mode": "1d", "tp": 2}, {"mode": "2d", "tp": 4}, {"mode": "3d", "tp": 8}, {"mode": "subgraph", "tp": 2, "subgrids": 2})
 
 
 def test_serial_equals_transformers_and_generates_its_tokens():

@@ -25,7 +25,8 @@ HuggingFace (LlamaForCausalLM): nn.Linear keeps W[out, in], lattice W[in, out], 
 projection is transposed; q_proj, k_proj, v_proj are the attention IN linear's segments q, k, v,
 gate_proj and up_proj the MLP IN linear's segments gate and up. Refused: attention_bias or
 mlp_bias, an activation other than silu, rope scaling other than none or "llama3", a head_dim
-with head_dim * n_heads != hidden_size.
+with head_dim * n_heads != hidden_size. transformers' attention_dropout becomes lattice's one
+dropout rate, which lattice also applies to the residual branches (Llama's checkpoints have 0).
 """
 
 from __future__ import annotations
