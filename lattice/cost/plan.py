@@ -118,18 +118,26 @@ def _machine(spec: str) -> Machine:
 
 def format_cost(c: Cost, machine: Machine) -> str:
     axes = " x ".join(f"{a.value}={n}" for a, n in c.topology.axes)
-    lines = [f"{c.mode} on {axes}, {c.cfg}", f"batch {c.batch} x {c.seq} per replica, {c.itemsize}-byte values"
-             f"{', activation checkpointing' if c.checkpointing else ''}; per rank:", "",
-             f"  {'phase':<9}{'collective':<15}{'group':>6}{'calls':>8}{'elements':>14}{'MiB':>10}"
-             f"{'wire words':>14}{'messages':>10}"]
+    rows = []
     for (phase, op, n), row in sorted(c.summary().items()):
         sel = [t for t in c.terms if t.phase == phase and t.op == op and c.term_ranks(t) == n]
         wire = sum(t.elements * wire_factor(op, n) for t in sel)
         msgs = sum(t.calls * message_steps(op, n) for t in sel)
-        lines.append(f"  {phase:<9}{op:<15}{n:>6}{row['calls']:>8.0f}{row['elements']:>14,.0f}"
-                     f"{row['bytes'] / 2 ** 20:>10.3f}{wire:>14,.0f}{msgs:>10.0f}")
-    lines.append(f"  {'total':<30}{c.calls():>8.0f}{c.elements():>14,.0f}{c.bytes() / 2 ** 20:>10.3f}"
-                 f"{c.wire():>14,.0f}{c.messages():>10.0f}")
+        rows.append((phase, op, f"{n}", f"{row['calls']:.0f}", f"{row['elements']:,.0f}", f"{row['bytes'] / 2 ** 20:.3f}",
+                     f"{wire:,.0f}", f"{msgs:.0f}"))
+    total = ("total", "", "", f"{c.calls():.0f}", f"{c.elements():,.0f}", f"{c.bytes() / 2 ** 20:.3f}", f"{c.wire():,.0f}",
+             f"{c.messages():.0f}")
+    # the numeric columns widen for a model whose counts outgrow them (a published size)
+    widths = [9, 15] + [max(w, 1 + max(len(r[k]) for r in rows + [total])) for k, w in
+                        zip(range(2, 8), (6, 8, 14, 10, 14, 10))]
+    header = ("phase", "collective", "group", "calls", "elements", "MiB", "wire words", "messages")
+    lines = [f"{c.mode} on {axes}, {c.cfg}", f"batch {c.batch} x {c.seq} per replica, {c.itemsize}-byte values"
+             f"{', activation checkpointing' if c.checkpointing else ''}; per rank:", "",
+             "  " + "".join(f"{h:<{w}}" if k < 2 else f"{h:>{w}}" for k, (h, w) in enumerate(zip(header, widths)))]
+    for r in rows:
+        lines.append("  " + "".join(f"{v:<{w}}" if k < 2 else f"{v:>{w}}" for k, (v, w) in enumerate(zip(r, widths))))
+    lead = sum(widths[:3])
+    lines.append("  " + f"{'total':<{lead}}" + "".join(f"{v:>{w}}" for v, w in zip(total[3:], widths[3:])))
     lines += ["", f"  compute: forward {c.flops['forward'] / 1e9:.3f} GFLOP, backward {c.flops['backward'] / 1e9:.3f} "
                   f"GFLOP (matrix products); elementwise {c.elementwise['forward'] / 1e6:.2f} + "
                   f"{c.elementwise['backward'] / 1e6:.2f} M elements",
