@@ -17,6 +17,7 @@ resharding needs no conversion (every layout loads every sharded checkpoint).
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import torch
@@ -60,7 +61,26 @@ def run_convert(args) -> int:
     print(f"wrote {to} checkpoint {where} (step {meta['step']}, "
           f"{sum(t.numel() for k, t in tensors.items() if k.startswith('model/')):,} parameters"
           f"{', with AdamW moments' if meta['optimizer_step'] and to != 'hf' else ''})")
+    _carry_tokenizer(args, to, Path(args.dst))
     return 0
+
+
+def _carry_tokenizer(args, to: str, dst: Path) -> None:
+    """The tokenizer goes with the weights: a run's tokenizer.json into an HF export (loadable by
+    AutoTokenizer), an HF directory's tokenizer.json into the run directory an import writes
+    (which generate, eval and train --resume then use)."""
+    if to == "hf":
+        source = checkpoint.run_dir(args.src) / "tokenizer.json"
+        if source.is_file():
+            hf.write_hf_tokenizer(source, dst)
+            print(f"tokenizer: {source} -> {dst}/tokenizer.json (AutoTokenizer.from_pretrained loads it)")
+        else:
+            print(f"tokenizer: none beside {args.src}; the export holds the model only")
+    elif args.source == "hf" and to == "sharded":
+        source = Path(args.src) / "tokenizer.json"
+        if source.is_file():
+            shutil.copyfile(source, dst / "tokenizer.json")
+            print(f"tokenizer: {source} -> {dst}/tokenizer.json")
 
 
 def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -233,3 +233,31 @@ def test_from_hf_equals_transformers_in_every_mode_and_in_pipeline_stages(layout
     world = lattice.plan(**layout).world_size
     for loss, grads in run_distributed(world, _equals_transformers, layout):
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)
+
+
+def test_export_carries_the_tokenizer_and_transformers_generates_lattices_text(tmp_path, capsys):
+    """Catches an HF export without a loadable tokenizer (AutoTokenizer then falls back to one
+    that encodes the prompt differently, or to nothing) or with one that decodes differently:
+    transformers alone (AutoTokenizer + AutoModelForCausalLM on the export) must encode as the
+    run's tokenizer and print `lattice generate --top-k 1`'s text for the same prompt."""
+    from tokenizers import Tokenizer
+
+    from lattice import cli
+
+    run, out, prompt = tmp_path / "run", tmp_path / "hf", "import os\nimport"
+    assert cli.main(["train", "--model", "tiny", "--vocab-size", "512", "--batch-size", "8", "--steps", "60",
+                     "--eval-interval", "60", "--eval-batches", "1", "--no-progress", "--out-dir", str(run)]) == 0
+    assert cli.main(["convert", str(run), "--to", "hf", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompt", prompt, "--max-new-tokens", "12", "--top-k", "1"]) == 0
+    ours = capsys.readouterr().out[:-1]  # the text as printed (timings go to stderr)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    text = "def main(args):\n    return 0\n"
+    assert tokenizer(text).input_ids == Tokenizer.from_file(str(run / "tokenizer.json")).encode(text).ids
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                   pad_token_id=0)
+    theirs = prompt + tokenizer.decode(generated[0, ids.shape[1]:])
+    assert ours == theirs and len(theirs) > len(prompt), (ours, theirs)
