@@ -568,7 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         module_name, _, run_name, _ = DELEGATED[args.command]
         return int(getattr(importlib.import_module(module_name), run_name)(args) or 0)
     except LatticeConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        message = str(e)
+        if args.command != "train":  # a checkpoint refusal's way out names a flag only train has
+            from lattice.checkpoint_files import START_FRESH
+
+            message = message.replace(f", {START_FRESH}", "")
+        print(f"error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `lattice info | head`: the reader left; stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -188,3 +188,13 @@ def test_mode_option_switches_turn_on_and_off(capsys):
         parser.parse_args(["train", "--help"])
     out = capsys.readouterr().out
     assert "3d: 3d:" not in out and "subgraph: sub-graph:" not in out and "--no-overlap" in out
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["convert", "--to", "single"]])
+def test_a_missing_run_is_refused_naming_only_flags_the_command_has(command, tmp_path, capsys):
+    """Catches a refusal that sends a user of generate, eval or convert to `--resume`, a flag
+    only train has (the checkpoint readers' shared way out)."""
+    extra = [str(tmp_path / "out.pt")] if command[0] == "convert" else []
+    assert cli.main([command[0], str(tmp_path / "missing"), *extra, *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err and "--resume" not in err, err
