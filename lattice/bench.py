@@ -55,8 +55,6 @@ from lattice.models.gpt2 import GPTConfig
 from lattice.modes import REFERENCE_MODE, parallel_modes, peer_mode
 
 # ----------------------------------------------------------------------------- the DTensor peer
-PEER_ARCHS = ("gpt2", "llama")  # families with a DTensor peer
-
 
 
 class _PeerAttention(nn.Module):
@@ -181,6 +179,16 @@ def parallelize_peer_llama(model: PeerLlama, mesh) -> PeerLlama:
     return model
 
 
+def _gpt_peer(cfg, sd, mesh) -> PeerGPT:
+    model = PeerGPT(cfg)
+    model.load_lattice(sd)
+    return parallelize_peer(model, mesh)
+
+
+#: family name -> (cfg, lattice full state dict, 1-D mesh) -> its parallelised DTensor peer
+PEERS = {"gpt2": _gpt_peer, "llama": lambda cfg, sd, mesh: parallelize_peer_llama(PeerLlama(cfg, sd), mesh)}
+
+
 def peer_loss(model, tokens, targets):
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -297,13 +305,7 @@ def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_
     if mode == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
-        if arch_of_config(cfg).name == "llama":
-            model = parallelize_peer_llama(PeerLlama(cfg, sd), mesh)
-        else:
-            model = PeerGPT(cfg)
-            model.load_lattice(sd)
-            parallelize_peer(model, mesh)
+        model = PEERS[arch_of_config(cfg).name](cfg, sd, init_device_mesh("cpu", (p,), mesh_dim_names=("tp",)))
         forward, backward, meter_ctx = (lambda: peer_loss(model, tokens, targets)), peer_backward, DTensorComm
         analytic = costmodel.estimate(cfg, peer_mode("dtensor"), batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
@@ -433,7 +435,7 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
         if mode == REFERENCE_MODE:
             continue
         if mode == "dtensor":
-            if arch_of_config(cfg).name not in PEER_ARCHS:
+            if arch_of_config(cfg).name not in PEERS:
                 skipped.append((label, f"the DTensor peer is a GPT-2 or a Llama; {arch_of_config(cfg).name} has none"))
                 continue
             counts = [("vocab_size", cfg.vocab_size), *cfg.head_counts().items()]

@@ -94,8 +94,9 @@ def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         meta["optimizer_step"] = int(ckpt.get("optimizer_step", 0))
         keys = [k for k in ckpt["tensors"] if k.startswith("model/") or (meta["optimizer_step"] and
                                                                           k.startswith("optimizer/"))]
-        stored = sharded.read_index(Path(ckpt["path"])).state_dict_metadata
-        return meta, {k: hf.LazyTensor(lambda k=k: sharded.load_full(ckpt, [k])[k], stored[k].size,
+        index = sharded.read_index(Path(ckpt["path"]))
+        stored = index.state_dict_metadata
+        return meta, {k: hf.LazyTensor(lambda k=k: sharded.load_full(ckpt, [k], index=index)[k], stored[k].size,
                                        stored[k].properties.dtype) for k in keys}
     meta["optimizer_step"] = int(ckpt["optimizer"].get("step", 0))
     tensors = {f"model/{k}": t for k, t in ckpt["model"].items()}

@@ -17,6 +17,7 @@ model of it is built. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -62,6 +63,21 @@ class HFMapping:
         override what does not change the weights' meaning (dropout). Refuses variants lattice
         computes differently, in one line."""
         raise NotImplementedError
+
+    @staticmethod
+    def with_given(cfg, given):
+        """`cfg` (read from a transformers config) with the dropout rate of `given`, a lattice
+        config passed beside the model (None: `cfg` as it is). Every other field must agree: only
+        the dropout rate leaves the weights' meaning alone."""
+        if given is None:
+            return cfg
+        cfg = dataclasses.replace(cfg, dropout=given.dropout)
+        diff = {f.name: (getattr(given, f.name), getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                if getattr(given, f.name) != getattr(cfg, f.name)}
+        if diff:
+            raise LatticeConfigError(f"config disagrees with the HF model's config on {diff} (given, model); "
+                                     f"only dropout may differ: leave config=None or fix those fields")
+        return cfg
 
     def config_to_hf(self, cfg):
         """The transformers config computing the same function as `cfg`."""
@@ -175,17 +191,20 @@ def to_hf_state_dict(family, cfg, full: dict[str, torch.Tensor]) -> dict[str, to
     not have (a bias of a bias-free model) is exported as zeros, which computes the same."""
     m = _mapping(family)
     like = next(iter(full.values()))
-    out = {}
-    for t in m.tensors(cfg):
-        if t.lattice in full:
-            tensor = full[t.lattice]
-            tensor = tensor.reshape(tuple(reversed(t.shape))).t() if t.transpose else tensor.reshape(t.shape)
-        else:
-            tensor = torch.zeros(t.shape, dtype=like.dtype, device=like.device)
-        out[m.export_name(t.hf)] = tensor
+    out = {m.export_name(t.hf): _exported(t, full, like) for t in m.tensors(cfg)}
     for copy, source in m.tied(cfg):
         out[m.export_name(copy)] = out[m.export_name(source)]
     return out
+
+
+def _exported(t: HFTensor, full: dict, like) -> torch.Tensor:
+    """The HF tensor `t` from lattice full tensors (a LazyTensor is loaded now); zeros where
+    lattice has none (a bias of a bias-free model), which compute the same."""
+    source = full.get(t.lattice)
+    if source is None:
+        return torch.zeros(t.shape, dtype=like.dtype, device=getattr(like, "device", "cpu"))
+    tensor = source.load() if isinstance(source, LazyTensor) else source
+    return tensor.reshape(tuple(reversed(t.shape))).t() if t.transpose else tensor.reshape(t.shape)
 
 
 def hf_model(family, cfg, full: dict[str, torch.Tensor]):
@@ -311,13 +330,7 @@ def write_hf_dir(family, cfg, tensors: dict, dst: Path, *, max_shard_bytes: int 
         shard, shard_bytes = {}, 0
 
     for t in m.tensors(cfg):
-        source = tensors.get(t.lattice)
-        if source is None:  # a tensor lattice does not have (a bias-free GPT-2): zeros compute the same
-            tensor = torch.zeros(t.shape, dtype=like.dtype)
-        else:
-            full = source.load() if isinstance(source, LazyTensor) else source
-            tensor = full.reshape(tuple(reversed(t.shape))).t() if t.transpose else full.reshape(t.shape)
-        tensor = tensor.detach().cpu().contiguous()
+        tensor = _exported(t, tensors, like).detach().cpu().contiguous()
         size = tensor.numel() * tensor.element_size()
         if shard and shard_bytes + size > max_shard_bytes:
             flush()

@@ -450,10 +450,11 @@ def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str
     return None
 
 
-def load_full(saved: dict, keys) -> dict[str, torch.Tensor]:
+def load_full(saved: dict, keys, *, index: Metadata | None = None) -> dict[str, torch.Tensor]:
     """Full tensors of the given keys, in their saved dtype, in one process (for `lattice
-    convert`; it holds the whole model, as a single-file checkpoint or HF export must)."""
-    index = read_index(Path(saved["path"]))
+    convert`, which asks for one key at a time and passes the DCP index it read once)."""
+    if index is None:
+        index = read_index(Path(saved["path"]))
     stored = index.state_dict_metadata
     out = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys}
     state = {k: Chunk(t, (0,) * t.dim(), t.shape) for k, t in out.items()}

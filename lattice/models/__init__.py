@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lattice.context import LatticeConfigError
-from lattice.models.base import (DEFAULT_ARCH, Model, ModelConfig, Parts, arch_of_config, available_archs,
+from lattice.models.base import (DEFAULT_ARCH, DecoderLM, Model, ModelConfig, Parts, arch_of_config, available_archs,
                                  build_model, get_arch, register)
 
 
@@ -62,5 +62,5 @@ def load_hf_dir(src: Path):
         raise LatticeConfigError(f"{src} cannot be loaded as {family.hf.label} ({str(e).splitlines()[0][:160]})") from None
 
 
-__all__ = ["DEFAULT_ARCH", "Model", "ModelConfig", "Parts", "arch_of_config", "arch_of_hf", "available_archs",
+__all__ = ["DEFAULT_ARCH", "DecoderLM", "Model", "ModelConfig", "Parts", "arch_of_config", "arch_of_hf", "available_archs",
            "build_model", "from_hf", "get_arch", "load_hf_dir", "register"]

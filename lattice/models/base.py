@@ -1,7 +1,8 @@
 """What every model family shares, and the registry of families.
 
-A family is one module in this package (gpt2.py, ...) defining a `Model` subclass, registered
-with `register`, that declares, as class attributes:
+A family is one module in this package (gpt2.py, ...) defining a `Model` subclass (a
+`DecoderLM` when it is laid out as GPT-2 and Llama are), registered with `register`, that
+declares, as class attributes:
 
 | declaration     | what it is                                                   | read by                 |
 |-----------------|--------------------------------------------------------------|-------------------------|
@@ -438,3 +439,26 @@ class Model(nn.Module):
         from lattice import hf
 
         return hf.to_hf_state_dict(self.family, self.cfg, self.full_state_dict())
+
+
+class DecoderLM(Model):
+    """A decoder language model laid out as GPT-2's and Llama's are: `embed` (the token table,
+    with or without positions), `drop` (dropout on the embedded tokens), the `blocks`, a final
+    norm `ln_f` and the LM head `head` (tied to `embed.wte` when cfg.tie_embeddings). A family of
+    this shape builds those modules in `build()` and inherits the forward pieces and its parts."""
+
+    def embed_tokens(self, tokens, start=0):
+        return self.drop(self.embed(tokens, start))
+
+    def finish(self, x):
+        return self.ln_f(x)
+
+    def head_loss(self, x, targets):
+        return self.head.loss(x, targets)
+
+    def head_logits(self, x):
+        return self.head.logits(x)
+
+    def parts(self):
+        return Parts(first=("embed", "drop"), blocks="blocks", last=("ln_f", "head"),
+                     shared=("embed.wte",) if self.cfg.tie_embeddings else ())

@@ -21,14 +21,13 @@ exports zero biases (GPT-2 always has them), so it re-imports as a bias=True mod
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch.nn as nn
 
 from lattice.context import LatticeConfigError
 from lattice.hf import HFMapping, HFTensor, transformers_module
-from lattice.models.base import Model, ModelConfig, Parts, register
+from lattice.models.base import DecoderLM, ModelConfig, register
 from lattice.models.components import MLP, SelfAttention, residual_dropout
 
 
@@ -93,14 +92,8 @@ class GPT2HF(HFMapping):
                 ("mlp.c_proj.", "mlp.proj."))
 
     def config_from_hf(self, c, given=None):
-        cfg = self.config(c, dropout=given.dropout if given is not None else None)
-        if given is not None:  # a GPTConfig passed beside the model may change only the dropout rate
-            diff = {f.name: (getattr(given, f.name), getattr(cfg, f.name)) for f in dataclasses.fields(GPTConfig)
-                    if f.name != "dropout" and getattr(given, f.name) != getattr(cfg, f.name)}
-            if diff:
-                raise LatticeConfigError(f"config disagrees with the HF model's config on {diff} (given, model); "
-                                         f"only dropout may differ: leave config=None or fix those fields")
-        return cfg
+        # a given rate also settles GPT-2's three rates, which config() refuses to merge when they differ
+        return self.with_given(self.config(c, dropout=given.dropout if given is not None else None), given)
 
     def config(self, c, *, dropout: float | None = None) -> GPTConfig:
         """The GPTConfig of a GPT2Config (`dropout` replaces its rates); refuses the GPT-2
@@ -185,7 +178,7 @@ def config_to_hf(cfg: GPTConfig):
 
 
 @register
-class GPT(Model):
+class GPT(DecoderLM):
     """GPT-2 holding only this rank's shards. Parameter names are the serial model's."""
 
     name = "gpt2"
@@ -205,22 +198,6 @@ class GPT(Model):
         self.blocks = nn.ModuleList(TransformerBlock(cfg, mode, self.seeds) for _ in range(cfg.n_layers))
         self.ln_f = mode.norm("layer", eps=cfg.layer_norm_eps, bias=cfg.bias)
         self.head = mode.lm_head(self.embed)
-
-    def embed_tokens(self, tokens, start=0):
-        return self.drop(self.embed(tokens, start))
-
-    def finish(self, x):
-        return self.ln_f(x)
-
-    def head_loss(self, x, targets):
-        return self.head.loss(x, targets)
-
-    def head_logits(self, x):
-        return self.head.logits(x)
-
-    def parts(self):
-        return Parts(first=("embed", "drop"), blocks="blocks", last=("ln_f", "head"),
-                     shared=("embed.wte",) if self.cfg.tie_embeddings else ())
 
     def cost_layout(self, b):
         cfg = self.cfg

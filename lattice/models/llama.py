@@ -31,14 +31,13 @@ dropout rate, which lattice also applies to the residual branches (Llama's check
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.nn as nn
 
 from lattice.context import LatticeConfigError
 from lattice.hf import HFMapping, HFTensor, transformers_module
-from lattice.models.base import Model, ModelConfig, Parts, register
+from lattice.models.base import DecoderLM, ModelConfig, register
 from lattice.models.components import MLP, Rotary, SelfAttention, residual_dropout
 
 # Llama 3.1+'s rope scaling (the 8B/70B of 3.1, all of 3.2), as their config.json spells it
@@ -160,15 +159,7 @@ class LlamaHF(HFMapping):
                           rope_theta=float(theta), rope_scaling=scaling, norm_eps=c.rms_norm_eps,
                           tie_embeddings=bool(c.tie_word_embeddings), dropout=float(c.attention_dropout),
                           init_std=c.initializer_range)
-        if given is not None:
-            if given.dropout != cfg.dropout:
-                cfg = dataclasses.replace(cfg, dropout=given.dropout)
-            diff = {f.name: (getattr(given, f.name), getattr(cfg, f.name)) for f in dataclasses.fields(LlamaConfig)
-                    if getattr(given, f.name) != getattr(cfg, f.name)}
-            if diff:
-                raise LatticeConfigError(f"config disagrees with the HF model's config on {diff} (given, model); "
-                                         f"only dropout may differ: leave config=None or fix those fields")
-        return cfg
+        return self.with_given(cfg, given)
 
     def config_to_hf(self, cfg):
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_scaling is None else \
@@ -210,7 +201,7 @@ LLAMA_HF = LlamaHF()
 
 
 @register
-class Llama(Model):
+class Llama(DecoderLM):
     """A Llama-architecture decoder holding only this rank's shards. Parameter names are the
     serial model's."""
 
@@ -232,24 +223,8 @@ class Llama(Model):
         self.ln_f = mode.norm("rms", eps=cfg.norm_eps, bias=False)
         self.head = mode.lm_head(self.embed)
 
-    def embed_tokens(self, tokens, start=0):
-        return self.drop(self.embed(tokens, start))
-
-    def finish(self, x):
-        return self.ln_f(x)
-
-    def head_loss(self, x, targets):
-        return self.head.loss(x, targets)
-
-    def head_logits(self, x):
-        return self.head.logits(x)
-
     def init_std(self, name):
         return self.cfg.init_std  # transformers' LlamaPreTrainedModel: one std for every matrix
-
-    def parts(self):
-        return Parts(first=("embed", "drop"), blocks="blocks", last=("ln_f", "head"),
-                     shared=("embed.wte",) if self.cfg.tie_embeddings else ())
 
     def cost_layout(self, b):
         cfg = self.cfg
