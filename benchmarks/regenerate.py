@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import lattice  # noqa: E402
 from lattice import bench, cost  # noqa: E402
+from lattice.bench import report  # noqa: E402
 
 RESULTS = HERE / "results"
 SINGLE = ["--model", "small", "--vocab-size", "2048", "--batch", "8", "--steps", "10", "--warmup", "2", "--calibrate"]
@@ -132,7 +133,7 @@ def table1_rows(tables: dict) -> list[str]:
 
 def render(single: dict, sweeps: dict, tables: dict) -> str:
     m = sweeps["machine"]
-    errors = bench.prediction_errors(sweeps["strong"] + sweeps["weak"])
+    errors = report.prediction_errors(sweeps["strong"] + sweeps["weak"])
     lines = [
         "## Benchmarks: lattice against the papers' analysis and against PyTorch's tensor parallelism", "",
         "Regenerate everything below (results, plots and this section) with one command, about 10 minutes "
@@ -154,7 +155,7 @@ def render(single: dict, sweeps: dict, tables: dict) -> str:
                   f"{cfg['n_heads']} heads, {cfg['n_layers']} layers, vocabulary {cfg['vocab_size']}, batch "
                   f"{res['batch']} x {cfg['seq_len']}:", ""]
         lines += single_table(res)
-        ratio = bench._peer_ratio(res)
+        ratio = report.peer_ratio(res)
         if ratio is not None:
             by = {r["label"]: r for r in res["rows"]}
             fb = (by["1d"]["forward_s"] + by["1d"]["backward_s"]) / (by["dtensor"]["forward_s"] + by["dtensor"]["backward_s"])

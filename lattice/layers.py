@@ -197,3 +197,11 @@ def pool_pieces(piece: torch.Tensor | None, rows: slice, cols: slice, batch: int
     pooled tensor), each piece taking its own region of the gradient."""
     full = F.pad(piece, (cols.start, width - cols.stop, rows.start, batch - rows.stop))
     return comm.all_reduce(full, group)
+
+
+def idle_output(x: torch.Tensor, feature_shape: tuple[int, ...]) -> torch.Tensor:
+    """What a layer returns on a rank that holds none of its parameters (the idle ranks of
+    subgraph's D&SP-cSub): an empty (0, T, *features) tensor computed from x, so that it stays in
+    the autograd graph and the backward collectives of other layers run on this rank too."""
+    lead = x[..., :1].reshape(*x.shape[:-1], *([1] * len(feature_shape)))
+    return (lead.expand(*x.shape[:-1], *feature_shape) * 0.0).to(compute_dtype(x))

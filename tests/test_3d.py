@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import lattice
 from lattice import LatticeConfigError
-from lattice.bench import saved_activation_bytes
+from lattice.bench.measure import saved_activation_bytes
 from numerics import random_batch as _batch
 from multiproc import cached_init, run_distributed
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import lattice
 from lattice import bench, cost
+from lattice.bench import measure, peers
 from multiproc import run_distributed
 
 CFG = dict(vocab_size=96, seq_len=16, d_model=24, n_heads=6, n_layers=2)
@@ -26,7 +27,7 @@ def test_peer_is_lattices_serial_model_in_plain_pytorch():
     wrong slice of the stacked qkv, an untied head): float64 logits must equal lattice's."""
     cfg = lattice.GPTConfig(**CFG)
     ref = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
-    peer = bench.PeerGPT(cfg).double()
+    peer = peers.PeerGPT(cfg).double()
     peer.load_lattice(ref.full_state_dict())
     tokens, _ = _batch(cfg)
     torch.testing.assert_close(peer(tokens), ref(tokens), rtol=1e-12, atol=1e-12)
@@ -42,13 +43,13 @@ def _peer_on_ranks():
     ref_loss.backward()
     from torch.distributed.device_mesh import init_device_mesh
 
-    peer = bench.PeerGPT(cfg)
+    peer = peers.PeerGPT(cfg)
     peer.load_lattice(sd)
-    bench.parallelize_peer(peer, init_device_mesh("cpu", (dist.get_world_size(),)))
+    peers.parallelize_peer(peer, init_device_mesh("cpu", (dist.get_world_size(),)))
     meter = lattice.CommMeter()
-    with meter, bench.DTensorComm(meter):
-        loss = bench.peer_loss(peer, tokens, targets)
-        bench.peer_backward(loss)
+    with meter, peers.DTensorComm(meter):
+        loss = peers.peer_loss(peer, tokens, targets)
+        peers.peer_backward(loss)
     torch.testing.assert_close(loss.full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(peer.wte.weight.grad.full_tensor(), ref.embed.wte.grad, rtol=1e-4, atol=1e-6)
     model = cost.estimate(cfg, "1d", batch=4, tp=dist.get_world_size())
@@ -73,12 +74,12 @@ def _llama_peer_on_ranks():
     tokens, targets = _batch(cfg)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
-    peer = bench.parallelize_peer_llama(bench.PeerLlama(cfg, ref.full_state_dict()),
+    peer = peers.parallelize_peer_llama(peers.PeerLlama(cfg, ref.full_state_dict()),
                                         init_device_mesh("cpu", (dist.get_world_size(),)))
     meter = lattice.CommMeter()
-    with meter, bench.DTensorComm(meter):
-        loss = bench.peer_loss(peer, tokens, targets)
-        bench.peer_backward(loss)
+    with meter, peers.DTensorComm(meter):
+        loss = peers.peer_loss(peer, tokens, targets)
+        peers.peer_backward(loss)
     torch.testing.assert_close(loss.full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     grad = peer.hf.model.layers[0].self_attn.k_proj.weight.grad.full_tensor()
     torch.testing.assert_close(grad.t(), ref.blocks[0].attn.qkv.k.weight.grad, rtol=1e-4, atol=1e-6)
@@ -106,23 +107,23 @@ def test_saved_activation_bytes_counts_each_storage_once_and_no_parameters():
         z = torch.relu(y)  # saves its output, 4 x 16
         return (z * x.t().sum()).sum()  # mul saves z and a fresh scalar
 
-    assert bench.saved_activation_bytes(lin, run) == 4 * (4 * 8 + 4 * 16 + 1)
+    assert measure.saved_activation_bytes(lin, run) == 4 * (4 * 8 + 4 * 16 + 1)
 
 
 def test_mode_selection_names_why_a_mode_does_not_fit():
     """Catches the bench trying a layout that cannot run (it would fail mid-benchmark) or skipping
     one silently."""
     cfg = lattice.GPTConfig(**CFG)
-    runs, skipped = bench.applicable(cfg, 4, 2, None)
+    runs, skipped = measure.applicable(cfg, 4, 2, None)
     assert ("1d", "1d", {}) in runs and ("dtensor", "dtensor", {}) in runs
     assert any(label == "2d" and "square" in why for label, why in skipped)
     odd_vocab = lattice.GPTConfig(**{**CFG, "vocab_size": 97})  # 1d pads it, the peer cannot
-    runs, skipped = bench.applicable(odd_vocab, 4, 3, ["1d", "dtensor"])
+    runs, skipped = measure.applicable(odd_vocab, 4, 3, ["1d", "dtensor"])
     assert [r[0] for r in runs] == ["1d"]
     assert skipped == [("dtensor", "vocab_size = 97 is not divisible by p = 3")]
-    runs, skipped = bench.applicable(cfg, 4, 4, ["1d"])
+    runs, skipped = measure.applicable(cfg, 4, 4, ["1d"])
     assert runs == [] and "n_heads = 6" in skipped[0][1]
-    assert bench.applicable(cfg, 4, 1, None) == ([("serial", "serial", {})], [])
+    assert measure.applicable(cfg, 4, 1, None) == ([("serial", "serial", {})], [])
 
 
 def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import lattice
 import probe_family  # noqa: F401  (registers the family "probe")
 from lattice import LatticeConfigError, MeshAxis, checkpoint
-from lattice.bench import saved_activation_bytes
+from lattice.bench.measure import saved_activation_bytes
 from lattice.models import get_arch
 from lattice.modes import REFERENCE_MODE, get_mode
 from multiproc import cached_init, run_distributed

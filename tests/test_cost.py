@@ -135,7 +135,7 @@ def _measure(mode, n, options, ckpt):
     tokens, targets = (torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen) for _ in range(2))
     with lattice.CommMeter() as meter:
         model.forward_backward(tokens, targets)
-    from lattice.bench import saved_activation_bytes
+    from lattice.bench.measure import saved_activation_bytes
 
     saved = saved_activation_bytes(model, lambda: model(tokens, targets))
     c = cost.estimate(cfg, mode, batch=4, tp=n, rank=ctx.rank, activation_checkpointing=ckpt, **options)
@@ -150,7 +150,7 @@ def test_saved_activations_equal_the_model_and_2d_3d_are_a_pth_of_serial():
     model = lattice.GPT(cfg, lattice.plan("serial"))
     gen = torch.Generator().manual_seed(3)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen) for _ in range(2))
-    from lattice.bench import saved_activation_bytes
+    from lattice.bench.measure import saved_activation_bytes
 
     serial = saved_activation_bytes(model, lambda: model(tokens, targets))
     assert serial == pytest.approx(cost.estimate(cfg, "serial", batch=4).memory["activations"], rel=0.02)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from lattice.models.base import Model, ModelConfig, Parts, register
+from lattice.models import Model, ModelConfig, Parts, register
 from lattice.models.components import MLP, SelfAttention
 
 

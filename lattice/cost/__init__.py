@@ -1,12 +1,13 @@
-"""The analytic cost model: lattice.cost.model (one step of any family in any layout), .pipeline
+"""The analytic cost model: lattice.cost.model (one step of any family in any layout), .machine
+(collective algorithms and the α-β-F machine), .calibrate (that machine fitted here), .pipeline
 (point-to-point traffic, in-flight micro-batches, tp x pp projections), .tables (the papers'
 tables) and .plan (`lattice plan`)."""
 
-from lattice.cost.model import (DDP_BUCKET_BYTES, PAPER_CLUSTER, Cost, CostBuilder, Machine, Term, estimate,
-                                message_steps, product, wire_factor)
+from lattice.cost.machine import PAPER_CLUSTER, Machine, Term, message_steps, wire_factor
+from lattice.cost.model import DDP_BUCKET_BYTES, Cost, CostBuilder, estimate
 from lattice.cost.pipeline import in_flight, p2p_elements, p2p_piece, pipeline_projection, stage_sends
 from lattice.cost.tables import count_messages, layer_table, optimus_table1, super_messages
 
 __all__ = ["DDP_BUCKET_BYTES", "PAPER_CLUSTER", "Cost", "CostBuilder", "Machine", "Term", "count_messages", "estimate",
            "in_flight", "layer_table", "message_steps", "optimus_table1", "p2p_elements", "p2p_piece",
-           "pipeline_projection", "product", "stage_sends", "super_messages", "wire_factor"]
+           "pipeline_projection", "stage_sends", "super_messages", "wire_factor"]

@@ -25,6 +25,7 @@ forward of every layer under activation checkpointing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,110 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lattice.context import MeshAxis, Topology
+from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
+from lattice.cost.stages import pipeline_terms
 from lattice.layout import plan
 from lattice.models import build_model
 from lattice.sharding import grad_sum_buckets
 
 DP = MeshAxis.DP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
-
-
-@dataclass(frozen=True)
-class Term:
-    """`calls` collectives of one kind at one site of the model, per rank, moving `elements` in all."""
-
-    phase: str  # "forward" | "backward"
-    op: str  # CommMeter op name
-    axes: tuple[MeshAxis, ...]  # the group: ranks that differ only along these mesh axes
-    calls: float
-    elements: float
-    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | head | loss | grads | pipeline
-    itemsize: int = 4
-    ranks: int | None = None  # the group's size where it is not the product of `axes` (a first + last stage pair)
-
-    @property
-    def bytes(self) -> float:
-        return self.elements * self.itemsize
-
-
-# ----------------------------------------------------------------------------- collective algorithms
-
-
-def wire_factor(op: str, n: int) -> float:
-    """Per-rank words on the wire per element of the CommMeter buffer: ring algorithms for
-    all-reduce (Optimus Eq. 5), all-gather, reduce-scatter and all-to-all; a binomial tree for
-    broadcast and reduce (Optimus Eq. 4); scatter and gather move every rank's piece of the
-    group's buffer through the root ((n - 1)/n of it); a point-to-point send moves its tensor."""
-    if op == "send":
-        return 1.0
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce"):
-        return math.log2(n)
-    raise ValueError(f"unknown collective {op!r}")
-
-
-def message_steps(op: str, n: int) -> int:
-    """Sequential point-to-point steps (latency terms α) of one call under the same algorithms."""
-    if op == "send":
-        return 1
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1)
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
-        return n - 1
-    if op in ("broadcast", "reduce"):
-        return math.ceil(math.log2(n))
-    raise ValueError(f"unknown collective {op!r}")
-
-
-def _algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
-    """(latency steps, wire words per element) of one call. A pipelined broadcast / reduce (NCCL's
-    ring) moves each element once per rank, over n - 1 steps, instead of a tree's log2 n times."""
-    if pipelined and op in ("broadcast", "reduce") and n > 1:
-        return n - 1, 1.0
-    return message_steps(op, n), wire_factor(op, n)
-
-
-@dataclass(frozen=True)
-class Machine:
-    """α-β-F machine: latency α (s per message) and inverse bandwidth β (s per byte) inside a node
-    and between nodes, and per rank: the matrix-product rate F (FLOP/s), the rate of elementwise
-    operators (LayerNorm, GELU, bias and residual adds, softmax: elements/s), of causal attention
-    (score elements B·n·T² per second, forward), and the optimizer update's cost per parameter
-    tensor (s) and memory bandwidth (bytes/s). Backward runs at the same rates (twice the work)."""
-
-    name: str
-    flop_rate: float
-    alpha_intra: float
-    beta_intra: float
-    alpha_inter: float
-    beta_inter: float
-    ranks_per_node: int
-    elem_rate: float = 1e9
-    attn_rate: float = 1e9
-    update_per_tensor: float = 0.0
-    mem_bandwidth: float = 10e9
-    pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
-
-    def describe(self) -> str:
-        return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "
-                f"G elements/s, attention {self.attn_rate / 1e9:.3g} G scores/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
-                f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "
-                f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
-                f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "
-                f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce")
-
-
-# A GPU cluster like the papers' (4 GPUs per node: Frontera RTX, Longhorn V100), for projections.
-PAPER_CLUSTER = Machine("4-GPU nodes, InfiniBand EDR", flop_rate=30e12, alpha_intra=10e-6,
-                        beta_intra=1 / 40e9, alpha_inter=20e-6, beta_inter=1 / 10e9, ranks_per_node=4,
-                        elem_rate=60e9, attn_rate=60e9, update_per_tensor=10e-6, mem_bandwidth=700e9, pipelined_broadcast=True)
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -208,7 +113,7 @@ class Cost:
         for rank in range(topo.world_size):
             coords = topo.coords(rank)
             nodes = {topo.node_of(topo.rank_at({**coords, **dict(zip(axes, ks))}))
-                     for ks in product([topo.size(a) for a in axes])}
+                     for ks in itertools.product(*(range(topo.size(a)) for a in axes))}
             if len(nodes) > 1:
                 return True
         return False
@@ -221,7 +126,7 @@ class Cost:
                 span[t.axes] = self.spans_nodes(t.axes)
             alpha, beta = ((machine.alpha_inter, machine.beta_inter) if span[t.axes]
                            else (machine.alpha_intra, machine.beta_intra))
-            steps, words = _algorithm(t.op, n, machine.pipelined_broadcast)
+            steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
             total += t.calls * steps * alpha + t.bytes * words * beta
         return total
 
@@ -245,27 +150,6 @@ class Cost:
                          + 7 * self.memory["parameters"] / machine.mem_bandwidth)
         out["step"] = out["forward"] + out["backward"] + out["update"]
         return out
-
-
-def product(sizes):
-    """Every coordinate tuple of a grid of `sizes`, row-major."""
-    if not sizes:
-        yield ()
-        return
-    for k in range(sizes[0]):
-        for rest in product(sizes[1:]):
-            yield (k,) + rest
-
-
-def stage_sends(pcfg, stage: int, piece: float) -> dict[str, float]:
-    """Elements one rank of `stage` sends point-to-point in one step: forward, each micro-batch's
-    piece out of every chunk it holds but the last; backward, the same gradient out of every
-    chunk but the first."""
-    n = pcfg.stages * pcfg.v
-    mine = range(stage, n, pcfg.stages)
-    return {"forward": pcfg.m * piece * sum(1 for k in mine if k < n - 1),
-            "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
-
 
 
 def estimate(cfg, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1, pp: int = 1,
@@ -484,7 +368,7 @@ class CostBuilder:
         c.param_tensors = len(params)
         self._gradient_sums()
         if c.pipeline is not None:
-            self._pipeline_terms()
+            pipeline_terms(self)
         if self.topo.size(DP) > 1:  # data-parallel gradient averaging, bucketed as DDP does
             grads = c.memory["parameters"] / c.itemsize
             self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
@@ -500,38 +384,6 @@ class CostBuilder:
         for axes, names in grad_sum_buckets(self.model):
             if self.c.group_size(axes) > 1:
                 self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
-
-    def _pipeline_terms(self):
-        """What the pipeline adds to a stage's tensor terms: the residual sent point-to-point
-        (`stage_sends`), its all-gather on arrival under the scatter/gather optimisation (and in
-        backward on the sending side), the gradients of shared parameters summed between the
-        first and the last stage, and the loss broadcast from the last stage."""
-        c, pcfg, PP = self.c, self.c.pipeline, MeshAxis.PP
-        piece, tensor_axes = self.residual, self.topo.tensor_axes
-        scatter = pcfg.scatter_gather and self.mode.residual_replicated and self.p > 1
-        sent = stage_sends(pcfg, c.stage, piece / self.p if scatter else piece)
-        n = pcfg.stages * pcfg.v
-        mine = range(c.stage, n, pcfg.stages)
-        calls = {"forward": pcfg.m * sum(1 for k in mine if k < n - 1), "backward": pcfg.m * sum(1 for k in mine if k > 0)}
-        for phase in ("forward", "backward"):
-            if calls[phase]:
-                self.c.terms.append(Term(phase, "send", (PP,), calls[phase], sent[phase], "pipeline", c.itemsize))
-        if scatter:
-            received = pcfg.m * sum(1 for k in mine if k > 0)
-            if received:
-                self.c.terms.append(Term("forward", "all_gather", tensor_axes, received, received * piece, "pipeline",
-                                         c.itemsize))
-            if calls["forward"]:
-                self.c.terms.append(Term("backward", "all_gather", tensor_axes, calls["forward"],
-                                         calls["forward"] * piece, "pipeline", c.itemsize))
-        shared = self.model.parts_.shared
-        if shared and (self.first or self.last) and not (self.first and self.last):
-            params = dict(self.model.named_parameters())
-            for name in shared:
-                if name in params:  # over the pp group (two stages) or the first and last stage's pair
-                    self.c.terms.append(Term("backward", "all_reduce", (PP,), 1, params[name].numel(), "grads",
-                                             c.itemsize, ranks=2))
-        self.c.terms.append(Term("forward", "broadcast", (PP,), 1, 1, "loss", max(4, c.itemsize)))
 
     def _totals(self):
         """Forward and backward work: backward is twice the forward, plus one forward of every

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from lattice.context import LatticeConfigError
-from lattice.cost.model import Machine, estimate, stage_sends
+from lattice.cost.machine import Machine
+from lattice.cost.model import estimate
+from lattice.cost.stages import stage_sends
 from lattice.layout import plan
 from lattice.modes import get_mode
 from lattice.pipeline import PipelineConfig

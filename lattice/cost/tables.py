@@ -3,8 +3,10 @@ every mode, and SUPER's message counts (Eq. 3-7) against counting on the layouts
 
 from __future__ import annotations
 
+import itertools
+
 from lattice.context import LatticeConfigError, Topology
-from lattice.cost.model import estimate, product
+from lattice.cost.model import estimate
 from lattice.models.gpt2 import GPTConfig
 from lattice.modes import available_modes, get_mode, parallel_modes
 
@@ -63,7 +65,7 @@ def count_messages(topo: Topology, axes) -> tuple[int, int]:
     intra = inter = 0
     for rank in range(topo.world_size):
         coords = topo.coords(rank)
-        for ks in product([topo.size(a) for a in axes]):
+        for ks in itertools.product(*(range(topo.size(a)) for a in axes)):
             other = topo.rank_at({**coords, **dict(zip(axes, ks))})
             if topo.node_of(other) == topo.node_of(rank):
                 intra += 1

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lattice.context import LatticeConfigError
-from lattice.models.base import (DEFAULT_ARCH, DecoderLM, Model, ModelConfig, Parts, arch_of_config, available_archs,
-                                 build_model, get_arch, register)
+from lattice.models.base import DecoderLM, Model, ModelConfig, Parts
+from lattice.models.registry import DEFAULT_ARCH, arch_of_config, available_archs, build_model, get_arch, register
 
 
 def arch_of_hf(model_type: str) -> type[Model]:

@@ -1,7 +1,7 @@
-"""What every model family shares, and the registry of families.
+"""What every model family shares (the registry of families is lattice.models.registry).
 
 A family is one module in this package (gpt2.py, ...) defining a `Model` subclass (a
-`DecoderLM` when it is laid out as GPT-2 and Llama are), registered with `register`, that
+`DecoderLM` when it is laid out as GPT-2 and Llama are), registered with `lattice.models.register`, that
 declares, as class attributes:
 
 | declaration     | what it is                                                   | read by                 |
@@ -22,12 +22,9 @@ generation, HuggingFace import/export -- is written once for every family.
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import zlib
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -36,11 +33,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lattice.context import LatticeConfigError, ParallelContext
 from lattice.models.components import DropoutSeeds
+from lattice.models.registry import build_model
 from lattice.modes import get_mode
 from lattice.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
-
-DEFAULT_ARCH = "gpt2"
-
 
 # ----------------------------------------------------------------------------- configs
 class ModelConfig:
@@ -75,60 +70,6 @@ class ModelConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LatticeConfigError(f"{type(self).__name__}.{f} must be a positive integer, got {value!r}")
-
-
-# ----------------------------------------------------------------------------- registry
-_FAMILIES: dict[str, type["Model"]] = {}
-
-
-def register(cls: type["Model"]) -> type["Model"]:
-    _FAMILIES[cls.name] = cls
-    return cls
-
-
-def _load_builtin() -> None:
-    # every module of this package but the shared ones defines and registers one family
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if info.name not in ("base", "components"):
-            importlib.import_module(f"lattice.models.{info.name}")
-
-
-def available_archs() -> list[str]:
-    """Registered family names, sorted."""
-    _load_builtin()
-    return sorted(_FAMILIES)
-
-
-def get_arch(name: str) -> type["Model"]:
-    _load_builtin()
-    if name not in _FAMILIES:
-        raise LatticeConfigError(f"unknown architecture {name!r}; available: {', '.join(available_archs())}")
-    return _FAMILIES[name]
-
-
-def arch_of_config(cfg) -> type["Model"]:
-    """The family whose config class `cfg` is."""
-    _load_builtin()
-    for family in _FAMILIES.values():
-        if type(cfg) is family.config_class:
-            return family
-    raise LatticeConfigError(f"{type(cfg).__name__} is not the config of a registered family "
-                             f"({', '.join(available_archs())})")
-
-
-def build_model(cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
-                activation_checkpointing: bool = False) -> nn.Module:
-    """The model `cfg` describes, holding this rank's shards under ctx's layout: the family's
-    model, or with pipeline stages in ctx (pp > 1) this rank's stages of it
-    (`lattice.pipeline.PipelineModel`). Every method a training loop or a user calls --
-    `model(tokens, targets)`, `forward_backward`, `full_grad_dict`, `load_full_state_dict`,
-    `full_state_dict`, `to_hf_state_dict` -- means the same on both."""
-    family = arch_of_config(cfg)
-    if ctx.pipeline is None:
-        return family(cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
-    from lattice.pipeline import PipelineModel
-
-    return PipelineModel(family, cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
 
 
 # ----------------------------------------------------------------------------- the model

@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from lattice.context import LatticeConfigError
 from lattice.hf import HFMapping, HFTensor, transformers_module
-from lattice.models.base import DecoderLM, ModelConfig, register
+from lattice.models.base import DecoderLM, ModelConfig
+from lattice.models.registry import register
 from lattice.models.components import MLP, SelfAttention, residual_dropout
 
 

@@ -37,7 +37,8 @@ import torch.nn as nn
 
 from lattice.context import LatticeConfigError
 from lattice.hf import HFMapping, HFTensor, transformers_module
-from lattice.models.base import DecoderLM, ModelConfig, register
+from lattice.models.base import DecoderLM, ModelConfig
+from lattice.models.registry import register
 from lattice.models.components import MLP, Rotary, SelfAttention, residual_dropout
 
 # Llama 3.1+'s rope scaling (the 8B/70B of 3.1, all of 3.2), as their config.json spells it

@@ -43,6 +43,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
@@ -97,7 +98,10 @@ class _Linear3D(torch.autograd.Function):
         ctx.groups, ctx.transpose_w, ctx.overlap = (gx, gw, gy), transpose_w, overlap
         ctx.save_for_backward(x, *ws)
         w = torch.cat(ws, dim=-1) if len(ws) > 1 else ws[0]
-        X, W = _gather_both(x, gx, w, gw, overlap)
+        W, work = comm.start_all_gather(w, gw) if overlap else (comm.raw_all_gather(w, gw, 0), None)
+        X = comm.raw_all_gather(x, gx, 0)  # while W's gather runs, with overlap
+        if work is not None:
+            work.wait()
         return comm.raw_reduce_scatter(X @ (W.t() if transpose_w else W), gy, 0)
 
     @staticmethod
@@ -117,17 +121,6 @@ class _Linear3D(torch.autograd.Function):
         return dx, None, None, None, None, None, *dw.split([w.shape[-1] for w in ws], dim=-1)
 
 
-def _gather_both(x, gx, w, gw, overlap):
-    """X along gx and W along gw; with overlap the weight's gather runs while the input's does."""
-    if not overlap:
-        return comm.raw_all_gather(x, gx, 0), comm.raw_all_gather(w, gw, 0)
-    W, work = comm.start_all_gather(w, gw)
-    X = comm.raw_all_gather(x, gx, 0)
-    if work is not None:
-        work.wait()
-    return X, W
-
-
 def linear_3d(x2d, w2d, gx, gw, gy, transpose_w=False, overlap=True):
     """y = x W on the cube (see _Linear3D); `w2d` a tensor or a tuple of column segments."""
     x, ws = _autocast_pair(x2d, w2d if isinstance(w2d, tuple) else (w2d,))
@@ -137,13 +130,9 @@ def linear_3d(x2d, w2d, gx, gw, gy, transpose_w=False, overlap=True):
 def hosted(param, shape, cube: Cube, plane, dtype, device) -> torch.Tensor:
     """A vector block stored once per plane (on its member with both plane coordinates 0) on every
     rank of the plane. Forward: broadcast; backward: the plane's gradients reduced to the holder."""
-    root = cube.plane_root(plane)
-    group = cube.group(*plane)
-    if param is not None:
-        src = param.to(dtype)
-    else:  # a receive buffer that requires grad, so that the backward reduce runs here too
-        src = torch.empty(shape, dtype=dtype, device=device).requires_grad_()
-    return comm.broadcast(src, group, root)
+    # without the parameter: a receive buffer that requires grad, so that the backward reduce runs here too
+    src = param.to(dtype) if param is not None else torch.empty(shape, dtype=dtype, device=device).requires_grad_()
+    return comm.broadcast(src, cube.group(*plane), cube.plane_root(plane))
 
 
 # plane over which a vector indexed by a feature block along `axis` is broadcast, and its holders
@@ -297,18 +286,13 @@ class LMHead(TiedHead):
         return comm.all_reduce(per_token.sum() / (B * T), c.group(CI, CL))
 
     def logits(self, x):
-        """Full (B, T, V) logits on every rank (gathered: for inference and debugging only)."""
-        c, q = self.cube, self.q
-        b, T = x.shape[0], x.shape[1]
+        """Full (B, T, V) logits on every rank (inference only): the vocabulary gathered along j,
+        then each rank's batch piece (i, l) placed in zeros and summed over the (i, l) plane."""
+        c, q, b = self.cube, self.q, x.shape[0]
         local = comm.all_gather(self._local_logits(x), c.group(CJ), 1)[:, : self.vocab_size]  # (b·T, V)
-        topo = c.ctx.topology
-        everyone = comm.raw_all_gather(local.contiguous(), c.group(CI, CL), 0).view(-1, b, T, self.vocab_size)
-        full = everyone.new_empty(q * q * b, T, self.vocab_size)
-        for k, rank in enumerate(topo.group_members((CI, CL), c.ctx.rank)):
-            coords = topo.coords(rank)
-            piece = coords[CI] * q + coords[CL]
-            full[piece * b:(piece + 1) * b] = everyone[k]
-        return full
+        piece = c.i * q + c.l
+        full = F.pad(local.view(b, x.shape[1], -1), (0, 0, 0, 0, piece * b, (q * q - 1 - piece) * b))
+        return comm.raw_all_reduce(full, c.group(CI, CL))
 
 
 @register

@@ -35,9 +35,8 @@ attention itself, entered by a slice and left by a concatenation. `slice_collect
 replaces the slice's all-to-all (scatter) with an all-gather (broadcast) whose unneeded part is
 discarded, and the concatenation's with an all-gather, as the paper does on NCCL.
 
-Gradients: branch weights are summed over the members of their sub-grid, common parameters
-over every rank that runs them (both declared as ShardSpec.grad_sum and applied by
-GPT.sync_grads), and across data-parallel replicas by the Trainer.
+Gradients: branch weights are summed over their sub-grid's members, common parameters over the
+ranks that run them (ShardSpec.grad_sum, applied by Model.sync_grads).
 
 Placement "topology" (§V, Fig. 11) deals each sub-grid's ranks round-robin over the nodes, so
 the g ranks of one cross-sub-grid group are consecutive and share a node when g divides the
@@ -53,21 +52,13 @@ import torch.nn.functional as F
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import (TiedHead, compute_dtype, linear_params, local_linear, pool_pieces, register_linear,
+from lattice.layers import (TiedHead, idle_output, linear_params, local_linear, pool_pieces, register_linear,
                             register_weight_and_bias, split_segments)
-from lattice.modes import register
+from lattice.modes import register, serial
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
-from lattice.modes import serial
 from lattice.sharding import ShardSpec
 
 SUB, MEM = MeshAxis.SUBGRID, MeshAxis.MEMBER
-
-
-def round_robin_grid(dp: int, g: int, n_g: int) -> tuple[int, ...]:
-    """SUPER Fig. 11: global rank at each (dp, subgrid k, member m) = d·p + m·g + k, i.e. each
-    sub-grid's ranks dealt round-robin over the nodes and one cross-sub-grid group consecutive."""
-    p = g * n_g
-    return tuple(d * p + m * g + k for d in range(dp) for k in range(g) for m in range(n_g))
 
 
 class Segments:
@@ -110,13 +101,13 @@ class Segments:
         B/n_g sequences."""
         if self.common_all:  # rows m·g+k of every k, concatenated in k order: B/n_g rows
             return comm.all_gather(x, self.cross, 0)
-        return _SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
+        return comm.SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
 
     def sum(self, y: torch.Tensor) -> torch.Tensor:
         """Add the branches' partial outputs and return each common rank its rows."""
         if self.common_all:
             return comm.reduce_scatter(y, self.cross, 0)
-        return _SegmentedReduce.apply(y, self.cross)
+        return comm.SegmentedReduce.apply(y, self.cross)
 
     # ---- slice and concat: heads leave / join the last dim
     def slice(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +119,9 @@ class Segments:
             full = comm.all_gather(x, self.cross, 0)
         elif not self.by_all_gather:
             shape = (self.branch_rows(self.batch),) + tuple(x.shape[1:-1]) + (width,)
-            return _SegmentedScatter.apply(x, shape, self.cross)
+            return comm.SegmentedScatter.apply(x, shape, self.cross)
         else:
-            full = _SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
+            full = comm.SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
         return full.narrow(-1, self.k * width, width)
 
     def concat(self, y: torch.Tensor) -> torch.Tensor:
@@ -138,7 +129,7 @@ class Segments:
         if self.common_all and not self.by_all_gather:
             return comm.all_to_all(y, self.cross, 0, -1)
         if not self.common_all and not self.by_all_gather:
-            return _SegmentedGather.apply(y, self.cross)
+            return comm.SegmentedGather.apply(y, self.cross)
         full = comm.all_gather(y, self.cross, y.dim() - 1)  # (B/n_g, T, h) on every rank
         if self.common_all:
             rows = y.shape[0] // self.g
@@ -146,89 +137,7 @@ class Segments:
         return full if self.k == 0 else full[:0]
 
 
-# ----------------------------------------------------------------------------- D&SP-cSub boundaries
-# Sub-grid 0 (group rank 0 of each cross group) holds the common activations; the other ranks
-# pass and receive empty (0, ...) tensors there. Inputs of idle ranks require grad so that the
-# backward collective runs on every rank.
-
-
-class _SegmentedBroadcast(torch.autograd.Function):
-    """Forward: Y = X_0 on every rank of the group (broadcast). Backward: dX_0 = Σ_ranks dY
-    (reduce to rank 0); the others' (empty) inputs get empty gradients."""
-
-    @staticmethod
-    def forward(ctx, x, shape, group):
-        ctx.group, ctx.empty = group, x.shape
-        out = x.clone() if comm.group_rank(group) == 0 else x.new_empty(shape)
-        return comm.raw_broadcast(out, group, 0)
-
-    @staticmethod
-    def backward(ctx, dy):
-        total = comm.raw_reduce(dy.clone(), ctx.group, 0)
-        return (total if comm.group_rank(ctx.group) == 0 else dy.new_zeros(ctx.empty)), None, None
-
-
-class _SegmentedReduce(torch.autograd.Function):
-    """Forward: Y_0 = Σ_ranks X on rank 0 (reduce); the others return empty. Backward: dX = dY_0
-    on every rank (broadcast)."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group, ctx.shape = group, y.shape
-        total = comm.raw_reduce(y.clone(), group, 0)
-        return total if comm.group_rank(group) == 0 else total[:0].clone()
-
-    @staticmethod
-    def backward(ctx, dy):
-        grad = dy.contiguous() if comm.group_rank(ctx.group) == 0 else dy.new_empty(ctx.shape)
-        return comm.raw_broadcast(grad, ctx.group, 0), None
-
-
-class _SegmentedScatter(torch.autograd.Function):
-    """Forward: rank 0's X cut along the last dim, piece k to rank k (scatter). Backward: the
-    pieces of dY gathered back to rank 0 (gather)."""
-
-    @staticmethod
-    def forward(ctx, x, shape, group):
-        ctx.group, ctx.empty = group, x.shape
-        n = comm.group_size(group)
-        chunks = list(x.chunk(n, dim=-1)) if comm.group_rank(group) == 0 else None
-        return comm.raw_scatter(chunks, x.new_empty(shape), group, 0)
-
-    @staticmethod
-    def backward(ctx, dy):
-        parts = comm.raw_gather(dy, ctx.group, 0)
-        return (torch.cat(parts, dim=-1) if parts is not None else dy.new_zeros(ctx.empty)), None, None
-
-
-class _SegmentedGather(torch.autograd.Function):
-    """Forward: every rank's Y joined along the last dim on rank 0 (gather); the others return
-    empty. Backward: rank 0's dY cut along the last dim, piece k to rank k (scatter)."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group, ctx.shape = group, y.shape
-        parts = comm.raw_gather(y, group, 0)
-        if parts is None:
-            return y.new_empty((0,) + tuple(y.shape[1:-1]) + (y.shape[-1] * comm.group_size(group),))
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, dy):
-        n = comm.group_size(ctx.group)
-        chunks = list(dy.chunk(n, dim=-1)) if comm.group_rank(ctx.group) == 0 else None
-        return comm.raw_scatter(chunks, dy.new_empty(ctx.shape), ctx.group, 0), None
-
-
 # ----------------------------------------------------------------------------- common layers
-
-
-def _idle_output(x: torch.Tensor, feature_shape: tuple[int, ...]) -> torch.Tensor:
-    """What a common layer returns on an idle rank of D&SP-cSub: an empty (0, T, *features)
-    tensor computed from x, so that it stays in the autograd graph and the backward collectives
-    of the branches run on this rank too."""
-    lead = x[..., :1].reshape(*x.shape[:-1], *([1] * len(feature_shape)))
-    return (lead.expand(*x.shape[:-1], *feature_shape) * 0.0).to(compute_dtype(x))
 
 
 class Embedding(serial.Embedding):
@@ -242,7 +151,7 @@ class Embedding(serial.Embedding):
 
     def forward(self, tokens, start: int = 0):
         rows = tokens[self.seg.common_rows(tokens.shape[0])]
-        if not self.seg.runs_common:  # idle: an empty residual that requires grad (see _idle_output)
+        if not self.seg.runs_common:  # idle: an empty residual that requires grad (see layers.idle_output)
             empty = self.idle_residual.new_zeros(0, tokens.shape[1], self.d_model)
             return empty.requires_grad_(torch.is_grad_enabled())
         return super().forward(rows, start)
@@ -269,8 +178,8 @@ class CommonLinear(serial.Linear):
         if self.seg.runs_common:
             return super().forward(x)
         if self.segment_names is None:
-            return _idle_output(x, self.out_shape)
-        return tuple(_idle_output(x, (w,)) for w in self.segment_widths)
+            return idle_output(x, self.out_shape)
+        return tuple(idle_output(x, (w,)) for w in self.segment_widths)
 
 
 class LMHead(TiedHead):
@@ -294,23 +203,12 @@ class LMHead(TiedHead):
         return comm.all_reduce(part, self.ctx.tensor_group())
 
     def logits(self, x):
-        """Full (B, T, V) logits on every rank, gathered over the replica (inference only): each
-        rank contributes its common rows, padded to the largest share."""
-        seg, topo = self.seg, self.ctx.topology
-        B = seg.batch
-        V = self.vocab_size
-        width = max(s.stop - s.start for s in (seg.common_rows(B, 0, 0), seg.common_rows(B, seg.g - 1, 0)))
-        local = torch.zeros(width, x.shape[1], V, dtype=x.dtype, device=x.device)
-        if seg.runs_common:
-            local[: x.shape[0]] = self._local_logits(x)
-        group = self.ctx.tensor_group()
-        everyone = comm.raw_all_gather(local, group, 0).view(-1, width, x.shape[1], V)
-        full = torch.zeros(B, x.shape[1], V, dtype=x.dtype, device=x.device)
-        for i, rank in enumerate(topo.group_members(topo.tensor_axes, self.ctx.rank)):
-            c = topo.coords(rank)
-            rows = seg.common_rows(B, c[SUB], c[MEM])
-            full[rows] = everyone[i, : rows.stop - rows.start]
-        return full
+        """Full (B, T, V) logits on every rank (inference only): each rank's common rows placed in
+        zeros and summed over the replica, whose ranks hold disjoint rows (idle ranks none)."""
+        B = self.seg.batch
+        rows = self.seg.common_rows(B)
+        local = self._local_logits(x) if self.seg.runs_common else x.new_zeros(0, x.shape[1], self.vocab_size)
+        return comm.raw_all_reduce(F.pad(local, (0, 0, 0, 0, rows.start, B - rows.stop)), self.ctx.tensor_group())
 
 
 # ----------------------------------------------------------------------------- branch layers
@@ -382,19 +280,15 @@ class SubGraph(Mode):
     residual_replicated = False
     options = {
         "subgrids": Option(2, "number of sub-grids g (the attention heads' branches)"),
-        "common": Option("all", "common layers on all ranks (D&SP) or on sub-grid 0 (D&SP-cSub)",
-                         choices=("all", "subgrid")),
-        "projections": Option("branch", "attention q/k/v/output projections owned by the branches "
-                                        "(split/sum boundaries) or common (slice/concat boundaries)",
-                              choices=("branch", "common")),
-        "slice_collective": Option("all_to_all", "slice/concat as all-to-all (scatter/gather) or "
-                                                 "as all-gather (broadcast) and discard",
-                                   choices=("all_to_all", "all_gather")),
+        "common": Option("all", "common layers on all ranks (D&SP) or on sub-grid 0 (D&SP-cSub)", choices=("all", "subgrid")),
+        "projections": Option("branch", "attention q/k/v/output projections owned by the branches (split/sum boundaries) "
+                                        "or common (slice/concat boundaries)", choices=("branch", "common")),
+        "slice_collective": Option("all_to_all", "slice/concat as all-to-all (scatter/gather) or as all-gather "
+                                                 "(broadcast) and discard", choices=("all_to_all", "all_gather")),
     }
     test_layouts = ({"tp": 4, "subgrids": 2}, {"tp": 4, "subgrids": 4, "common": "subgrid"},
                     {"tp": 4, "subgrids": 2, "common": "subgrid", "projections": "common"},
-                    {"tp": 4, "subgrids": 4, "projections": "common", "slice_collective": "all_gather"},
-                    {"tp": 2, "dp": 2, "subgrids": 2})
+                    {"tp": 4, "subgrids": 4, "projections": "common", "slice_collective": "all_gather"}, {"tp": 2, "dp": 2, "subgrids": 2})
 
     @classmethod
     def mesh_axes(cls, tp, options):
@@ -412,8 +306,10 @@ class SubGraph(Mode):
 
     @classmethod
     def rank_grid(cls, axes, ranks_per_node, placement, options):
+        """Global rank at (dp d, sub-grid k, member m) = d·p + m·g + k (placement, above)."""
         sizes = dict(axes)
-        return round_robin_grid(sizes.get(MeshAxis.DP, 1), sizes[SUB], sizes[MEM])
+        dp, g, n_g = sizes.get(MeshAxis.DP, 1), sizes[SUB], sizes[MEM]
+        return tuple(d * g * n_g + m * g + k for d in range(dp) for k in range(g) for m in range(n_g))
 
     def __init__(self, cfg, ctx):
         self.g, self.n_g = ctx.size(SUB), ctx.size(MEM)

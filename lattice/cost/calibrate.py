@@ -1,0 +1,99 @@
+"""Calibration of the cost model's machine (`lattice.cost.Machine`) on the machine at hand, by
+micro-benchmarks run in every rank of a gloo world at once; `lattice bench --calibrate` and the
+sweeps predict step times with it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lattice.cost.machine import Machine, message_steps, wire_factor
+
+
+def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
+    """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
+    micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
+    attention and elementwise operators (LayerNorm, GELU, bias add, cross-entropy), each forward and
+    backward at this world's per-rank sizes; α and β from collectives; AdamW's update."""
+    import numpy as np
+
+    p = dist.get_world_size()
+    h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
+
+    def timed(fn, n=reps):
+        fn()
+        out = []
+        for _ in range(n):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    def fwd_bwd(fn, *inputs):  # one forward and backward of fn; the work counts 1 + 2
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
+
+    # matrix products of the per-rank shapes a p-way split of one layer gives
+    shapes = [(M, h, max(1, 3 * h // p)), (M, max(1, h // p), h), (M, h, max(1, 4 * h // p)), (M, max(1, 4 * h // p), h)]
+    mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+    products = [fwd_bwd(torch.mm, a, b) for a, b in mats]
+    flop_rate = 3 * sum(2 * m * k * n for m, k, n in shapes) / timed(lambda: [f() for f in products])
+    # causal attention of this rank's share of the heads: score elements per second (forward)
+    heads = max(1, batch * cfg.n_heads // p)
+    q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
+    attn = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    attn_rate = 3 * heads * T * T / timed(attn)
+    # elementwise operators on a rank's share of the activations and of the logits
+    x, bias, logits = torch.randn(M, max(1, h // p)), torch.randn(max(1, h // p)), torch.randn(M, max(1, V // p))
+    targets = torch.randint(0, logits.shape[1], (M,))
+    ew = fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
+                 + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
+    elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
+    # collectives over the world, each between two chunks of compute as in a model step (on a
+    # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
+    # by least squares on the time a loop gains from its collectives
+    rows, ys = [], []
+    if p > 1:
+        chunk_a, chunk_b = mats[0]  # about the compute between two collectives of a step
+
+        def loop(coll, n=8):
+            for _ in range(n):
+                chunk_a @ chunk_b
+                if coll is not None:
+                    coll()
+
+        for numel in (16, 4096, 65536):
+            x = torch.randn(numel)
+            for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("broadcast", lambda: dist.broadcast(x, 0))):
+                rows.append([message_steps(op, p), wire_factor(op, p) * numel * 4])
+                ys.append(max(timed(lambda: loop(fn)) - timed(lambda: loop(None)), 1e-6) / 8)
+        (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+        alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-12)
+    else:
+        alpha, beta = 1e-5, 1e-10
+    # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
+    def adam(tensors):
+        params = [nn.Parameter(t) for t in tensors]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True).step
+
+    per_tensor = timed(adam([torch.randn(8) for _ in range(32)])) / 32
+    big = max(1, 12 * h * h * cfg.n_layers // p)
+    mem_bw = 7 * big * 4 / max(timed(adam([torch.randn(big)])) - per_tensor, 1e-9)
+    # the slowest rank sets the pace
+    rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)
+    costs = torch.tensor([alpha, beta, per_tensor], dtype=torch.float64)
+    dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+    alpha, beta, per_tensor = costs.tolist()
+    return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
+                             beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
+                             elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
+                             mem_bandwidth=float(rates[3]))

@@ -1,0 +1,108 @@
+"""The α-β-F machine of the cost model: how many point-to-point steps and wire words one collective
+costs under ring and tree algorithms (Optimus Eqs. 4-5), and the machine's rates; `Term`, one
+kind of collective at one site of a step, the unit in which the cost model lists communication."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lattice.context import MeshAxis
+
+
+@dataclass(frozen=True)
+class Term:
+    """`calls` collectives of one kind at one site of the model, per rank, moving `elements` in all."""
+
+    phase: str  # "forward" | "backward"
+    op: str  # CommMeter op name
+    axes: tuple[MeshAxis, ...]  # the group: ranks that differ only along these mesh axes
+    calls: float
+    elements: float
+    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | head | loss | grads | pipeline
+    itemsize: int = 4
+    ranks: int | None = None  # the group's size where it is not the product of `axes` (a first + last stage pair)
+
+    @property
+    def bytes(self) -> float:
+        return self.elements * self.itemsize
+
+
+# ----------------------------------------------------------------------------- collective algorithms
+
+
+def wire_factor(op: str, n: int) -> float:
+    """Per-rank words on the wire per element of the CommMeter buffer: ring algorithms for
+    all-reduce (Optimus Eq. 5), all-gather, reduce-scatter and all-to-all; a binomial tree for
+    broadcast and reduce (Optimus Eq. 4); scatter and gather move every rank's piece of the
+    group's buffer through the root ((n - 1)/n of it); a point-to-point send moves its tensor."""
+    if op == "send":
+        return 1.0
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return math.log2(n)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def message_steps(op: str, n: int) -> int:
+    """Sequential point-to-point steps (latency terms α) of one call under the same algorithms."""
+    if op == "send":
+        return 1
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+        return n - 1
+    if op in ("broadcast", "reduce"):
+        return math.ceil(math.log2(n))
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
+    """(latency steps, wire words per element) of one call. A pipelined broadcast / reduce (NCCL's
+    ring) moves each element once per rank, over n - 1 steps, instead of a tree's log2 n times."""
+    if pipelined and op in ("broadcast", "reduce") and n > 1:
+        return n - 1, 1.0
+    return message_steps(op, n), wire_factor(op, n)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """α-β-F machine: latency α (s per message) and inverse bandwidth β (s per byte) inside a node
+    and between nodes, and per rank: the matrix-product rate F (FLOP/s), the rate of elementwise
+    operators (LayerNorm, GELU, bias and residual adds, softmax: elements/s), of causal attention
+    (score elements B·n·T² per second, forward), and the optimizer update's cost per parameter
+    tensor (s) and memory bandwidth (bytes/s). Backward runs at the same rates (twice the work)."""
+
+    name: str
+    flop_rate: float
+    alpha_intra: float
+    beta_intra: float
+    alpha_inter: float
+    beta_inter: float
+    ranks_per_node: int
+    elem_rate: float = 1e9
+    attn_rate: float = 1e9
+    update_per_tensor: float = 0.0
+    mem_bandwidth: float = 10e9
+    pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
+
+    def describe(self) -> str:
+        return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "
+                f"G elements/s, attention {self.attn_rate / 1e9:.3g} G scores/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
+                f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "
+                f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
+                f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "
+                f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce")
+
+
+# A GPU cluster like the papers' (4 GPUs per node: Frontera RTX, Longhorn V100), for projections.
+PAPER_CLUSTER = Machine("4-GPU nodes, InfiniBand EDR", flop_rate=30e12, alpha_intra=10e-6,
+                        beta_intra=1 / 40e9, alpha_inter=20e-6, beta_inter=1 / 10e9, ranks_per_node=4,
+                        elem_rate=60e9, attn_rate=60e9, update_per_tensor=10e-6, mem_bandwidth=700e9, pipelined_broadcast=True)

@@ -1,0 +1,138 @@
+"""`lattice generate` and `lattice eval`: a trained run's checkpoint loaded into any layout.
+
+    lattice generate runs/a --prompt "def f(x):" --max-new-tokens 20
+    lattice eval runs/a --mode 2d --tp 4 --nproc 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from lattice.arguments import add_layout_arguments, layout_kwargs
+from lattice.context import LatticeConfigError
+from lattice.launch import launch_local
+from lattice.layout import make_topology
+from lattice.models import get_arch
+
+
+def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
+    p.add_argument("run", metavar="DIR", help="a run directory written by `lattice train` (or a checkpoint in it)")
+    add_layout_arguments(p, arch_from_run=True)
+    p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
+    p.add_argument("--seed", type=int, default=0)
+    if generate:
+        p.add_argument("--prompt", required=True, help="the text to continue")
+        p.add_argument("--max-new-tokens", type=int, default=50)
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+        p.add_argument("--top-k", type=int, default=None)
+    else:
+        p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the run's)")
+        p.add_argument("--data", default=None, metavar="PATH",
+                       help="evaluate on this text instead (its last 10%%, tokenized with the run's tokenizer)")
+        p.add_argument("--data-format", choices=("text", "jsonl"), default="text")
+        p.add_argument("--text-key", default="text")
+
+
+def load_for_inference(args, plan_only: bool = False):
+    """The checkpoint, its model config and the layout; with plan_only, only validate them."""
+    from lattice import checkpoint
+    from lattice.layout import plan
+    from lattice.modes import get_mode
+
+    ckpt = checkpoint.read(args.run)
+    arch = checkpoint.arch_of(ckpt)
+    if args.arch is not None and args.arch != arch:
+        raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
+                                 f"read from it) or pass another run")
+    cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
+    get_mode(args.mode)(cfg, plan(args.mode, **layout_kwargs(args)))  # the mode's size checks
+    if plan_only:
+        topo, _ = make_topology(args.mode, **layout_kwargs(args))
+        if args.nproc != topo.world_size:
+            raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {topo.world_size} ranks; "
+                                     f"use --nproc {topo.world_size}")
+    return ckpt, cfg
+
+
+def smallest_batch(model) -> int:
+    """The fewest copies of one prompt that the layout can split (2d: q, 3d: q², ...)."""
+    import torch
+
+    for b in range(1, 513):
+        try:
+            model.mode.check_batch(torch.zeros(b, 1, dtype=torch.int64))
+            return b
+        except LatticeConfigError:
+            continue
+    raise LatticeConfigError(f"mode {model.ctx.mode!r} accepts no batch of up to 512 sequences")
+
+
+def run_inference(args, argv: list[str]) -> int:
+    """`lattice generate` and `lattice eval`: load any checkpoint into any layout."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import lattice
+    from lattice import checkpoint
+    from lattice.data import load_corpus
+
+    launched = "WORLD_SIZE" in os.environ
+    if args.nproc and args.nproc > 1 and not launched:
+        load_for_inference(args, plan_only=True)  # the checkpoint and the layout, before any process starts
+        return launch_local(args.nproc, argv)
+    ckpt, cfg = load_for_inference(args)
+    ctx = lattice.init(args.mode, seed=args.seed, **layout_kwargs(args))
+    try:
+        if args.command == "eval":
+            from lattice.train import TrainConfig, Trainer
+
+            saved = ckpt.get("train_config", {})
+            other = {}
+            if args.data:  # other text, read with the tokenizer the run was trained with
+                run_dir = checkpoint.run_dir(args.run)
+                other = {"data": args.data, "data_format": args.data_format, "text_key": args.text_key,
+                         "tokenizer": str(run_dir / "tokenizer.json") if (run_dir / "tokenizer.json").exists()
+                         else saved.get("tokenizer")}
+            tcfg = TrainConfig.from_dict({**saved, "arch": checkpoint.arch_of(ckpt), "out_dir": None, "progress": False,
+                                          **other,
+                                          **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
+            loss = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=True).evaluate()
+            if ctx.rank == 0:
+                print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
+                      f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of "
+                      f"{tcfg.data or 'the built-in corpus'}, step {ckpt['step']})")
+            return 0
+        run_dir = checkpoint.run_dir(args.run)
+        saved_tokenizer = run_dir / "tokenizer.json"
+        if saved_tokenizer.is_file():  # the tokenizer the run was trained with
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(saved_tokenizer))
+            encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode
+        else:
+            corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
+            encode, decode = corpus.encode, corpus.decode
+        model = lattice.build_model(cfg, ctx)
+        checkpoint.load_into(ckpt, model)  # weights only
+        ids = encode(args.prompt)
+        if not ids:
+            raise LatticeConfigError("--prompt encodes to no tokens; give some text")
+        copies = smallest_batch(model)
+        prompt = torch.tensor([ids] * copies, dtype=torch.int64, device=ctx.device)
+        t0 = time.perf_counter()
+        out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        dt = time.perf_counter() - t0
+        if ctx.rank == 0:
+            print(args.prompt + decode(out[0, len(ids):].tolist()))
+            print(f"{args.max_new_tokens} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
+                  f"{copies * args.max_new_tokens / dt:.1f} tokens/s (batch {copies}, {args.mode} on "
+                  f"{ctx.world_size} ranks)", file=sys.stderr)
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,67 @@
+"""The registry of model families (as lattice/modes/ is of layouts) and `build_model`."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from lattice.context import LatticeConfigError, ParallelContext
+
+DEFAULT_ARCH = "gpt2"
+
+
+_FAMILIES: dict[str, type[nn.Module]] = {}
+
+
+def register(cls: type[nn.Module]) -> type[nn.Module]:
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # every module of this package but the shared ones defines and registers one family
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name not in ("base", "components", "registry"):
+            importlib.import_module(f"lattice.models.{info.name}")
+
+
+def available_archs() -> list[str]:
+    """Registered family names, sorted."""
+    _load_builtin()
+    return sorted(_FAMILIES)
+
+
+def get_arch(name: str) -> type[nn.Module]:
+    _load_builtin()
+    if name not in _FAMILIES:
+        raise LatticeConfigError(f"unknown architecture {name!r}; available: {', '.join(available_archs())}")
+    return _FAMILIES[name]
+
+
+def arch_of_config(cfg) -> type[nn.Module]:
+    """The family whose config class `cfg` is."""
+    _load_builtin()
+    for family in _FAMILIES.values():
+        if type(cfg) is family.config_class:
+            return family
+    raise LatticeConfigError(f"{type(cfg).__name__} is not the config of a registered family "
+                             f"({', '.join(available_archs())})")
+
+
+def build_model(cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
+                activation_checkpointing: bool = False) -> nn.Module:
+    """The model `cfg` describes, holding this rank's shards under ctx's layout: the family's
+    model, or with pipeline stages in ctx (pp > 1) this rank's stages of it
+    (`lattice.pipeline.PipelineModel`). Every method a training loop or a user calls --
+    `model(tokens, targets)`, `forward_backward`, `full_grad_dict`, `load_full_state_dict`,
+    `full_state_dict`, `to_hf_state_dict` -- means the same on both."""
+    family = arch_of_config(cfg)
+    if ctx.pipeline is None:
+        return family(cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+    from lattice.pipeline import PipelineModel
+
+    return PipelineModel(family, cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
