@@ -89,7 +89,7 @@ def run_inference(args, argv: list[str]) -> int:
     ctx = lattice.init(args.mode, seed=args.seed, **layout_kwargs(args))
     try:
         if args.command == "eval":
-            from lattice.train import TrainConfig, Trainer
+            from lattice.train import TrainConfig, evaluate, model_and_batches
 
             saved = ckpt.get("train_config", {})
             other = {}
@@ -101,7 +101,9 @@ def run_inference(args, argv: list[str]) -> int:
             tcfg = TrainConfig.from_dict({**saved, "arch": checkpoint.arch_of(ckpt), "out_dir": None, "progress": False,
                                           **other,
                                           **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
-            loss = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=True).evaluate()
+            _, model, batches = model_and_batches(tcfg, ctx, tcfg.corpus(), ckpt, checkpoint.resolve(args.run))
+            checkpoint.load_into(ckpt, model)  # weights only
+            loss = evaluate(model, batches, ctx, bf16=tcfg.bf16)
             if ctx.rank == 0:
                 print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
                       f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of "

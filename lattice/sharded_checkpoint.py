@@ -38,19 +38,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from lattice.checkpoint_files import START_FRESH, atomic_write, check_version_and_keys, fsync_dir
 from lattice.context import LatticeConfigError
+from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, read_index
 
 FORMAT = "lattice-sharded-checkpoint"
 VERSION = 1
 MARKER = "lattice.json"
 SUBDIR = "checkpoints"
-_DCP_INDEX = ".metadata"
 
 
 def step_name(step: int) -> str:
@@ -117,70 +116,10 @@ def training_state(model, optimizer, *, with_moments: bool, staged: bool = False
     return out
 
 
-class _SavePlanner(DefaultSavePlanner):
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn].data
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        # The default set-up passes the state through _init_state_dict, which returns None for
-        # any value that is not a tensor (it would erase every Chunk); there is nothing on the
-        # meta device here to initialise.
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn].data
-
-
-# ----------------------------------------------------------------------------- DCP's index, read safely
-_INDEX_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """DCP pickles its index (`.metadata`) and reads it back with a plain `pickle.load`, which
-    would run any code a forged file names. This unpickler resolves only DCP's own metadata
-    classes and torch dtypes, so reading a checkpoint stays as safe as `weights_only=True`."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _INDEX_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
-
-
-def read_index(path: Path) -> Metadata:
-    with open(path / _DCP_INDEX, "rb") as f:
-        index = _IndexUnpickler(f).load()
-    if not isinstance(index, Metadata):
-        raise pickle.UnpicklingError(f"the index holds a {type(index).__name__}, not DCP Metadata")
-    return index
-
-
-class _Reader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        index = read_index(Path(self.path))
-        index.storage_meta = index.storage_meta or dcp.metadata.StorageMeta()
-        index.storage_meta.load_id = self.load_id
-        return index
-
-
 # ----------------------------------------------------------------------------- where checkpoints are
 def is_checkpoint_dir(path: Path) -> bool:
     """A sharded checkpoint's own directory (complete or not), rather than a run directory."""
-    return (path / MARKER).is_file() or (path / _DCP_INDEX).is_file() or path.name.startswith(("step-", ".step-"))
+    return (path / MARKER).is_file() or (path / INDEX_FILE).is_file() or path.name.startswith(("step-", ".step-"))
 
 
 def complete(root: Path) -> list[Path]:
@@ -272,7 +211,7 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
     with _single_process_ok():
         index = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True, single_file_per_rank=True,
                                                                      thread_count=1),
-                         planner=_SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
+                         planner=SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
     # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
     mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
     sums = _checksums(partial, index.storage_data, mine)
@@ -283,7 +222,7 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
             sums = {k: v for part in gathered for k, v in part.items()}
     if rank == 0:
         files = {p.name: [p.stat().st_size] for p in sorted(partial.glob("*.distcp"))}
-        files[_DCP_INDEX] = [(partial / _DCP_INDEX).stat().st_size, _crc_file(partial / _DCP_INDEX)]
+        files[INDEX_FILE] = [(partial / INDEX_FILE).stat().st_size, _crc_file(partial / INDEX_FILE)]
         record = {"format": FORMAT, "version": VERSION, **meta, "files": files, "checksums": sums}
         atomic_write(partial / MARKER, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
         old = base / f".{final.name}.old"
@@ -370,7 +309,7 @@ def read(path: Path) -> dict:
     try:
         index = read_index(path)
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise LatticeConfigError(f"checkpoint {path}: its index {_DCP_INDEX} cannot be read safely ({str(e)[:100]}); "
+        raise LatticeConfigError(f"checkpoint {path}: its index {INDEX_FILE} cannot be read safely ({str(e)[:100]}); "
                                  f"it is corrupt or not written by lattice, {START_FRESH}") from None
     tensors = {k: tuple(md.size) for k, md in index.state_dict_metadata.items()
                if isinstance(md, TensorStorageMetadata)}
@@ -424,7 +363,7 @@ def load(saved: dict, model, optimizer=None) -> None:
     if problem:
         raise LatticeConfigError(problem)
     with _single_process_ok():
-        dcp.load(state, storage_reader=_Reader(saved["path"]), planner=_LoadPlanner(),
+        dcp.load(state, storage_reader=Reader(saved["path"]), planner=LoadPlanner(),
                  no_dist=not dist.is_initialized())
 
 
@@ -462,7 +401,7 @@ def load_full(saved: dict, keys, *, index: Metadata | None = None) -> dict[str, 
     if problem:
         raise LatticeConfigError(problem)
     with _single_process_ok():
-        dcp.load(state, storage_reader=_Reader(saved["path"]), planner=_LoadPlanner(), no_dist=True)
+        dcp.load(state, storage_reader=Reader(saved["path"]), planner=LoadPlanner(), no_dist=True)
     return out
 
 

@@ -11,10 +11,7 @@ family (and its pipeline stages) has, so every layout and family trains through 
 
 from __future__ import annotations
 
-import csv
-import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -29,11 +26,9 @@ from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, load_data_corpus,
                           train_batch, unigram_baseline, val_batches)
 from lattice.models import DEFAULT_ARCH, build_model, get_arch
+from lattice.metrics import Metrics, step_flops
+from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
 from lattice.pipeline import check_batch as check_pipeline_batch
-
-METRICS_FILE = "metrics.csv"
-METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "elapsed_s")
-
 
 @dataclass
 class TrainConfig:
@@ -120,14 +115,46 @@ class TrainConfig:
                                    dropout=self.dropout, **shape)
 
 
-def _tensorboard(out: Path):
-    """A TensorBoard writer in OUT/tensorboard when the optional `tensorboard` package is
-    installed (pip install 'lattice[tb]'); None otherwise (metrics.csv has the same numbers)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    return SummaryWriter(log_dir=str(out / "tensorboard"))
+def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ckpt: dict | None = None,
+                      where="checkpoint"):
+    """(model config, model, fixed validation batches) of a run on `corpus`: this rank's shards
+    of the model and every size checked against the layout before any collective; with `ckpt`,
+    a checkpoint of another model is refused."""
+    model_config = cfg.model_config(corpus.vocab_size)
+    if ckpt is not None:
+        checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
+    check_batch_size(corpus, cfg.batch_size, model_config.seq_len, ctx.dp)
+    model = build_model(model_config, ctx, dtype=getattr(torch, cfg.dtype),
+                        activation_checkpointing=cfg.activation_checkpointing)
+    val_set = val_batches(corpus, ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
+                          num_batches=cfg.eval_batches)
+    model.mode.check_batch(val_set[0][0])  # the mode's own constraints (e.g. b % q)
+    if ctx.pipeline is not None:
+        check_pipeline_batch(ctx.pipeline, model.mode, val_set[0][0])
+    return model_config, model, val_set
+
+
+def autocast(ctx: ParallelContext, bf16: bool):
+    return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def dp_mean(value: torch.Tensor, ctx: ParallelContext) -> float:
+    """Mean over data-parallel replicas of a per-replica scalar (identical on every rank)."""
+    value = value.detach().to(torch.promote_types(value.dtype, torch.float32)).reshape(1)
+    if ctx.dp > 1:
+        value = raw_all_reduce(value.clone(), ctx.group(MeshAxis.DP)) / ctx.dp
+    return float(value)
+
+
+@torch.no_grad()
+def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
+    """Mean loss of `model` over `batches` (each this replica's (tokens, targets)), identical on
+    every rank. No optimizer, no data-parallel wrapper: `lattice eval` calls this directly."""
+    model.eval()
+    with autocast(ctx, bf16):
+        total = sum(model(x, y).float() for x, y in batches) / len(batches)
+    model.train()
+    return dp_mean(total, ctx)
 
 
 def _metered_allreduce_hook(group, bucket):
@@ -152,20 +179,12 @@ class Trainer:
         # Validate everything that can fail before the first collective (DDP's constructor is one).
         ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
         self.corpus = corpus or cfg.corpus()
-        self.model_config = cfg.model_config(self.corpus.vocab_size)
+        where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume) if resume else None
         if ckpt is not None:
-            where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume)
-            checkpoint.check_model_config(ckpt, cfg.arch, self.model_config.to_dict(), where)
             faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change, where)
-        check_batch_size(self.corpus, cfg.batch_size, self.model_config.seq_len, ctx.dp)
-        self.model = build_model(self.model_config, ctx, dtype=getattr(torch, cfg.dtype),
-                                 activation_checkpointing=cfg.activation_checkpointing)
-        self.val_set = val_batches(self.corpus, ctx, batch_size=cfg.batch_size,
-                                   seq_len=self.model_config.seq_len, num_batches=cfg.eval_batches)
-        self.model.mode.check_batch(self.val_set[0][0])  # the mode's own constraints (e.g. b % q)
-        if ctx.pipeline is not None:
-            check_pipeline_batch(ctx.pipeline, self.model.mode, self.val_set[0][0])
-        self.optimizer = self._make_optimizer()
+        self.model_config, self.model, self.val_set = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
+        self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                        weight_decay=cfg.weight_decay)
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
         self._saved_step = None  # the step of the last checkpoint written or loaded
         if ckpt is not None:
@@ -185,37 +204,6 @@ class Trainer:
             self.engine.register_comm_hook(group, _metered_allreduce_hook)
 
     # ------------------------------------------------------------------ pieces
-    def _make_optimizer(self) -> torch.optim.AdamW:
-        """Decay only matrices: a tensor decays when its FULL shape has >= 2 dims (a rank's 1-d
-        shard of a matrix still decays; a sharded bias does not)."""
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            (decay if len(self.model.specs[name].full_shape) >= 2 else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2))
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup over `warmup` steps, then cosine from lr to lr * min_lr_ratio."""
-        cfg = self.cfg
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-        low = cfg.lr * cfg.min_lr_ratio
-        return low + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - low)
-
-    def _autocast(self):
-        if not self.cfg.bf16:
-            return nullcontext()
-        return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
-
-    def _dp_mean(self, value: torch.Tensor) -> float:
-        """Mean over data-parallel replicas of a per-replica scalar (identical on every rank)."""
-        value = value.detach().to(torch.promote_types(value.dtype, torch.float32)).reshape(1)
-        if self.ctx.dp > 1:
-            value = raw_all_reduce(value.clone(), self.ctx.group(MeshAxis.DP)) / self.ctx.dp
-        return float(value)
-
     @torch.no_grad()
     def _average_over_replicas(self) -> None:
         """Data-parallel gradient averaging where DDP cannot wrap the model (a pipeline schedule
@@ -227,22 +215,6 @@ class Trainer:
         for bucket in byte_buckets(list(self.model.parameters()), lambda p: p.numel() * p.element_size()):
             all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
 
-    @torch.no_grad()
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the full gradient, identical on every rank.
-
-        Each rank sums its shards' squares divided by the number of ranks in its model replica
-        that hold the same shard, so replicated copies count once, and the sum is all-reduced over
-        the model replica's group. After the DDP sync every replica holds the same gradients, so
-        one replica's norm is the global one."""
-        topo = self.ctx.topology
-        acc = torch.promote_types(self.model.dtype, torch.float32)
-        sq = torch.zeros((), dtype=acc, device=self.ctx.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is not None and not self.model.is_mirror(name):
-                sq += p.grad.detach().to(acc).pow(2).sum() / self.model.specs[name].replicas(topo)
-        return raw_all_reduce(sq.reshape(1), self.ctx.model_group()).reshape(()).sqrt()
-
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         """One optimizer step on the global batch of `self.step`; returns its metrics."""
@@ -250,20 +222,20 @@ class Trainer:
         self.model.train()
         x, y = train_batch(self.corpus, self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
                            seq_len=self.model_config.seq_len)
-        lr = self.lr_at(self.step)
+        lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
-            with self._autocast():
+            with autocast(self.ctx, cfg.bf16):
                 loss = torch.tensor(self.model.forward_backward(x, y), dtype=torch.float64)
             self._average_over_replicas()
         else:
-            with self._autocast():
+            with autocast(self.ctx, cfg.bf16):
                 loss = self.engine(x, y)
             loss.backward()
             self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
-        norm = self.grad_norm()
+        norm = grad_norm(self.model, self.ctx)
         # the norm is already identical on every rank: every rank takes the same decision
         finite = bool(torch.isfinite(norm))
         if not finite and cfg.on_nan == "stop":
@@ -273,28 +245,20 @@ class Trainer:
                 f"--on-nan skip to skip such steps")
         if finite:
             if cfg.grad_clip > 0:
-                scale = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+                clip_grads(self.model, norm, cfg.grad_clip)
             self.optimizer.step()
         else:  # --on-nan skip: the batch is consumed, the weights and moments stay as they were
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        train_loss = self._dp_mean(loss)
+        train_loss = dp_mean(loss, self.ctx)
         dt = time.perf_counter() - t0
         return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
                 "tokens_per_s": cfg.batch_size * self.model_config.seq_len / dt, "skipped": not finite}
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches, identical on every rank."""
-        self.model.eval()
-        with self._autocast():
-            total = sum(self.model(x, y).float() for x, y in self.val_set) / len(self.val_set)
-        self.model.train()
-        return self._dp_mean(total)
+        return evaluate(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, until: int | None = None) -> dict:
@@ -305,15 +269,13 @@ class Trainer:
         cfg, is_main = self.cfg, self.ctx.rank == 0
         until = cfg.steps if until is None else until
         out = Path(cfg.out_dir) if cfg.out_dir else None
-        metrics = self._open_metrics(out) if (out and is_main) else None
-        writer = metrics and csv.DictWriter(metrics, fieldnames=METRIC_COLUMNS)
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=until, initial=self.step, disable=not (cfg.progress and is_main), unit="step",
-                   dynamic_ncols=True)
+        tokens = cfg.batch_size * self.model_config.seq_len
+        flops = lambda: step_flops(self.model_config, self.ctx, batch_size=cfg.batch_size,  # noqa: E731
+                                   activation_checkpointing=cfg.activation_checkpointing)
+        metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
+                          tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
         val_loss, start, clock, stopped_by = None, self.elapsed, time.perf_counter(), None
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
-        board = _tensorboard(out) if (out and is_main) else None
         try:
             with faults.StopRequest() as stop:
                 while self.step < until:
@@ -322,17 +284,11 @@ class Trainer:
                     row["val_loss"] = None
                     if self.step % cfg.eval_interval == 0 or self.step == until:
                         row["val_loss"] = val_loss = self.evaluate()
-                        if is_main:  # tqdm.write prints even where the bar is disabled
-                            bar.write(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}")
-                            sys.stdout.flush()
+                        if is_main:
+                            metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}")
                     self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
                     self.history.append(row)
-                    if writer:
-                        writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRIC_COLUMNS})
-                    if board:
-                        self._log_scalars(board, row)
-                    bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                    bar.update(1)
+                    metrics.log(row)
                     if self._stop_requested(stop):
                         stopped_by = stop.name or "a signal on another rank"
                         break
@@ -340,11 +296,7 @@ class Trainer:
                         self.save(out)
         finally:
             heartbeat.stop()
-            bar.close()
-            if board:
-                board.close()
-            if metrics:
-                metrics.close()
+            metrics.close()
         if val_loss is None and stopped_by is None:
             val_loss = self.evaluate()
         if out:
@@ -355,42 +307,6 @@ class Trainer:
         return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
                 "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
 
-    def _log_scalars(self, board, row: dict) -> None:
-        """TensorBoard: loss, validation loss, learning rate, gradient norm, tokens/s, the FLOP
-        rate per rank (the cost model's FLOPs of one step over its time; with cfg.peak_tflops, the
-        model FLOP utilisation) and this rank's peak memory."""
-        step = row["step"]
-        for key in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
-            if row.get(key) is not None:
-                board.add_scalar(f"train/{key}", row[key], step)
-        flops = self._step_flops()
-        seconds = self.cfg.batch_size * self.model_config.seq_len / row["tokens_per_s"]
-        board.add_scalar("perf/tflops_per_rank", flops / seconds / 1e12, step)
-        if self.cfg.peak_tflops:
-            board.add_scalar("perf/mfu", flops / seconds / (self.cfg.peak_tflops * 1e12), step)
-        if self.ctx.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.ctx.device)
-        else:
-            import resource
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        board.add_scalar("perf/peak_memory_mib", peak / 2 ** 20, step)
-
-    def _step_flops(self) -> float:
-        """Matrix-product FLOPs of one training step on this rank (its stages with pp > 1), from
-        the cost model."""
-        if getattr(self, "_flops", None) is None:
-            from lattice.cost import estimate
-
-            ctx, pcfg = self.ctx, self.ctx.pipeline
-            stages = {} if pcfg is None else dict(
-                pp=ctx.pp, microbatches=pcfg.microbatches, pp_schedule=pcfg.schedule, pp_virtual=pcfg.virtual,
-                pp_layers=pcfg.layers, pp_scatter_gather=pcfg.scatter_gather)
-            c = estimate(self.model_config, ctx.mode, batch=self.cfg.batch_size // ctx.dp, tp=ctx.tp, dp=ctx.dp,
-                         rank=ctx.rank, activation_checkpointing=self.cfg.activation_checkpointing, **stages,
-                         **ctx.options)
-            self._flops = c.flops["forward"] + c.flops["backward"]
-        return self._flops
-
     def _stop_requested(self, stop: faults.StopRequest) -> bool:
         """Whether any rank was asked to stop (one tiny all-reduce, so that all ranks stop at the
         same step boundary even when the signal reached only some of them)."""
@@ -398,18 +314,6 @@ class Trainer:
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-    def _open_metrics(self, out: Path):
-        """metrics.csv, line-buffered; a resumed run appends to the rows written before."""
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / METRICS_FILE
-        append = self.step > 0 and path.exists()
-        if append:  # rows after the checkpoint belong to a run that did not reach its next save
-            faults.truncate_metrics(path, self.step)
-        f = open(path, "a" if append else "w", newline="", buffering=1)
-        if not append:
-            f.write(",".join(METRIC_COLUMNS) + "\n")
-        return f
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike) -> Path:

@@ -13,7 +13,8 @@ import torch
 
 from lattice.context import LatticeConfigError
 from lattice.data import DEFAULT_VOCAB
-from lattice.cost.model import PAPER_CLUSTER, Cost, Machine, estimate, message_steps, wire_factor
+from lattice.cost.machine import PAPER_CLUSTER, Machine, message_steps, wire_factor
+from lattice.cost.model import Cost, estimate
 from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
