@@ -43,7 +43,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from lattice.train import TrainConfig
+    from lattice.train import CHECKPOINT_FORMATS, DATA_FORMATS, DTYPES, TrainConfig
 
     d = TrainConfig()
     add_layout_arguments(p)
@@ -51,7 +51,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="start this many local processes through torch.distributed.run")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="train on your own text: a file, a directory of files or a glob (default: the built-in corpus)")
-    p.add_argument("--data-format", choices=("text", "jsonl"), default=d.data_format)
+    p.add_argument("--data-format", choices=DATA_FORMATS, default=d.data_format)
     p.add_argument("--text-key", default=d.text_key, help="the field of each JSON line (--data-format jsonl)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a tokenizer.json or a directory holding one (default: a byte-level BPE trained on the data)")
@@ -69,14 +69,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="where checkpoints and metrics.csv go (default runs/latest)")
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
                    help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--checkpoint-format", choices=("sharded", "single"), default=d.checkpoint_format,
+    p.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default=d.checkpoint_format,
                    help="sharded (default): every rank writes its own shards into OUT/checkpoints/step-N "
                         "(torch.distributed.checkpoint); single: rank 0 writes OUT/ckpt.pt of full tensors")
     p.add_argument("--keep", type=int, default=d.keep, metavar="K",
                    help=f"keep the newest K sharded checkpoints (default {d.keep}; 0 keeps all)")
     p.add_argument("--async-checkpoint", action="store_true",
                    help="write sharded checkpoints on a background thread while training goes on")
-    p.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype,
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                    help="weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="a run directory (its newest complete checkpoint), a checkpoint directory or a ckpt.pt")

@@ -129,7 +129,7 @@ def data_hash(spec: str, data_format: str = "text", text_key: str = "text") -> s
 
 
 def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", text_key: str = "text",
-                     tokenizer_path: str | None = None, cache: Path | None = None) -> Corpus:
+                     tokenizer_path: str | None = None) -> Corpus:
     """Your own text, tokenized once (in pieces) into a memory-mapped token file (uint16, or
     uint32 beyond 65536 tokens) cached by content hash, so that a corpus larger than memory
     trains with bounded memory: batches read only their windows. A byte-level BPE is trained on
@@ -140,7 +140,7 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", t
     salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
     content = data_hash(spec, data_format, text_key)
     key = f"{content}-{salt}"
-    root = (cache or cache_dir()) / f"data-{vocab_size}-{key}"
+    root = cache_dir() / f"data-{vocab_size}-{key}"
     tok_path, ids_path = root / "tokenizer.json", root / "tokens.bin"
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
     if not (tok_path.exists() and ids_path.exists()):
@@ -189,9 +189,8 @@ def _checked_tokenizer(given: Path, vocab_size: int, tokenizer_path: str):
     return bpe
 
 
-def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None, cache: Path | None = None,
-                tokenizer_path: str | None = None) -> Corpus:
-    """Tokenize the corpus (built-in unless `text` is given), from cache when possible, with a
+def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, tokenizer_path: str | None = None) -> Corpus:
+    """Tokenize the built-in corpus, from the cache (`cache_dir()`) when possible, with a
     byte-level BPE trained on it or the tokenizer at `tokenizer_path` (a tokenizer.json, or a
     directory holding one, e.g. a local HF tokenizer or a lattice run directory).
 
@@ -199,11 +198,11 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, text: str | None = None, cac
     window overlaps training text)."""
     from tokenizers import Tokenizer
 
-    text = corpus_text() if text is None else text
+    text = corpus_text()
     given = _given_tokenizer(tokenizer_path)
     salt = given.read_text() if given else ""
     key = hashlib.sha256(f"{vocab_size}\0{salt}\0{text}".encode()).hexdigest()[:16]
-    root = (cache or cache_dir()) / f"bpe-{vocab_size}-{key}"
+    root = cache_dir() / f"bpe-{vocab_size}-{key}"
     tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
     if not (tok_path.exists() and ids_path.exists()):
         bpe = _checked_tokenizer(given, vocab_size, tokenizer_path) if given else train_tokenizer(text, vocab_size)

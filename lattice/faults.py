@@ -210,9 +210,9 @@ class Heartbeat:
         self._stop.set()
 
 
-def stalled_ranks(out: Path | None, world: int, kill: bool = True) -> str:
+def stalled_ranks(out: Path | None, world: int) -> str:
     """The ranks whose heartbeats went stale ("rank 1 (pid 42 on host) stopped 9 s ago in step
-    779"); with `kill`, those on this host are killed so that the launcher ends the job now."""
+    779"); those on this host are killed, so that the launcher ends the job now."""
     if out is None:
         return "run with --out-dir to have the stalled rank named"
     beats = out / HEARTBEAT_DIR
@@ -225,7 +225,7 @@ def stalled_ranks(out: Path | None, world: int, kill: bool = True) -> str:
             continue
         if now - float(when) > 3 * Heartbeat.INTERVAL + 1:
             stale.append(f"rank {r} (pid {pid} on {where}) stopped {now - float(when):.0f} s ago in step {int(step) + 1}")
-            if kill and where == host:
+            if where == host:
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except OSError:

@@ -19,6 +19,8 @@ from lattice.models import get_arch
 
 
 def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
+    from lattice.train import DATA_FORMATS
+
     p.add_argument("run", metavar="DIR", help="a run directory written by `lattice train` (or a checkpoint in it)")
     add_layout_arguments(p, arch_from_run=True)
     p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
@@ -32,7 +34,7 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
         p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the run's)")
         p.add_argument("--data", default=None, metavar="PATH",
                        help="evaluate on this text instead (its last 10%%, tokenized with the run's tokenizer)")
-        p.add_argument("--data-format", choices=("text", "jsonl"), default="text")
+        p.add_argument("--data-format", choices=DATA_FORMATS, default=DATA_FORMATS[0])
         p.add_argument("--text-key", default="text")
 
 

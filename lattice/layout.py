@@ -68,7 +68,7 @@ def pipeline_config(pp: int, options: dict):
             layers = tuple(int(x) for x in layers.split(","))
         except ValueError:
             raise LatticeConfigError(f"pp_layers must be comma-separated block counts such as 2,3, got {layers!r}") from None
-    return PipelineConfig(stages=pp, microbatches=given.get("microbatches"), schedule=given.get("pp_schedule", "1f1b"),
+    return PipelineConfig(stages=pp, microbatches=given.get("microbatches"), schedule=given.get("pp_schedule", PipelineConfig.schedule),
                           virtual=given.get("pp_virtual"), layers=tuple(layers) if layers else None,
                           scatter_gather=given.get("pp_scatter_gather", True))
 

@@ -30,6 +30,11 @@ from lattice.metrics import Metrics, step_flops
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
 from lattice.pipeline import check_batch as check_pipeline_batch
 
+DATA_FORMATS = ("text", "jsonl")
+CHECKPOINT_FORMATS = ("sharded", "single")  # every rank writes its shards (DCP), or one file of full tensors
+DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
+
+
 @dataclass
 class TrainConfig:
     """Everything about a run except the layout (which is the ParallelContext's)."""
@@ -81,17 +86,17 @@ class TrainConfig:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise LatticeConfigError(f"lr must be positive, got {self.lr}")
-        if self.data_format not in ("text", "jsonl"):
-            raise LatticeConfigError(f"data_format must be 'text' or 'jsonl', got {self.data_format!r}")
+        if self.data_format not in DATA_FORMATS:
+            raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
         if self.on_nan not in ("stop", "skip"):
             raise LatticeConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
-        if self.checkpoint_format not in ("sharded", "single"):
-            raise LatticeConfigError(f"checkpoint_format must be 'sharded' or 'single', got {self.checkpoint_format!r}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise LatticeConfigError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
         if self.async_checkpoint and self.checkpoint_format != "sharded":
             raise LatticeConfigError("async checkpoints are sharded: drop --async-checkpoint or use "
                                      "--checkpoint-format sharded")
-        if self.dtype not in ("float32", "float64"):
-            raise LatticeConfigError(f"dtype must be 'float32' or 'float64' (bf16 is --bf16 autocast), got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -153,32 +153,13 @@ def _train_2d(cfg_kwargs, steps, lr, batch, seed):
     return losses, model.mode.grid.workspace.allocations
 
 
-def test_adamw_30_steps_float32_match_serial():
-    """30 AdamW steps in float32 at q=2 against the same loop on the serial model. Catches
-    gradients that are right once but wrong for a parameter only row 0 holds (then never
-    updated), and a workspace that grows after the first step."""
+def test_the_summa_workspace_is_allocated_once():
+    """Catches a SUMMA workspace that is reallocated on every step (memory churn the benchmarks
+    would not show as an error): three AdamW steps at q = 2, one allocation. (The 30-step
+    trajectory against serial is the conformance suite's.)"""
     cfg_kwargs = dict(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2)
-    steps, lr, batch, seed = 30, 3e-3, 4, 100
-    per_rank = run_distributed(4, _train_2d, cfg_kwargs, steps, lr, batch, seed)
-    cfg = lattice.GPTConfig(**cfg_kwargs)
-    serial = _serial(cfg, torch.float32)
-    opt = torch.optim.AdamW(serial.parameters(), lr=lr)
-    ref = []
-    for step in range(steps):
-        tokens, targets = _batch(batch, cfg.seq_len, cfg.vocab_size, seed + step % 2)
-        loss = serial(tokens, targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
-    losses = per_rank[0][0]
-    assert all(r[0] == losses for r in per_rank), "ranks disagree on the loss"
-    diff = max(abs(a - b) for a, b in zip(losses, ref))
-    print(f"30 AdamW steps float32 q=2: serial {ref[0]:.6f} -> {ref[-1]:.6f}, 2d {losses[0]:.6f} -> "
-          f"{losses[-1]:.6f}, max |loss diff| {diff:.2e}")
-    assert ref[-1] < ref[0] - 0.1, "training must move the loss for the comparison to mean anything"
-    assert diff < 1e-5
-    assert all(r[1] == 1 for r in per_rank), "the SUMMA workspace was reallocated after the first step"
+    per_rank = run_distributed(4, _train_2d, cfg_kwargs, 3, 3e-3, 4, 100)
+    assert [allocations for _, allocations in per_rank] == [1] * 4
 
 
 def _check_bf16_autocast():

@@ -14,6 +14,7 @@ import torch
 import lattice
 from lattice import cli
 from lattice.data import load_corpus
+from lattice.options import given_mode_options
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1",
@@ -180,10 +181,10 @@ def test_mode_option_switches_turn_on_and_off(capsys):
     it on, and help text that names the mode twice."""
     parser = cli.build_parser("train")
     args = parser.parse_args(["train", "--mode", "3d", "--tp", "8", "--no-overlap"])
-    assert cli.given_mode_options(args) == {"overlap": False}
+    assert given_mode_options(args) == {"overlap": False}
     args = parser.parse_args(["train", "--mode", "1d", "--tp", "2", "--sequence-parallel"])
-    assert cli.given_mode_options(args) == {"sequence_parallel": True}
-    assert cli.given_mode_options(parser.parse_args(["train"])) == {}
+    assert given_mode_options(args) == {"sequence_parallel": True}
+    assert given_mode_options(parser.parse_args(["train"])) == {}
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--help"])
     out = capsys.readouterr().out

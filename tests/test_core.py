@@ -143,6 +143,24 @@ def test_dropout_masks_repeat_under_activation_checkpointing():
     assert not math.isclose(model(tokens, tokens).item(), grads[0][0])
 
 
+def test_dropout_draws_new_masks_every_step():
+    """Catches dropout masks that repeat every step (the forward count left out of the mask
+    seed: every step would drop the same units). The same batch through the same weights twice
+    in training mode must give two different losses; with the forward count set back, the first
+    loss again (masks are a function of seed, count and site, not of global RNG)."""
+    cfg = lattice.GPTConfig(**{**CFG, "dropout": 0.3})
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    model.train()
+    with torch.no_grad():
+        first, second = model(tokens, tokens).item(), model(tokens, tokens).item()
+        model.seeds.forward_count = 0
+        torch.manual_seed(999)  # global RNG plays no part
+        again = model(tokens, tokens).item()
+    assert first != second
+    assert again == first
+
+
 def test_initial_weights_depend_on_seed_not_on_construction():
     """Catches initialisation that depends on module order or global RNG (layouts would start apart)."""
     cfg = lattice.GPTConfig(**CFG)
@@ -220,27 +238,58 @@ def test_undeclared_multi_axis_group_is_refused_by_name():
     assert topo.group_members((MeshAxis.COL, MeshAxis.DP), 3) == [2, 3, 6, 7]
 
 
+def _join(pieces: dict[tuple[int, ...], torch.Tensor], dims: list[int]) -> torch.Tensor:
+    """The tensor whose piece k along dims[0] (then k' along dims[1], ...) is pieces[(k, k', ...)]:
+    the test's own reading of a split, with torch.cat."""
+    if not dims:
+        return pieces[()]
+    firsts = sorted({key[0] for key in pieces})
+    assert firsts == list(range(len(firsts))), f"pieces {firsts} along dim {dims[0]} leave a gap"
+    return torch.cat([_join({key[1:]: t for key, t in pieces.items() if key[0] == k}, dims[1:]) for k in firsts],
+                     dim=dims[0])
+
+
 @pytest.mark.parametrize("mode", lattice.available_modes())
 def test_every_rank_starts_from_its_shard_of_serials_initial_weights(mode):
     """Catches layout-dependent initialisation (a shard drawn from its own seed, padding rows
     that are not zero, an uninitialised shard left by the meta-device construction) on every
     rank of every layout a mode declares, without processes: each rank is built from a planning
-    context and compared with its slice of the serial model's freshly initialised tensors."""
+    context, and every parameter's shards, joined by the test's own reading of the declared
+    splits (piece index mixed-radix over the split axes, first axis major; torch.cat; padding cut
+    off and required zero), rebuild the serial model's freshly initialised tensor, while the
+    ranks holding the same piece hold the same values. (ShardSpec.shard and .slices, which
+    initialisation itself uses, are not consulted.)"""
     from lattice.modes import get_mode
 
     cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=24, n_heads=4, n_layers=2, bias=True,
                             tie_embeddings=False)
-    serial = dict(lattice.GPT(cfg, lattice.plan("serial")).named_parameters())
+    serial = {k: p.detach() for k, p in lattice.GPT(cfg, lattice.plan("serial")).named_parameters()}
     layouts = get_mode(mode).test_layouts
     assert layouts, f"mode {mode!r} declares no test_layouts"
     for layout in layouts:
-        world = lattice.plan(mode, **layout).topology.world_size
-        for rank in range(world):
+        pieces: dict[str, dict] = {}
+        for rank in range(lattice.plan(mode, **layout).topology.world_size):
             ctx = lattice.plan(mode, rank=rank, **layout)
             model = lattice.GPT(cfg, ctx)
             for name, shard in model.named_parameters():
-                spec = model.specs[name]
-                expected = spec.shard(serial[name].detach(), ctx.coords, ctx.topology)
-                assert torch.equal(shard.detach(), expected), (mode, layout, rank, name)
-            held = sum(1 for name, spec in model.specs.items() if spec.holds(ctx.coords))
-            assert held == len(dict(model.named_parameters())), (mode, layout, rank)
+                key = tuple(_mixed_radix(ctx, axes) for _, axes in model.specs[name].splits)
+                first = pieces.setdefault(name, {}).setdefault(key, shard.detach())
+                assert torch.equal(first, shard.detach()), (mode, layout, rank, name, "copies differ")
+            held = sum(1 for spec in model.specs.values() if spec.holds(ctx.coords))
+            assert held == len(dict(model.named_parameters())), (mode, layout, rank, "allocates what it does not hold")
+        assert sorted(pieces) == sorted(serial), (mode, layout)
+        for name, by_piece in pieces.items():
+            spec = model.specs[name]
+            whole = _join(by_piece, [d for d, _ in spec.splits])
+            true = tuple(slice(0, n) for n in spec.full_shape)
+            padding = whole.clone()
+            padding[true] = 0
+            assert not padding.any(), (mode, layout, name, "padding is not zero")
+            assert torch.equal(whole[true], serial[name]), (mode, layout, name)
+
+
+def _mixed_radix(ctx, axes) -> int:
+    k = 0
+    for axis in axes:
+        k = k * ctx.topology.size(axis) + ctx.coords.get(axis, 0)
+    return k

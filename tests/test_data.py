@@ -16,7 +16,9 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return load_corpus(VOCAB, cache=tmp_path_factory.mktemp("cache"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LATTICE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return load_corpus(VOCAB)
 
 
 def _ctx(dp: int, tp: int, rank: int) -> ParallelContext:
@@ -43,17 +45,18 @@ def test_tokenizer_round_trips_any_text(corpus):
     assert corpus.tokenizer.get_vocab_size() == VOCAB
 
 
-def test_cache_is_reused_and_keyed_by_vocab_size(tmp_path):
+def test_cache_is_reused_and_keyed_by_vocab_size(tmp_path, monkeypatch):
     """Catches a cache that is ignored, or one that serves ids of another vocabulary size."""
-    text = corpus_text()[:20_000]
-    first = load_corpus(300, text=text, cache=tmp_path)
+    monkeypatch.setenv("LATTICE_CACHE", str(tmp_path))
+    text = corpus_text()
+    first = load_corpus(300)
     entries = sorted(p.name for p in tmp_path.iterdir())
-    again = load_corpus(300, text=text, cache=tmp_path)
+    again = load_corpus(300)
     assert sorted(p.name for p in tmp_path.iterdir()) == entries and len(entries) == 1
     assert torch.equal(first.train, again.train) and torch.equal(first.val, again.val)
     ids = torch.tensor(again.encode(text))  # the cached ids are the tokenizer's encoding of the text
     assert torch.equal(torch.cat([again.train, again.val]), ids)
-    other = load_corpus(400, text=text, cache=tmp_path)
+    other = load_corpus(400)
     assert len(list(tmp_path.iterdir())) == 2
     assert len(other.train) + len(other.val) < len(ids)  # more merges, fewer tokens
 
@@ -112,7 +115,7 @@ def test_unigram_baseline_matches_direct_count(corpus):
     assert unigram_baseline(corpus) == pytest.approx(expect, rel=1e-9)
 
 
-def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path):
+def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path, monkeypatch):
     """Catches own data loaded into memory whole (no bounded memory for large corpora), tokens
     that differ from encoding the text directly, and batches built from other windows than the
     (seed, step) ones."""
@@ -122,7 +125,8 @@ def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path):
 
     (tmp_path / "a.txt").write_text("Sphinx of black quartz, judge my vow. " * 200)
     (tmp_path / "b.txt").write_text("How vexingly quick daft zebras jump! " * 200)
-    corpus = load_data_corpus(str(tmp_path / "*.txt"), 300, cache=tmp_path / "cache")
+    monkeypatch.setenv("LATTICE_CACHE", str(tmp_path / "cache"))
+    corpus = load_data_corpus(str(tmp_path / "*.txt"), 300)
     assert isinstance(corpus.train, np.memmap) and corpus.train.dtype == np.uint16
     text = (tmp_path / "a.txt").read_text() + "\n\n" + (tmp_path / "b.txt").read_text()
     direct = corpus.tokenizer.encode((tmp_path / "a.txt").read_text()).ids + corpus.tokenizer.encode("\n\n").ids \

@@ -101,31 +101,6 @@ def test_layout_equals_transformers(layout):
     print(f"{layout}: loss {max(r[0] for r in results):.1e}, worst gradient {max(r[1] for r in results):.1e}")
 
 
-def _train(layout, steps, lr):
-    ctx = cached_init(**layout) if layout["mode"] != "serial" else lattice.plan("serial")
-    cfg = LlamaConfig(**CFG)
-    model = lattice.build_model(cfg, ctx)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        losses.append(model.forward_backward(_tokens(step % 4), _tokens(100 + step % 4)))
-        opt.step()
-    return losses
-
-
-@pytest.mark.parametrize("layout", [dict(mode="2d", tp=4), dict(mode="3d", tp=8)], ids=["2d-q2", "3d-q2"])
-def test_adamw_30_steps_float32_follow_serial(layout):
-    """Catches drift one step hides (a norm weight or a kv segment updated on one rank only):
-    30 float32 AdamW steps from the same initial weights follow serial's losses within 1e-5."""
-    ref = _train(dict(mode="serial"), 30, 3e-3)
-    results = run_distributed(lattice.plan(**layout).world_size, _train, layout, 30, 3e-3)
-    diff = max(abs(a - b) for losses in results for a, b in zip(losses, ref))
-    print(f"{layout['mode']}: serial {ref[0]:.6f} -> {ref[-1]:.6f}, max |diff| over 30 steps {diff:.2e}")
-    assert ref[-1] < ref[0] - 0.5, "the reference did not train: the comparison would be vacuous"
-    assert diff < 1e-5
-
-
 @pytest.mark.parametrize("change, layout, match", [
     (dict(n_kv_heads=3), dict(mode="serial"), "n_kv_heads = 3 does not divide n_heads = 8"),
     (dict(n_heads=6), dict(mode="serial"), "d_model = 32 is not divisible by n_heads = 6"),

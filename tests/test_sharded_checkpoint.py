@@ -269,6 +269,11 @@ def _bad_sharded(good: Path, d: Path) -> dict[str, str]:
     marker = copy("other_model") / sharded.MARKER
     record = json.loads(marker.read_text())
     marker.write_text(json.dumps({**record, "model_config": {**record["model_config"], "d_model": 96}}))
+    # the index rewritten but still readable: one key renamed, the length and the pickle intact
+    index = copy("rewritten_index") / ".metadata"
+    raw = index.read_bytes()
+    assert raw.count(b"exp_avg_sq") > 0
+    index.write_bytes(raw.replace(b"exp_avg_sq", b"exp_avg_sQ", 1))
     forged = copy("forged_index")
     (forged / ".metadata").write_bytes(pickle.dumps(Boom()))
     record = json.loads((forged / sharded.MARKER).read_text())
@@ -280,7 +285,8 @@ def _bad_sharded(good: Path, d: Path) -> dict[str, str]:
 EXPECT = {"incomplete": "is incomplete", "truncated": "truncated", "flipped": "does not match its checksum",
           "missing_file": "lacks its file __0_0.distcp", "foreign": "not the marker of a lattice sharded checkpoint",
           "version": "format version", "other_model": "d_model 96 vs 48",
-          "forged_index": "cannot be read safely (posix.system is not part of a checkpoint index)"}
+          "forged_index": "cannot be read safely (posix.system is not part of a checkpoint index)",
+          "rewritten_index": ".metadata does not match its checksum"}
 
 
 def _resume_errors(paths: dict[str, str]) -> dict[str, str | None]:
@@ -298,7 +304,9 @@ def _resume_errors(paths: dict[str, str]) -> dict[str, str | None]:
 def test_bad_sharded_checkpoints_fail_in_one_line_on_every_rank(good_sharded, tmp_path):
     """Catches a damaged sharded checkpoint that hangs a rank in DCP's collectives, loads
     silently (a flipped bit, a cut file), runs code from a forged index (DCP itself unpickles it
-    with plain pickle), or is refused on one rank and accepted on the other."""
+    with plain pickle), trusts an index rewritten but still readable (its CRC never checked: a
+    renamed key would surface later as a missing tensor, or load into the wrong place), or is
+    refused on one rank and accepted on the other."""
     per_rank = run_distributed(2, _resume_errors, _bad_sharded(good_sharded, tmp_path))
     assert per_rank[0] == per_rank[1]
     for name, msg in per_rank[0].items():
