@@ -142,7 +142,12 @@ class Mode:
         `head_counts()`) cannot be split into whole heads per rank by this layout."""
 
     def check_batch(self, tokens: torch.Tensor) -> None:
-        """Raise LatticeConfigError when a batch's shape does not fit this layout."""
+        """Raise LatticeConfigError when a batch's shape does not fit this layout. A check only:
+        it changes nothing (launcher, planner and every rank call it alike)."""
+
+    def begin_batch(self, batch: int, seq: int) -> None:
+        """What a (batch, seq) replica batch (a micro-batch under pipelining) sets up before its
+        forward runs, after `check_batch` passed: none by default."""
 
     # ---- building blocks
     #: mesh axes the attention heads are split over (each rank holding whole heads), and the

@@ -63,9 +63,8 @@ SUB, MEM = MeshAxis.SUBGRID, MeshAxis.MEMBER
 
 class Segments:
     """This rank's place in the sub-grids, its rows of the replica batch, and the segmented
-    collectives over its cross-sub-grid group (the group along SUBGRID; group rank = k).
-    `batch` is the replica batch of the current step, recorded by SubGraph.check_batch (which
-    GPT.forward calls first): an idle rank of D&SP-cSub needs it to size what it receives."""
+    collectives over its cross-sub-grid group (along SUBGRID; group rank = k). `batch`: the step's
+    replica batch (SubGraph.begin_batch), which sizes what an idle rank of D&SP-cSub receives."""
 
     def __init__(self, mode: "SubGraph"):
         self.ctx = mode.ctx
@@ -138,8 +137,6 @@ class Segments:
 
 
 # ----------------------------------------------------------------------------- common layers
-
-
 class Embedding(serial.Embedding):
     """Token (+ position) embedding of this rank's common rows: tokens (B, T) -> (rows, T, h)."""
 
@@ -212,8 +209,6 @@ class LMHead(TiedHead):
 
 
 # ----------------------------------------------------------------------------- branch layers
-
-
 class BranchLinear(nn.Module):
     """A projection inside the attention branch (projections="branch"): sub-grid k's columns
     (Position.IN: q, k, v of its heads) or rows (Position.OUT: the output projection over its
@@ -270,8 +265,6 @@ class SlicedProjection(CommonLinear):
 
 
 # ----------------------------------------------------------------------------- the mode
-
-
 @register
 class SubGraph(Mode):
     """Mesh axes SUBGRID (g) x MEMBER (n_g = tp/g) inside each data-parallel replica."""
@@ -333,7 +326,9 @@ class SubGraph(Mode):
         divisible("batch size", b, per, "the ranks running the common layers",
                   f"the common layers split each replica's batch over {what}: give each replica a multiple "
                   f"of {per} sequences (for example {nearby_multiples(b, per)})")
-        self.seg.batch = b
+
+    def begin_batch(self, batch, seq):  # the idle ranks of D&SP-cSub size what they receive by it
+        self.seg.batch = batch
 
     # heads: sub-grid k's block; the members of a sub-grid run other sequences
     head_axes, attention_batch_axes = (SUB,), (MEM,)

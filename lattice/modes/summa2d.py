@@ -276,7 +276,9 @@ class Summa2D(Mode):
         q, b = self.q, tokens.shape[0]
         divisible("batch size", b, q, "the 2D mesh side q",
                   f"give each replica a multiple of {q} sequences (for example {nearby_multiples(b, q)})")
-        self.grid.workspace.reserve(*self.workspace_plan(tokens.shape[0], tokens.shape[1]))
+
+    def begin_batch(self, batch, seq):
+        self.grid.workspace.reserve(*self.workspace_plan(batch, seq))
 
     def table_spec(self) -> ShardSpec:
         """(V, h) in q x q blocks, V padded with zero rows to a multiple of q."""
