@@ -1,5 +1,7 @@
-"""The trainer: AdamW, warmup + cosine schedule, sharded gradient clipping, data-parallel
-gradient sync through DDP, bf16 autocast, validation, metrics CSV and exact-resume checkpoints.
+"""The trainer: one step (data-parallel gradient sync through DDP, or by buckets under a pipeline;
+bf16 autocast; clipping at the global norm; AdamW, warmup + cosine from lattice.optim), the loop
+(validation, lattice.metrics' reports, signals, heartbeat) and exact-resume checkpoints; and the
+free `evaluate` that `lattice eval` uses.
 
     ctx = lattice.init("1d", tp=2, dp=2)
     result = Trainer(TrainConfig(steps=200, out_dir="runs/x"), ctx).fit()
