@@ -94,6 +94,24 @@ def test_config_file_round_trip_and_command_line_override(tmp_path, capsys):
     assert "unknown keys ['stepz']" in capsys.readouterr().err
 
 
+def test_batch_is_the_global_batch_in_plan_as_in_train(capsys):
+    """Catches `plan --batch` meaning sequences per replica while train's --batch is the global
+    batch of one step: with --dp 2, plan's replicas compute on half of it (the tensor-parallel
+    figures of --dp 2 --batch 8 are those of --dp 1 --batch 4), and a batch the replicas cannot
+    split is refused in one line."""
+    def figures(argv):
+        assert cli.main(["plan", "--mode", "1d", "--tp", "2", *argv]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return lines[1], [line for line in lines if line.strip().startswith("forward ")]
+
+    (head_dp2, forward_dp2), (head_dp1, forward_dp1) = figures(["--dp", "2", "--batch", "8"]), figures(["--batch", "4"])
+    assert head_dp2.startswith("batch 4 x ") and head_dp1.startswith("batch 4 x ")
+    assert forward_dp2 and forward_dp2 == forward_dp1
+    assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--dp", "2", "--batch", "7"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and "global batch" in out and "multiple of 2" in out
+
+
 def test_plan_machine_from_a_file_or_refused_in_one_line(tmp_path, capsys):
     """Catches `plan --machine FILE` treating the path as JSON text (a traceback)."""
     machine = tmp_path / "m.json"

@@ -56,7 +56,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--d-model", type=int, default=None, help="width (default: the preset's)")
     p.add_argument("--n-heads", type=int, default=None, help="attention heads (default: the preset's)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="global batch: sequences per step of the one replica the --nproc ranks form (default 8)")
     p.add_argument("--modes", default=None,
                    help="comma-separated, from: " + ", ".join([REFERENCE_MODE, *parallel_modes(), *variants(), "dtensor"])
                         + " (default: every registered mode and dtensor)")

@@ -37,7 +37,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-heads", type=int, default=None)
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--batch", type=int, default=8, help="sequences per replica")
+    p.add_argument("--batch", type=int, default=8,
+                   help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
     add_mode_option_flags(p)
@@ -69,20 +70,24 @@ def run_plan(args) -> int:
     try:
         cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
                            n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len)
+        if args.batch < 1 or args.batch % args.dp:
+            raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
+                                     f"{args.dp} replicas; use a positive multiple of {args.dp}")
+        batch = args.batch // args.dp  # per replica, what one replica's ranks compute on
         if args.table1:
-            print(format_table1(args.batch, cfg.seq_len, cfg.d_model, args.tp))
+            print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
             return 0
         options = given_mode_options(args)
         machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
         if args.splits:
-            print(format_splits(cfg, args.mode, args.splits, batch=args.batch, machine=machine,
+            print(format_splits(cfg, args.mode, args.splits, batch=batch, machine=machine,
                                 schedule=args.pp_schedule, microbatches=args.microbatches, **options))
             return 0
         if args.pp > 1:
-            print(format_pipeline(cfg, args.mode, tp=args.tp, pp=args.pp, batch=args.batch, machine=machine,
+            print(format_pipeline(cfg, args.mode, tp=args.tp, pp=args.pp, batch=batch, machine=machine,
                                   schedule=args.pp_schedule, microbatches=args.microbatches, **options))
             return 0
-        c = estimate(cfg, args.mode, batch=args.batch, tp=args.tp, dp=args.dp, rank=args.rank,
+        c = estimate(cfg, args.mode, batch=batch, tp=args.tp, dp=args.dp, rank=args.rank,
                      dtype=torch.bfloat16 if args.bf16 else torch.float32,
                      activation_checkpointing=args.activation_checkpointing,
                      ranks_per_node=args.ranks_per_node, placement=args.placement, **options)
