@@ -31,6 +31,7 @@ from lattice.models import DEFAULT_ARCH, build_model, get_arch
 from lattice.metrics import Metrics, step_flops
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
 from lattice.pipeline import check_batch as check_pipeline_batch
+from lattice.run_checkpoints import RunCheckpoints
 
 DATA_FORMATS = ("text", "jsonl")
 CHECKPOINT_FORMATS = ("sharded", "single")  # every rank writes its shards (DCP), or one file of full tensors
@@ -194,13 +195,12 @@ class Trainer:
                                         weight_decay=cfg.weight_decay)
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
         self._saved_step = None  # the step of the last checkpoint written or loaded
+        self.checkpoints = RunCheckpoints(cfg, ctx, self.model, self.optimizer, self.model_config)
         if ckpt is not None:
-            self._load(ckpt)
-        self.async_writer = None
+            self.step, self.elapsed = self.checkpoints.restore(ckpt)
+            self._saved_step = self.step
         if cfg.async_checkpoint and cfg.out_dir:
-            from lattice.sharded_checkpoint import AsyncWriter
-
-            self.async_writer = AsyncWriter()  # a collective: its own process group
+            self.checkpoints.start_async()
         self.engine = self.model
         if ctx.dp > 1 and ctx.pipeline is None:
             from torch.nn.parallel import DistributedDataParallel
@@ -309,8 +309,7 @@ class Trainer:
         if out:
             if self._saved_step != self.step:
                 self.save(out)
-            if self.async_writer:
-                self.async_writer.wait()  # the last checkpoint is complete when fit returns
+            self.checkpoints.wait()  # the last checkpoint is complete when fit returns
         return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
                 "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
 
@@ -325,63 +324,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike) -> Path:
         """Write a layout-independent checkpoint of this step (a collective: every rank must call
-        it): sharded (every rank writes its own shards into PATH/checkpoints/step-N, keeping the
-        newest `keep`; on a background thread with `async_checkpoint`) or, with checkpoint_format
-        "single", one file of full tensors written by rank 0 (PATH/ckpt.pt for a directory). Weights
-        or moments holding NaN or infinity anywhere are refused on every rank and nothing is written.
-        Returns where the checkpoint is (being) written."""
-        moments = [t for state in self.optimizer.state.values() for k, t in state.items() if k != "step"]
-        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in [*self.model.parameters(), *moments]))],
-                           device=self.ctx.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            raise faults.TrainingStopped(f"step {self.step}: the weights or optimizer moments hold NaN or infinity; "
-                                         f"refusing to save over the last checkpoint in {path}")
+        it); see lattice.run_checkpoints. Returns where it is (being) written."""
+        where = self.checkpoints.save(path, step=self.step, elapsed=self.elapsed)
         self._saved_step = self.step
-        meta = {
-            "step": self.step,
-            "elapsed_s": self.elapsed,
-            "arch": self.cfg.arch,
-            "model_config": self.model_config.to_dict(),
-            "train_config": asdict(self.cfg),
-            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp, "pp": self.ctx.pp,
-                       **self.ctx.options},
-            "forward_count": self.model.seeds.forward_count,
-        }
-        if self.cfg.checkpoint_format == "single":
-            return self._save_single(path, meta)
-        from lattice import sharded_checkpoint as sharded
-
-        steps = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
-        meta.update(optimizer_step=max(steps, default=0), rng={"torch": sharded.encode_rng(torch.get_rng_state())})
-        if self.async_writer is not None:  # copy now; the thread writes the copy while training goes on
-            state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps), staged=True)
-            self.async_writer.submit(Path(path), meta, state, keep=self.cfg.keep)
-            return Path(path) / sharded.SUBDIR / sharded.step_name(self.step)
-        state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps))
-        return sharded.write(Path(path), meta, state, keep=self.cfg.keep)
-
-    def _save_single(self, path, meta: dict) -> Path:
-        payload = {**meta, "model": self.model.full_state_dict(),
-                   "optimizer": checkpoint.gather_optimizer(self.model, self.optimizer),
-                   "rng": {"torch": torch.get_rng_state()}}
-        target = checkpoint.single_file(path)
-        if self.ctx.rank == 0:
-            checkpoint.save(payload, target)
-        if self.ctx.world_size > 1:
-            dist.barrier()  # the file exists for every rank once save returns
-        return target
-
-    def _load(self, ckpt: dict) -> None:
-        """This rank's shard of every saved tensor: sliced from full tensors (a single-file
-        checkpoint, no communication) or read by DCP (sharded, a collective)."""
-        checkpoint.load_into(ckpt, self.model, self.optimizer)
-        self.step = self._saved_step = int(ckpt["step"])
-        self.elapsed = float(ckpt.get("elapsed_s", 0.0))
-        self.model.seeds.forward_count = int(ckpt.get("forward_count", self.step))
-        rng = ckpt.get("rng", {}).get("torch")
-        if rng is not None:
-            from lattice.sharded_checkpoint import decode_rng
-
-            torch.set_rng_state(decode_rng(rng) if isinstance(rng, str) else rng)
+        return where

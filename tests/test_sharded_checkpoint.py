@@ -215,7 +215,7 @@ def test_async_save_writes_its_step_while_training_goes_on(tmp_path, monkeypatch
     trainer.train_step()  # two steps while the checkpoint of step 2 is still being written
     assert not sharded.complete(tmp_path)
     release.set()
-    assert trainer.async_writer.wait().name == "step-00000002"
+    assert trainer.checkpoints.async_writer.wait().name == "step-00000002"
     resumed = Trainer(TrainConfig(**TINY), lattice.init("serial"), resume=tmp_path)
     assert resumed.step == 2
     for name, p in resumed.model.named_parameters():
