@@ -98,7 +98,7 @@ def test_batch_is_the_global_batch_in_plan_as_in_train(capsys):
     """Catches `plan --batch` meaning sequences per replica while train's --batch is the global
     batch of one step: with --dp 2, plan's replicas compute on half of it (the tensor-parallel
     figures of --dp 2 --batch 8 are those of --dp 1 --batch 4), and a batch the replicas cannot
-    split is refused in one line."""
+    split, or a --dp below 1, is refused in one line."""
     def figures(argv):
         assert cli.main(["plan", "--mode", "1d", "--tp", "2", *argv]) == 0
         lines = capsys.readouterr().out.splitlines()
@@ -110,6 +110,9 @@ def test_batch_is_the_global_batch_in_plan_as_in_train(capsys):
     assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--dp", "2", "--batch", "7"]) == 2
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0 and "global batch" in out and "multiple of 2" in out
+    assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--dp", "0"]) == 2  # not a division by zero
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and "dp must be a positive integer" in out
 
 
 def test_plan_machine_from_a_file_or_refused_in_one_line(tmp_path, capsys):

@@ -70,10 +70,11 @@ def run_plan(args) -> int:
     try:
         cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
                            n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len)
-        if args.batch < 1 or args.batch % args.dp:
+        replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
+        if args.batch < 1 or args.batch % replicas:
             raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
-                                     f"{args.dp} replicas; use a positive multiple of {args.dp}")
-        batch = args.batch // args.dp  # per replica, what one replica's ranks compute on
+                                     f"{replicas} replicas; use a positive multiple of {replicas}")
+        batch = args.batch // replicas  # per replica, what one replica's ranks compute on
         if args.table1:
             print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
             return 0
