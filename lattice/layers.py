@@ -189,6 +189,14 @@ def normalize_split_hidden(x: torch.Tensor, group, h: int, eps: float, kind: str
     return _NormalizeSplitHidden.apply(x, group, h, eps, kind == "rms")
 
 
+def rows_on_every_rank(local: torch.Tensor, rows: slice, batch: int, group) -> torch.Tensor:
+    """The (batch, ...) tensor whose `rows` are this rank's `local` (the ranks of `group` holding
+    disjoint rows, some none), identical on every rank: each rank's rows placed in zeros and summed
+    by one all-reduce, exact since every other rank adds zeros there. No autograd (inference)."""
+    pad = [0, 0] * (local.dim() - 1) + [rows.start, batch - rows.stop]
+    return comm.raw_all_reduce(F.pad(local, pad), group)
+
+
 def pool_pieces(piece: torch.Tensor | None, rows: slice, cols: slice, batch: int, width: int, group) -> torch.Tensor:
     """One position of the residual stream, (batch, width), identical on every rank of `group`,
     from each rank's piece of it (rows x cols of the whole, zeros padded around it; `piece` an

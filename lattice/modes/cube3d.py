@@ -43,12 +43,12 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
-                            pool_pieces, register_linear, round_up, split_segments, vocab_table_spec)
+                            pool_pieces, register_linear, round_up, rows_on_every_rank, split_segments,
+                            vocab_table_spec)
 from lattice.loss import vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
@@ -291,8 +291,8 @@ class LMHead(TiedHead):
         c, q, b = self.cube, self.q, x.shape[0]
         local = comm.all_gather(self._local_logits(x), c.group(CJ), 1)[:, : self.vocab_size]  # (b·T, V)
         piece = c.i * q + c.l
-        full = F.pad(local.view(b, x.shape[1], -1), (0, 0, 0, 0, piece * b, (q * q - 1 - piece) * b))
-        return comm.raw_all_reduce(full, c.group(CI, CL))
+        return rows_on_every_rank(local.view(b, x.shape[1], -1), slice(piece * b, (piece + 1) * b), q * q * b,
+                                  c.group(CI, CL))
 
 
 @register

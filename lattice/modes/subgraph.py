@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.layers import (TiedHead, idle_output, linear_params, local_linear, pool_pieces, register_linear,
-                            register_weight_and_bias, split_segments)
+                            register_weight_and_bias, rows_on_every_rank, split_segments)
 from lattice.modes import register, serial
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.sharding import ShardSpec
@@ -205,7 +205,7 @@ class LMHead(TiedHead):
         B = self.seg.batch
         rows = self.seg.common_rows(B)
         local = self._local_logits(x) if self.seg.runs_common else x.new_zeros(0, x.shape[1], self.vocab_size)
-        return comm.raw_all_reduce(F.pad(local, (0, 0, 0, 0, rows.start, B - rows.stop)), self.ctx.tensor_group())
+        return rows_on_every_rank(local, rows, B, self.ctx.tensor_group())
 
 
 # ----------------------------------------------------------------------------- branch layers
