@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from lattice.context import LatticeConfigError
-from lattice.layout import PIPELINE_OPTIONS
+from lattice.layout import PIPELINE_OPTIONS, PLACEMENTS
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import REFERENCE_MODE, available_modes
 from lattice.options import add_mode_option_flags, given_mode_options
@@ -32,7 +32,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False
                    help="send 1/tp of a replicated residual between stages and all-gather it (default on)")
     add_mode_option_flags(p)
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for placement")
-    p.add_argument("--placement", choices=("natural", "topology"), default="natural")
+    p.add_argument("--placement", choices=PLACEMENTS, default=PLACEMENTS[0])
     p.add_argument("--model", default=None, metavar="PRESET",
                    help="size preset of the family (default its default, e.g. small for gpt2; " +
                         "; ".join(f"{a}: {', '.join(get_arch(a).config_class.presets)}" for a in available_archs()) + ")")
@@ -43,7 +43,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from lattice.train import CHECKPOINT_FORMATS, DATA_FORMATS, DTYPES, TrainConfig
+    from lattice.train import CHECKPOINT_FORMATS, DATA_FORMATS, DTYPES, ON_NAN, TrainConfig
 
     d = TrainConfig()
     add_layout_arguments(p)
@@ -80,7 +80,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="a run directory (its newest complete checkpoint), a checkpoint directory or a ckpt.pt")
-    p.add_argument("--on-nan", choices=("stop", "skip"), default=d.on_nan,
+    p.add_argument("--on-nan", choices=ON_NAN, default=d.on_nan,
                    help="a non-finite loss or gradient norm stops the run (default) or skips the step")
     p.add_argument("--dist-timeout", type=float, default=d.dist_timeout,
                    help="seconds a collective waits for the other ranks before the run fails and names the stalled "

@@ -8,7 +8,7 @@ SUPER's message counts.
 from __future__ import annotations
 
 from lattice.arguments import layout_kwargs
-from lattice.layout import make_topology
+from lattice.layout import PLACEMENTS, make_topology
 from lattice.models import DEFAULT_ARCH
 
 
@@ -86,7 +86,7 @@ def _print_message_counts(args, topo) -> None:
 
     kw = layout_kwargs(args)
     layouts = {}
-    for placement in ("natural", "topology") if topo.pp_size == 1 else ("natural",):
+    for placement in PLACEMENTS if topo.pp_size == 1 else PLACEMENTS[:1]:
         layouts[placement], _ = make_topology(args.mode, **{**kw, "placement": placement})
     print(f"messages of one collective over each axis, {topo.ranks_per_node} ranks per node "
           f"(intra-node / inter-node; SUPER Eq. 3):")

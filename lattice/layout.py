@@ -49,6 +49,7 @@ def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str) -> di
     return out
 
 
+PLACEMENTS = ("natural", "topology")  # ranks in mesh order, or the mode's topology-aware grid
 PIPELINE_OPTIONS = ("microbatches", "pp_schedule", "pp_virtual", "pp_layers", "pp_scatter_gather")
 
 
@@ -102,8 +103,8 @@ def _layout(mode: str, *, tp: int, dp: int, pp: int, ranks_per_node: int | None,
     axes = ((MeshAxis.DP, dp),) + (((MeshAxis.PP, pp),) if pp > 1 else ()) + tuple(tp_axes)
     world = math.prod(s for _, s in axes)
     rpn = ranks_per_node or world
-    if placement not in ("natural", "topology"):
-        raise LatticeConfigError(f"placement must be 'natural' or 'topology', got {placement!r}")
+    if placement not in PLACEMENTS:
+        raise LatticeConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     grid = mode_cls.rank_grid(axes, rpn, placement, options) if placement == "topology" else _natural_grid(world)
     return Topology(mode=mode, axes=axes, rank_grid=tuple(grid), ranks_per_node=rpn), options, pipeline
 

@@ -36,6 +36,7 @@ from lattice.run_checkpoints import RunCheckpoints
 DATA_FORMATS = ("text", "jsonl")
 CHECKPOINT_FORMATS = ("sharded", "single")  # every rank writes its shards (DCP), or one file of full tensors
 DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
+ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run, or skip the step
 
 
 @dataclass
@@ -91,8 +92,8 @@ class TrainConfig:
             raise LatticeConfigError(f"lr must be positive, got {self.lr}")
         if self.data_format not in DATA_FORMATS:
             raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
-        if self.on_nan not in ("stop", "skip"):
-            raise LatticeConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
+        if self.on_nan not in ON_NAN:
+            raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise LatticeConfigError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
         if self.async_checkpoint and self.checkpoint_format != "sharded":

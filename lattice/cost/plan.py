@@ -13,6 +13,7 @@ import torch
 
 from lattice.context import LatticeConfigError
 from lattice.data import DEFAULT_VOCAB
+from lattice.layout import PLACEMENTS
 from lattice.cost.machine import PAPER_CLUSTER, Machine, message_steps, wire_factor
 from lattice.cost.model import Cost, estimate
 from lattice.cost.pipeline import in_flight, pipeline_projection
@@ -43,7 +44,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true")
     add_mode_option_flags(p)
     p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--placement", choices=("natural", "topology"), default="natural")
+    p.add_argument("--placement", choices=PLACEMENTS, default=PLACEMENTS[0])
     p.add_argument("--machine", default=None, metavar="JSON",
                    help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
                         "default: the papers' 4-GPU-node cluster")
