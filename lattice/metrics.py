@@ -46,7 +46,7 @@ class Metrics:
             self.csv_file = _open_csv(out, step)
             self.csv = csv.DictWriter(self.csv_file, fieldnames=METRIC_COLUMNS)
             self.board = _tensorboard(out)
-        self.step_flops = None
+        self._flops_per_step = None
 
     def say(self, text: str) -> None:
         """A line above the bar (printed even where the bar is disabled)."""
@@ -76,12 +76,12 @@ class Metrics:
         for key in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
             if row.get(key) is not None:
                 board.add_scalar(f"train/{key}", row[key], step)
-        if self.step_flops is None:
-            self.step_flops = self.flops()
+        if self._flops_per_step is None:
+            self._flops_per_step = self.flops()
         seconds = self.tokens_per_step / row["tokens_per_s"]
-        board.add_scalar("perf/tflops_per_rank", self.step_flops / seconds / 1e12, step)
+        board.add_scalar("perf/tflops_per_rank", self._flops_per_step / seconds / 1e12, step)
         if self.peak_tflops:
-            board.add_scalar("perf/mfu", self.step_flops / seconds / (self.peak_tflops * 1e12), step)
+            board.add_scalar("perf/mfu", self._flops_per_step / seconds / (self.peak_tflops * 1e12), step)
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
