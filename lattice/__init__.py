@@ -2,11 +2,11 @@
 
 from lattice.comm import CommMeter
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
-from lattice.layout import init, plan
+from lattice.layout import Layout, init, plan
 from lattice.models import available_archs, build_model, from_hf, get_arch
 from lattice.models.gpt2 import GPT, GPTConfig
 from lattice.modes import available_modes
 
-__all__ = ["init", "plan", "ParallelContext", "Topology", "MeshAxis", "LatticeConfigError", "GPT", "GPTConfig",
+__all__ = ["init", "plan", "Layout", "ParallelContext", "Topology", "MeshAxis", "LatticeConfigError", "GPT", "GPTConfig",
            "build_model", "from_hf", "get_arch", "available_archs", "CommMeter", "available_modes"]
 __version__ = "0.1.0"

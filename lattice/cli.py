@@ -29,15 +29,19 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lattice.arguments import (add_layout_arguments, add_train_arguments, config_toml, layout_kwargs,
-                               resolved_config, train_config, with_config_file)
+from lattice.arguments import (add_layout_arguments, add_train_arguments, config_toml, layout_from_args,
+                               run_config, train_config, with_config_file)
 from lattice.context import LatticeConfigError
 from lattice.inference import add_inference_arguments, run_inference
 from lattice.info import run_info
 from lattice.launch import launch_local
-from lattice.layout import make_topology
+from lattice.layout import Layout
 from lattice.models import DEFAULT_ARCH
+
+if TYPE_CHECKING:
+    from lattice.train import TrainConfig
 
 # subcommands whose arguments and implementation live in another module, imported only when used
 # (so that `lattice train` does not import the benchmark's plotting)
@@ -52,76 +56,53 @@ DELEGATED = {
 # ----------------------------------------------------------------------------- train
 
 
-def _check_before_launch(args) -> None:
-    """Everything that can be refused without processes, so a bad request fails once, in one
-    line, instead of in every child's traceback."""
-    import torch
-
-    from lattice.context import MeshAxis
-    from lattice.layout import plan
-    from lattice.modes import get_mode
-    from lattice.pipeline import check_batch as check_pipeline_batch
-
-    topo, _ = make_topology(args.mode, **layout_kwargs(args))
-    if args.nproc != topo.world_size:
-        axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
-        raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: mode {args.mode!r} with {axes} "
-                                 f"has {topo.world_size} ranks; use --nproc {topo.world_size} or change --tp/--dp/--pp")
-    ckpt = _resume_checkpoint(args)
-    tcfg = train_config(args)
-    cfg = tcfg.model_config()
-    ctx = plan(args.mode, **layout_kwargs(args))
-    mode = get_mode(args.mode)(cfg, ctx)  # the mode's size checks
-    if ctx.pipeline is not None:
-        ctx.pipeline.chunks(cfg.n_layers)  # the stage split
-    if tcfg.batch_size % topo.size(MeshAxis.DP) == 0:  # (the trainer words the other case)
-        replica = torch.zeros(tcfg.batch_size // topo.size(MeshAxis.DP), cfg.seq_len, dtype=torch.int64)
-        mode.check_batch(replica)
-        if ctx.pipeline is not None:
-            check_pipeline_batch(ctx.pipeline, mode, replica)
-    _check_out_dir_and_resume(args, tcfg, cfg, ckpt)
-
-
-def _resume_checkpoint(args) -> dict | None:
-    """The checkpoint --resume names (validated), and the family: --arch, else the run's, else
-    the default."""
-    from lattice import checkpoint
-
-    ckpt = checkpoint.read(args.resume) if args.resume else None
-    if args.arch is None:
-        args.arch = checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH
-    return ckpt
-
-
-def _check_out_dir_and_resume(args, tcfg, cfg, ckpt) -> None:
-    """The out-dir (usable, not in use by another run) and the checkpoint to resume, if any. On
-    every rank before any process group exists, and in the launcher before any process starts."""
+def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, dict | None]:
+    """A train request checked whole without processes: the layout (and, with `nproc`, the
+    processes the launcher is about to start), the checkpoint to resume and its family, the run's
+    data, every size (lattice.train.check_run), the out-dir. Changes nothing (the out-dir is
+    created if missing); the launcher runs it before starting processes and every rank before
+    any process group exists, so a bad request fails in one line, the same everywhere.
+    Returns (layout, train config, checkpoint or None)."""
     from lattice import checkpoint, faults
+    from lattice.train import check_run
 
+    layout = layout_from_args(args)
+    if nproc is not None and nproc != layout.world_size:
+        axes = " x ".join(f"{a.value}={s}" for a, s in layout.topology.axes)
+        raise LatticeConfigError(f"--nproc {nproc} does not match the layout: mode {layout.mode!r} with {axes} has "
+                                 f"{layout.world_size} ranks; use --nproc {layout.world_size} or change --tp/--dp/--pp")
+    ckpt = checkpoint.read(args.resume) if args.resume else None
+    where = checkpoint.resolve(args.resume) if ckpt is not None else None
+    saved = ckpt.get("train_config", {}) if ckpt is not None else {}
+    arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
+    tcfg = train_config(args, arch=arch, **_recorded_data(args, saved, where))
+    cfg = tcfg.model_config()
+    check_run(tcfg, cfg, layout.context())
     if args.out_dir:
         out = faults.check_out_dir(args.out_dir, checkpoint.FILENAME)
         faults.RunLock(out).probe()
     if ckpt is not None:
-        where = checkpoint.resolve(args.resume)
         checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
-        faults.check_schedule(ckpt.get("train_config", {}), asdict(tcfg), args.allow_config_change, where)
-        _continue_on_recorded_data(args, ckpt.get("train_config", {}), where)
+        faults.check_schedule(saved, asdict(tcfg), args.allow_config_change, where)
+    return layout, tcfg, ckpt
 
 
-def _continue_on_recorded_data(args, saved: dict, where) -> None:
+def _recorded_data(args, saved: dict, where) -> dict:
     """Without --data, a resumed run continues on the data it was trained on (and refuses it if
-    the files changed since); --data given explicitly trains on that instead."""
+    the files changed since): the TrainConfig fields that say so. --data given explicitly trains
+    on that instead."""
     from lattice.data import data_hash
 
     if args.data is not None or not saved.get("data"):
-        return
-    args.data, args.data_format = saved["data"], saved.get("data_format", "text")
-    args.text_key, args.tokenizer = saved.get("text_key", "text"), saved.get("tokenizer")
-    now = data_hash(args.data, args.data_format, args.text_key)
+        return {}
+    data = dict(data=saved["data"], data_format=saved.get("data_format", "text"), text_key=saved.get("text_key", "text"),
+                tokenizer=saved.get("tokenizer"))
+    now = data_hash(data["data"], data["data_format"], data["text_key"])
     if saved.get("data_hash") and now != saved["data_hash"]:
-        raise LatticeConfigError(f"the data {args.data} changed since {where} was saved (content hash "
-                                 f"{saved['data_hash']} then, {now} now); pass --data {args.data} to train on it as "
+        raise LatticeConfigError(f"the data {data['data']} changed since {where} was saved (content hash "
+                                 f"{saved['data_hash']} then, {now} now); pass --data {data['data']} to train on it as "
                                  f"it is, or restore the original files")
+    return data
 
 
 def cmd_train(args, argv: list[str]) -> int:
@@ -135,30 +116,26 @@ def cmd_train(args, argv: list[str]) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise LatticeConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc and args.nproc > 1 and not launched:
-        _check_before_launch(args)
-        train_config(args).corpus()  # build the tokenizer and token cache once, here, not on every rank
+        _, tcfg, _ = check_train(args, nproc=args.nproc)
+        tcfg.corpus()  # build the tokenizer and token cache once, here, not on every rank
         return launch_local(args.nproc, argv, args.out_dir)
     if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
         raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                                  f"drop --nproc when launching with torchrun")
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
-    ckpt = _resume_checkpoint(args)
-    tcfg = train_config(args)
-    cfg = tcfg.model_config()
-    _check_out_dir_and_resume(args, tcfg, cfg, ckpt)  # every rank, before any process group exists
-    tcfg = train_config(args)  # with the recorded data of a resumed run
-    ctx = lattice.init(args.mode, seed=args.seed, timeout=args.dist_timeout, **layout_kwargs(args))
+    layout, tcfg, ckpt = check_train(args)  # every rank, before any process group exists
+    ctx = lattice.init(layout, seed=tcfg.seed, timeout=tcfg.dist_timeout)
     lock = None
     try:
         if ctx.rank == 0:
-            print("config: " + ", ".join(f"{k}={v}" for k, v in resolved_config(args).items()), flush=True)
+            print("config: " + ", ".join(f"{k}={v}" for k, v in run_config(layout, tcfg).items()), flush=True)
         if ctx.rank == 0 and args.out_dir:
             out = Path(args.out_dir)
             lock = faults.RunLock(out).acquire()
             faults.remove_stale_temps(out, checkpoint.FILENAME)
             sharded_checkpoint.remove_partial(out)
-            (out / "config.toml").write_text(config_toml(args))
+            (out / "config.toml").write_text(config_toml(run_config(layout, tcfg)))
         trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
         if ctx.rank == 0 and args.out_dir:  # the run directory describes itself: tokenizer and data
             trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
@@ -221,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     try:
         if getattr(args, "config", None):
-            args = with_config_file(build_parser(command), argv, args.config)
+            args = with_config_file(argv, args.config)
+            args.command = "train"
         if args.command == "train":
             return cmd_train(args, argv)
         if args.command == "info":

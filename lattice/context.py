@@ -200,6 +200,8 @@ class ParallelContext:
     pipeline: Any = None  # lattice.pipeline.PipelineConfig | None
     #: with pp > 2 and tied embeddings: the group of this tensor position's first and last stage
     embedding_group: Any = None
+    #: the lattice.layout.Layout this context was built from (None for a context built by hand)
+    layout: Any = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.topology.world_size:

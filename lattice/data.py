@@ -237,11 +237,16 @@ def check_batch_size(corpus: Corpus, batch_size: int, seq_len: int, dp: int) -> 
         _check_batch(batch_size, seq_len, dp, tokens, split)
 
 
-def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, split: str):
+def check_batch_split(batch_size: int, dp: int) -> None:
+    """Refuse a global batch that does not split evenly over dp replicas."""
     if batch_size % dp:
         lower = batch_size - batch_size % dp
         raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of "
                                  f"{dp} (for example {lower or dp} or {lower + dp})")
+
+
+def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, split: str):
+    check_batch_split(batch_size, dp)
     if len(tokens) < seq_len + 1:
         raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
                                  f"{seq_len + 1}; use a shorter seq_len or a larger corpus")

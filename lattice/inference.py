@@ -11,10 +11,9 @@ import math
 import os
 import sys
 
-from lattice.arguments import add_layout_arguments, layout_kwargs
+from lattice.arguments import add_layout_arguments, layout_from_args
 from lattice.context import LatticeConfigError
 from lattice.launch import launch_local
-from lattice.layout import make_topology
 from lattice.models import get_arch
 
 
@@ -41,7 +40,6 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
 def load_for_inference(args, plan_only: bool = False):
     """The checkpoint, its model config and the layout; with plan_only, only validate them."""
     from lattice import checkpoint
-    from lattice.layout import plan
     from lattice.modes import get_mode
 
     ckpt = checkpoint.read(args.run)
@@ -50,12 +48,11 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
                                  f"read from it) or pass another run")
     cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
-    get_mode(args.mode)(cfg, plan(args.mode, **layout_kwargs(args)))  # the mode's size checks
-    if plan_only:
-        topo, _ = make_topology(args.mode, **layout_kwargs(args))
-        if args.nproc != topo.world_size:
-            raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {topo.world_size} ranks; "
-                                     f"use --nproc {topo.world_size}")
+    layout = layout_from_args(args)
+    get_mode(layout.mode)(cfg, layout.context())  # the mode's size checks
+    if plan_only and args.nproc != layout.world_size:
+        raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {layout.world_size} ranks; "
+                                 f"use --nproc {layout.world_size}")
     return ckpt, cfg
 
 
@@ -88,7 +85,7 @@ def run_inference(args, argv: list[str]) -> int:
         load_for_inference(args, plan_only=True)  # the checkpoint and the layout, before any process starts
         return launch_local(args.nproc, argv)
     ckpt, cfg = load_for_inference(args)
-    ctx = lattice.init(args.mode, seed=args.seed, **layout_kwargs(args))
+    ctx = lattice.init(layout_from_args(args), seed=args.seed)
     try:
         if args.command == "eval":
             from lattice.train import TrainConfig, evaluate, model_and_batches

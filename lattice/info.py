@@ -7,8 +7,8 @@ SUPER's message counts.
 
 from __future__ import annotations
 
-from lattice.arguments import layout_kwargs
-from lattice.layout import PLACEMENTS, make_topology
+from lattice.arguments import layout_from_args
+from lattice.layout import PLACEMENTS
 from lattice.models import DEFAULT_ARCH
 
 
@@ -22,11 +22,9 @@ def run_info(args) -> int:
     import torch
 
     from lattice.cost.plan import model_config
-    from lattice.layout import plan
     from lattice.models import build_model
 
-    kw = layout_kwargs(args)
-    ctx = plan(args.mode, **kw)
+    ctx = layout_from_args(args).context()
     topo = ctx.topology
     arch = args.arch or DEFAULT_ARCH
     cfg = model_config(arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
@@ -84,10 +82,8 @@ def _print_message_counts(args, topo) -> None:
     placement and the other one."""
     from lattice.cost import count_messages
 
-    kw = layout_kwargs(args)
-    layouts = {}
-    for placement in PLACEMENTS if topo.pp_size == 1 else PLACEMENTS[:1]:
-        layouts[placement], _ = make_topology(args.mode, **{**kw, "placement": placement})
+    layouts = {placement: layout_from_args(args, placement=placement).topology
+               for placement in (PLACEMENTS if topo.pp_size == 1 else PLACEMENTS[:1])}
     print(f"messages of one collective over each axis, {topo.ranks_per_node} ranks per node "
           f"(intra-node / inter-node; SUPER Eq. 3):")
     for axis in topo.model_axes:

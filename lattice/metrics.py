@@ -21,12 +21,8 @@ def step_flops(model_config, ctx, *, batch_size: int, activation_checkpointing: 
     global batch `batch_size`, from the cost model."""
     from lattice.cost import estimate
 
-    pcfg = ctx.pipeline
-    stages = {} if pcfg is None else dict(
-        pp=ctx.pp, microbatches=pcfg.microbatches, pp_schedule=pcfg.schedule, pp_virtual=pcfg.virtual,
-        pp_layers=pcfg.layers, pp_scatter_gather=pcfg.scatter_gather)
-    c = estimate(model_config, ctx.mode, batch=batch_size // ctx.dp, tp=ctx.tp, dp=ctx.dp, rank=ctx.rank,
-                 activation_checkpointing=activation_checkpointing, **stages, **ctx.options)
+    c = estimate(model_config, ctx.layout, batch=batch_size // ctx.dp, rank=ctx.rank,
+                 activation_checkpointing=activation_checkpointing)
     return c.flops["forward"] + c.flops["backward"]
 
 

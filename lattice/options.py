@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+from dataclasses import field
 
 from lattice.context import LatticeConfigError
 from lattice.modes import available_modes, get_mode
@@ -47,3 +48,9 @@ def given_mode_options(args) -> dict:
         except (ValueError, SyntaxError):
             opts[key] = value
     return opts
+
+
+def flag(default, help: str, **meta):
+    """A dataclass field that is also a command-line flag (see lattice.arguments.add_flags):
+    `help` its help, and optionally `choices` (a callable giving them), `metavar`, `alias`."""
+    return field(default=default, metadata={"flag": help, **meta})

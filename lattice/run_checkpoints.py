@@ -53,8 +53,7 @@ class RunCheckpoints:
             "arch": self.cfg.arch,
             "model_config": self.model_config.to_dict(),
             "train_config": asdict(self.cfg),
-            "layout": {"mode": self.ctx.mode, "tp": self.ctx.tp, "dp": self.ctx.dp, "pp": self.ctx.pp,
-                       **self.ctx.options},
+            "layout": self.ctx.layout.record(),
             "forward_count": self.model.seeds.forward_count,
         }
         if self.cfg.checkpoint_format == "single":

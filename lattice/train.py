@@ -25,10 +25,12 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, load_data_corpus,
+from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, check_batch_split, load_corpus, load_data_corpus,
                           train_batch, unigram_baseline, val_batches)
-from lattice.models import DEFAULT_ARCH, build_model, get_arch
+from lattice.models import DEFAULT_ARCH, available_archs, build_model, get_arch
+from lattice.modes import get_mode
 from lattice.metrics import Metrics, step_flops
+from lattice.options import flag
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
 from lattice.pipeline import check_batch as check_pipeline_batch
 from lattice.run_checkpoints import RunCheckpoints
@@ -43,43 +45,55 @@ ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run,
 class TrainConfig:
     """Everything about a run except the layout (which is the ParallelContext's)."""
 
-    arch: str = DEFAULT_ARCH  # the model family (lattice.available_archs())
-    model: str | None = None  # a size preset of the family (None: the family's default preset)
-    d_model: int | None = None  # shape overrides of the preset (None: the preset's)
-    n_layers: int | None = None
-    n_heads: int | None = None
-    seq_len: int | None = None
-    vocab_size: int = DEFAULT_VOCAB
-    data: str | None = None  # own text: a file, a directory or a glob (None: the built-in corpus)
-    data_format: str = "text"  # or "jsonl"
-    text_key: str = "text"  # the field of each JSON line
-    tokenizer: str | None = None  # a tokenizer.json (or a directory holding one); None: train a BPE
+    # Each field with `flag` metadata is a `lattice train` flag (lattice.arguments derives them;
+    # `--config` TOML keys and the checkpoint's recorded train_config use the same names).
+    arch: str = flag(DEFAULT_ARCH, "model family (default gpt2; with --resume, the run's)", choices=available_archs)
+    model: str | None = flag(None, "size preset of the family (default its default, e.g. small for gpt2)",
+                             metavar="PRESET")
+    d_model: int | None = flag(None, "width (default: the preset's)")
+    n_layers: int | None = flag(None, "transformer blocks (default: the preset's)")
+    n_heads: int | None = flag(None, "attention heads (default: the preset's)")
+    seq_len: int | None = flag(None, "context length (default: the preset's)")
+    vocab_size: int = flag(DEFAULT_VOCAB, "BPE vocabulary of the built-in corpus")
+    data: str | None = flag(None, "train on your own text: a file, a directory of files or a glob (default: the "
+                                  "built-in corpus)", metavar="PATH")
+    data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS)
+    text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)")
+    tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
+                                       "trained on the data)", metavar="PATH")
     data_hash: str | None = None  # identity of the text trained on (set by the trainer)
-    dropout: float = 0.0
-    steps: int = 300
-    batch_size: int = 16  # global: split over data-parallel replicas
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
-    warmup: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
-    seed: int = 0
-    eval_interval: int = 100
-    eval_batches: int = 8
-    bf16: bool = False
-    activation_checkpointing: bool = False
-    out_dir: str | None = None  # checkpoint and metrics.csv go here (rank 0 writes)
-    checkpoint_interval: int = 100  # steps between checkpoints; 0 = only at the end
-    checkpoint_format: str = "sharded"  # every rank writes its shards (DCP), or "single": one file of full tensors
-    keep: int = 3  # sharded checkpoints kept in out_dir/checkpoints (the newest); 0 keeps all
-    async_checkpoint: bool = False  # write sharded checkpoints on a background thread while training goes on
-    dtype: str = "float32"  # of the weights and optimizer state ("float64" for exact comparisons); see bf16
-    progress: bool = True
-    on_nan: str = "stop"  # a non-finite gradient norm: "stop" the run, or "skip" the step
-    dist_timeout: float = 300.0  # seconds a collective may wait before the run fails
-    peak_tflops: float | None = None  # per rank, for the MFU in TensorBoard (None: FLOP rate only)
+    dropout: float = flag(0.0, "dropout probability")
+    steps: int = flag(300, "optimizer steps")
+    batch_size: int = flag(16, "global batch: sequences per optimizer step, split over --dp replicas", alias="--batch")
+    lr: float = flag(2e-3, "peak learning rate")
+    min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this")
+    warmup: int = flag(30, "linear warmup steps")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings)")
+    beta1: float = flag(0.9, "AdamW beta1")
+    beta2: float = flag(0.95, "AdamW beta2")
+    grad_clip: float = flag(1.0, "max global gradient norm; 0 turns clipping off")
+    seed: int = flag(0, "seed of the weights, data order and dropout")
+    eval_interval: int = flag(100, "steps between validations")
+    eval_batches: int = flag(8, "validation batches")
+    bf16: bool = flag(False, "bf16 autocast")
+    activation_checkpointing: bool = flag(False, "recompute each block in backward")
+    out_dir: str | None = flag(None, "where checkpoints and metrics.csv go (rank 0 writes metrics)",
+                               alias="--checkpoint-dir")
+    checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)")
+    checkpoint_format: str = flag(CHECKPOINT_FORMATS[0], "sharded: every rank writes its own shards into "
+                                  "OUT/checkpoints/step-N (torch.distributed.checkpoint); single: rank 0 writes "
+                                  "OUT/ckpt.pt of full tensors", choices=lambda: CHECKPOINT_FORMATS)
+    keep: int = flag(3, "keep the newest K sharded checkpoints (0 keeps all)", metavar="K")
+    async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on")
+    dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
+                      choices=lambda: DTYPES)
+    progress: bool = flag(True, "the progress bar")
+    on_nan: str = flag(ON_NAN[0], "a non-finite loss or gradient norm stops the run or skips the step",
+                       choices=lambda: ON_NAN)
+    dist_timeout: float = flag(300.0, "seconds a collective waits for the other ranks before the run fails and "
+                                      "names the stalled rank")
+    peak_tflops: float | None = flag(None, "peak TFLOP/s of one device, for the model FLOP utilisation logged to "
+                                           "TensorBoard")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
@@ -132,15 +146,27 @@ def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ck
     model_config = cfg.model_config(corpus.vocab_size)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
+    check_run(cfg, model_config, ctx)
     check_batch_size(corpus, cfg.batch_size, model_config.seq_len, ctx.dp)
     model = build_model(model_config, ctx, dtype=getattr(torch, cfg.dtype),
                         activation_checkpointing=cfg.activation_checkpointing)
     val_set = val_batches(corpus, ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
                           num_batches=cfg.eval_batches)
-    model.mode.check_batch(val_set[0][0])  # the mode's own constraints (e.g. b % q)
-    if ctx.pipeline is not None:
-        check_pipeline_batch(ctx.pipeline, model.mode, val_set[0][0])
     return model_config, model, val_set
+
+
+def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
+    """Every size of a run against its layout: the global batch over the replicas, the model
+    against the mode, the replica's batch against the mode and the pipeline, the blocks over the
+    stages. Pure (no process group, nothing allocated or changed), so that the launcher (with a
+    planned context), every rank and the trainer refuse the same request in the same words."""
+    check_batch_split(cfg.batch_size, ctx.dp)
+    mode = get_mode(ctx.mode)(model_config, ctx)  # the mode's size checks
+    replica = torch.zeros(cfg.batch_size // ctx.dp, model_config.seq_len, dtype=torch.int64)
+    mode.check_batch(replica)  # the mode's own constraints (e.g. b % q)
+    if ctx.pipeline is not None:
+        ctx.pipeline.chunks(model_config.n_layers)  # the stage split
+        check_pipeline_batch(ctx.pipeline, mode, replica)
 
 
 def autocast(ctx: ParallelContext, bf16: bool):

@@ -173,11 +173,7 @@ def test_point_to_point_elements_equal_the_formula(layout):
     cfg = _cfg(tie_embeddings=False)
     world = layout.get("tp", 1) * layout["pp"]
     for stage, sent in run_distributed(world, _metered_step, layout):
-        kw = dict(layout)
-        ctx = lattice.plan(rank=0, **kw)
-        expect = p2p_elements(cfg, kw.pop("mode"), tp=kw.pop("tp", 1), pcfg=ctx.pipeline, batch=BATCH,
-                                       stage=stage, **{k: v for k, v in kw.items() if k not in (
-                                           "pp", "microbatches", "pp_schedule", "pp_scatter_gather")})
+        expect = p2p_elements(cfg, lattice.Layout.of(**layout), batch=BATCH, stage=stage)
         assert sent == expect, (stage, sent, expect)
 
 

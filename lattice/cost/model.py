@@ -35,7 +35,7 @@ import torch
 from lattice.context import MeshAxis, Topology
 from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
 from lattice.cost.stages import pipeline_terms
-from lattice.layout import plan
+from lattice.layout import Layout, as_layout
 from lattice.models import build_model
 from lattice.sharding import grad_sum_buckets
 
@@ -152,18 +152,17 @@ class Cost:
         return out
 
 
-def estimate(cfg, mode: str, *, batch: int, seq: int | None = None, tp: int = 1, dp: int = 1, pp: int = 1,
-             dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-             ranks_per_node: int | None = None, placement: str = "natural", rank: int = 0,
-             **options) -> Cost:
-    """The analytic cost of one step of `mode` on `batch` sequences (per replica) of `seq` tokens,
-    for global rank `rank` (ranks differ where a mode hosts parameters on some ranks), of the
-    model `cfg` describes (any family). With pp > 1 (and the pipeline options) the rank runs
-    its stages' blocks (with the first part on the first stage, the head on the last) on each
-    of the m micro-batches of batch/m sequences, sends the residual point-to-point (see
-    lattice.cost.pipeline) and sums shared parameters' gradients between the end stages; the
-    activations are those of one micro-batch through its stages."""
-    ctx = plan(mode, tp=tp, dp=dp, pp=pp, ranks_per_node=ranks_per_node, placement=placement, rank=rank, **options)
+def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, dtype: torch.dtype = torch.float32,
+             activation_checkpointing: bool = False, rank: int = 0, **layout_kwargs) -> Cost:
+    """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
+    keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
+    (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
+    family). With pp > 1 the rank runs its stages' blocks (with the first part on the first
+    stage, the head on the last) on each of the m micro-batches of batch/m sequences, sends the
+    residual point-to-point (see lattice.cost.pipeline) and sums shared parameters' gradients
+    between the end stages; the activations are those of one micro-batch through its stages."""
+    ctx = as_layout(layout, layout_kwargs).context(rank)
+    mode = ctx.mode
     with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
         model = build_model(cfg, ctx)
     itemsize = torch.empty((), dtype=dtype).element_size()

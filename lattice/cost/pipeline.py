@@ -8,25 +8,24 @@ import dataclasses
 from lattice.cost.machine import Machine
 from lattice.cost.model import estimate
 from lattice.cost.stages import stage_sends
-from lattice.layout import plan
+from lattice.layout import Layout
 from lattice.modes import get_mode
 from lattice.pipeline import PipelineConfig
 
 
-def p2p_piece(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, seq: int | None = None,
-              **options) -> float:
-    """Elements of one micro-batch's residual piece that a tensor rank sends to the next stage:
-    B/m · T · h over the layout's residual split (the cost model's figure), divided by the t
-    tensor ranks that replicate it under the scatter/gather optimisation."""
-    piece = estimate(cfg, mode, batch=batch // pcfg.m, seq=seq, tp=tp, **options).residual_elements
-    replicated = get_mode(mode)(cfg, plan(mode, tp=tp, **options)).residual_replicated
-    return piece / tp if pcfg.scatter_gather and replicated and tp > 1 else piece
+def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> float:
+    """Elements of one micro-batch's residual piece that a tensor rank of the pipelined `layout`
+    sends to the next stage: B/m · T · h over the layout's residual split (the cost model's
+    figure), divided by the t tensor ranks that replicate it under the scatter/gather optimisation."""
+    pcfg, stage = layout.pipeline, layout.stage_layout()
+    piece = estimate(cfg, stage, batch=batch // pcfg.m, seq=seq).residual_elements
+    replicated = get_mode(layout.mode)(cfg, stage.context()).residual_replicated
+    return piece / layout.tp if pcfg.scatter_gather and replicated and layout.tp > 1 else piece
 
 
-def p2p_elements(cfg, mode: str, *, tp: int, pcfg: PipelineConfig, batch: int, stage: int, seq: int | None = None,
-                 **options) -> dict[str, float]:
+def p2p_elements(cfg, layout: Layout, *, batch: int, stage: int, seq: int | None = None) -> dict[str, float]:
     """What one rank of `stage` sends point-to-point in one step (see p2p_piece, stage_sends)."""
-    return stage_sends(pcfg, stage, p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, seq=seq, **options))
+    return stage_sends(layout.pipeline, stage, p2p_piece(cfg, layout, batch=batch, seq=seq))
 
 
 def in_flight(pcfg: PipelineConfig, stage: int) -> int:
@@ -41,26 +40,25 @@ def in_flight(pcfg: PipelineConfig, stage: int) -> int:
     return min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)
 
 
-def pipeline_projection(cfg, mode: str, *, tp: int, pp: int, batch: int, machine: Machine,
-                        schedule: str = "1f1b", microbatches: int | None = None, **options) -> dict:
+def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) -> dict:
     """One step of tp x pp ranks per replica (papers/002 §2.2, §3): each stage runs its L/pp
     blocks on micro-batches of B/m sequences under the tensor layout (this module's estimate,
     forward and backward; the embedding on the first stage and the head on the last); the
     schedule takes (m + p - 1) micro-batch slots of the slowest stage, (m + (p - 1)/v) with
     interleaving; each slot adds the point-to-point transfer of one residual piece (scatter /
     gather applied) over the link between stages; the AdamW update follows."""
+    tp, pp, stage = layout.tp, layout.pp, layout.stage_layout()
     if pp == 1:  # no pipeline: the whole batch through the tensor layout
-        c = estimate(cfg, mode, batch=batch, tp=tp, **options)
+        c = estimate(cfg, stage, batch=batch)
         return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": c.time(machine)["step"]}
-    ctx = plan(mode, tp=tp, pp=pp, microbatches=microbatches, pp_schedule=schedule, **options)
-    pcfg = ctx.pipeline
+    pcfg = layout.pipeline
     chunks = pcfg.chunks(cfg.n_layers)
     blocks = max(len(c) for c in chunks)
     stage_cfg = dataclasses.replace(cfg, n_layers=blocks)
-    c = estimate(stage_cfg, mode, batch=batch // pcfg.m, tp=tp, **options)
+    c = estimate(stage_cfg, stage, batch=batch // pcfg.m)
     t = c.time(machine)
     slot = t["forward"] + t["backward"]  # one micro-batch through the slowest chunk (head included: an upper bound)
-    piece = p2p_piece(cfg, mode, tp=tp, pcfg=pcfg, batch=batch, **options)
+    piece = p2p_piece(cfg, layout, batch=batch)
     stage_p2p = [stage_sends(pcfg, s, piece) for s in range(pp)]
     inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
     alpha, beta = (machine.alpha_inter, machine.beta_inter) if inter else (machine.alpha_intra, machine.beta_intra)
@@ -68,7 +66,7 @@ def pipeline_projection(cfg, mode: str, *, tp: int, pp: int, batch: int, machine
     slots = pcfg.m * pcfg.v + pp - 1
     pipeline_time = slots * (slot / pcfg.v + hop)
     update = t["update"] / pp
-    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": schedule, "bubble": pcfg.bubble(),
+    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
             "slot_s": slot / pcfg.v, "p2p_s": hop, "step_s": pipeline_time + update, "stage_p2p": stage_p2p,
             "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
             "pcfg": pcfg}

@@ -13,22 +13,19 @@ import torch
 
 from lattice.context import LatticeConfigError
 from lattice.data import DEFAULT_VOCAB
-from lattice.layout import PLACEMENTS
+from lattice.arguments import add_layout_flags, layout_from_args
+from lattice.layout import PIPELINE_SETTINGS, Layout
 from lattice.cost.machine import PAPER_CLUSTER, Machine, message_steps, wire_factor
 from lattice.cost.model import Cost, estimate
 from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
-from lattice.modes import available_modes, parallel_modes
-from lattice.options import add_mode_option_flags, given_mode_options
-from lattice.pipeline import SCHEDULES
+from lattice.modes import parallel_modes
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    add_layout_flags(p, mode=parallel_modes()[0], tp=4)
     p.add_argument("--arch", default=DEFAULT_ARCH, choices=available_archs(), help=f"model family (default {DEFAULT_ARCH})")
-    p.add_argument("--mode", default=parallel_modes()[0], choices=available_modes())
-    p.add_argument("--tp", type=int, default=4, help="ranks per model replica")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--rank", type=int, default=0, help="which rank's share to show")
     p.add_argument("--model", default=None, metavar="PRESET",
                    help="size preset of the family (default its default preset, e.g. small for gpt2)")
@@ -42,15 +39,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
-    add_mode_option_flags(p)
-    p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--placement", choices=PLACEMENTS, default=PLACEMENTS[0])
     p.add_argument("--machine", default=None, metavar="JSON",
                    help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
                         "default: the papers' 4-GPU-node cluster")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the cost above is then per micro-batch and stage)")
-    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step with --pp (default pp)")
-    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--splits", type=int, default=None, metavar="N",
                    help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
     p.add_argument("--table1", action="store_true",
@@ -79,20 +70,18 @@ def run_plan(args) -> int:
         if args.table1:
             print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
             return 0
-        options = given_mode_options(args)
         machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
         if args.splits:
-            print(format_splits(cfg, args.mode, args.splits, batch=batch, machine=machine,
-                                schedule=args.pp_schedule, microbatches=args.microbatches, **options))
+            print(format_splits(cfg, args.splits, batch=batch, machine=machine,
+                                layout_of=lambda tp, pp: layout_from_args(
+                                    args, tp=tp, pp=pp, **({} if pp > 1 else dict.fromkeys(PIPELINE_SETTINGS)))))
             return 0
+        layout = layout_from_args(args)
         if args.pp > 1:
-            print(format_pipeline(cfg, args.mode, tp=args.tp, pp=args.pp, batch=batch, machine=machine,
-                                  schedule=args.pp_schedule, microbatches=args.microbatches, **options))
+            print(format_pipeline(cfg, layout, batch=batch, machine=machine))
             return 0
-        c = estimate(cfg, args.mode, batch=batch, tp=args.tp, dp=args.dp, rank=args.rank,
-                     dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                     activation_checkpointing=args.activation_checkpointing,
-                     ranks_per_node=args.ranks_per_node, placement=args.placement, **options)
+        c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                     activation_checkpointing=args.activation_checkpointing)
     except LatticeConfigError as e:
         print(f"lattice plan: {e}")
         return 2
@@ -156,8 +145,9 @@ def format_cost(c: Cost, machine: Machine) -> str:
     return "\n".join(lines)
 
 
-def format_pipeline(cfg, mode: str, *, tp: int, pp: int, batch: int, machine: Machine, **kw) -> str:
-    r = pipeline_projection(cfg, mode, tp=tp, pp=pp, batch=batch, machine=machine, **kw)
+def format_pipeline(cfg, layout: Layout, *, batch: int, machine: Machine) -> str:
+    r = pipeline_projection(cfg, layout, batch=batch, machine=machine)
+    mode, tp, pp = layout.mode, layout.tp, layout.pp
     pcfg = r["pcfg"]
     virtual = f" (v={r['v']})" if r["v"] > 1 else ""
     lines = [f"{mode} tp={tp} x pp={pp}, {cfg}", f"batch {batch} per replica in {r['m']} micro-batches of "
@@ -180,12 +170,16 @@ def format_pipeline(cfg, mode: str, *, tp: int, pp: int, batch: int, machine: Ma
     return "\n".join(lines)
 
 
-def format_splits(cfg, mode: str, ranks: int, *, batch: int, machine: Machine, **kw) -> str:
-    """Megatron-LM's Fig. 9 as a projection: every tp x pp = ranks the layout and model allow."""
+def format_splits(cfg, ranks: int, *, batch: int, machine: Machine, layout_of) -> str:
+    """Megatron-LM's Fig. 9 as a projection: every tp x pp = ranks the layout and model allow;
+    `layout_of(tp, pp)` gives the Layout of each split."""
     rows = []
+    mode = None
     for pp in [d for d in range(1, ranks + 1) if ranks % d == 0]:
         try:
-            rows.append(pipeline_projection(cfg, mode, tp=ranks // pp, pp=pp, batch=batch, machine=machine, **kw))
+            layout = layout_of(ranks // pp, pp)
+            mode = layout.mode
+            rows.append(pipeline_projection(cfg, layout, batch=batch, machine=machine))
         except LatticeConfigError as e:
             rows.append({"tp": ranks // pp, "pp": pp, "error": str(e)})
     lines = [f"{mode}: tp x pp = {ranks} ranks per replica, {cfg}, batch {batch}, on {machine.name}",
