@@ -94,6 +94,39 @@ def test_config_file_round_trip_and_command_line_override(tmp_path, capsys):
     assert "unknown keys ['stepz']" in capsys.readouterr().err
 
 
+def _other_value(f, default):
+    """A valid value of a TrainConfig flag field other than its default."""
+    kind = f.type.split(" |")[0]
+    if "choices" in f.metadata:
+        others = [c for c in f.metadata["choices"]() if c != default]
+        return others[0] if f.name != "checkpoint_format" else default  # (async checkpoints need "sharded")
+    return {"bool": lambda: not default, "int": lambda: (default or 0) + 2, "float": lambda: (default or 0) + 0.5,
+            "str": lambda: f"{default or ''}x"}[kind]()
+
+
+def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
+    """Catches a Layout or TrainConfig field that the flags, the run's config.toml or `--config`
+    drop or rename (a field read back at its default instead of the run's value): a run with
+    every field away from its default is written as config.toml and read back through
+    `--config` to the same Layout and TrainConfig."""
+    from dataclasses import fields
+
+    from lattice.arguments import config_toml, layout_from_args, run_config, train_config, with_config_file
+    from lattice.train import TrainConfig
+
+    layout = lattice.Layout("1d", tp=2, dp=2, pp=2, microbatches=4, pp_schedule="interleaved", pp_virtual=2,
+                            pp_layers=(1, 2, 1, 1), pp_scatter_gather=False, options={"sequence_parallel": True},
+                            ranks_per_node=2)
+    set_by_the_trainer = {"data_hash"}
+    changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_by_the_trainer}
+    changed.update(arch="llama", model="tiny", batch_size=8)
+    tcfg = TrainConfig(**changed)
+    (tmp_path / "run.toml").write_text(config_toml(run_config(layout, tcfg)))
+    args = with_config_file(["train", "--config", str(tmp_path / "run.toml")], str(tmp_path / "run.toml"))
+    assert layout_from_args(args) == layout
+    assert train_config(args) == tcfg
+
+
 def test_batch_is_the_global_batch_in_plan_as_in_train(capsys):
     """Catches `plan --batch` meaning sequences per replica while train's --batch is the global
     batch of one step: with --dp 2, plan's replicas compute on half of it (the tensor-parallel
