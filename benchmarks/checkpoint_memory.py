@@ -10,9 +10,10 @@ and the largest local shard. Phases:
 
 - sharded save: every rank writes its own chunks (lattice.sharded_checkpoint.write);
 - sharded load: every rank reads its own regions back (DCP), into the same layout;
-- single save: the full-tensor path of `--checkpoint-format single` (weights and moments gathered,
-  rank 0 writes one file);
-- single load: `checkpoint.read` of that file (each rank reads it whole) and slicing its shards.
+- single save: one file of full tensors (weights and moments gathered, rank 0 writes it), the
+  form `lattice convert` exports;
+- single load: `checkpoint.read` of that file (each rank reads it whole) and slicing its weights'
+  shards, as `generate` and `eval` load it.
 
 Linux only (VmHWM and clear_refs). The workers run with MALLOC_MMAP_THRESHOLD_=1 MiB so that
 buffers larger than that are returned to the kernel when freed and the high-water mark counts
@@ -89,7 +90,7 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str, results):
 
     def single_load():
         holder["ckpt"] = checkpoint.read(root / "ckpt.pt")
-        checkpoint.load_into(holder["ckpt"], model, opt)
+        checkpoint.load_into(holder["ckpt"], model)  # weights only: training resumes sharded checkpoints
         holder.clear()
 
     row["single_load"] = _measure(single_load)

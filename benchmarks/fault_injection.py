@@ -2,7 +2,7 @@
 
     python benchmarks/fault_injection.py --trials 8 --steps 1500 --checkpoint-interval 3
     python benchmarks/fault_injection.py --trials 5 --nproc 2 --mode 1d --tp 2
-    python benchmarks/fault_injection.py --trials 5 --checkpoint-format single --async-checkpoint
+    python benchmarks/fault_injection.py --trials 5 --async-checkpoint
 
 Each trial starts `lattice train` (resuming from the out-dir when it holds a checkpoint), waits
 a random time, and kills the whole job with SIGKILL (mid-step, mid-save or mid-evaluation alike).
@@ -33,7 +33,7 @@ def _command(args, out: Path, resume: bool) -> list[str]:
     cmd = [sys.executable, "-m", "lattice", "train", "--model", "tiny", "--vocab-size", "512", "--batch-size", "4",
            "--eval-batches", "1", "--eval-interval", "50", "--no-progress", "--steps", str(args.steps),
            "--checkpoint-interval", str(args.checkpoint_interval), "--mode", args.mode, "--tp", str(args.tp),
-           "--out-dir", str(out), "--checkpoint-format", args.checkpoint_format]
+           "--out-dir", str(out)]
     if args.async_checkpoint:
         cmd.append("--async-checkpoint")
     if args.nproc > 1:
@@ -54,7 +54,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--checkpoint-format", choices=("sharded", "single"), default="sharded")
     ap.add_argument("--async-checkpoint", action="store_true")
     ap.add_argument("--max-wait", type=float, default=4.0, help="kill within this many seconds of a start")
     args = ap.parse_args(argv)

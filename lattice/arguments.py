@@ -127,8 +127,13 @@ def with_config_file(argv: list[str], path: str) -> argparse.Namespace:
     add_train_arguments(parser)
     known = set(vars(parser.parse_args([]))) - {"config"}
     given = {k.replace("-", "_"): v for k, v in values.items()}
-    if "no_progress" in given:  # config.toml of runs before the flags were derived from TrainConfig
+    # config.toml of runs before the flags were derived from TrainConfig and training wrote only
+    # sharded checkpoints
+    if "no_progress" in given:
         given["progress"] = not given.pop("no_progress")
+    if given.pop("checkpoint_format", "sharded") != "sharded":
+        raise LatticeConfigError(f"--config {path} asks for checkpoint_format = \"single\"; training writes sharded "
+                                 f"checkpoints only: drop the key, and export one file with `lattice convert RUN RUN.pt`")
     unknown = sorted(set(given) - known)
     if unknown:
         raise LatticeConfigError(f"--config {path} has unknown keys {unknown}; use the names of `lattice train` "

@@ -1,10 +1,12 @@
-"""Checkpoints that do not depend on the layout they were written under, in two forms:
-sharded (every rank writes its own shards; lattice.sharded_checkpoint, the default) and the
-single file of full tensors below. `read`, `resolve` and `load_into` take either.
+"""Checkpoints that do not depend on the layout they were written under. Training writes and
+resumes one form, sharded (every rank writes its own shards; lattice.sharded_checkpoint). The
+single file of full tensors below is `lattice convert`'s export and import form (and what runs
+before the sharded form wrote as OUT/ckpt.pt): `lattice train --resume` converts one into a
+sharded checkpoint first, `generate` and `eval` load its weights directly. `read`, `resolve`
+and `load_into` take either.
 
 A single-file checkpoint holds FULL tensors keyed by the serial parameter names: the weights
-(`model.full_state_dict()`) and AdamW's moments gathered with the same shard specs. Loading keeps
-this rank's shard of each, so a run saved under one mode / tp / dp resumes under any other.
+and AdamW's moments.
 
     {"format": "lattice-checkpoint", "version": 1, "step": int,
      "model_config": {...}, "train_config": {...},
@@ -12,8 +14,8 @@ this rank's shard of each, so a run saved under one mode / tp / dp resumes under
      "rng": {"torch": uint8 tensor}, "forward_count": int,
      "checksums": {"model/<name>" | "optimizer/<moment>/<name>": CRC-32 of the tensor's bytes}}
 
-Rank 0 writes (to a temporary file, then `os.replace`, so a crash never leaves half a file under
-the real name). Every rank reads and validates the file itself with `torch.load(weights_only=True)`
+It is written to a temporary file, then `os.replace`d, so a crash never leaves half a file under
+the real name. Every rank reads and validates the file itself with `torch.load(weights_only=True)`
 before any collective, so a missing, truncated or foreign file fails with the same one-line
 `LatticeConfigError` everywhere instead of leaving some ranks waiting in a collective.
 """
@@ -79,16 +81,15 @@ def full_model(ckpt: dict) -> dict[str, torch.Tensor]:
     return ckpt["model"]
 
 
-def load_into(ckpt: dict, model, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Give the model (and the optimizer, if given) this rank's shards of a checkpoint that
-    `read` validated: sliced from full tensors without communication, or read by DCP (sharded:
-    a collective, every rank calls it)."""
+def load_into(ckpt: dict, model) -> None:
+    """Give the model this rank's shards of the weights of a checkpoint that `read` validated:
+    sliced from full tensors without communication, or read by DCP (sharded: a collective, every
+    rank calls it). (A training run's optimizer state is restored from sharded checkpoints only,
+    by lattice.run_checkpoints.)"""
     if is_sharded(ckpt):
-        sharded.load(ckpt, model, optimizer)
+        sharded.load(ckpt, model)
         return
     model.load_full_state_dict(ckpt["model"])
-    if optimizer is not None:
-        load_optimizer(model, optimizer, ckpt["optimizer"])
 
 
 def _tensors(payload: dict):
@@ -206,20 +207,3 @@ def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:
         if "step" in state:
             out["step"] = int(state["step"])
     return out
-
-
-@torch.no_grad()
-def load_optimizer(model, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Give every local parameter its shard of the saved moments (no communication)."""
-    params = dict(model.named_parameters())
-    ctx = model.ctx
-    for name, spec in model.specs.items():
-        if name not in params:
-            continue
-        p = params[name]
-        if saved["step"] == 0:
-            optimizer.state.pop(p, None)
-            continue
-        shard = {k: spec.shard(saved[k][name], ctx.coords, ctx.topology).to(p.device, p.dtype)
-                 for k in ("exp_avg", "exp_avg_sq")}
-        optimizer.state[p] = {"step": torch.tensor(float(saved["step"])), **shard}

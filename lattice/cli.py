@@ -82,9 +82,32 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
         out = faults.check_out_dir(args.out_dir, checkpoint.FILENAME)
         faults.RunLock(out).probe()
     if ckpt is not None:
+        if not checkpoint.is_sharded(ckpt) and not args.out_dir:
+            raise LatticeConfigError(f"{where} is a single-file checkpoint, which --resume converts into the run "
+                                     f"directory; pass --out-dir")
         checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
         faults.check_schedule(saved, asdict(tcfg), args.allow_config_change, where)
     return layout, tcfg, ckpt
+
+
+def _converted_to_sharded(ckpt: dict, where: Path, out: Path, ctx) -> dict:
+    """A single-file checkpoint (`lattice convert`'s export, or OUT/ckpt.pt of runs before
+    training wrote only sharded checkpoints) converted by rank 0 into OUT/checkpoints/step-N, as
+    `lattice convert` does; every rank then resumes that."""
+    import torch.distributed as dist
+
+    from lattice import checkpoint
+    from lattice import sharded_checkpoint as sharded
+    from lattice.convert import import_single
+
+    target = out / sharded.SUBDIR / sharded.step_name(int(ckpt["step"]))
+    if ctx.rank == 0:
+        import_single(ckpt, out)
+        print(f"converted the single-file checkpoint {where} into {target} (as `lattice convert` does); resuming "
+              f"from it", flush=True)
+    if ctx.world_size > 1:
+        dist.barrier()
+    return checkpoint.read(target)
 
 
 def _recorded_data(args, saved: dict, where) -> dict:
@@ -136,6 +159,8 @@ def cmd_train(args, argv: list[str]) -> int:
             faults.remove_stale_temps(out, checkpoint.FILENAME)
             sharded_checkpoint.remove_partial(out)
             (out / "config.toml").write_text(config_toml(run_config(layout, tcfg)))
+        if ckpt is not None and not checkpoint.is_sharded(ckpt):  # training resumes the sharded form
+            ckpt = _converted_to_sharded(ckpt, checkpoint.resolve(args.resume), Path(args.out_dir), ctx)
         trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
         if ctx.rank == 0 and args.out_dir:  # the run directory describes itself: tokenizer and data
             trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))

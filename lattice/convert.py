@@ -114,6 +114,17 @@ def _loaded(tensors: dict) -> dict[str, torch.Tensor]:
     return {k: t.load() if isinstance(t, hf.LazyTensor) else t for k, t in tensors.items()}
 
 
+def import_single(ckpt: dict, dst: Path) -> Path:
+    """A single-file checkpoint that `checkpoint.read` validated, written as a sharded checkpoint
+    in the run directory `dst` (weights, moments, RNG and counters exactly; in this process)."""
+    return _write_sharded(dst, *_full_tensors(ckpt))
+
+
+def export_single(ckpt: dict, dst: Path) -> Path:
+    """A sharded checkpoint that `checkpoint.read` validated, written as one file of full tensors."""
+    return _write_single(dst, *_full_tensors(ckpt))
+
+
 def _write_sharded(dst: Path, meta: dict, tensors: dict) -> Path:
     if dst.suffix == ".pt":
         raise LatticeConfigError(f"{dst} names a file, but a sharded checkpoint is a directory; pass a run directory "

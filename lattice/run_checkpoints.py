@@ -1,8 +1,9 @@
 """A training run's checkpoints: what one step's checkpoint records (step, time, family, model
 and train config, layout, dropout count, RNG, weights and AdamW moments), written sharded (every
 rank its own shards into OUT/checkpoints/step-N, the newest `keep` kept; on a background thread
-with async_checkpoint) or as one file of full tensors (OUT/ckpt.pt), and restored into a model and
-its optimizer in any layout. NaN or infinity anywhere is refused on every rank before anything is
+with async_checkpoint) and restored into a model and its optimizer in any layout. Training
+writes and resumes this one form; a single file of full tensors is `lattice convert`'s export
+and import (`lattice train --resume` converts one first). NaN or infinity anywhere is refused on every rank before anything is
 written, so that a diverged run never overwrites its last good checkpoint."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lattice import checkpoint, faults
+from lattice import faults
+from lattice import sharded_checkpoint as sharded
 
 
 class RunCheckpoints:
@@ -26,9 +28,7 @@ class RunCheckpoints:
 
     def start_async(self) -> None:
         """The background writer of async_checkpoint (a collective: its own process group)."""
-        from lattice.sharded_checkpoint import AsyncWriter
-
-        self.async_writer = AsyncWriter()
+        self.async_writer = sharded.AsyncWriter()
 
     def wait(self) -> None:
         """Until the last checkpoint submitted to the background writer is complete."""
@@ -36,9 +36,8 @@ class RunCheckpoints:
             self.async_writer.wait()
 
     def save(self, path: str | os.PathLike, *, step: int, elapsed: float) -> Path:
-        """Write the checkpoint of `step` (a collective: every rank must call it): sharded, or with
-        checkpoint_format "single" one file written by rank 0 (PATH/ckpt.pt for a directory).
-        Returns where it is (being) written."""
+        """Write the checkpoint of `step` into PATH/checkpoints/step-N (a collective: every rank
+        must call it). Returns where it is (being) written."""
         moments = [t for state in self.optimizer.state.values() for k, t in state.items() if k != "step"]
         bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in [*self.model.parameters(), *moments]))],
                            device=self.ctx.device)
@@ -56,10 +55,6 @@ class RunCheckpoints:
             "layout": self.ctx.layout.record(),
             "forward_count": self.model.seeds.forward_count,
         }
-        if self.cfg.checkpoint_format == "single":
-            return self._save_single(path, meta)
-        from lattice import sharded_checkpoint as sharded
-
         steps = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
         meta.update(optimizer_step=max(steps, default=0), rng={"torch": sharded.encode_rng(torch.get_rng_state())})
         if self.async_writer is not None:  # copy now; the thread writes the copy while training goes on
@@ -69,27 +64,13 @@ class RunCheckpoints:
         state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps))
         return sharded.write(Path(path), meta, state, keep=self.cfg.keep)
 
-    def _save_single(self, path, meta: dict) -> Path:
-        payload = {**meta, "model": self.model.full_state_dict(),
-                   "optimizer": checkpoint.gather_optimizer(self.model, self.optimizer),
-                   "rng": {"torch": torch.get_rng_state()}}
-        target = checkpoint.single_file(path)
-        if self.ctx.rank == 0:
-            checkpoint.save(payload, target)
-        if self.ctx.world_size > 1:
-            dist.barrier()  # the file exists for every rank once save returns
-        return target
-
     def restore(self, ckpt: dict) -> tuple[int, float]:
-        """This rank's shard of every saved tensor, sliced from full tensors (a single-file
-        checkpoint, no communication) or read by DCP (sharded, a collective); the dropout count and
-        the RNG. Returns the checkpoint's (step, elapsed seconds)."""
-        checkpoint.load_into(ckpt, self.model, self.optimizer)
+        """This rank's shard of every saved tensor, read by DCP (a collective), the dropout count
+        and the RNG. Returns the checkpoint's (step, elapsed seconds)."""
+        sharded.load(ckpt, self.model, self.optimizer)
         step = int(ckpt["step"])
         self.model.seeds.forward_count = int(ckpt.get("forward_count", step))
         rng = ckpt.get("rng", {}).get("torch")
         if rng is not None:
-            from lattice.sharded_checkpoint import decode_rng
-
-            torch.set_rng_state(decode_rng(rng) if isinstance(rng, str) else rng)
+            torch.set_rng_state(sharded.decode_rng(rng))
         return step, float(ckpt.get("elapsed_s", 0.0))

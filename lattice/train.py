@@ -36,7 +36,6 @@ from lattice.pipeline import check_batch as check_pipeline_batch
 from lattice.run_checkpoints import RunCheckpoints
 
 DATA_FORMATS = ("text", "jsonl")
-CHECKPOINT_FORMATS = ("sharded", "single")  # every rank writes its shards (DCP), or one file of full tensors
 DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
 ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run, or skip the step
 
@@ -80,9 +79,6 @@ class TrainConfig:
     out_dir: str | None = flag(None, "where checkpoints and metrics.csv go (rank 0 writes metrics)",
                                alias="--checkpoint-dir")
     checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)")
-    checkpoint_format: str = flag(CHECKPOINT_FORMATS[0], "sharded: every rank writes its own shards into "
-                                  "OUT/checkpoints/step-N (torch.distributed.checkpoint); single: rank 0 writes "
-                                  "OUT/ckpt.pt of full tensors", choices=lambda: CHECKPOINT_FORMATS)
     keep: int = flag(3, "keep the newest K sharded checkpoints (0 keeps all)", metavar="K")
     async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on")
     dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
@@ -108,11 +104,6 @@ class TrainConfig:
             raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
         if self.on_nan not in ON_NAN:
             raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
-        if self.checkpoint_format not in CHECKPOINT_FORMATS:
-            raise LatticeConfigError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
-        if self.async_checkpoint and self.checkpoint_format != "sharded":
-            raise LatticeConfigError("async checkpoints are sharded: drop --async-checkpoint or use "
-                                     "--checkpoint-format sharded")
         if self.dtype not in DTYPES:
             raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
 
@@ -206,7 +197,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
                  resume: str | os.PathLike | dict | None = None, allow_config_change: bool = False):
-        """`resume`: a checkpoint file or run directory, or a checkpoint already validated with
+        """`resume`: a sharded checkpoint or run directory, or one already validated with
         `lattice.checkpoint.read` (as the CLI does before creating process groups). A resume that
         changes the schedule (steps, lr, warmup, batch size, seed) is refused unless
         `allow_config_change`."""
@@ -218,6 +209,10 @@ class Trainer:
         if ckpt is not None:
             faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change, where)
         self.model_config, self.model, self.val_set = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
+        if ckpt is not None and not checkpoint.is_sharded(ckpt):
+            raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
+                                     f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
+                                     f"train --resume` convert it")
         self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                         weight_decay=cfg.weight_decay)
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import lattice
-from lattice import checkpoint
+from lattice import checkpoint, convert
 from lattice.context import LatticeConfigError
 from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
 
 TINY = dict(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, grad_clip=0.3,
-            eval_interval=50, eval_batches=2, progress=False, steps=6, checkpoint_format="single")
+            eval_interval=50, eval_batches=2, progress=False, steps=6)
 
 
 @dataclass
@@ -27,11 +27,11 @@ class NotATensor:
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("good") / "ckpt.pt"
+    """A single file of full tensors, exported from a training checkpoint as `lattice convert RUN RUN.pt` does."""
+    root = tmp_path_factory.mktemp("good")
     trainer = Trainer(TrainConfig(**TINY), lattice.init("serial"))
     trainer.train_step()
-    trainer.save(path)
-    return str(path)
+    return str(convert.export_single(checkpoint.read(trainer.save(root / "run")), root / "ckpt.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,14 @@ def bad_files(good, tmp_path_factory) -> dict[str, str]:
     torch.save({**ckpt, "extra": NotATensor()}, files["object"])  # loads fine without weights_only
     torch.save({**ckpt, "version": checkpoint.VERSION + 1}, files["version"])
     torch.save({**ckpt, "model_config": {**ckpt["model_config"], "d_model": 96, "n_layers": 3}}, files["other_model"])
-    return {k: str(v) for k, v in files.items()}
+    return {**{k: str(v) for k, v in files.items()}, "single": good}
 
 
 EXPECT = {"missing": "does not exist", "truncated": "truncated", "empty": "empty file",
           "text": "not a torch.save archive", "foreign": "not a lattice checkpoint",
           "tensor": "not a lattice checkpoint", "object": "objects other than tensors",
-          "version": "format version", "other_model": "d_model 96 vs 48"}
+          "version": "format version", "other_model": "d_model 96 vs 48",
+          "single": "is a single-file checkpoint, and training resumes sharded ones"}
 
 
 def _resume_errors(paths: dict[str, str]) -> dict[str, str | None]:
@@ -75,7 +76,8 @@ def _resume_errors(paths: dict[str, str]) -> dict[str, str | None]:
 def test_bad_checkpoints_fail_in_one_line_on_every_rank(bad_files):
     """Catches a bad file that hangs the other rank in a collective, a raw torch/pickle
     traceback instead of a message naming the problem and the fix, or one rank accepting a file
-    the other refuses."""
+    the other refuses; and a trainer that resumes a single file's moments by a second loading
+    path instead of sending it through the conversion to the sharded form."""
     per_rank = run_distributed(2, _resume_errors, bad_files)
     assert per_rank[0] == per_rank[1]
     for name, msg in per_rank[0].items():
@@ -133,7 +135,7 @@ def _serial_straight(steps: int) -> list[float]:
 def test_serial_checkpoint_resumes_data_parallel(tmp_path):
     """Catches a checkpoint that only loads under the layout that wrote it, or a resume that
     restarts the data or schedule: serial 3 steps + dp=2 for 3 more equals serial 6."""
-    path = str(tmp_path / "ckpt.pt")
+    path = str(tmp_path / "run")
     serial = Trainer(TrainConfig(**TINY), lattice.init("serial"))
     first = [serial.train_step()["train_loss"] for _ in range(3)]
     serial.save(path)
@@ -150,7 +152,7 @@ def test_parallel_checkpoint_resumes_serial(mode, tp, dp, tmp_path):
     """Catches shards (weights or AdamW moments) gathered into the wrong place of the full
     tensor: a checkpoint written under a parallel layout must load in serial to exactly the
     tensors that layout held, and continue on the serial trajectory."""
-    path = str(tmp_path / "ckpt.pt")
+    path = str(tmp_path / "run")
     losses, params, moments = run_distributed(tp * dp, _train_and_save, mode, tp, dp, path, 3)[0]
     resumed = Trainer(TrainConfig(**TINY), lattice.init("serial"), resume=path)
     assert resumed.step == 3

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lattice
-from lattice import checkpoint, cli, faults
+from lattice import checkpoint, cli, convert, faults
 from lattice.context import LatticeConfigError
 from lattice.train import TrainConfig, Trainer
 
@@ -94,10 +94,10 @@ def test_skipping_nan_steps_keeps_the_weights_finite(tmp_path):
 
 def test_a_flipped_byte_is_refused_naming_the_tensor(tmp_path):
     """Catches a checkpoint whose corrupted tensor loads silently (zip stores tensors unchecked)."""
-    trainer = Trainer(TrainConfig(model="tiny", vocab_size=512, batch_size=4, eval_batches=1, progress=False, steps=2,
-                                  checkpoint_format="single"), lattice.init("serial"))
+    trainer = Trainer(TrainConfig(model="tiny", vocab_size=512, batch_size=4, eval_batches=1, progress=False, steps=2),
+                      lattice.init("serial"))
     trainer.train_step()
-    path = trainer.save(tmp_path)
+    path = convert.export_single(checkpoint.read(trainer.save(tmp_path)), tmp_path / "ckpt.pt")
     raw = bytearray(path.read_bytes())
     entry = next(i for i in zipfile.ZipFile(path).infolist() if "/data/" in i.filename and i.file_size > 1000)
     name_len, extra_len = struct.unpack("<HH", raw[entry.header_offset + 26:entry.header_offset + 30])
