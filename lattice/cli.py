@@ -168,7 +168,8 @@ def cmd_train(args, argv: list[str]) -> int:
         result = trainer.fit()
         if ctx.rank == 0:
             if result["stopped_by"]:
-                print(f"stopped by {result['stopped_by']} at step {result['step']}; checkpoint saved in {args.out_dir}; "
+                by = "--stop-at" if result["stopped_by"] == "stop_at" else result["stopped_by"]
+                print(f"stopped by {by} at step {result['step']}; checkpoint saved in {args.out_dir}; "
                       f"continue with --resume {args.out_dir}", flush=True)
                 return 0
             print(f"final val loss: {result['val_loss']:.4f} nats/token (step {result['step']})")

@@ -63,6 +63,8 @@ class TrainConfig:
     data_hash: str | None = None  # identity of the text trained on (set by the trainer)
     dropout: float = flag(0.0, "dropout probability")
     steps: int = flag(300, "optimizer steps")
+    stop_at: int | None = flag(None, "stop after this step with a checkpoint, to go on later with --resume (the "
+                                     "schedule still runs to --steps), as for a job in a time-limited slot")
     batch_size: int = flag(16, "global batch: sequences per optimizer step, split over --dp replicas", alias="--batch")
     lr: float = flag(2e-3, "peak learning rate")
     min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this")
@@ -95,6 +97,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise LatticeConfigError(f"stop_at must be a step of the run, 1 to steps = {self.steps}; got {self.stop_at}")
         for name in ("warmup", "checkpoint_interval", "keep"):
             if getattr(self, name) < 0:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -290,13 +294,13 @@ class Trainer:
         return evaluate(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
 
     # ------------------------------------------------------------------ the loop
-    def fit(self, until: int | None = None) -> dict:
-        """Train from the current step up to `until` (default: cfg.steps), evaluating every
+    def fit(self) -> dict:
+        """Train from the current step up to cfg.steps (or cfg.stop_at), evaluating every
         eval_interval steps and at the end, checkpointing into out_dir. SIGTERM or SIGINT stops
         at the next step boundary with a checkpoint. Returns a summary ("stopped_by" names the
-        signal when one stopped the run)."""
+        signal, or "stop_at", when the run stopped before its last step)."""
         cfg, is_main = self.cfg, self.ctx.rank == 0
-        until = cfg.steps if until is None else until
+        until = cfg.stop_at or cfg.steps
         out = Path(cfg.out_dir) if cfg.out_dir else None
         tokens = cfg.batch_size * self.model_config.seq_len
         flops = lambda: step_flops(self.model_config, self.ctx, batch_size=cfg.batch_size,  # noqa: E731
@@ -328,6 +332,8 @@ class Trainer:
             metrics.close()
         if val_loss is None and stopped_by is None:
             val_loss = self.evaluate()
+        if stopped_by is None and self.step < cfg.steps:
+            stopped_by = "stop_at"
         if out:
             if self._saved_step != self.step:
                 self.save(out)

@@ -126,10 +126,10 @@ def test_sigterm_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the stopped run had (OMP_NUM_THREADS=1): the same kernels, bit for bit
     try:
-        again = Trainer(TrainConfig(**cfg), lattice.init("serial"), resume=tmp_path / "a")
-        again.fit(until=until)
-        straight = Trainer(TrainConfig(**cfg), lattice.init("serial"))
-        straight.fit(until=until)
+        again = Trainer(TrainConfig(**cfg, stop_at=until), lattice.init("serial"), resume=tmp_path / "a")
+        again.fit()
+        straight = Trainer(TrainConfig(**cfg, stop_at=until), lattice.init("serial"))
+        straight.fit()
     finally:
         torch.set_num_threads(threads)
     a, b = again.model.full_state_dict(), straight.model.full_state_dict()
@@ -178,7 +178,7 @@ def test_metrics_after_a_resume_have_no_duplicate_steps(tmp_path):
     """Catches metrics.csv holding the steps between the last checkpoint and a crash twice."""
     cfg = dict(model="tiny", vocab_size=512, batch_size=4, eval_batches=1, progress=False, steps=8,
                eval_interval=100, checkpoint_interval=4, out_dir=str(tmp_path))
-    Trainer(TrainConfig(**cfg), lattice.init("serial")).fit(until=6)  # checkpoint at 4 and at the end (6)
+    Trainer(TrainConfig(**cfg, stop_at=6), lattice.init("serial")).fit()  # checkpoint at 4 and at the stop (6)
     shutil.rmtree(tmp_path / "checkpoints" / "step-00000006")  # as if it crashed after step 6, before saving
     Trainer(TrainConfig(**cfg), lattice.init("serial"), resume=tmp_path).fit()
     steps = [int(line.split(",")[0]) for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]

@@ -36,8 +36,8 @@ def test_resume_is_bitwise_exact(tmp_path, form):
     done = straight.fit()
     run = dict(**{**TINY, "dropout": 0.1}, steps=20, out_dir=str(tmp_path), checkpoint_interval=3,
                async_checkpoint=form == "async")
-    first = Trainer(TrainConfig(**run), serial())
-    first.fit(until=10)
+    first = Trainer(TrainConfig(**run, stop_at=10), serial())
+    assert first.fit()["stopped_by"] == "stop_at" and first.step == 10
     resume = tmp_path
     if form == "through_one_file":
         single = convert.export_single(checkpoint.read(tmp_path), tmp_path.parent / "exported.pt")
