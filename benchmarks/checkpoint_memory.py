@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from world import run_world  # benchmarks/world.py (scripts run from this folder)
+from lattice.bench.world import spawn
 
 MIB = 2 ** 20
 
@@ -52,8 +52,7 @@ def _measure(fn) -> int:
     return _status("VmHWM") - start
 
 
-def _worker(rank: int, world: int, port: int, args, out_dir: str, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(args, out_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -62,7 +61,7 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str, results):
     from lattice import sharded_checkpoint as sharded
     from lattice import GPTConfig
 
-    torch.set_num_threads(1)
+    rank = dist.get_rank()
     ctx = lattice.init(args.mode, tp=args.tp)
     cfg = GPTConfig.preset(args.model, vocab_size=args.vocab_size)
     model = lattice.build_model(cfg, ctx)
@@ -94,9 +93,8 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str, results):
         holder.clear()
 
     row["single_load"] = _measure(single_load)
-    results.put(row)
     dist.barrier()
-    dist.destroy_process_group()
+    return row
 
 
 def main(argv=None) -> int:
@@ -111,7 +109,7 @@ def main(argv=None) -> int:
     # high-water mark measures live memory rather than what glibc's heap kept after a free
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     with tempfile.TemporaryDirectory() as out_dir:
-        rows = sorted(run_world(args.tp, _worker, args, out_dir), key=lambda r: r["rank"])
+        rows = spawn(args.tp, _worker, args, out_dir)
     print(f"{args.model} (vocabulary {args.vocab_size}, float32) in {args.mode} tp={args.tp}: peak resident growth "
           f"per rank during each phase, MiB")
     cols = ("shards", "largest_local", "sharded_save", "sharded_load", "single_save", "single_load")

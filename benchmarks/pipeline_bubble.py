@@ -19,25 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from world import run_world  # benchmarks/world.py (scripts run from this folder)
+from lattice.bench.world import spawn
 
 FWD_S, BWD_S = 0.020, 0.040
 
 
-def _worker(rank: int, world: int, port: int, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(args) -> dict:
     import torch
     import torch.nn as nn
 
     import lattice
     from lattice import GPTConfig
 
-    torch.set_num_threads(1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
     class _SleepInBackward(torch.autograd.Function):
         @staticmethod
@@ -100,7 +98,7 @@ def _worker(rank: int, world: int, port: int, args, results):
         with torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t):
             model.forward_backward(x, x)
         saved[schedule] = peak[0]
-    results.put({"rank": rank, "stage": ctx.stage, "rows": rows, "saved": saved})
+    return {"rank": rank, "stage": ctx.stage, "rows": rows, "saved": saved}
 
 
 def main(argv=None) -> int:
@@ -109,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    out = sorted(run_world(args.pp, _worker, args), key=lambda r: r["rank"])
+    out = spawn(args.pp, _worker, args)
     print(f"pp = {args.pp}, serial stages of 2 blocks (20 ms forward + 40 ms backward of emulated device time each), "
           f"micro-batches of 2 sequences; median of {args.steps} steps, rank 0's clock")
     print(f"  {'schedule':<12}{'m':>4}{'v':>3}{'step ms':>10}{'ideal ms':>10}{'bubble':>9}{'(p-1)/(v m)':>13}")

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from world import run_world  # benchmarks/world.py (scripts run from this folder)
+from lattice.bench.world import spawn
 
 LAYOUTS = [
     ("data parallel (serial x dp)", "serial", {}),
@@ -38,14 +38,12 @@ LAYOUTS = [
 ]
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(args) -> list:
     import lattice
     from lattice.comm import raw_all_reduce
     from lattice import GPTConfig
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig.preset(args.model, vocab_size=2048)
     gen = torch.Generator().manual_seed(0)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen) for _ in range(2))
@@ -77,8 +75,7 @@ def _worker(rank, world, port, args, queue):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    queue.put((rank, [(label, nbytes, statistics.median(times)) for label, _, nbytes, times in runs]))
-    dist.destroy_process_group()
+    return [(label, nbytes, statistics.median(times)) for label, _, nbytes, times in runs]
 
 
 def main(argv=None) -> int:
@@ -88,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     args = ap.parse_args(argv)
-    results = dict(run_world(args.nproc, _worker, args))
+    results = dict(enumerate(spawn(args.nproc, _worker, args)))
     print(f"{args.nproc} gloo processes on {os.cpu_count()} cores, model {args.model}, global batch {args.batch}; "
           f"median step time of the slowest rank over {args.steps} interleaved steps")
     print(f"  {'layout':<36}{'step ms':>10}{'MiB/step (rank 0)':>20}")

@@ -77,23 +77,31 @@ def _mean_machine(machines: list[costmodel.Machine]) -> costmodel.Machine:
     return costmodel.Machine(**fields)
 
 
-def _entry(rank, world, port, payload, queue, threads):
+def _entry(rank: int, world: int, port: int, fn, args: tuple, queue, threads: int, timeout: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=payload["timeout"]))
-        out = _world(payload)
-        if rank == 0:
-            queue.put(("ok", out))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        queue.put(("ok", rank, fn(*args)))
         dist.destroy_process_group()
     except BaseException:  # report any failure, with its traceback, to the parent
         queue.put(("error", rank, traceback.format_exc()))
         raise
 
 
-def run_world(p: int, payload: dict) -> dict:
-    """Start p gloo processes on this machine, run the benchmark in them, return rank 0's result."""
+def spawn(n: int, fn, *args, timeout: float = 1800, threads: int = 1) -> list:
+    """Run `fn(*args)` (a module-level function) on n spawned local processes, one gloo rank
+    each, with the default process group created before the call and destroyed after it; return
+    what each rank's call returned, by rank. The first failure raises RuntimeError with that
+    rank's traceback, and a world that has not answered within `timeout` seconds is killed.
+    `threads` per process: one by default, a rank being the CPU stand-in for one device.
+
+    `lattice bench` and the scripts in benchmarks/ start their processes with it. `lattice
+    train --nproc` uses torchrun's agent instead (the launcher users know, forwarding signals to
+    workers that checkpoint on them), and the tests keep their worlds alive across checks and
+    dump every rank's stacks before a deadline (tests/multiproc.py), which a one-call world needs
+    neither of."""
     import multiprocessing as mp
     import queue as queue_mod
 
@@ -102,22 +110,34 @@ def run_world(p: int, payload: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # one thread per rank: a rank is one core, the CPU stand-in for one device
-    procs = [ctx.Process(target=_entry, args=(r, p, port, payload, results, 1), daemon=True) for r in range(p)]
+    procs = [ctx.Process(target=_entry, args=(r, n, port, fn, args, results, threads, timeout), daemon=True)
+             for r in range(n)]
     for proc in procs:
         proc.start()
+    out = {}
     try:
-        msg = results.get(timeout=payload["timeout"])
-    except queue_mod.Empty:
-        msg = ("error", "?", f"no result within {payload['timeout']} s")
+        while len(out) < n:
+            try:
+                status, rank, value = results.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise RuntimeError(f"{n} processes gave {len(out)} results within {timeout:g} s") from None
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} of {n} processes failed:\n{value}")
+            out[rank] = value
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    if msg[0] != "ok":
-        raise RuntimeError(f"benchmark on {p} processes failed on rank {msg[1]}:\n{msg[2]}")
-    return msg[1]
+    return [out[r] for r in range(n)]
+
+
+def run_world(p: int, payload: dict) -> dict:
+    """The benchmark on p processes of this machine: rank 0's result."""
+    try:
+        return spawn(p, _world, payload, timeout=payload["timeout"])[0]
+    except RuntimeError as e:
+        raise RuntimeError(f"benchmark on {p} processes: {e}") from None
 
 
 def bench_size(cfg, p: int, batch: int, args, *, serial: bool) -> dict:
