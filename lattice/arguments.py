@@ -12,30 +12,44 @@ from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.options import add_mode_option_flags, given_mode_options
 
 
+HELP_GROUPS = ("layout", "model", "data", "training", "checkpoints", "logging", "faults")
+
+
+def group(p: argparse.ArgumentParser, title: str):
+    """The parser's argument group of this title (created the first time), so that `--help`
+    lists the flags as users scan them: layout, model, data, training, checkpoints, logging,
+    faults."""
+    for existing in p._action_groups:
+        if existing.title == title:
+            return existing
+    return p.add_argument_group(title)
+
+
 def add_flags(p: argparse.ArgumentParser, config_class, **defaults) -> None:
     """One flag per field of `config_class` that declares one (`lattice.options.flag`):
-    `--pp-schedule` for pp_schedule, with its help, choices and alias; `defaults` replaces a
-    field's default. A bool is a --name / --no-name switch."""
+    `--pp-schedule` for pp_schedule, with its help, choices and alias, in the help group the
+    field names; `defaults` replaces a field's default. A bool is a --name / --no-name switch."""
     for f in fields(config_class):
         if "flag" not in f.metadata:
             continue
         meta, default = f.metadata, defaults.get(f.name, f.default)
         names = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if "alias" in meta else [])
         kind = f.type.split(" |")[0]
-        shown = f" (default {default})" if default is not None and "default" not in meta["flag"] else ""
+        shown = "" if "default" in meta["flag"] else f" (default {default})" if default is not None else " (default: none)"
+        where = group(p, meta.get("group", "layout"))
         if kind == "bool":
-            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                           help=meta["flag"] + shown)
+            where.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=meta["flag"] + shown)
         else:
-            p.add_argument(*names, dest=f.name, type={"int": int, "float": float}.get(kind, str), default=default,
-                           choices=meta["choices"]() if "choices" in meta else None, metavar=meta.get("metavar"),
-                           help=meta["flag"] + shown)
+            where.add_argument(*names, dest=f.name, type={"int": int, "float": float}.get(kind, str), default=default,
+                               choices=meta["choices"]() if "choices" in meta else None, metavar=meta.get("metavar"),
+                               help=meta["flag"] + shown)
 
 
 def add_layout_flags(p: argparse.ArgumentParser, **defaults) -> None:
     """The flags of a `Layout` and the modes' option flags."""
     add_flags(p, Layout, **defaults)
-    add_mode_option_flags(p)
+    add_mode_option_flags(group(p, "layout"))
 
 
 def layout_from_args(args, **changes) -> Layout:
@@ -67,17 +81,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """`lattice train`'s flags: the Layout's, the TrainConfig's and the launch's."""
     from lattice.train import TrainConfig
 
+    for title in HELP_GROUPS:  # in the order users scan them
+        group(p, title)
     add_layout_flags(p)
     # the family defaults to a resumed run's; the files go to runs/latest unless told
     add_flags(p, TrainConfig, arch=None, out_dir="runs/latest")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="start this many local processes through torch.distributed.run")
-    p.add_argument("--resume", default=None, metavar="CKPT",
-                   help="a run directory (its newest complete checkpoint), a checkpoint directory or a ckpt.pt")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="with --resume: allow a different --steps/--lr/--warmup/--batch-size/--seed")
+    group(p, "layout").add_argument("--nproc", type=int, default=None,
+                                    help="start this many local processes through torch.distributed.run (default: "
+                                         "none, one process or those torchrun started)")
+    checkpoints = group(p, "checkpoints")
+    checkpoints.add_argument("--resume", default=None, metavar="CKPT",
+                             help="a run directory (its newest complete checkpoint), a checkpoint directory or a "
+                                  "single file (converted first) (default: none, start fresh)")
+    checkpoints.add_argument("--allow-config-change", action="store_true",
+                             help="with --resume: allow a different --steps/--lr/--warmup/--batch-size/--seed "
+                                  "(default: refused)")
     p.add_argument("--config", default=None, metavar="TOML",
-                   help="a TOML file of train flags (e.g. steps = 500, mode = \"1d\"); flags given here override it")
+                   help="a TOML file of train flags (e.g. steps = 500, mode = \"1d\"), as the config.toml a run "
+                        "writes; flags given here override it (default: none)")
 
 
 def train_config(args, **changes):

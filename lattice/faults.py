@@ -100,16 +100,18 @@ class RunLock:
             self.fd = None
 
 
-def check_schedule(saved: dict, now: dict, allow_change: bool, where) -> None:
-    """Refuse a resume that changes the training schedule, naming every differing field. A
-    checkpoint with no recorded schedule (weights imported with `lattice convert --from hf`)
-    starts the schedule given now."""
+def check_schedule(saved: dict, now: dict, allow_change: bool, where) -> list[str]:
+    """Refuse a resume that changes the training schedule, naming every differing field; with
+    `allow_change`, return those differences ("steps 20 -> 40", ...). A checkpoint with no
+    recorded schedule (weights imported with `lattice convert --from hf`) starts the schedule
+    given now."""
     if not saved:
-        return
+        return []
     diff = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in SCHEDULE_FIELDS if saved.get(k) != now.get(k)]
     if diff and not allow_change:
         raise LatticeConfigError(f"resuming {where} would change the training schedule ({'; '.join(diff)}); "
                                  f"pass the saved values, or --allow-config-change to change it on purpose")
+    return diff
 
 
 def truncate_metrics(path: Path, step: int) -> None:

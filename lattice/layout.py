@@ -85,7 +85,7 @@ class Layout:
     options: Mapping[str, Any] = field(default_factory=dict)
     placement: str = flag(PLACEMENTS[0], "rank placement: in mesh order, or the mode's topology-aware grid",
                           choices=lambda: PLACEMENTS)
-    ranks_per_node: int | None = flag(None, "ranks per node for placement")
+    ranks_per_node: int | None = flag(None, "ranks per node for placement (default: all on one node)")
 
     def __post_init__(self):
         mode_cls = get_mode(self.mode)

@@ -36,7 +36,12 @@ class Metrics:
         from tqdm.auto import tqdm
 
         self.tokens_per_step, self.flops, self.peak_tflops, self.device = tokens_per_step, flops, peak_tflops, device
-        self.bar = tqdm(total=until, initial=step, disable=not show, unit="step", dynamic_ncols=True)
+        # a bar where a person watches (tqdm draws on stderr); where the output goes to a file, a
+        # plain line at the first step and then about twenty over the run, not carriage returns
+        terminal = sys.stderr.isatty()
+        self.bar = tqdm(total=until, initial=step, disable=not (show and terminal), unit="step", dynamic_ncols=True)
+        self.lines_every = max(1, (until - step) // 20) if show and not terminal else 0
+        self.first, self.until = step + 1, until
         self.csv_file = self.csv = self.board = None
         if out is not None:
             self.csv_file = _open_csv(out, step)
@@ -56,6 +61,10 @@ class Metrics:
             self._log_scalars(row)
         self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         self.bar.update(1)
+        step = row["step"]
+        if self.lines_every and (step == self.first or step % self.lines_every == 0 or step == self.until):
+            self.say(f"step {step}/{self.until}: train loss {row['train_loss']:.4f}, lr {row['lr']:.3g}, "
+                     f"{row['tokens_per_s']:.0f} tokens/s, {row['elapsed_s']:.0f} s")
 
     def close(self) -> None:
         self.bar.close()

@@ -32,7 +32,8 @@ def add_mode_option_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=key, type=option.type, choices=option.choices, default=None,
                                 help=help_text)
     parser.add_argument("--mode-option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option of the mode by its keyword name (repeatable), e.g. -o sequence_parallel=True")
+                        help="an option of the mode by its keyword name (repeatable), e.g. -o sequence_parallel=True "
+                             "(default: none)")
 
 
 def given_mode_options(args) -> dict:

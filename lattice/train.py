@@ -46,52 +46,57 @@ class TrainConfig:
 
     # Each field with `flag` metadata is a `lattice train` flag (lattice.arguments derives them;
     # `--config` TOML keys and the checkpoint's recorded train_config use the same names).
-    arch: str = flag(DEFAULT_ARCH, "model family (default gpt2; with --resume, the run's)", choices=available_archs)
+    arch: str = flag(DEFAULT_ARCH, "model family (default gpt2; with --resume, the run's)", choices=available_archs,
+                     group="model")
     model: str | None = flag(None, "size preset of the family (default its default, e.g. small for gpt2)",
-                             metavar="PRESET")
-    d_model: int | None = flag(None, "width (default: the preset's)")
-    n_layers: int | None = flag(None, "transformer blocks (default: the preset's)")
-    n_heads: int | None = flag(None, "attention heads (default: the preset's)")
-    seq_len: int | None = flag(None, "context length (default: the preset's)")
-    vocab_size: int = flag(DEFAULT_VOCAB, "BPE vocabulary of the built-in corpus")
+                             metavar="PRESET", group="model")
+    d_model: int | None = flag(None, "width (default: the preset's)", group="model")
+    n_layers: int | None = flag(None, "transformer blocks (default: the preset's)", group="model")
+    n_heads: int | None = flag(None, "attention heads (default: the preset's)", group="model")
+    seq_len: int | None = flag(None, "context length (default: the preset's)", group="model")
+    vocab_size: int = flag(DEFAULT_VOCAB, "vocabulary of the byte-level BPE trained on the data (the built-in corpus "
+                                          "or --data)", group="model")
     data: str | None = flag(None, "train on your own text: a file, a directory of files or a glob (default: the "
-                                  "built-in corpus)", metavar="PATH")
-    data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS)
-    text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)")
+                                  "built-in corpus)", metavar="PATH", group="data")
+    data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS, group="data")
+    text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)", group="data")
     tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
-                                       "trained on the data)", metavar="PATH")
+                                       "trained on the data)", metavar="PATH", group="data")
     data_hash: str | None = None  # identity of the text trained on (set by the trainer)
-    dropout: float = flag(0.0, "dropout probability")
-    steps: int = flag(300, "optimizer steps")
+    dropout: float = flag(0.0, "dropout probability", group="model")
+    steps: int = flag(300, "optimizer steps", group="training")
     stop_at: int | None = flag(None, "stop after this step with a checkpoint, to go on later with --resume (the "
-                                     "schedule still runs to --steps), as for a job in a time-limited slot")
-    batch_size: int = flag(16, "global batch: sequences per optimizer step, split over --dp replicas", alias="--batch")
-    lr: float = flag(2e-3, "peak learning rate")
-    min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this")
-    warmup: int = flag(30, "linear warmup steps")
-    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings)")
-    beta1: float = flag(0.9, "AdamW beta1")
-    beta2: float = flag(0.95, "AdamW beta2")
-    grad_clip: float = flag(1.0, "max global gradient norm; 0 turns clipping off")
-    seed: int = flag(0, "seed of the weights, data order and dropout")
-    eval_interval: int = flag(100, "steps between validations")
-    eval_batches: int = flag(8, "validation batches")
-    bf16: bool = flag(False, "bf16 autocast")
-    activation_checkpointing: bool = flag(False, "recompute each block in backward")
+                                     "schedule still runs to --steps), as for a job in a time-limited slot",
+                                    group="training")
+    batch_size: int = flag(16, "global batch: sequences per optimizer step, split over --dp replicas", alias="--batch",
+                           group="training")
+    lr: float = flag(2e-3, "peak learning rate", group="training")
+    min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this", group="training")
+    warmup: int = flag(30, "linear warmup steps", group="training")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings)", group="training")
+    beta1: float = flag(0.9, "AdamW beta1", group="training")
+    beta2: float = flag(0.95, "AdamW beta2", group="training")
+    grad_clip: float = flag(1.0, "max global gradient norm; 0 turns clipping off", group="training")
+    seed: int = flag(0, "seed of the weights, data order and dropout", group="training")
+    eval_interval: int = flag(100, "steps between validations", group="logging")
+    eval_batches: int = flag(8, "validation batches", group="logging")
+    bf16: bool = flag(False, "bf16 autocast", group="training")
+    activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
     out_dir: str | None = flag(None, "where checkpoints and metrics.csv go (rank 0 writes metrics)",
-                               alias="--checkpoint-dir")
-    checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)")
-    keep: int = flag(3, "keep the newest K sharded checkpoints (0 keeps all)", metavar="K")
-    async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on")
+                               alias="--checkpoint-dir", group="checkpoints")
+    checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)", group="checkpoints")
+    keep: int = flag(3, "keep the newest K sharded checkpoints (0 keeps all)", metavar="K", group="checkpoints")
+    async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on",
+                                  group="checkpoints")
     dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
-                      choices=lambda: DTYPES)
-    progress: bool = flag(True, "the progress bar")
+                      choices=lambda: DTYPES, group="training")
+    progress: bool = flag(True, "progress: a bar on a terminal, plain lines otherwise", group="logging")
     on_nan: str = flag(ON_NAN[0], "a non-finite loss or gradient norm stops the run or skips the step",
-                       choices=lambda: ON_NAN)
+                       choices=lambda: ON_NAN, group="faults")
     dist_timeout: float = flag(300.0, "seconds a collective waits for the other ranks before the run fails and "
-                                      "names the stalled rank")
+                                      "names the stalled rank", group="faults")
     peak_tflops: float | None = flag(None, "peak TFLOP/s of one device, for the model FLOP utilisation logged to "
-                                           "TensorBoard")
+                                           "TensorBoard", group="logging")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
@@ -164,6 +169,19 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
         check_pipeline_batch(ctx.pipeline, mode, replica)
 
 
+def schedule_change(saved: dict, cfg: TrainConfig, step: int, changed: list[str]) -> str:
+    """What a resume with a changed schedule does, in one line. The warmup and cosine are those
+    of the new settings, evaluated at the resumed step (as Megatron-LM does when --train-iters
+    changes: the decay horizon follows the steps), so the learning rate can jump at the resume."""
+    def at(c):
+        return lr_at(step, lr=c["lr"], warmup=c["warmup"], steps=c["steps"], min_lr_ratio=c.get("min_lr_ratio", 0.1))
+
+    before, after = at(saved), at(asdict(cfg))
+    return (f"resuming at step {step} with a changed schedule ({'; '.join(changed)}): warmup {cfg.warmup} steps, peak "
+            f"lr {cfg.lr:g}, cosine to {cfg.lr * cfg.min_lr_ratio:g} at step {cfg.steps}; the learning rate at step "
+            f"{step} is {after:.3g} (the saved schedule's was {before:.3g})")
+
+
 def autocast(ctx: ParallelContext, bf16: bool):
     return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
@@ -210,8 +228,8 @@ class Trainer:
         ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
         self.corpus = corpus or cfg.corpus()
         where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume) if resume else None
-        if ckpt is not None:
-            faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change, where)
+        changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
+                                        where) if ckpt is not None else []
         self.model_config, self.model, self.val_set = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
         if ckpt is not None and not checkpoint.is_sharded(ckpt):
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
@@ -225,6 +243,8 @@ class Trainer:
         if ckpt is not None:
             self.step, self.elapsed = self.checkpoints.restore(ckpt)
             self._saved_step = self.step
+            if changed and ctx.rank == 0:
+                print(schedule_change(ckpt["train_config"], cfg, self.step, changed), flush=True)
         if cfg.async_checkpoint and cfg.out_dir:
             self.checkpoints.start_async()
         self.engine = self.model

@@ -150,6 +150,22 @@ def test_a_single_file_run_directory_resumes_exactly_through_the_sharded_form(tm
     assert len({row.rsplit(",", 2)[0] for row in rows}) == 1  # the same losses (the times differ)
 
 
+def test_every_train_option_has_help_with_its_default_in_a_group():
+    """Catches a `lattice train` flag added without help text or without naming its default, or
+    left outside the help's groups (layout, model, data, training, checkpoints, logging, faults)."""
+    parser = cli.build_parser("train")
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    grouped = {a.dest for g in train._action_groups if g.title not in ("options", "optional arguments")
+               for a in g._group_actions}
+    for action in train._actions:
+        if action.dest in ("help", "config"):
+            continue
+        assert action.help and "default" in action.help, (action.option_strings, action.help)
+        assert action.dest in grouped, action.option_strings
+    titles = [g.title for g in train._action_groups][2:]
+    assert titles == ["layout", "model", "data", "training", "checkpoints", "logging", "faults"], titles
+
+
 def test_batch_is_the_global_batch_in_plan_as_in_train(capsys):
     """Catches `plan --batch` meaning sequences per replica while train's --batch is the global
     batch of one step: with --dp 2, plan's replicas compute on half of it (the tensor-parallel

@@ -2,6 +2,7 @@
 NaNs, a flipped byte, SIGTERM, a killed launcher, two runs in one out-dir, a crash between
 checkpoints, a changed schedule on resume, and out-dirs that cannot hold a run."""
 
+import math
 import os
 import shutil
 import signal
@@ -185,15 +186,22 @@ def test_metrics_after_a_resume_have_no_duplicate_steps(tmp_path):
     assert steps == list(range(1, 9))
 
 
-def test_a_changed_schedule_on_resume_is_refused(tmp_path, capsys):
-    """Catches a resume that silently changes --steps / --lr (the cosine schedule would jump)."""
-    assert cli.main(["train", *TINY, "--steps", "2", "--out-dir", str(tmp_path)]) == 0
+def test_a_changed_schedule_on_resume_is_refused_or_announced(tmp_path, capsys):
+    """Catches a resume that silently changes --steps / --lr (the cosine schedule would jump), and
+    an allowed change whose learning-rate jump goes unsaid: the first lines name the change and
+    the rate at the resumed step under the saved and the new schedule."""
+    assert cli.main(["train", *TINY, "--steps", "2", "--warmup", "1", "--out-dir", str(tmp_path)]) == 0
     capsys.readouterr()
-    args = ["train", *TINY, "--steps", "4", "--lr", "0.01", "--resume", str(tmp_path), "--out-dir", str(tmp_path)]
+    args = ["train", *TINY, "--steps", "4", "--warmup", "1", "--lr", "0.01", "--resume", str(tmp_path),
+            "--out-dir", str(tmp_path)]
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "steps 2 -> 4" in err and "lr 0.002 -> 0.01" in err and "--allow-config-change" in err
     assert cli.main(args + ["--allow-config-change"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resuming at step 2"))
+    # saved: the cosine from 0.002 ended at step 2 (0.1 x 0.002); new: 1 of 3 decay steps done from 0.01 to 0.001
+    new = 0.001 + 0.5 * (1 + math.cos(math.pi / 3)) * 0.009
+    assert "steps 2 -> 4; lr 0.002 -> 0.01" in line and line.endswith(f"is {new:.3g} (the saved schedule's was 0.0002)")
 
 
 @pytest.mark.parametrize("problem", ["file", "checkpoint_dir", "proc"])
