@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from pathlib import Path
@@ -22,6 +23,7 @@ def register(cls: type[nn.Module]) -> type[nn.Module]:
     return cls
 
 
+@functools.cache  # the package's files are listed once per process, not at every lookup
 def _load_builtin() -> None:
     # every module of this package but the shared ones defines and registers one family
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from lattice.context import LatticeConfigError
 from lattice.modes.base import Block, Mode, Position
 
@@ -29,6 +31,7 @@ def available_modes() -> list[str]:
     return sorted(_REGISTRY)
 
 
+@functools.cache  # the package's files are listed once per process, not at every lookup
 def _load_builtin():
     import importlib
     import pkgutil

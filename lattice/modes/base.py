@@ -94,9 +94,17 @@ class Mode:
     def __init__(self, cfg, ctx: ParallelContext):
         self.cfg = cfg
         self.ctx = ctx
-        self.check_config(cfg)
-        for name, count in cfg.head_counts().items():
-            self.check_heads(name, count)
+        try:
+            self.check_config(cfg)
+            for name, count in cfg.head_counts().items():
+                self.check_heads(name, count)
+        except LatticeConfigError as e:
+            if getattr(self, "_probing", False):
+                raise
+            # the problem, and values found by trying each one: a hint that fixes one
+            # constraint and breaks another (d_model fitting tp but not n_heads) is worse than none
+            problem = str(e).split("; ")[0]
+            raise LatticeConfigError(f"{problem}; {working_values(type(self), cfg, ctx)}") from None
 
     # ---- topology (class level: no model needed)
     @classmethod
@@ -250,6 +258,58 @@ class Mode:
         """`pool` of one position of the replica batch: its collectives; returns the elements of
         the storage the pooled tensor keeps alive (a view of the residual, or its own)."""
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+
+def _accepts(mode_cls, cfg, ctx) -> bool:
+    """Whether `mode_cls` takes the model `cfg` on `ctx` (its model checks, no hints sought)."""
+    probe = mode_cls.__new__(mode_cls)
+    probe._probing = True
+    try:
+        mode_cls.__init__(probe, cfg, ctx)
+    except LatticeConfigError:
+        return False
+    return True
+
+
+def _nearest(current: int, works, limit: int) -> list[int]:
+    """The accepted values nearest `current` below and above it (up to `limit`)."""
+    below = next((v for v in range(current - 1, 0, -1) if works(v)), None)
+    above = next((v for v in range(current + 1, limit + 1) if works(v)), None)
+    return [v for v in (below, above) if v is not None]
+
+
+def working_values(mode_cls, cfg, ctx) -> str:
+    """A hint for a model the layout refuses: for the tensor-parallel degree and each size of
+    the model (d_model and the family's head counts), the nearest values that work when only
+    that one changes, each found by building the config and the mode with it."""
+    import dataclasses
+
+    def with_size(name):
+        def works(value):
+            try:
+                changed = dataclasses.replace(cfg, **{name: value})
+            except (LatticeConfigError, ValueError):
+                return False
+            return _accepts(mode_cls, changed, ctx)
+        return works
+
+    def with_tp(tp):
+        try:
+            layout = ctx.layout.replace(tp=tp)
+        except LatticeConfigError:
+            return False
+        return _accepts(mode_cls, cfg, layout.context())
+
+    found = {}
+    if ctx.layout is not None:
+        found["tp"] = _nearest(ctx.layout.tp, with_tp, 4 * ctx.layout.tp + 64)
+    for name in ("d_model", *cfg.head_counts()):
+        current = getattr(cfg, name)
+        found[name] = _nearest(current, with_size(name), 4 * current + 64)
+    offers = [f"{name} {' or '.join(map(str, values))}" for name, values in found.items() if values]
+    if not offers:
+        return "no single change of tp, d_model or the head counts fits; change several"
+    return "values that work with everything else as given: " + "; ".join(offers)
 
 
 def nearby_multiples(size: int, by: int) -> str:
