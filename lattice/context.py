@@ -73,7 +73,7 @@ class Topology:
         # torch orders a process group's members by global rank, while lattice's collectives and
         # shard specs take group rank k to be mesh coordinate k; the two agree exactly when ranks
         # increase along every axis (true of transposed and tiled placements).
-        grid = torch.tensor(self.rank_grid).reshape(self.shape)
+        grid = torch.tensor(self.rank_grid, device="cpu").reshape(self.shape)  # (also under a meta default device)
         for dim, (axis, size) in enumerate(self.axes):
             if size > 1 and not (grid.diff(dim=dim) > 0).all():
                 raise LatticeConfigError(

@@ -254,14 +254,32 @@ def scatter_gather_group(mode, ctx):
     return ctx.tensor_group()
 
 
-def check_batch(pcfg: PipelineConfig, mode, tokens: torch.Tensor) -> None:
+def batch_problem(pcfg: PipelineConfig | None, mode, batch: int, seq: int) -> str | None:
+    """Why a replica batch of `batch` sequences does not fit: the micro-batch count (with pcfg)
+    does not divide it, or the tensor layout cannot split its micro-batches; None when it fits."""
+    m = pcfg.m if pcfg is not None else 1
+    if batch % m:
+        return f"the replica batch of {batch} sequences does not split into {m} micro-batches"
+    try:
+        mode.check_batch(torch.zeros(batch // m, seq, dtype=torch.int64))  # the layout's own constraints
+    except LatticeConfigError as e:
+        problem = str(e).split("; ")[0]
+        return f"its micro-batches of {batch // m}: {problem}" if m > 1 else problem
+    return None
+
+
+def check_batch(pcfg: PipelineConfig | None, mode, tokens: torch.Tensor) -> None:
     """Refuse a replica batch the micro-batch count does not divide, or whose micro-batches the
-    tensor layout cannot split (every rank, before any collective)."""
-    m = pcfg.m
-    if tokens.shape[0] % m:
-        raise LatticeConfigError(f"the replica batch of {tokens.shape[0]} sequences does not split into {m} "
-                                 f"micro-batches; use a batch divisible by {m} or another --microbatches")
-    mode.check_batch(tokens[: tokens.shape[0] // m])  # the layout's own constraints, per micro-batch
+    tensor layout cannot split (every rank, before any collective), naming the replica batch
+    sizes that work with everything else as given (found by trying them)."""
+    from lattice.modes.base import nearest_working
+
+    b, seq = tokens.shape
+    problem = batch_problem(pcfg, mode, b, seq)
+    if problem:
+        works = nearest_working(b, lambda n: batch_problem(pcfg, mode, n, seq) is None, 4 * b + 64)
+        raise LatticeConfigError(f"{problem}; replica batches that work with everything else as given: "
+                                 f"{' or '.join(map(str, works))}")
 
 
 class PipelineModel(nn.Module):

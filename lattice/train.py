@@ -25,14 +25,14 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, check_batch_split, load_corpus, load_data_corpus,
+from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, load_data_corpus,
                           train_batch, unigram_baseline, val_batches)
 from lattice.models import DEFAULT_ARCH, available_archs, build_model, get_arch
 from lattice.modes import get_mode
 from lattice.metrics import Metrics, step_flops
 from lattice.options import flag
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
-from lattice.pipeline import check_batch as check_pipeline_batch
+from lattice.pipeline import batch_problem
 from lattice.run_checkpoints import RunCheckpoints
 
 DATA_FORMATS = ("text", "jsonl")
@@ -156,17 +156,27 @@ def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ck
 
 
 def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
-    """Every size of a run against its layout: the global batch over the replicas, the model
-    against the mode, the replica's batch against the mode and the pipeline, the blocks over the
-    stages. Pure (no process group, nothing allocated or changed), so that the launcher (with a
-    planned context), every rank and the trainer refuse the same request in the same words."""
-    check_batch_split(cfg.batch_size, ctx.dp)
+    """Every size of a run against its layout: the model against the mode, the blocks over the
+    stages, the global batch over the replicas and the replica's batch against the pipeline and
+    the mode (a refused batch names the global batch sizes that work, found by trying them).
+    Pure (no process group, nothing allocated or changed), so that the launcher (with a planned
+    context), every rank and the trainer refuse the same request in the same words."""
+    from lattice.modes.base import nearest_working
+
     mode = get_mode(ctx.mode)(model_config, ctx)  # the mode's size checks
-    replica = torch.zeros(cfg.batch_size // ctx.dp, model_config.seq_len, dtype=torch.int64)
-    mode.check_batch(replica)  # the mode's own constraints (e.g. b % q)
     if ctx.pipeline is not None:
         ctx.pipeline.chunks(model_config.n_layers)  # the stage split
-        check_pipeline_batch(ctx.pipeline, mode, replica)
+
+    def problem(batch):
+        if batch % ctx.dp:
+            return f"batch size {batch} is not divisible by dp = {ctx.dp}"
+        return batch_problem(ctx.pipeline, mode, batch // ctx.dp, model_config.seq_len)
+
+    found = problem(cfg.batch_size)
+    if found:
+        works = nearest_working(cfg.batch_size, lambda b: problem(b) is None, 4 * cfg.batch_size + 64)
+        raise LatticeConfigError(f"{found}; global batch sizes (--batch-size) that work with everything else as "
+                                 f"given: {' or '.join(map(str, works))}")
 
 
 def schedule_change(saved: dict, cfg: TrainConfig, step: int, changed: list[str]) -> str:

@@ -366,14 +366,16 @@ def _check_bad_input():
 def test_bad_sizes_raise_clear_errors_on_every_rank():
     """Non-square tp, a world of the wrong size, d_model / n_heads / batch that q does not divide:
     a one-line LatticeConfigError on every rank and no hang. Catches validation done on one rank
-    only, or after a collective has started."""
+    only, or after a collective has started, and hints that break another constraint."""
     results = run_distributed(4, _check_bad_input)
     assert all(r == results[0] for r in results)
     not_square, wrong_world, hidden, heads, batch = results[0]
     assert "tp=4 (q=2)" in not_square and "tp=2" in not_square
     assert "needs 9 processes" in wrong_world
-    assert "d_model = 15" in hidden and "16" in hidden
-    assert "n_heads = 3" in heads and "4" in heads
+    # the values offered are those that work with the other sizes as given (16 or 4, the
+    # nearest multiples of q, would break d_model % n_heads)
+    assert "d_model = 15" in hidden and hidden.endswith("as given: tp 25")
+    assert "n_heads = 3" in heads and heads.endswith("as given: tp 9; n_heads 2 or 6")
     assert "batch size = 3" in batch and "4" in batch
     assert all("\n" not in m for m in results[0])
 

@@ -79,3 +79,36 @@ def test_the_reported_one_d_case_suggests_what_works(tp, works):
     with pytest.raises(LatticeConfigError) as e:
         lattice.build_model(cfg, lattice.plan("1d", tp=tp))
     assert str(e.value).endswith(f"values that work with everything else as given: {works}"), str(e.value)
+
+
+BATCH_LAYOUTS = [dict(mode="2d", tp=4, dp=2), dict(mode="2d", tp=4, pp=2, microbatches=4), dict(mode="3d", tp=8, dp=3),
+                 dict(mode="subgraph", tp=4, subgrids=2, dp=2), dict(mode="subgraph", tp=4, subgrids=2, common="subgrid"),
+                 dict(mode="1d", tp=2, pp=2, microbatches=3), dict(mode="serial", dp=4, pp=2, microbatches=2),
+                 dict(mode="1d", tp=2, sequence_parallel=True, dp=3)]
+
+
+def test_every_suggested_global_batch_is_accepted():
+    """Catches a batch hint that satisfies one constraint and breaks another (a multiple of dp
+    whose replica batch the micro-batches or the mesh then cannot split, as '2d q = 2 with 4
+    micro-batches: give each replica a multiple of 2' did): every global batch a refusal names
+    passes the whole check of the run."""
+    from lattice.train import TrainConfig, check_run
+
+    cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=32, n_heads=4, n_layers=4)
+    refused = applied = 0
+    for kw in BATCH_LAYOUTS:
+        ctx = lattice.Layout.of(**kw).context()
+        for batch in range(1, 41):
+            try:
+                check_run(TrainConfig(batch_size=batch), cfg, ctx)
+                continue
+            except LatticeConfigError as e:
+                message = str(e)
+            refused += 1
+            offer = re.search(r"; global batch sizes \(--batch-size\) that work with everything else as given: "
+                              r"(\d+(?: or \d+)?)$", message)
+            assert offer, message
+            for value in map(int, offer.group(1).split(" or ")):
+                check_run(TrainConfig(batch_size=value), cfg, ctx)  # raises if the hint was wrong
+                applied += 1
+    assert refused >= 150 and applied >= refused, (refused, applied)

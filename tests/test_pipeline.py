@@ -210,8 +210,8 @@ def _refusal(layout: dict, cfg_overrides: dict, batch: int):
     (dict(mode="serial", pp=2, pp_schedule="interleaved"), dict(n_layers=6), 8, "do not split evenly into 4 virtual"),
     (dict(mode="serial", pp=2, microbatches=1, pp_schedule="1f1b"), {}, 8, "1F1B needs at least pp = 2 micro-batches"),
     (dict(mode="2d", tp=4, pp=2, microbatches=4), {}, 4,
-     "batch size = 1 is not divisible by the 2D mesh side q = 2; give each replica a multiple of 2 sequences "
-     "(for example 2)"),
+     "its micro-batches of 1: batch size = 1 is not divisible by the 2D mesh side q = 2; replica batches that "
+     "work with everything else as given: 8"),
     (dict(mode="1d", tp=2, pp=2, microbatches=4), {}, 8, None),  # fits: no refusal
 ], ids=["layers", "explicit-split", "microbatches", "interleaved-m", "interleaved-layers", "interleaved-split", "1f1b-m",
         "2d-microbatch",

@@ -271,7 +271,7 @@ def _accepts(mode_cls, cfg, ctx) -> bool:
     return True
 
 
-def _nearest(current: int, works, limit: int) -> list[int]:
+def nearest_working(current: int, works, limit: int) -> list[int]:
     """The accepted values nearest `current` below and above it (up to `limit`)."""
     below = next((v for v in range(current - 1, 0, -1) if works(v)), None)
     above = next((v for v in range(current + 1, limit + 1) if works(v)), None)
@@ -302,10 +302,10 @@ def working_values(mode_cls, cfg, ctx) -> str:
 
     found = {}
     if ctx.layout is not None:
-        found["tp"] = _nearest(ctx.layout.tp, with_tp, 4 * ctx.layout.tp + 64)
+        found["tp"] = nearest_working(ctx.layout.tp, with_tp, 4 * ctx.layout.tp + 64)
     for name in ("d_model", *cfg.head_counts()):
         current = getattr(cfg, name)
-        found[name] = _nearest(current, with_size(name), 4 * current + 64)
+        found[name] = nearest_working(current, with_size(name), 4 * current + 64)
     offers = [f"{name} {' or '.join(map(str, values))}" for name, values in found.items() if values]
     if not offers:
         return "no single change of tp, d_model or the head counts fits; change several"
