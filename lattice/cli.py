@@ -101,8 +101,9 @@ def _converted_to_sharded(ckpt: dict, where: Path, out: Path, ctx) -> dict:
     from lattice.convert import import_single
 
     target = out / sharded.SUBDIR / sharded.step_name(int(ckpt["step"]))
+    alone = dist.new_group([0]) if ctx.world_size > 1 else None  # (every rank creates every group)
     if ctx.rank == 0:
-        import_single(ckpt, out)
+        import_single(ckpt, out, group=alone)
         print(f"converted the single-file checkpoint {where} into {target} (as `lattice convert` does); resuming "
               f"from it", flush=True)
     if ctx.world_size > 1:

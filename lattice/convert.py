@@ -114,10 +114,11 @@ def _loaded(tensors: dict) -> dict[str, torch.Tensor]:
     return {k: t.load() if isinstance(t, hf.LazyTensor) else t for k, t in tensors.items()}
 
 
-def import_single(ckpt: dict, dst: Path) -> Path:
+def import_single(ckpt: dict, dst: Path, *, group=None) -> Path:
     """A single-file checkpoint that `checkpoint.read` validated, written as a sharded checkpoint
-    in the run directory `dst` (weights, moments, RNG and counters exactly; in this process)."""
-    return _write_sharded(dst, *_full_tensors(ckpt))
+    in the run directory `dst` (weights, moments, RNG and counters exactly) by this process
+    (inside a process group: `group` holds this process alone)."""
+    return _write_sharded(dst, *_full_tensors(ckpt), group=group)
 
 
 def export_single(ckpt: dict, dst: Path) -> Path:
@@ -125,11 +126,11 @@ def export_single(ckpt: dict, dst: Path) -> Path:
     return _write_single(dst, *_full_tensors(ckpt))
 
 
-def _write_sharded(dst: Path, meta: dict, tensors: dict) -> Path:
+def _write_sharded(dst: Path, meta: dict, tensors: dict, group=None) -> Path:
     if dst.suffix == ".pt":
         raise LatticeConfigError(f"{dst} names a file, but a sharded checkpoint is a directory; pass a run directory "
                                  f"or --to single")
-    return sharded.write_full(dst, meta, tensors)
+    return sharded.write_full(dst, meta, tensors, group=group)
 
 
 def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:

@@ -427,9 +427,10 @@ class LazyChunk(Chunk):
                                                       size=self.full_shape))]
 
 
-def write_full(root: Path, meta: dict, tensors: dict) -> Path:
-    """A sharded checkpoint from full tensors, in one process (for `lattice convert`); a value
-    with a `load()` (lattice.hf.LazyTensor) is read only while it is written."""
+def write_full(root: Path, meta: dict, tensors: dict, *, group=None) -> Path:
+    """A sharded checkpoint from full tensors, written by one process (for `lattice convert`;
+    in a process group, `group` holds this process alone); a value with a `load()`
+    (lattice.hf.LazyTensor) is read only while it is written."""
     state = {k: LazyChunk(t.load, t.shape, t.dtype) if hasattr(t, "load") else Chunk(t, (0,) * t.dim(), t.shape)
              for k, t in tensors.items()}
-    return write(root, meta, state)
+    return write(root, meta, state, group=group)
