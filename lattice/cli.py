@@ -64,6 +64,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
     any process group exists, so a bad request fails in one line, the same everywhere.
     Returns (layout, train config, checkpoint or None)."""
     from lattice import checkpoint, faults
+    from lattice.data import check_data
     from lattice.train import check_run
 
     layout = layout_from_args(args)
@@ -76,6 +77,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
     tcfg = train_config(args, arch=arch, **_recorded_data(args, saved, where))
+    check_data(tcfg.data, tcfg.tokenizer)
     cfg = tcfg.model_config()
     check_run(tcfg, cfg, layout.context())
     if args.out_dir:

@@ -88,7 +88,30 @@ def data_files(spec: str) -> list[Path]:
     if not files:
         raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
                                  f"check the path")
+    if not any(p.stat().st_size for p in files):
+        raise LatticeConfigError(f"--data {spec} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
+                                 f"give it some text")
+    for path in files:
+        _check_text(path, spec)
     return files
+
+
+TEXT_SAMPLE = 1 << 16  # bytes of each --data file looked at before training on it
+MAX_UNDECODABLE = 0.01  # the share of a file's sample that may fail to decode as UTF-8
+
+
+def _check_text(path: Path, spec: str) -> None:
+    """Refuse a file that is not text: a NUL byte, or more than 1% of its first 64 KiB not
+    decodable as UTF-8 (a binary, an archive, another encoding), naming the file."""
+    with open(path, "rb") as f:
+        head = f.read(TEXT_SAMPLE)
+    text = head.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - (1 if len(head) == TEXT_SAMPLE and text.endswith("\ufffd") else 0)
+    if b"\0" in head or bad > MAX_UNDECODABLE * max(1, len(text)):
+        what = "NUL bytes" if b"\0" in head else f"{bad} of its first {len(head):,} bytes not UTF-8"
+        where = f"--data {spec}" if Path(spec) == path else f"--data {spec}: {path}"
+        raise LatticeConfigError(f"{where} is not text ({what}); pass text files (UTF-8), or leave that file out "
+                                 f"of --data")
 
 
 CHUNK_CHARS = 1 << 20  # text is read, hashed, tokenized and written in pieces of about this size
@@ -169,13 +192,31 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", t
                   tokenizer=Tokenizer.from_file(str(tok_path)), key=key, content_hash=content)
 
 
+def check_data(data: str | None, tokenizer_path: str | None) -> None:
+    """`--data` and `--tokenizer` refused in one line if they cannot be trained on: no file, no
+    text, a file that is not text, a tokenizer that does not parse (before any process group)."""
+    if data is not None:
+        data_files(data)
+    _given_tokenizer(tokenizer_path)
+
+
 def _given_tokenizer(tokenizer_path: str | None) -> Path | None:
+    """The tokenizer.json `--tokenizer` names, refused in one line unless the tokenizers library
+    reads it."""
+    from tokenizers import Tokenizer
+
     if not tokenizer_path:
         return None
     given = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
     if not given.is_file():
         raise LatticeConfigError(f"--tokenizer {tokenizer_path} has no tokenizer.json; pass a tokenizer.json or a "
                                  f"directory holding one")
+    try:
+        Tokenizer.from_file(str(given))
+    except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise LatticeConfigError(f"--tokenizer {given} is not a tokenizer the tokenizers library reads ({reason}); "
+                                 f"pass the tokenizer.json of a lattice run or of a HuggingFace tokenizer") from None
     return given
 
 

@@ -153,3 +153,45 @@ def test_jsonl_data_takes_the_text_field_and_refuses_other_lines(tmp_path):
     path.write_text(json.dumps(rows[0]) + "\n{\"body\": \"no text\"}\n")
     with pytest.raises(LatticeConfigError, match=r"docs.jsonl:2 is not a JSON object with a 'text' field"):
         list(data_chunks(str(path), "jsonl", "text"))
+
+
+def _bad_inputs(root) -> dict[str, tuple[list[str], str]]:
+    root.mkdir()
+    """case -> (train flags, what the one line must say), for data and tokenizers a user mistypes."""
+    (root / "empty.txt").write_bytes(b"")
+    (root / "empties").mkdir()
+    (root / "empties" / "a.txt").write_bytes(b"")
+    (root / "nothing").mkdir()
+    (root / "binary.bin").write_bytes(bytes(range(256)) * 64)  # NUL bytes, as in a shared library
+    (root / "latin1.txt").write_bytes("déjà vu à l'été, ".encode("latin-1") * 200)  # another encoding
+    (root / "good.txt").write_text("some text to train on\n" * 50)
+    (root / "notes.json").write_text("step=10 loss=3.2\n")
+    (root / "tok_dir").mkdir()
+    good = ["--data", str(root / "good.txt")]
+    return {
+        "empty file": (["--data", str(root / "empty.txt")], "holds no text (1 empty file)"),
+        "directory of empty files": (["--data", str(root / "empties")], "holds no text"),
+        "directory without files": (["--data", str(root / "nothing")], "names no file"),
+        "binary file": (["--data", str(root / "binary.bin")], "is not text (NUL bytes)"),
+        "other encoding": (["--data", str(root / "latin1.txt")], "not UTF-8"),
+        "binary in a directory": (["--data", str(root)], f"{root / 'binary.bin'} is not text"),
+        "tokenizer that does not parse": (good + ["--tokenizer", str(root / "notes.json")],
+                                          "is not a tokenizer the tokenizers library reads"),
+        "binary tokenizer": (good + ["--tokenizer", str(root / "binary.bin")], "is not a tokenizer"),
+        "directory without tokenizer.json": (good + ["--tokenizer", str(root / "tok_dir")], "has no tokenizer.json"),
+    }
+
+
+def test_data_and_tokenizers_that_cannot_train_are_refused_in_one_line(tmp_path, capsys):
+    """Catches an empty file ending in `cannot mmap an empty file`, a binary file trained on as
+    byte soup, and a tokenizer file ending in the tokenizers library's bare `Exception`: each is
+    one line naming the file and the fix, exit code 2, before any process group or "config:"."""
+    from lattice import cli
+
+    cases = _bad_inputs(tmp_path / "in")
+    for case, (flags, expect) in cases.items():
+        code = cli.main(["train", "--model", "tiny", "--steps", "1", "--out-dir", str(tmp_path / "run"), *flags])
+        out, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expect in err, (case, err)
+        assert "config:" not in out, case
+    assert len(cases) == 9
