@@ -18,7 +18,10 @@ def launch_local(nproc: int, argv: list[str], out_dir: str | None = None) -> int
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU
+    # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU;
+    # set for the workers only (they inherit this process's environment), then restored, so that
+    # a caller in the same process (a test, a notebook) keeps its own setting
+    threads = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
@@ -31,4 +34,9 @@ def launch_local(nproc: int, argv: list[str], out_dir: str | None = None) -> int
         print(f"stopped by {e.sigval.name}: the workers checkpointed in {out_dir} (continue with --resume "
               f"{out_dir})", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     return 0
