@@ -88,16 +88,22 @@ def data_files(spec: str) -> list[Path]:
     if not files:
         raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
                                  f"check the path")
-    if not any(p.stat().st_size for p in files):
-        raise LatticeConfigError(f"--data {spec} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
-                                 f"give it some text")
-    for path in files:
-        _check_text(path, spec)
     return files
 
 
 TEXT_SAMPLE = 1 << 16  # bytes of each --data file looked at before training on it
 MAX_UNDECODABLE = 0.01  # the share of a file's sample that may fail to decode as UTF-8
+
+
+def _check_texts(spec: str) -> None:
+    """Refuse `--data` without text (every file empty) or with a file that is not text; read
+    once per load, not on every pass over the files."""
+    files = data_files(spec)
+    if not any(p.stat().st_size for p in files):
+        raise LatticeConfigError(f"--data {spec} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
+                                 f"give it some text")
+    for path in files:
+        _check_text(path, spec)
 
 
 def _check_text(path: Path, spec: str) -> None:
@@ -159,6 +165,7 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", t
     the text (streamed) unless `tokenizer_path` gives one."""
     from tokenizers import Tokenizer
 
+    _check_texts(spec)
     given = _given_tokenizer(tokenizer_path)
     salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
     content = data_hash(spec, data_format, text_key)
@@ -196,7 +203,7 @@ def check_data(data: str | None, tokenizer_path: str | None) -> None:
     """`--data` and `--tokenizer` refused in one line if they cannot be trained on: no file, no
     text, a file that is not text, a tokenizer that does not parse (before any process group)."""
     if data is not None:
-        data_files(data)
+        _check_texts(data)
     _given_tokenizer(tokenizer_path)
 
 
@@ -278,16 +285,11 @@ def check_batch_size(corpus: Corpus, batch_size: int, seq_len: int, dp: int) -> 
         _check_batch(batch_size, seq_len, dp, tokens, split)
 
 
-def check_batch_split(batch_size: int, dp: int) -> None:
-    """Refuse a global batch that does not split evenly over dp replicas."""
+def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, split: str):
     if batch_size % dp:
         lower = batch_size - batch_size % dp
         raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of "
                                  f"{dp} (for example {lower or dp} or {lower + dp})")
-
-
-def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, split: str):
-    check_batch_split(batch_size, dp)
     if len(tokens) < seq_len + 1:
         raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
                                  f"{seq_len + 1}; use a shorter seq_len or a larger corpus")
