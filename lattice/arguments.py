@@ -4,12 +4,11 @@ keyword arguments, the TrainConfig, the resolved config a run records and `--con
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 
 from lattice.context import LatticeConfigError
 from lattice.layout import Layout
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
-from lattice.options import add_mode_option_flags, given_mode_options
+from lattice.options import add_mode_option_flags, flag_fields, given_mode_options
 
 
 HELP_GROUPS = ("layout", "model", "data", "training", "checkpoints", "logging", "faults")
@@ -29,9 +28,7 @@ def add_flags(p: argparse.ArgumentParser, config_class, **defaults) -> None:
     """One flag per field of `config_class` that declares one (`lattice.options.flag`):
     `--pp-schedule` for pp_schedule, with its help, choices and alias, in the help group the
     field names; `defaults` replaces a field's default. A bool is a --name / --no-name switch."""
-    for f in fields(config_class):
-        if "flag" not in f.metadata:
-            continue
+    for f in flag_fields(config_class):
         meta, default = f.metadata, defaults.get(f.name, f.default)
         names = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if "alias" in meta else [])
         kind = f.type.split(" |")[0]
@@ -54,7 +51,7 @@ def add_layout_flags(p: argparse.ArgumentParser, **defaults) -> None:
 
 def layout_from_args(args, **changes) -> Layout:
     """The Layout that the flags of `add_layout_flags` ask for, with `changes` to its fields."""
-    given = {f.name: getattr(args, f.name) for f in fields(Layout) if "flag" in f.metadata}
+    given = {f.name: getattr(args, f.name) for f in flag_fields(Layout)}
     return Layout(**{**given, **changes}, options=given_mode_options(args))
 
 
@@ -105,7 +102,7 @@ def train_config(args, **changes):
     """The TrainConfig the flags ask for (the family: --arch, else `changes`'s, else the default)."""
     from lattice.train import TrainConfig
 
-    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if "flag" in f.metadata}
+    given = {f.name: getattr(args, f.name) for f in flag_fields(TrainConfig)}
     given["arch"] = given["arch"] or DEFAULT_ARCH
     return TrainConfig(**{**given, **changes})
 
@@ -116,9 +113,9 @@ def run_config(layout: Layout, tcfg) -> dict:
     `--config`."""
     from lattice.train import TrainConfig
 
-    out = {f.name: getattr(layout, f.name) for f in fields(Layout) if "flag" in f.metadata}
+    out = {f.name: getattr(layout, f.name) for f in flag_fields(Layout)}
     out.update(layout.options)
-    out.update({f.name: getattr(tcfg, f.name) for f in fields(TrainConfig) if "flag" in f.metadata})
+    out.update({f.name: getattr(tcfg, f.name) for f in flag_fields(TrainConfig)})
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(out.items()) if v is not None}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-from dataclasses import field
+from dataclasses import field, fields
 
 from lattice.context import LatticeConfigError
 from lattice.modes import available_modes, get_mode
@@ -55,3 +55,8 @@ def flag(default, help: str, **meta):
     """A dataclass field that is also a command-line flag (see lattice.arguments.add_flags):
     `help` its help, and optionally `choices` (a callable giving them), `metavar`, `alias`."""
     return field(default=default, metadata={"flag": help, **meta})
+
+
+def flag_fields(config_class) -> list:
+    """The fields of a dataclass that are command-line flags (declared with `flag`)."""
+    return [f for f in fields(config_class) if "flag" in f.metadata]
