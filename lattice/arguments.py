@@ -81,8 +81,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     for title in HELP_GROUPS:  # in the order users scan them
         group(p, title)
     add_layout_flags(p)
-    # the family defaults to a resumed run's; the files go to runs/latest unless told
-    add_flags(p, TrainConfig, arch=None, out_dir="runs/latest")
+    # the family defaults to a resumed run's; the run directory is chosen by lattice.run_dir
+    add_flags(p, TrainConfig, arch=None)
     group(p, "layout").add_argument("--nproc", type=int, default=None,
                                     help="start this many local processes through torch.distributed.run (default: "
                                          "none, one process or those torchrun started)")
@@ -90,6 +90,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     checkpoints.add_argument("--resume", default=None, metavar="CKPT",
                              help="a run directory (its newest complete checkpoint), a checkpoint directory or a "
                                   "single file (converted first) (default: none, start fresh)")
+    checkpoints.add_argument("--overwrite", action="store_true",
+                             help="delete the run that --out-dir holds (with --resume: its checkpoints after the "
+                                  "resumed step) instead of refusing (default: refused)")
     checkpoints.add_argument("--allow-config-change", action="store_true",
                              help="with --resume: allow a different --steps/--lr/--warmup/--batch-size/--seed "
                                   "(default: refused)")

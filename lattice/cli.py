@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lattice import run_dir
 from lattice.arguments import (add_layout_arguments, add_train_arguments, config_toml, layout_from_args,
                                run_config, train_config, with_config_file)
 from lattice.context import LatticeConfigError
@@ -39,6 +40,7 @@ from lattice.info import run_info
 from lattice.launch import launch_local
 from lattice.layout import Layout
 from lattice.models import DEFAULT_ARCH
+from lattice.run_dir import RunDir
 
 if TYPE_CHECKING:
     from lattice.train import TrainConfig
@@ -56,13 +58,13 @@ DELEGATED = {
 # ----------------------------------------------------------------------------- train
 
 
-def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, dict | None]:
+def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, dict | None, RunDir]:
     """A train request checked whole without processes: the layout (and, with `nproc`, the
     processes the launcher is about to start), the checkpoint to resume and its family, the run's
-    data, every size (lattice.train.check_run), the out-dir. Changes nothing (the out-dir is
-    created if missing); the launcher runs it before starting processes and every rank before
-    any process group exists, so a bad request fails in one line, the same everywhere.
-    Returns (layout, train config, checkpoint or None)."""
+    data, every size (lattice.train.check_run), the directory it writes into (lattice.run_dir).
+    Changes nothing (an explicit out-dir is created if missing); the launcher runs it before
+    starting processes and every rank before any process group exists, so a bad request fails
+    in one line, the same everywhere. Returns (layout, train config, checkpoint or None, run dir)."""
     from lattice import checkpoint, faults
     from lattice.data import check_data
     from lattice.train import check_run
@@ -74,22 +76,23 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
                                  f"{layout.world_size} ranks; use --nproc {layout.world_size} or change --tp/--dp/--pp")
     ckpt = checkpoint.read(args.resume) if args.resume else None
     where = checkpoint.resolve(args.resume) if ckpt is not None else None
+    resumed_run = checkpoint.run_dir(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None
+    run = run_dir.choose(args.out_dir, resumed_run, int(ckpt["step"]) if ckpt is not None else None, args.overwrite)
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
-    tcfg = train_config(args, arch=arch, **_recorded_data(args, saved, where))
+    tcfg = train_config(args, arch=arch, out_dir=str(run.out), **_recorded_data(args, saved, where))
     check_data(tcfg.data, tcfg.tokenizer)
     cfg = tcfg.model_config()
     check_run(tcfg, cfg, layout.context())
-    if args.out_dir:
-        out = faults.check_out_dir(args.out_dir, checkpoint.FILENAME)
-        faults.RunLock(out).probe()
+    if run.fresh:  # created later, by one process: here only its parent
+        faults.check_out_dir(run.out.parent, checkpoint.FILENAME)
+    else:
+        faults.check_out_dir(run.out, checkpoint.FILENAME)
+        faults.RunLock(run.out).probe()
     if ckpt is not None:
-        if not checkpoint.is_sharded(ckpt) and not args.out_dir:
-            raise LatticeConfigError(f"{where} is a single-file checkpoint, which --resume converts into the run "
-                                     f"directory; pass --out-dir")
         checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
         faults.check_schedule(saved, asdict(tcfg), args.allow_config_change, where)
-    return layout, tcfg, ckpt
+    return layout, tcfg, ckpt, run
 
 
 def _converted_to_sharded(ckpt: dict, where: Path, out: Path, ctx) -> dict:
@@ -142,50 +145,59 @@ def cmd_train(args, argv: list[str]) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise LatticeConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc and args.nproc > 1 and not launched:
-        _, tcfg, _ = check_train(args, nproc=args.nproc)
+        _, tcfg, _, run = check_train(args, nproc=args.nproc)
         tcfg.corpus()  # build the tokenizer and token cache once, here, not on every rank
-        return launch_local(args.nproc, argv, args.out_dir)
+        for line in run_dir.create(run):
+            print(line, flush=True)
+        # the workers write where this process chose (a fresh runs/run-N now exists, empty)
+        return launch_local(args.nproc, [*argv, "--out-dir", str(run.out)],
+                            resume_hint=run_dir.resume_command(argv, run.out))
     if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
         raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                                  f"drop --nproc when launching with torchrun")
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
-    layout, tcfg, ckpt = check_train(args)  # every rank, before any process group exists
+    layout, tcfg, ckpt, run = check_train(args)  # every rank, before any process group exists
     ctx = lattice.init(layout, seed=tcfg.seed, timeout=tcfg.dist_timeout)
-    lock = None
+    out, lock = run.out, None
     try:
         if ctx.rank == 0:
             print("config: " + ", ".join(f"{k}={v}" for k, v in run_config(layout, tcfg).items()), flush=True)
-        if ctx.rank == 0 and args.out_dir:
-            out = Path(args.out_dir)
+            for line in run_dir.create(run):  # after init: every rank chose before anything was created
+                print(line, flush=True)
             lock = faults.RunLock(out).acquire()
             faults.remove_stale_temps(out, checkpoint.FILENAME)
             sharded_checkpoint.remove_partial(out)
             (out / "config.toml").write_text(config_toml(run_config(layout, tcfg)))
+        if ctx.world_size > 1:
+            dist.barrier()  # the run directory exists before any rank writes into it
         if ckpt is not None and not checkpoint.is_sharded(ckpt):  # training resumes the sharded form
-            ckpt = _converted_to_sharded(ckpt, checkpoint.resolve(args.resume), Path(args.out_dir), ctx)
+            ckpt = _converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx)
         trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
-        if ctx.rank == 0 and args.out_dir:  # the run directory describes itself: tokenizer and data
+        if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
             trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
             (out / "data.json").write_text(_data_identity(tcfg))
         result = trainer.fit()
         if ctx.rank == 0:
             if result["stopped_by"]:
                 by = "--stop-at" if result["stopped_by"] == "stop_at" else result["stopped_by"]
-                print(f"stopped by {by} at step {result['step']}; checkpoint saved in {args.out_dir}; "
-                      f"continue with --resume {args.out_dir}", flush=True)
+                print(f"stopped by {by} at step {result['step']}; checkpoint saved in {out}; continue with: "
+                      f"{run_dir.resume_command(argv, out)}", flush=True)
                 return 0
             print(f"final val loss: {result['val_loss']:.4f} nats/token (step {result['step']})")
             print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
     except faults.TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        then = ""
+        if isinstance(e, sharded_checkpoint.WriteFailed) and sharded_checkpoint.complete(out):
+            then = f"; then continue with: {run_dir.resume_command(argv, out)}"
+        print(f"error: {e}{then}", file=sys.stderr, flush=True)
         return 3
     except RuntimeError as e:  # a collective that timed out: name the rank that stopped making progress
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         from lattice.comm import last_collective
 
-        stalled = faults.stalled_ranks(Path(args.out_dir) if args.out_dir else None, ctx.world_size)
+        stalled = faults.stalled_ranks(out, ctx.world_size)
         where = (f"{last_collective['op']} over {last_collective['group_size']} ranks" if last_collective
                  else "a collective")
         print(f"error: rank {ctx.rank}: {where} waited more than --dist-timeout {args.dist_timeout:g} s; {stalled} "

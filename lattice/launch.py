@@ -7,11 +7,11 @@ import os
 import sys
 
 
-def launch_local(nproc: int, argv: list[str], out_dir: str | None = None) -> int:
+def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) -> int:
     """Re-run `lattice argv` on `nproc` local processes through torchrun's Python API
     (`elastic_launch`; its command-line parser would mistake our --nproc for --nproc-per-node).
     The caller has refused what it can before: a bad request fails once, in one line, instead of
-    in every child's traceback. `out_dir`: where a run stopped by a signal checkpointed."""
+    in every child's traceback. `resume_hint`: the command that continues a run stopped by a signal."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -31,8 +31,7 @@ def launch_local(nproc: int, argv: list[str], out_dir: str | None = None) -> int
         print(f"error: {len(e.failures)} of {nproc} processes failed (their messages are above)", file=sys.stderr)
         return 1
     except SignalException as e:  # the agent passed the signal on; the workers saved at a step boundary
-        print(f"stopped by {e.sigval.name}: the workers checkpointed in {out_dir} (continue with --resume "
-              f"{out_dir})", file=sys.stderr)
+        print(f"stopped by {e.sigval.name}: the workers saved a checkpoint; continue with: {resume_hint}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
         if threads is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from lattice.checkpoint_files import START_FRESH, atomic_write, check_version_and_keys, fsync_dir
 from lattice.context import LatticeConfigError
 from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, read_index
+from lattice.faults import TrainingStopped
 
 FORMAT = "lattice-sharded-checkpoint"
 VERSION = 1
@@ -130,10 +132,14 @@ def complete(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` complete checkpoints (keep 0: remove none)."""
-    done = complete(root)
-    stale = done[:-keep] if keep > 0 else []
+def prune(root: Path, keep: int, *, written: Path | None = None) -> list[Path]:
+    """Remove all but `keep` complete checkpoints (keep 0: remove none): `written`, the one just
+    saved, whatever its step, and the newest others."""
+    if keep <= 0:
+        return []
+    done = [p for p in complete(root) if written is None or p.name != written.name]
+    others = keep - (written is not None)
+    stale = done[:max(len(done) - others, 0)]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
@@ -195,47 +201,133 @@ def _rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+class WriteFailed(TrainingStopped):
+    """A checkpoint could not be written (too little space, or the write failed); raised on
+    every rank alike, with nothing of it left behind. `root`: the run directory."""
+
+    def __init__(self, message: str, root: Path):
+        super().__init__(message)
+        self.root = root
+
+
+# a checkpoint's files beyond its tensors' bytes: DCP's index, the marker, the zip headers per tensor
+FIXED_OVERHEAD, OVERHEAD_PER_TENSOR = 64 * 1024, 2 * 1024
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists():  # checkpoints/ of a run's first save
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _reason(error: BaseException, base: Path) -> str:
+    """One line for why a write failed: the OS's words, or DCP's first failure, and the free space
+    when little is left (torch.save's zip writer reports a full disk as 'unexpected pos')."""
+    if isinstance(error, dcp.api.CheckpointException) and error.failures:
+        rank, (error, _) = next(iter(sorted(error.failures.items(), key=lambda kv: kv[0])))
+    words = error.strerror if isinstance(error, OSError) and error.strerror else (str(error).splitlines() or [""])[0]
+    free = _free_bytes(base)
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC or free < FIXED_OVERHEAD
+    return f"no space left on the device; {_megabytes(free)} free now" if full else words[:160]
+
+
+def _check_space(base: Path, step: int, state: dict[str, Chunk], keep: int, rank: int, size: int, group) -> None:
+    """Refuse, on every rank alike, a save that does not fit: the checkpoint's size (every
+    distinct tensor once, from every rank's keys) against each rank's free space in `base`
+    (the whole checkpoint on each: on a file system the ranks share, they fill it together)."""
+    need = {key: chunk.full_shape.numel() * chunk.data.element_size() for key, chunk in state.items()}
+    views = [(need, _free_bytes(base))]
+    if size > 1:
+        views = [None] * size
+        dist.all_gather_object(views, (need, _free_bytes(base)), group=group)
+    tensors = {k: v for part, _ in views for k, v in part.items()}
+    total = sum(tensors.values()) + FIXED_OVERHEAD + OVERHEAD_PER_TENSOR * len(tensors)
+    short = [(r, free) for r, (_, free) in enumerate(views) if free < total]
+    if short:
+        r, free = short[0]
+        last = complete(base)[-1:] or ["none"]
+        raise WriteFailed(f"step {step}: the checkpoint needs about {_megabytes(total)} and {base} has "
+                          f"{_megabytes(free)} free (rank {r}); nothing was written and the last intact checkpoint "
+                          f"is {last[0]}; free space there, lower --keep (now {keep}), or choose another --out-dir",
+                          base.parent)
+
+
 def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, group=None) -> Path:
-    """Write one checkpoint (a collective over `group`, default: every rank): each rank its
-    chunks, then the marker on rank 0 after every rank's files are on disk, then the rename that
-    makes it visible, then pruning to the newest `keep`. Returns the checkpoint's directory."""
+    """Write one checkpoint (a collective over `group`, default: every rank): first the space
+    check, then each rank its chunks, then the marker on rank 0 after every rank's files are on
+    disk, then the rename that makes it visible, then pruning to `keep`. A write that fails
+    anywhere raises WriteFailed on every rank and leaves no partial directory. Returns the
+    checkpoint's directory."""
     rank, size = _rank_and_size(group)
     base = Path(root) / SUBDIR
     final = base / step_name(meta["step"])
     partial = base / f".{final.name}.partial"
+    _check_space(base, meta["step"], state, keep, rank, size, group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     if size > 1:
         dist.barrier(group)  # nobody writes into the directory before it is fresh
-    with _single_process_ok():
-        index = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True, single_file_per_rank=True,
-                                                                     thread_count=1),
-                         planner=SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
-    # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
-    mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
-    sums = _checksums(partial, index.storage_data, mine)
-    if size > 1:
-        gathered = [None] * size if rank == 0 else None
-        dist.gather_object(sums, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
+    failure = None
+    try:
+        with _single_process_ok():
+            index = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True,
+                                                                         single_file_per_rank=True, thread_count=1),
+                             planner=SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
+    except (OSError, dcp.api.CheckpointException) as e:  # DCP raises its exception on every rank alike
+        failure = _reason(e, base)
+    if failure is None:
+        # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
+        mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
+        try:
+            sums = _checksums(partial, index.storage_data, mine)
+        except OSError as e:
+            sums = _reason(e, base)
+        if size > 1:
+            gathered = [None] * size if rank == 0 else None
+            dist.gather_object(sums, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
+        else:
+            gathered = [sums]
+        outcome = [None]
         if rank == 0:
-            sums = {k: v for part in gathered for k, v in part.items()}
-    if rank == 0:
-        files = {p.name: [p.stat().st_size] for p in sorted(partial.glob("*.distcp"))}
-        files[INDEX_FILE] = [(partial / INDEX_FILE).stat().st_size, _crc_file(partial / INDEX_FILE)]
-        record = {"format": FORMAT, "version": VERSION, **meta, "files": files, "checksums": sums}
-        atomic_write(partial / MARKER, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
-        old = base / f".{final.name}.old"
-        if final.exists():  # the same step saved again (a resumed run): swap, then drop the old
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(partial, final)
-        fsync_dir(base)
-        shutil.rmtree(old, ignore_errors=True)
-        prune(root, keep)
-    if size > 1:
-        dist.barrier(group)  # the checkpoint is visible to every rank once this returns
+            outcome = [next((s for s in gathered if isinstance(s, str)), None)]
+            if outcome[0] is None:
+                try:
+                    _publish(partial, final, meta, {k: v for part in gathered for k, v in part.items()}, keep, root)
+                except OSError as e:
+                    outcome = [_reason(e, base)]
+        if size > 1:
+            dist.broadcast_object_list(outcome, src=0, group=group)  # also: the checkpoint is visible to every rank
+        failure = outcome[0]
+    if failure is not None:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        last = complete(base)[-1:] or ["none"]
+        raise WriteFailed(f"step {meta['step']}: writing the checkpoint into {base} failed ({failure}); nothing of it "
+                          f"was kept and the last intact checkpoint is {last[0]}", Path(root))
     return final
+
+
+def _publish(partial: Path, final: Path, meta: dict, sums: dict, keep: int, root: Path) -> None:
+    """Rank 0, once every rank's files are written: the marker, the rename that makes the
+    checkpoint visible, pruning."""
+    base = final.parent
+    files = {p.name: [p.stat().st_size] for p in sorted(partial.glob("*.distcp"))}
+    files[INDEX_FILE] = [(partial / INDEX_FILE).stat().st_size, _crc_file(partial / INDEX_FILE)]
+    record = {"format": FORMAT, "version": VERSION, **meta, "files": files, "checksums": sums}
+    atomic_write(partial / MARKER, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
+    old = base / f".{final.name}.old"
+    if final.exists():  # the same step saved again (a resumed run): swap, then drop the old
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    fsync_dir(base)
+    shutil.rmtree(old, ignore_errors=True)
+    prune(root, keep, written=final)
 
 
 class AsyncWriter:

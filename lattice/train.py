@@ -82,10 +82,11 @@ class TrainConfig:
     eval_batches: int = flag(8, "validation batches", group="logging")
     bf16: bool = flag(False, "bf16 autocast", group="training")
     activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
-    out_dir: str | None = flag(None, "where checkpoints and metrics.csv go (rank 0 writes metrics)",
+    out_dir: str | None = flag(None, "where checkpoints and metrics.csv go; lattice train without it: a new runs/run-N "
+                               "(runs/latest links to the newest), or with --resume the resumed run's directory",
                                alias="--checkpoint-dir", group="checkpoints")
     checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)", group="checkpoints")
-    keep: int = flag(3, "keep the newest K sharded checkpoints (0 keeps all)", metavar="K", group="checkpoints")
+    keep: int = flag(3, "keep K checkpoints: the one just written and the newest others (0 keeps all)", metavar="K", group="checkpoints")
     async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on",
                                   group="checkpoints")
     dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
