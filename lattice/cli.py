@@ -81,8 +81,8 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
     tcfg = train_config(args, arch=arch, out_dir=str(run.out), **_recorded_data(args, saved, where))
-    check_data(tcfg.data, tcfg.tokenizer)
     cfg = tcfg.model_config()
+    check_data(tcfg.data, tcfg.tokenizer, cfg.vocab_size)
     check_run(tcfg, cfg, layout.context())
     if run.fresh:  # created later, by one process: here only its parent
         faults.check_out_dir(run.out.parent, checkpoint.FILENAME)

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from lattice import checkpoint, hf
+from lattice import checkpoint, hf, run_dir
 from lattice import sharded_checkpoint as sharded
 from lattice.context import LatticeConfigError
+from lattice.faults import check_out_dir
 from lattice.models import arch_of_hf, available_archs, get_arch
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -57,12 +58,26 @@ def run_convert(args) -> int:
     if args.arch is not None and meta["arch"] != args.arch:
         raise LatticeConfigError(f"{args.src} holds a {meta['arch']} model, not {args.arch}; drop --arch or pass "
                                  f"another source")
+    _check_destination(Path(args.dst), to)
     where = {"sharded": _write_sharded, "single": _write_single, "hf": _write_hf}[to](Path(args.dst), meta, tensors)
     print(f"wrote {to} checkpoint {where} (step {meta['step']}, "
           f"{sum(t.numel() for k, t in tensors.items() if k.startswith('model/')):,} parameters"
           f"{', with AdamW moments' if meta['optimizer_step'] and to != 'hf' else ''})")
     _carry_tokenizer(args, to, Path(args.dst))
     return 0
+
+
+def _check_destination(dst: Path, to: str) -> None:
+    """Refuse, before reading any tensor, a destination that cannot take the form: a file where a
+    directory goes, a place that cannot be created or written, a run directory holding a run."""
+    if to == "single":
+        check_out_dir(checkpoint.single_file(dst).parent, flag="destination directory")
+        return
+    if to == "sharded" and dst.suffix != ".pt" and dst.is_dir() and (found := run_dir.describe(dst)):
+        raise LatticeConfigError(f"destination {dst} holds {found}; convert into a new directory (lattice never "
+                                 f"mixes two runs in one)")
+    if dst.suffix != ".pt":
+        check_out_dir(dst, flag="destination")
 
 
 def _carry_tokenizer(args, to: str, dst: Path) -> None:

@@ -199,38 +199,45 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", t
                   tokenizer=Tokenizer.from_file(str(tok_path)), key=key, content_hash=content)
 
 
-def check_data(data: str | None, tokenizer_path: str | None) -> None:
+def check_data(data: str | None, tokenizer_path: str | None, vocab_size: int | None = None) -> None:
     """`--data` and `--tokenizer` refused in one line if they cannot be trained on: no file, no
-    text, a file that is not text, a tokenizer that does not parse (before any process group)."""
+    text, a file that is not text, a tokenizer that does not parse or whose vocabulary does not
+    fit `vocab_size` (before any process group)."""
     if data is not None:
         _check_texts(data)
-    _given_tokenizer(tokenizer_path)
+    given = _given_tokenizer(tokenizer_path)
+    if given is not None and vocab_size is not None:
+        _checked_tokenizer(given, vocab_size, tokenizer_path)
+
+
+def read_tokenizer(path: Path, named: str, fix: str):
+    """The tokenizer in `path`, or one line naming it (`named`: how the user knows the file) and
+    `fix`, when the tokenizers library cannot read it."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise LatticeConfigError(f"{named} {path} is not a tokenizer the tokenizers library reads ({reason}); "
+                                 f"{fix}") from None
 
 
 def _given_tokenizer(tokenizer_path: str | None) -> Path | None:
     """The tokenizer.json `--tokenizer` names, refused in one line unless the tokenizers library
     reads it."""
-    from tokenizers import Tokenizer
-
     if not tokenizer_path:
         return None
     given = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
     if not given.is_file():
         raise LatticeConfigError(f"--tokenizer {tokenizer_path} has no tokenizer.json; pass a tokenizer.json or a "
                                  f"directory holding one")
-    try:
-        Tokenizer.from_file(str(given))
-    except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise LatticeConfigError(f"--tokenizer {given} is not a tokenizer the tokenizers library reads ({reason}); "
-                                 f"pass the tokenizer.json of a lattice run or of a HuggingFace tokenizer") from None
+    read_tokenizer(given, "--tokenizer", "pass the tokenizer.json of a lattice run or of a HuggingFace tokenizer")
     return given
 
 
 def _checked_tokenizer(given: Path, vocab_size: int, tokenizer_path: str):
-    from tokenizers import Tokenizer
-
-    bpe = Tokenizer.from_file(str(given))
+    bpe = read_tokenizer(given, "--tokenizer", "pass the tokenizer.json of a lattice run or of a HuggingFace tokenizer")
     if bpe.get_vocab_size() > vocab_size:
         raise LatticeConfigError(f"--tokenizer {tokenizer_path} has {bpe.get_vocab_size()} tokens but --vocab-size is "
                                  f"{vocab_size}; pass --vocab-size {bpe.get_vocab_size()}")

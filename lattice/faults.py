@@ -36,20 +36,21 @@ class TrainingStopped(RuntimeError):
 # ----------------------------------------------------------------------------- the out-dir
 
 
-def check_out_dir(path: str | os.PathLike, checkpoint_name: str) -> Path:
-    """Refuse, in one line, an out-dir that cannot hold a run: a file, a place that cannot be
-    created or written, or one whose checkpoint name is taken by a directory."""
+def check_out_dir(path: str | os.PathLike, checkpoint_name: str | None = None, *, flag: str = "--out-dir") -> Path:
+    """Refuse, in one line, an output directory (given as `flag`) that cannot hold what is
+    written: a file, a place that cannot be created or written, or one whose checkpoint name is
+    taken by a directory. Creates it when missing."""
     out = Path(path)
-    fix = "choose another --out-dir"
+    fix = f"choose another {flag}"
     if out.exists() and not out.is_dir():
-        raise LatticeConfigError(f"--out-dir {out} is a file, not a directory; {fix}")
+        raise LatticeConfigError(f"{flag} {out} is a file, not a directory; {fix}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise LatticeConfigError(f"--out-dir {out} cannot be created ({e.strerror or type(e).__name__}); {fix}") from None
+        raise LatticeConfigError(f"{flag} {out} cannot be created ({e.strerror or type(e).__name__}); {fix}") from None
     if not os.access(out, os.W_OK | os.X_OK):
-        raise LatticeConfigError(f"--out-dir {out} is not writable; {fix} or fix its permissions")
-    if (out / checkpoint_name).is_dir():
+        raise LatticeConfigError(f"{flag} {out} is not writable; {fix} or fix its permissions")
+    if checkpoint_name and (out / checkpoint_name).is_dir():
         raise LatticeConfigError(f"{out / checkpoint_name} is a directory where the checkpoint file goes; "
                                  f"remove or rename it, or {fix}")
     return out

@@ -40,6 +40,7 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
 def load_for_inference(args, plan_only: bool = False):
     """The checkpoint, its model config and the layout; with plan_only, only validate them."""
     from lattice import checkpoint
+    from lattice.data import read_tokenizer
     from lattice.modes import get_mode
 
     ckpt = checkpoint.read(args.run)
@@ -48,6 +49,16 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
                                  f"read from it) or pass another run")
     cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
+    if args.command == "eval" and args.eval_batches is not None and args.eval_batches < 1:
+        raise LatticeConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if args.command == "generate":
+        for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--temperature", args.temperature, 0),
+                                   ("--top-k", 1 if args.top_k is None else args.top_k, 1)):
+            if value < least:
+                raise LatticeConfigError(f"{flag} must be at least {least}, got {value}")
+        saved_tokenizer = checkpoint.run_dir(args.run) / "tokenizer.json"
+        if saved_tokenizer.is_file():
+            read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
     layout = layout_from_args(args)
     get_mode(layout.mode)(cfg, layout.context())  # the mode's size checks
     if plan_only and args.nproc != layout.world_size:
@@ -78,7 +89,7 @@ def run_inference(args, argv: list[str]) -> int:
 
     import lattice
     from lattice import checkpoint
-    from lattice.data import load_corpus
+    from lattice.data import load_corpus, read_tokenizer
 
     launched = "WORLD_SIZE" in os.environ
     if args.nproc and args.nproc > 1 and not launched:
@@ -111,9 +122,7 @@ def run_inference(args, argv: list[str]) -> int:
         run_dir = checkpoint.run_dir(args.run)
         saved_tokenizer = run_dir / "tokenizer.json"
         if saved_tokenizer.is_file():  # the tokenizer the run was trained with
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(str(saved_tokenizer))
+            tokenizer = read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
             encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode
         else:
             corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))

@@ -204,8 +204,8 @@ def test_plan_machine_from_a_file_or_refused_in_one_line(tmp_path, capsys):
     assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--machine", str(machine)]) == 0
     assert "time on given: F = 1e+03 GFLOP/s" in capsys.readouterr().out
     assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--machine", str(tmp_path / "none.json")]) == 2
-    out = capsys.readouterr().out.strip()
-    assert out.count("\n") == 0 and "neither a JSON file nor inline JSON" in out
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "neither a JSON file nor inline JSON" in err
 
 
 def test_info_into_a_closed_pipe_ends_quietly():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lattice
-from lattice import cost
+from lattice import cli, cost
 from lattice.cost import plan as cost_plan
 from lattice.context import MeshAxis
 from multiproc import cached_init, run_distributed
@@ -78,11 +78,11 @@ def test_alpha_beta_picks_inter_node_constants_when_a_group_spans_nodes():
 def test_plan_command_refuses_a_layout_that_cannot_exist(capsys):
     """Catches `lattice plan` crashing with a traceback (or printing a plan) for an impossible
     layout instead of one line that names the fix."""
+    assert cli.main(["plan", "--mode", "2d", "--tp", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tp=6" in err and "\n" not in err
     parser = argparse.ArgumentParser()
     cost_plan.add_plan_arguments(parser)
-    assert cost_plan.run_plan(parser.parse_args(["--mode", "2d", "--tp", "6"])) != 0
-    out = capsys.readouterr().out.strip()
-    assert "tp=6" in out and "\n" not in out
     assert cost_plan.run_plan(parser.parse_args(["--mode", "2d", "--tp", "4"])) == 0
     assert "total" in capsys.readouterr().out
 

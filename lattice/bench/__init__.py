@@ -41,6 +41,7 @@ from lattice.bench.report import (SIZES, STRONG, STRONG_BATCH, WEAK, crossovers,
                                   machine_info, plot_single, plot_sweeps, prediction_errors, projection, weak_config)
 from lattice.bench.world import bench_size
 from lattice.context import LatticeConfigError
+from lattice.faults import check_out_dir
 from lattice.models import DEFAULT_ARCH, available_archs
 from lattice.models.gpt2 import GPTConfig
 from lattice.modes import REFERENCE_MODE, parallel_modes
@@ -89,6 +90,7 @@ def check_args(args) -> None:
     sizes = [s for s in str(args.sizes).split(",") if s.strip()]
     if args.sweep and not all(s.strip().isdigit() and int(s) in WEAK for s in sizes):
         raise LatticeConfigError(f"--sizes must be a comma list drawn from {sorted(WEAK)}, got {args.sizes!r}")
+    check_out_dir(args.out, flag="--out")
 
 
 def run_bench(args) -> int:

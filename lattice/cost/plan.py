@@ -59,37 +59,29 @@ def model_config(arch: str, preset: str | None, **sizes):
 
 
 def run_plan(args) -> int:
-    try:
-        cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
-                           n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len)
-        replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
-        if args.batch < 1 or args.batch % replicas:
-            raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
-                                     f"{replicas} replicas; use a positive multiple of {replicas}")
-        batch = args.batch // replicas  # per replica, what one replica's ranks compute on
-        if args.table1:
-            print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
-            return 0
-        machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
-        if args.splits:
-            print(format_splits(cfg, args.splits, batch=batch, machine=machine,
-                                layout_of=lambda tp, pp: layout_from_args(
-                                    args, tp=tp, pp=pp, **({} if pp > 1 else dict.fromkeys(PIPELINE_SETTINGS)))))
-            return 0
-        layout = layout_from_args(args)
-        if args.pp > 1:
-            print(format_pipeline(cfg, layout, batch=batch, machine=machine))
-            return 0
-        c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                     activation_checkpointing=args.activation_checkpointing)
-    except LatticeConfigError as e:
-        print(f"lattice plan: {e}")
-        return 2
-    try:
-        machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
-    except LatticeConfigError as e:
-        print(f"lattice plan: {e}")
-        return 2
+    """Refusals (LatticeConfigError) reach `lattice.cli.main`, which prints them in one line."""
+    cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
+                       n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len)
+    replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
+    if args.batch < 1 or args.batch % replicas:
+        raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
+                                 f"{replicas} replicas; use a positive multiple of {replicas}")
+    batch = args.batch // replicas  # per replica, what one replica's ranks compute on
+    if args.table1:
+        print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
+        return 0
+    machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
+    if args.splits:
+        print(format_splits(cfg, args.splits, batch=batch, machine=machine,
+                            layout_of=lambda tp, pp: layout_from_args(
+                                args, tp=tp, pp=pp, **({} if pp > 1 else dict.fromkeys(PIPELINE_SETTINGS)))))
+        return 0
+    layout = layout_from_args(args)
+    if args.pp > 1:
+        print(format_pipeline(cfg, layout, batch=batch, machine=machine))
+        return 0
+    c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                 activation_checkpointing=args.activation_checkpointing)
     print(format_cost(c, machine))
     return 0
 
