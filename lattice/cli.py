@@ -9,8 +9,10 @@
     # tensor parallel modes with their options, combined with data parallelism
     lattice train --nproc 4 --mode 1d --tp 2 --dp 2 --sequence-parallel
     lattice train --nproc 4 --mode 2d --tp 4 --bf16 --activation-checkpointing
-    # resume, in any layout (every rank wrote its shards into runs/a/checkpoints/step-N; DCP reshards)
-    lattice train --out-dir runs/a --steps 400 --resume runs/a
+    # every run gets a new runs/run-N (runs/latest links to the newest); --out-dir names it
+    lattice train --out-dir runs/a --steps 400
+    # resume, in any layout, continuing in runs/a (every rank wrote its shards; DCP reshards)
+    lattice train --steps 400 --resume runs/a --nproc 2 --mode 1d --tp 2
     # convert: sharded <-> one file of full tensors, to a HuggingFace directory, from one
     lattice convert runs/a runs/a.pt
     lattice convert runs/a --to hf runs/a-hf          # GPT2LMHeadModel.from_pretrained("runs/a-hf")

@@ -70,6 +70,8 @@ def choose(out_dir: str | None, resume_run: Path | None, resume_step: int | None
     holding another run, or checkpoints after the resumed step, unless `overwrite`."""
     if out_dir is None and resume_run is None:
         return RunDir(next_numbered(), fresh=True)
+    if resume_run is not None and resume_run.is_symlink():  # runs/latest: the run it names now, not later
+        resume_run = resume_run.parent / os.readlink(resume_run)
     out = Path(out_dir) if out_dir is not None else resume_run
     found = describe(out) if out.is_dir() else None
     same = resume_run is not None and out.resolve() == resume_run.resolve()
