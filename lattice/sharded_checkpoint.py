@@ -272,37 +272,33 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
         partial.mkdir(parents=True)
     if size > 1:
         dist.barrier(group)  # nobody writes into the directory before it is fresh
-    failure = None
+    report = None  # this rank's checksums, or why its part failed
     try:
         with _single_process_ok():
             index = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True,
                                                                          single_file_per_rank=True, thread_count=1),
                              planner=SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
-    except (OSError, dcp.api.CheckpointException) as e:  # DCP raises its exception on every rank alike
-        failure = _reason(e, base)
-    if failure is None:
         # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
         mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
-        try:
-            sums = _checksums(partial, index.storage_data, mine)
-        except OSError as e:
-            sums = _reason(e, base)
-        if size > 1:
-            gathered = [None] * size if rank == 0 else None
-            dist.gather_object(sums, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
-        else:
-            gathered = [sums]
-        outcome = [None]
-        if rank == 0:
-            outcome = [next((s for s in gathered if isinstance(s, str)), None)]
-            if outcome[0] is None:
-                try:
-                    _publish(partial, final, meta, {k: v for part in gathered for k, v in part.items()}, keep, root)
-                except OSError as e:
-                    outcome = [_reason(e, base)]
-        if size > 1:
-            dist.broadcast_object_list(outcome, src=0, group=group)  # also: the checkpoint is visible to every rank
-        failure = outcome[0]
+        report = _checksums(partial, index.storage_data, mine)
+    except (OSError, dcp.api.CheckpointException) as e:  # (DCP raises its exception on every rank alike)
+        report = _reason(e, base)
+    if size > 1:
+        gathered = [None] * size if rank == 0 else None
+        dist.gather_object(report, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
+    else:
+        gathered = [report]
+    outcome = [None]  # rank 0's verdict, the same on every rank
+    if rank == 0:
+        outcome = [next((r for r in gathered if isinstance(r, str)), None)]
+        if outcome[0] is None:
+            try:
+                _publish(partial, final, meta, {k: v for part in gathered for k, v in part.items()}, keep, root)
+            except OSError as e:
+                outcome = [_reason(e, base)]
+    if size > 1:
+        dist.broadcast_object_list(outcome, src=0, group=group)  # also: the checkpoint is visible to every rank
+    failure = outcome[0]
     if failure is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)

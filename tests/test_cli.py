@@ -189,11 +189,11 @@ def test_batch_is_the_global_batch_in_plan_as_in_train(capsys):
     assert head_dp2.startswith("batch 4 x ") and head_dp1.startswith("batch 4 x ")
     assert forward_dp2 and forward_dp2 == forward_dp1
     assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--dp", "2", "--batch", "7"]) == 2
-    out = capsys.readouterr().out.strip()
-    assert out.count("\n") == 0 and "global batch" in out and "multiple of 2" in out
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "global batch" in err and "multiple of 2" in err
     assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--dp", "0"]) == 2  # not a division by zero
-    out = capsys.readouterr().out.strip()
-    assert out.count("\n") == 0 and "dp must be a positive integer" in out
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "dp must be a positive integer" in err
 
 
 def test_plan_machine_from_a_file_or_refused_in_one_line(tmp_path, capsys):
