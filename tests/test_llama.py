@@ -134,39 +134,34 @@ def test_presets_build_on_meta_with_their_published_sizes():
         assert abs(model.num_parameters() - count) / count < 0.005, (preset, model.num_parameters())
 
 
-def _lattice(args, cwd, timeout=300):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+def _lattice(args, capfd) -> str:
+    """`lattice ARGS` in this process (the 2d run's workers are processes; capfd sees their output)."""
+    from lattice import cli
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "lattice", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+    assert cli.main(args) == 0, capfd.readouterr()
+    return capfd.readouterr().out
 
 
-def test_hf_directory_trains_in_2d_like_serial_and_exports_what_transformers_loads(tmp_path):
+def test_hf_directory_trains_in_2d_like_serial_and_exports_what_transformers_loads(tmp_path, capfd, monkeypatch):
     """Catches an import that misreads a sharded safetensors directory (its index, a transposed
     projection), a 2d run that diverges from serial on imported weights, or an export that
     from_pretrained loads into a different function: HF dir (6 files + index) -> convert ->
     5 steps in 2d and in serial (losses equal to 4 decimals) -> --to hf -> from_pretrained,
     whose logits equal the trained lattice model's."""
+    monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     cfg = LlamaConfig.preset("tiny", vocab_size=2048)  # the built-in corpus's vocabulary
     transformers.LlamaForCausalLM(Llama.hf.config_to_hf(cfg)).save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    _lattice(["convert", "--from", "hf", "hf", "imported"], tmp_path)
+    _lattice(["convert", "--from", "hf", "hf", "imported"], capfd)
     steps = ["--model", "tiny", "--steps", "5", "--eval-interval", "5", "--no-progress", "--batch-size", "8"]
     in_2d = _lattice(["train", "--resume", "imported", "--mode", "2d", "--tp", "4", "--nproc", "4", *steps,
-                      "--out-dir", "run2d"], tmp_path)
-    serial = _lattice(["train", "--resume", "imported", *steps, "--out-dir", "runs"], tmp_path)
+                      "--out-dir", "run2d"], capfd)
+    serial = _lattice(["train", "--resume", "imported", *steps, "--out-dir", "runs"], capfd)
     losses = [[line for line in out.splitlines() if line.startswith("step 5:")] for out in (in_2d, serial)]
     assert losses[0] and losses[0] == losses[1], (in_2d, serial)
-    _lattice(["convert", "run2d", "--to", "hf", "exported"], tmp_path)
-    _lattice(["convert", "run2d", "--to", "single", "trained.pt"], tmp_path)
+    _lattice(["convert", "run2d", "--to", "hf", "exported"], capfd)
+    _lattice(["convert", "run2d", "--to", "single", "trained.pt"], capfd)
     saved = torch.load(tmp_path / "trained.pt", weights_only=False)
     model = lattice.build_model(LlamaConfig.from_dict(saved["model_config"]), lattice.plan("serial"))
     model.load_full_state_dict(saved["model"])

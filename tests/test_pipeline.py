@@ -3,9 +3,6 @@ with every tensor layout inside a stage and data parallelism, equal to serial in
 point-to-point traffic equal to its formula; bad requests refused in one line on every rank."""
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +17,6 @@ from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
 from numerics import random_batch, rel_diff
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH, T = 8, 16
 
 
@@ -255,17 +251,16 @@ def test_pipeline_options_from_the_command_line(tmp_path, capsys):
     assert f"bubble (p-1)/(v m) = {1 / 8:.3f}" in out
 
 
-def test_train_command_with_pp_prints_serial_losses(tmp_path):
+def test_train_command_with_pp_prints_serial_losses(tmp_path, capfd):
     """Catches a pipelined `lattice train` whose printed losses differ from serial's (the
     acceptance run, on the tiny model to keep the suite fast)."""
+    from lattice import cli
+
     args = ["--model", "tiny", "--steps", "10", "--eval-interval", "5", "--no-progress", "--batch-size", "8"]
 
-    def run(extra, out):
-        proc = subprocess.run([sys.executable, "-m", "lattice", "train", *args, *extra, "--out-dir", str(out)],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [line for line in proc.stdout.splitlines() if line.startswith(("step ", "final val loss"))]
+    def run(extra, out):  # in this process; capfd also sees the launched workers' output
+        assert cli.main(["train", *args, *extra, "--out-dir", str(out)]) == 0, capfd.readouterr().err[-3000:]
+        return [line for line in capfd.readouterr().out.splitlines() if line.startswith(("step ", "final val loss"))]
 
     serial = run([], tmp_path / "serial")
     piped = run(["--mode", "1d", "--tp", "2", "--pp", "2", "--nproc", "4"], tmp_path / "pp")
