@@ -254,8 +254,6 @@ def test_pipeline_options_from_the_command_line(tmp_path, capsys):
 def test_train_command_with_pp_prints_serial_losses(tmp_path, capfd):
     """Catches a pipelined `lattice train` whose printed losses differ from serial's (the
     acceptance run, on the tiny model to keep the suite fast)."""
-    from lattice import cli
-
     args = ["--model", "tiny", "--steps", "10", "--eval-interval", "5", "--no-progress", "--batch-size", "8"]
 
     def run(extra, out):  # in this process; capfd also sees the launched workers' output
