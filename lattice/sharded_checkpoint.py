@@ -203,11 +203,7 @@ def _rank_and_size(group) -> tuple[int, int]:
 
 class WriteFailed(TrainingStopped):
     """A checkpoint could not be written (too little space, or the write failed); raised on
-    every rank alike, with nothing of it left behind. `root`: the run directory."""
-
-    def __init__(self, message: str, root: Path):
-        super().__init__(message)
-        self.root = root
+    every rank alike, with nothing of it left behind."""
 
 
 # a checkpoint's files beyond its tensors' bytes: DCP's index, the marker, the zip headers per tensor
@@ -228,14 +224,14 @@ def _reason(error: BaseException, base: Path) -> str:
     """One line for why a write failed: the OS's words, or DCP's first failure, and the free space
     when little is left (torch.save's zip writer reports a full disk as 'unexpected pos')."""
     if isinstance(error, dcp.api.CheckpointException) and error.failures:
-        rank, (error, _) = next(iter(sorted(error.failures.items(), key=lambda kv: kv[0])))
+        error = error.failures[min(error.failures)][0]  # (the exception, its stack summary) of the lowest rank
     words = error.strerror if isinstance(error, OSError) and error.strerror else (str(error).splitlines() or [""])[0]
     free = _free_bytes(base)
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC or free < FIXED_OVERHEAD
     return f"no space left on the device; {_megabytes(free)} free now" if full else words[:160]
 
 
-def _check_space(base: Path, step: int, state: dict[str, Chunk], keep: int, rank: int, size: int, group) -> None:
+def _check_space(base: Path, step: int, state: dict[str, Chunk], keep: int, size: int, group) -> None:
     """Refuse, on every rank alike, a save that does not fit: the checkpoint's size (every
     distinct tensor once, from every rank's keys) against each rank's free space in `base`
     (the whole checkpoint on each: on a file system the ranks share, they fill it together)."""
@@ -252,8 +248,7 @@ def _check_space(base: Path, step: int, state: dict[str, Chunk], keep: int, rank
         last = complete(base)[-1:] or ["none"]
         raise WriteFailed(f"step {step}: the checkpoint needs about {_megabytes(total)} and {base} has "
                           f"{_megabytes(free)} free (rank {r}); nothing was written and the last intact checkpoint "
-                          f"is {last[0]}; free space there, lower --keep (now {keep}), or choose another --out-dir",
-                          base.parent)
+                          f"is {last[0]}; free space there, lower --keep (now {keep}), or choose another --out-dir")
 
 
 def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, group=None) -> Path:
@@ -266,7 +261,7 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
     base = Path(root) / SUBDIR
     final = base / step_name(meta["step"])
     partial = base / f".{final.name}.partial"
-    _check_space(base, meta["step"], state, keep, rank, size, group)
+    _check_space(base, meta["step"], state, keep, size, group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -304,7 +299,7 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
             shutil.rmtree(partial, ignore_errors=True)
         last = complete(base)[-1:] or ["none"]
         raise WriteFailed(f"step {meta['step']}: writing the checkpoint into {base} failed ({failure}); nothing of it "
-                          f"was kept and the last intact checkpoint is {last[0]}", Path(root))
+                          f"was kept and the last intact checkpoint is {last[0]}")
     return final
 
 
