@@ -37,6 +37,7 @@ from lattice import run_dir
 from lattice.arguments import (add_layout_arguments, add_train_arguments, config_toml, layout_from_args,
                                run_config, train_config, with_config_file)
 from lattice.context import LatticeConfigError
+from lattice.faults import TrainingStopped
 from lattice.inference import add_inference_arguments, run_inference
 from lattice.info import run_info
 from lattice.launch import launch_local
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             message = message.replace(f", {START_FRESH}", "")
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:  # (train handles its own) a convert whose checkpoint could not be written
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except BrokenPipeError:  # `lattice info | head`: the reader left; stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

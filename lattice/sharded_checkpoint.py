@@ -71,6 +71,10 @@ class Chunk:
     def size(self) -> torch.Size:
         return self.full_shape
 
+    def full_nbytes(self) -> int:
+        """The bytes of the whole tensor this is a piece of."""
+        return self.full_shape.numel() * self.data.element_size()
+
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.data.shape)]
 
@@ -235,7 +239,7 @@ def _check_space(base: Path, step: int, state: dict[str, Chunk], keep: int, size
     """Refuse, on every rank alike, a save that does not fit: the checkpoint's size (every
     distinct tensor once, from every rank's keys) against each rank's free space in `base`
     (the whole checkpoint on each: on a file system the ranks share, they fill it together)."""
-    need = {key: chunk.full_shape.numel() * chunk.data.element_size() for key, chunk in state.items()}
+    need = {key: chunk.full_nbytes() for key, chunk in state.items()}
     views = [(need, _free_bytes(base))]
     if size > 1:
         views = [None] * size
@@ -499,6 +503,9 @@ class LazyChunk(Chunk):
     @property
     def data(self) -> torch.Tensor:
         return self.load()
+
+    def full_nbytes(self) -> int:  # without reading the tensor
+        return self.full_shape.numel() * self.dtype.itemsize
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.full_shape)]

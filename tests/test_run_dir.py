@@ -108,7 +108,8 @@ def test_keep_never_deletes_the_checkpoint_just_written(tmp_path):
 
 def test_a_save_without_room_stops_the_run_naming_the_figures_and_keeps_the_last(tmp_path, capsys, monkeypatch):
     """Catches a full disk surfacing as DCP's 'unexpected pos' traceback, a half-written
-    checkpoint directory left behind, and an estimate of the checkpoint's size that is off."""
+    checkpoint directory left behind, an estimate of the checkpoint's size that is off, and
+    `lattice convert` writing a sharded checkpoint without the same check."""
     out = tmp_path / "a"
     free = {"bytes": 1 << 40}
     monkeypatch.setattr(sharded, "_free_bytes", lambda path: free["bytes"])
@@ -128,6 +129,9 @@ def test_a_save_without_room_stops_the_run_naming_the_figures_and_keeps_the_last
     assert written / 2**20 - 0.05 <= need <= 1.25 * written / 2**20  # never below what a save writes
     assert "step-00000002" in err and f"--resume {out}" in err and "--keep" in err
     assert _steps(out) == [2] and sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
+    assert cli.main(["convert", str(out), "--to", "sharded", str(tmp_path / "copy")]) == 3  # convert's writes too
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the checkpoint needs about" in err and not _steps(tmp_path / "copy")
 
 
 def _fail_a_write_on_rank_1(out: str, async_checkpoint: bool):
