@@ -1,6 +1,7 @@
 """The plumbing under lattice's sharded checkpoints that talks to torch.distributed.checkpoint
 (DCP): planners that hand DCP each rank's chunks (`lattice.sharded_checkpoint.Chunk`: a shard
-and its place in the full tensor) as they are, and DCP's index read without running pickled code."""
+and its place in the full tensor) as they are, DCP's index read without running pickled code, and
+the names and CRC-32s of the chunks as DCP laid them out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,27 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from lattice.checkpoint_files import crc_range
+
 INDEX_FILE = ".metadata"  # DCP's index
+
+
+def item_name(index: MetadataIndex) -> str:
+    """A stored chunk's name in the marker: its key and offsets."""
+    return f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+def checksums(path: Path, storage: dict, items) -> dict[str, int]:
+    """CRC-32 of each stored chunk's bytes (as DCP laid them out: file, offset, length)."""
+    by_file: dict[str, list] = {}
+    for index in items:
+        by_file.setdefault(storage[index].relative_path, []).append(index)
+    out = {}
+    for name, indices in by_file.items():
+        with open(path / name, "rb") as f:
+            for index in indices:
+                out[item_name(index)] = crc_range(f, storage[index].offset, storage[index].length)
+    return out
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import json
 import os
 import pickle
 import shutil
 import warnings
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,10 +41,10 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lattice.checkpoint_files import START_FRESH, atomic_write, check_version_and_keys, fsync_dir
+from lattice.checkpoint_files import (START_FRESH, WriteFailed, atomic_write, check_version_and_keys, crc_file,
+                                      fsync_dir, megabytes, space_shortfall, write_failure_reason)
 from lattice.context import LatticeConfigError
-from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, read_index
-from lattice.faults import TrainingStopped
+from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, checksums, read_index
 
 FORMAT = "lattice-sharded-checkpoint"
 VERSION = 1
@@ -159,38 +157,6 @@ def remove_partial(root: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- save
-def _crc_range(f, offset: int, length: int) -> int:
-    """CRC-32 of `length` bytes of an open file from `offset`, read 1 MiB at a time."""
-    crc = 0
-    f.seek(offset)
-    while length > 0 and (block := f.read(min(length, 1 << 20))):
-        crc, length = zlib.crc32(block, crc), length - len(block)
-    return crc
-
-
-def _crc_file(path: Path) -> int:
-    with open(path, "rb") as f:
-        return _crc_range(f, 0, path.stat().st_size)
-
-
-def item_name(index: MetadataIndex) -> str:
-    """A stored chunk's name in the marker: its key and offsets."""
-    return f"{index.fqn}@{','.join(map(str, index.offset))}"
-
-
-def _checksums(path: Path, storage: dict, items) -> dict[str, int]:
-    """CRC-32 of each stored chunk's bytes (as DCP laid them out: file, offset, length)."""
-    by_file: dict[str, list] = {}
-    for index in items:
-        by_file.setdefault(storage[index].relative_path, []).append(index)
-    out = {}
-    for name, indices in by_file.items():
-        with open(path / name, "rb") as f:
-            for index in indices:
-                out[item_name(index)] = _crc_range(f, storage[index].offset, storage[index].length)
-    return out
-
-
 @contextlib.contextmanager
 def _single_process_ok():
     """DCP warns on every call without a process group; one process (serial, convert) is meant."""
@@ -205,54 +171,20 @@ def _rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class WriteFailed(TrainingStopped):
-    """A checkpoint could not be written (too little space, or the write failed); raised on
-    every rank alike, with nothing of it left behind."""
-
-
-# a checkpoint's files beyond its tensors' bytes: DCP's index, the marker, the zip headers per tensor
-FIXED_OVERHEAD, OVERHEAD_PER_TENSOR = 64 * 1024, 2 * 1024
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MB"
-
-
-def _free_bytes(path: Path) -> int:
-    while not path.exists():  # checkpoints/ of a run's first save
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _reason(error: BaseException, base: Path) -> str:
-    """One line for why a write failed: the OS's words, or DCP's first failure, and the free space
-    when little is left (torch.save's zip writer reports a full disk as 'unexpected pos')."""
-    if isinstance(error, dcp.api.CheckpointException) and error.failures:
-        error = error.failures[min(error.failures)][0]  # (the exception, its stack summary) of the lowest rank
-    words = error.strerror if isinstance(error, OSError) and error.strerror else (str(error).splitlines() or [""])[0]
-    free = _free_bytes(base)
-    full = isinstance(error, OSError) and error.errno == errno.ENOSPC or free < FIXED_OVERHEAD
-    return f"no space left on the device; {_megabytes(free)} free now" if full else words[:160]
+def _last_intact(base: Path) -> str:
+    newest = complete(base)[-1:]
+    return str(newest[0]) if newest else "none"
 
 
 def _check_space(base: Path, step: int, state: dict[str, Chunk], keep: int, size: int, group) -> None:
-    """Refuse, on every rank alike, a save that does not fit: the checkpoint's size (every
-    distinct tensor once, from every rank's keys) against each rank's free space in `base`
-    (the whole checkpoint on each: on a file system the ranks share, they fill it together)."""
-    need = {key: chunk.full_nbytes() for key, chunk in state.items()}
-    views = [(need, _free_bytes(base))]
-    if size > 1:
-        views = [None] * size
-        dist.all_gather_object(views, (need, _free_bytes(base)), group=group)
-    tensors = {k: v for part, _ in views for k, v in part.items()}
-    total = sum(tensors.values()) + FIXED_OVERHEAD + OVERHEAD_PER_TENSOR * len(tensors)
-    short = [(r, free) for r, (_, free) in enumerate(views) if free < total]
+    """Refuse, on every rank alike, a save that does not fit (checkpoint_files.space_shortfall)."""
+    short = space_shortfall(base, {key: chunk.full_nbytes() for key, chunk in state.items()}, size=size, group=group)
     if short:
-        r, free = short[0]
-        last = complete(base)[-1:] or ["none"]
-        raise WriteFailed(f"step {step}: the checkpoint needs about {_megabytes(total)} and {base} has "
-                          f"{_megabytes(free)} free (rank {r}); nothing was written and the last intact checkpoint "
-                          f"is {last[0]}; free space there, lower --keep (now {keep}), or choose another --out-dir")
+        total, r, free = short
+        raise WriteFailed(f"step {step}: the checkpoint needs about {megabytes(total)} and {base} has "
+                          f"{megabytes(free)} free (rank {r}); nothing was written and the last intact checkpoint "
+                          f"is {_last_intact(base)}; free space there, lower --keep (now {keep}), or choose another "
+                          f"--out-dir")
 
 
 def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, group=None) -> Path:
@@ -279,9 +211,9 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
                              planner=SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
         # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
         mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
-        report = _checksums(partial, index.storage_data, mine)
+        report = checksums(partial, index.storage_data, mine)
     except (OSError, dcp.api.CheckpointException) as e:  # (DCP raises its exception on every rank alike)
-        report = _reason(e, base)
+        report = write_failure_reason(e, base)
     if size > 1:
         gathered = [None] * size if rank == 0 else None
         dist.gather_object(report, gathered, dst=0, group=group)  # global rank 0: every group here spans the world
@@ -294,16 +226,15 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
             try:
                 _publish(partial, final, meta, {k: v for part in gathered for k, v in part.items()}, keep, root)
             except OSError as e:
-                outcome = [_reason(e, base)]
+                outcome = [write_failure_reason(e, base)]
     if size > 1:
         dist.broadcast_object_list(outcome, src=0, group=group)  # also: the checkpoint is visible to every rank
     failure = outcome[0]
     if failure is not None:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        last = complete(base)[-1:] or ["none"]
         raise WriteFailed(f"step {meta['step']}: writing the checkpoint into {base} failed ({failure}); nothing of it "
-                          f"was kept and the last intact checkpoint is {last[0]}")
+                          f"was kept and the last intact checkpoint is {_last_intact(base)}")
     return final
 
 
@@ -312,7 +243,7 @@ def _publish(partial: Path, final: Path, meta: dict, sums: dict, keep: int, root
     checkpoint visible, pruning."""
     base = final.parent
     files = {p.name: [p.stat().st_size] for p in sorted(partial.glob("*.distcp"))}
-    files[INDEX_FILE] = [(partial / INDEX_FILE).stat().st_size, _crc_file(partial / INDEX_FILE)]
+    files[INDEX_FILE] = [(partial / INDEX_FILE).stat().st_size, crc_file(partial / INDEX_FILE)]
     record = {"format": FORMAT, "version": VERSION, **meta, "files": files, "checksums": sums}
     atomic_write(partial / MARKER, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
     old = base / f".{final.name}.old"
@@ -390,7 +321,7 @@ def read(path: Path) -> dict:
         if f.stat().st_size != size:
             raise LatticeConfigError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes where {size} were written, "
                                      f"so it is truncated or damaged; use an intact copy, {START_FRESH}")
-        if crc and _crc_file(f) != crc[0]:
+        if crc and crc_file(f) != crc[0]:
             raise LatticeConfigError(f"checkpoint {path}: {name} does not match its checksum, so the checkpoint is "
                                      f"corrupt; use an intact copy, {START_FRESH}")
     try:
@@ -468,7 +399,7 @@ def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str
             if _overlaps(chunk.offsets, chunk.data.shape, stored.offsets, stored.sizes):
                 needed.append(MetadataIndex(key, stored.offsets))
     recorded = saved["checksums"]
-    for name, crc in _checksums(path, index.storage_data, needed).items():
+    for name, crc in checksums(path, index.storage_data, needed).items():
         if recorded.get(name) != crc:
             what = "has no recorded checksum" if name not in recorded else "does not match its checksum"
             return (f"checkpoint {path}: the stored chunk {name} {what}, so the checkpoint is corrupt; use an intact "

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice import cli
+from lattice import checkpoint_files, cli
 from lattice import sharded_checkpoint as sharded
 from lattice.run_dir import resume_command
 from lattice.train import TrainConfig, Trainer
@@ -112,7 +112,7 @@ def test_a_save_without_room_stops_the_run_naming_the_figures_and_keeps_the_last
     `lattice convert` writing a sharded checkpoint without the same check."""
     out = tmp_path / "a"
     free = {"bytes": 1 << 40}
-    monkeypatch.setattr(sharded, "_free_bytes", lambda path: free["bytes"])
+    monkeypatch.setattr(checkpoint_files, "free_bytes", lambda path: free["bytes"])
     assert cli.main(["train", *TINY, "--steps", "4", "--stop-at", "2", "--checkpoint-interval", "2",
                      "--out-dir", str(out)]) == 0
     written = sum(f.stat().st_size for f in (out / "checkpoints" / "step-00000002").iterdir())

@@ -17,7 +17,9 @@ import torch
 import lattice
 from lattice import checkpoint, cli
 from lattice import sharded_checkpoint as sharded
+from lattice.checkpoint_files import crc_file
 from lattice.context import LatticeConfigError
+from lattice.dcp_io import item_name
 from lattice.data import train_batch
 from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
@@ -155,8 +157,8 @@ def fsync_dir(path):
         die()  # renamed into place: the new checkpoint is complete
     return real_fsync(path)
 
-sc_checksums = sc._checksums
-sc.write, fs._write_item, sc._checksums, sc.atomic_write, sc.fsync_dir = write, write_item, checksums, atomic, fsync_dir
+sc_checksums = sc.checksums
+sc.write, fs._write_item, sc.checksums, sc.atomic_write, sc.fsync_dir = write, write_item, checksums, atomic, fsync_dir
 cfg = TrainConfig(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, eval_interval=100, eval_batches=1,
                   progress=False, steps=6, checkpoint_interval=2, out_dir=out)
 Trainer(cfg, lattice.init("serial")).fit()
@@ -277,7 +279,7 @@ def _bad_sharded(good: Path, d: Path) -> dict[str, str]:
     forged = copy("forged_index")
     (forged / ".metadata").write_bytes(pickle.dumps(Boom()))
     record = json.loads((forged / sharded.MARKER).read_text())
-    record["files"][".metadata"] = [(forged / ".metadata").stat().st_size, sharded._crc_file(forged / ".metadata")]
+    record["files"][".metadata"] = [(forged / ".metadata").stat().st_size, crc_file(forged / ".metadata")]
     (forged / sharded.MARKER).write_text(json.dumps(record))
     return {k: str(v) for k, v in made.items()}
 
@@ -342,7 +344,7 @@ def test_a_damaged_chunk_read_by_one_rank_is_refused_on_every_rank(tmp_path):
     (path / info.relative_path).write_bytes(bytes(raw))
     errors = run_distributed(2, _resume_error, "1d", 2, str(tmp_path))
     assert errors[0] == errors[1] and errors[0] is not None
-    assert sharded.item_name(target) in errors[0] and "does not match its checksum" in errors[0]
+    assert item_name(target) in errors[0] and "does not match its checksum" in errors[0]
     assert "\n" not in errors[0]
 
 
