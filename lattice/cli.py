@@ -33,7 +33,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lattice import run_dir
 from lattice.arguments import (add_layout_arguments, add_train_arguments, config_toml, layout_from_args,
                                run_config, train_config, with_config_file)
 from lattice.context import LatticeConfigError
@@ -43,9 +42,9 @@ from lattice.info import run_info
 from lattice.launch import launch_local
 from lattice.layout import Layout
 from lattice.models import DEFAULT_ARCH
-from lattice.run_dir import RunDir
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (run_dir reaches torch.distributed.checkpoint: imported when training)
+    from lattice.run_dir import RunDir
     from lattice.train import TrainConfig
 
 # subcommands whose arguments and implementation live in another module, imported only when used
@@ -68,7 +67,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
     Changes nothing (an explicit out-dir is created if missing); the launcher runs it before
     starting processes and every rank before any process group exists, so a bad request fails
     in one line, the same everywhere. Returns (layout, train config, checkpoint or None, run dir)."""
-    from lattice import checkpoint, faults
+    from lattice import checkpoint, faults, run_dir
     from lattice.data import check_data
     from lattice.train import check_run
 
@@ -141,7 +140,7 @@ def cmd_train(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
     import lattice
-    from lattice import checkpoint, faults, sharded_checkpoint
+    from lattice import checkpoint, faults, run_dir, sharded_checkpoint
     from lattice.train import Trainer
 
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
