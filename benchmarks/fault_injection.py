@@ -53,8 +53,10 @@ def _workers(launcher: int) -> list[int]:
 
 def _training(out: Path, workers: list[int], nproc: int) -> bool:
     """Every worker of this job is in its training loop (its heartbeat names its pid)."""
+    from lattice.faults import HEARTBEAT_DIR
+
     try:
-        pids = {int((out / ".heartbeat" / f"rank{r}").read_text().split()[1]) for r in range(nproc)}
+        pids = {int((out / HEARTBEAT_DIR / f"rank{r}").read_text().split()[1]) for r in range(nproc)}
     except (OSError, ValueError, IndexError):
         return False
     return pids <= set(workers)

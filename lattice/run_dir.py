@@ -26,13 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lattice import sharded_checkpoint as sharded
+from lattice.checkpoint import FILENAME as SINGLE_FILE
 from lattice.context import LatticeConfigError
+from lattice.faults import HEARTBEAT_DIR
+from lattice.metrics import METRICS_FILE
 
 RUNS = Path("runs")
 LATEST = "latest"
 # what a run writes into its directory (--overwrite removes these and nothing else)
-RUN_FILES = ("config.toml", "metrics.csv", "tokenizer.json", "data.json", "ckpt.pt", "tensorboard", sharded.SUBDIR,
-             ".heartbeat")
+RUN_FILES = ("config.toml", METRICS_FILE, "tokenizer.json", "data.json", SINGLE_FILE, "tensorboard", sharded.SUBDIR,
+             HEARTBEAT_DIR)
 
 
 def next_numbered(runs: Path = RUNS) -> Path:
@@ -47,9 +50,9 @@ def describe(out: Path) -> str | None:
     steps = [_step(p) for p in sharded.complete(out)] if (out / sharded.SUBDIR).is_dir() else []
     if steps:
         return f"a run with checkpoints at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
-    if (out / "ckpt.pt").is_file():
-        return "a run's checkpoint ckpt.pt"
-    written = [name for name in ("config.toml", "metrics.csv") if (out / name).exists()]
+    if (out / SINGLE_FILE).is_file():
+        return f"a run's checkpoint {SINGLE_FILE}"
+    written = [name for name in ("config.toml", METRICS_FILE) if (out / name).exists()]
     return f"a run without checkpoints ({' and '.join(written)})" if written else None
 
 
