@@ -38,7 +38,8 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
 
 
 def load_for_inference(args, plan_only: bool = False):
-    """The checkpoint, its model config and the layout; with plan_only, only validate them."""
+    """The checkpoint, its model config, the tokenizer the run saved (generate; None if it saved
+    none) and the layout, checked; with plan_only, only validate them."""
     from lattice import checkpoint
     from lattice.data import read_tokenizer
     from lattice.modes import get_mode
@@ -49,6 +50,7 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
                                  f"read from it) or pass another run")
     cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
+    tokenizer = None
     if args.command == "eval" and args.eval_batches is not None and args.eval_batches < 1:
         raise LatticeConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")
     if args.command == "generate":
@@ -57,14 +59,14 @@ def load_for_inference(args, plan_only: bool = False):
             if value < least:
                 raise LatticeConfigError(f"{flag} must be at least {least}, got {value}")
         saved_tokenizer = checkpoint.run_dir(args.run) / "tokenizer.json"
-        if saved_tokenizer.is_file():
-            read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
+        if saved_tokenizer.is_file():  # the tokenizer the run was trained with
+            tokenizer = read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
     layout = layout_from_args(args)
     get_mode(layout.mode)(cfg, layout.context())  # the mode's size checks
     if plan_only and args.nproc != layout.world_size:
         raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {layout.world_size} ranks; "
                                  f"use --nproc {layout.world_size}")
-    return ckpt, cfg
+    return ckpt, cfg, tokenizer
 
 
 def smallest_batch(model) -> int:
@@ -89,13 +91,13 @@ def run_inference(args, argv: list[str]) -> int:
 
     import lattice
     from lattice import checkpoint
-    from lattice.data import load_corpus, read_tokenizer
+    from lattice.data import load_corpus
 
     launched = "WORLD_SIZE" in os.environ
     if args.nproc and args.nproc > 1 and not launched:
         load_for_inference(args, plan_only=True)  # the checkpoint and the layout, before any process starts
         return launch_local(args.nproc, argv)
-    ckpt, cfg = load_for_inference(args)
+    ckpt, cfg, tokenizer = load_for_inference(args)
     ctx = lattice.init(layout_from_args(args), seed=args.seed)
     try:
         if args.command == "eval":
@@ -119,10 +121,7 @@ def run_inference(args, argv: list[str]) -> int:
                       f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of "
                       f"{tcfg.data or 'the built-in corpus'}, step {ckpt['step']})")
             return 0
-        run_dir = checkpoint.run_dir(args.run)
-        saved_tokenizer = run_dir / "tokenizer.json"
-        if saved_tokenizer.is_file():  # the tokenizer the run was trained with
-            tokenizer = read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
+        if tokenizer is not None:
             encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode
         else:
             corpus = load_corpus(ckpt.get("train_config", {}).get("vocab_size", cfg.vocab_size))
