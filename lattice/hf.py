@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+from copy import copy as shallow_copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,14 @@ class HFMapping:
     def check_import(self, cfg) -> None:
         """Refuse a lattice config the HF weights cannot fill."""
 
+    def class_name(self, cfg) -> str:
+        """The transformers class of `cfg`'s model (a family whose heads differ by config says)."""
+        return self.model_class
+
+    def exported_classes(self) -> tuple[str, ...]:
+        """Every transformers class `class_name` may name."""
+        return (self.model_class,)
+
 
 def _mapping(family):
     if family.hf is None:
@@ -123,6 +132,9 @@ def read_hf(family, model_or_state_dict, *, config=None):
         if config is not None and not isinstance(config, family.config_class):
             raise LatticeConfigError(f"with a HF model, config may only be a {family.config_class.__name__} (to change "
                                      f"dropout); leave it None to use the model's own config")
+        if not getattr(hf_config, "architectures", None):  # a model built from a config: its class says
+            hf_config = shallow_copy(hf_config)
+            hf_config.architectures = [type(model_or_state_dict).__name__]
         cfg, state_dict = m.config_from_hf(hf_config, given=config), model_or_state_dict.state_dict()
     elif isinstance(model_or_state_dict, dict):
         if config is None:
@@ -211,7 +223,7 @@ def hf_model(family, cfg, full: dict[str, torch.Tensor]):
     """A transformers model (eval mode, the weights' dtype) from a lattice full state dict."""
     m = _mapping(family)
     sd = to_hf_state_dict(family, cfg, full)
-    model = getattr(transformers_module(), m.model_class)(m.config_to_hf(cfg)).to(next(iter(full.values())).dtype)
+    model = getattr(transformers_module(), m.class_name(cfg))(m.config_to_hf(cfg)).to(next(iter(full.values())).dtype)
     model.load_state_dict({k: t.cpu() for k, t in sd.items()}, strict=True)
     return model.eval()
 

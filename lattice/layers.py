@@ -36,19 +36,51 @@ def vocab_table_spec(cfg, splits, multiple: int) -> ShardSpec:
                      padded_shape=(padded, cfg.d_model) if padded != cfg.vocab_size else None)
 
 
+def position_rows(embedding: nn.Module, start: int, length: int) -> torch.Tensor | None:
+    """The rows an embedding adds to its tokens at positions start..: its position table's
+    (`wpe`), plus row 0 of its token-type table (`wtype`, BERT's: every token is of type 0) when
+    it has one; None on a rank that does not hold the tables (they are hosted elsewhere)."""
+    if embedding.wpe is None:
+        return None
+    rows = embedding.wpe[start:start + length]
+    return rows + embedding.wtype[0] if embedding.types else rows
+
+
+def check_types(positions: bool, types: int) -> None:
+    if types and not positions:
+        raise ValueError("a token-type table is added with the position table: types need positions=True")
+
+
 class TiedHead(nn.Module):
     """An LM head scoring against the token table: the embedding's own (tied) or a separate one
-    with the same spec."""
+    with the same spec; with `bias_spec`, a bias per vocabulary entry (BERT's output bias) split
+    like the vocabulary of the mode's local logits."""
 
-    def __init__(self, cfg, ctx, embedding: nn.Module, table_spec: ShardSpec):
+    def __init__(self, cfg, ctx, embedding: nn.Module, table_spec: ShardSpec, bias_spec: ShardSpec | None = None):
         super().__init__()
         self.embedding = [embedding]  # a list, so the tied table is not registered twice
         self.tied = cfg.tie_embeddings
         if not self.tied:
             register_sharded(self, "weight", table_spec, ctx)
+        self.has_bias = bias_spec is not None
+        if self.has_bias:
+            register_sharded(self, "bias", bias_spec, ctx)
 
     def table(self) -> torch.Tensor:
         return self.embedding[0].wte if self.tied else self.weight
+
+    def add_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (.., V_local) + this rank's bias entries."""
+        return logits + self.bias if self.has_bias else logits
+
+
+def vocab_bias_spec(cfg, axes: tuple = (), multiple: int = 1, **replicated) -> ShardSpec:
+    """The (V,) output bias split over `axes` as the mode's local logits split the vocabulary,
+    padded to a multiple of `multiple` as its table is; `replicated`: further ShardSpec fields
+    (the axes over which the logits hold other tokens sum its gradient)."""
+    padded = round_up(cfg.vocab_size, multiple)
+    return ShardSpec((cfg.vocab_size,), splits=((0, axes),) if axes else (),
+                     padded_shape=(padded,) if padded != cfg.vocab_size else None, **replicated)
 
 
 def register_weight_and_bias(module: nn.Module, ctx, weight: ShardSpec, bias: ShardSpec | None) -> None:

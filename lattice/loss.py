@@ -1,4 +1,9 @@
-"""Cross-entropy of logits split over the vocabulary, without gathering them (shared by modes)."""
+"""Cross-entropy of logits split over the vocabulary, without gathering them (shared by modes).
+
+Targets equal to IGNORE_INDEX (-100, as in PyTorch and transformers: BERT's unmasked positions)
+add nothing to the loss or its gradient, and the mean is over the labelled targets alone
+(`labelled_count`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,14 @@ import torch
 from lattice import comm
 from lattice.layers import upcast
 
+IGNORE_INDEX = -100
+
+
+def labelled_count(targets: torch.Tensor) -> torch.Tensor:
+    """The targets that count towards a mean loss (those not IGNORE_INDEX), as a 0-d tensor (no
+    host sync). Every rank holds the whole replica's targets, so every rank divides alike."""
+    return (targets != IGNORE_INDEX).sum()
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss log Σ_v e^{z_v} - z_target, the vocabulary split over `group`.
@@ -14,7 +27,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: m = max over ranks of max_v z (all-reduce MAX of N values), then [Σ_v e^{z-m},
     z_target - m] summed over ranks in one all-reduce (2N values); every rank returns the same
     per-token loss. Backward: dz = (softmax(z) - onehot(target)) · dloss on this rank's slice, no
-    communication. Columns at or past `vocab_size` (padding) are masked out of the softmax.
+    communication. Columns at or past `vocab_size` (padding) are masked out of the softmax; an
+    IGNORE_INDEX target has loss 0 and gradient 0.
     """
 
     @staticmethod
@@ -33,16 +47,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = torch.where(here, target_logit, torch.zeros_like(target_logit))  # (N,)
         sums = comm.raw_all_reduce(torch.stack([exp.sum(dim=1), target_logit]), group)  # (2, N)
         softmax = exp.div_(sums[0].unsqueeze(1))
-        ctx.save_for_backward(softmax, local_target, here)
+        labelled = targets != IGNORE_INDEX
+        # -1 marks an ignored row, so that no further tensor is saved for backward
+        ctx.save_for_backward(softmax, local_target.masked_fill(~labelled, -1), here)
         ctx.dtype = logits.dtype
-        return sums[0].log() - sums[1]
+        return (sums[0].log() - sums[1]).masked_fill(~labelled, 0.0)
 
     @staticmethod
     def backward(ctx, dloss):
         softmax, local_target, here = ctx.saved_tensors
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= here.to(grad.dtype)
+        grad[rows, local_target.clamp_min(0)] -= here.to(grad.dtype)
+        dloss = dloss.masked_fill(local_target < 0, 0.0)
         return (grad * dloss.unsqueeze(1)).to(ctx.dtype), None, None, None, None
 
 

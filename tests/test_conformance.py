@@ -79,8 +79,22 @@ def _batch(cfg, n: int, seed: int):
     return tokens, torch.randint(0, cfg.vocab_size, (n, T), generator=gen)
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
+def _rel(a: torch.Tensor, ref: torch.Tensor, floor: float = 1e-300) -> float:
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
+
+
+#: a tensor's difference is relative to its own largest entry, or to this fraction of the largest
+#: entry of any tensor of the same kind (gradients, weights, a moment) when that is larger:
+#: BERT's key bias has an analytically zero gradient (softmax ignores a constant per query), so
+#: what serial and a layout compute for it is rounding noise (~1e-22), equal in no layout, and
+#: AdamW's first step moves it by lr·g/(|g| + eps), noise of ~1e-16
+NEGLIGIBLE = 1e-4
+
+
+def _worst(tensors: dict, refs: dict) -> float:
+    """The largest difference of `tensors` to `refs` (same keys), each relative as NEGLIGIBLE says."""
+    floor = NEGLIGIBLE * max(float(t.abs().max()) for t in refs.values())
+    return max(_rel(tensors[n], refs[n], floor) for n in refs)
 
 
 def test_every_family_and_mode_declares_what_the_suite_runs():
@@ -182,9 +196,8 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
             out["exact"].append(dict(
                 shape=shape, ckpt=ckpt, loss=abs(loss - replica_loss) / abs(replica_loss), logits=logits,
                 replica_losses_equal=len({x for r, x in losses if r == d}) == 1,
-                grads=max(_rel(grads[n], ref_grads[n]) for n in ref_grads),
-                step=max(_rel(after[n], ref_after[n]) for n in ref_after),
-                moments=max(_rel(moments[k][n], ref_moments[k][n]) for k in ref_moments for n in ref_grads),
+                grads=_worst(grads, ref_grads), step=_worst(after, ref_after),
+                moments=max(_worst(moments[k], ref_moments[k]) for k in ref_moments),
                 round_trip=all(torch.equal(round_trip[n], weights[n]) for n in weights),
                 keys=sorted(grads) == sorted(ref_grads)))
             analytic = lattice.cost.estimate(cfg, mode, batch=REPLICA_BATCH, seq=T, dtype=torch.float64,

@@ -335,6 +335,17 @@ class CostBuilder:
         self._work("elementwise", self.M * width * share * (2 if gated else 1))
         self.current, self.output_saved = out, False
 
+    def dense(self, in_features: int, out_features: int, *, bias: bool, activation: str) -> None:
+        """A linear from the residual layout back to it (`Mode.dense`) and its elementwise
+        activation (BERT's MLM transform: dense, GELU; a norm follows)."""
+        self._next()
+        saved, out = self.mode.cost_dense(self, in_features, out_features, bias)
+        share = self.share.get("dense", self.share["split"])
+        self.save(saved + (out if activation != "relu" else 0))  # GELU saves its input
+        self._work("flops", 2 * self.M * in_features * out_features * share)
+        self._work("elementwise", self.M * out_features * share * (2 if bias else 1))
+        self.current, self.output_saved = out, False
+
     def lm_head(self) -> None:
         """The LM head against the (tied) table and the cross-entropy."""
         self.region = "head"
@@ -343,13 +354,15 @@ class CostBuilder:
         self._work("flops", 2 * self.M * self.h * self.vocab_padded * share)
         self._work("elementwise", 2 * self.M * self.vocab_padded * share)
 
-    def classifier(self, num_labels: int) -> None:
-        """A head over the first token of every sequence (`Mode.pool`), run replicated: a linear
-        to `num_labels` and the cross-entropy of the replica batch's class ids."""
+    def classifier(self, num_labels: int, *, pooler: bool = False) -> None:
+        """A head over the first token of every sequence (`Mode.pool`), run replicated: with
+        `pooler`, a linear h -> h and tanh (BERT's), then a linear to `num_labels` and the
+        cross-entropy of the replica batch's class ids."""
         self.region = "head"
-        self.save(self.mode.cost_pool(self) + self.B * num_labels + 1)  # its input, log-softmax, total weight
+        pooled = self.B * self.h if pooler else 0  # tanh's output, which the classifier saves too
+        self.save(self.mode.cost_pool(self) + pooled + self.B * num_labels + 1)  # inputs, log-softmax, total weight
         self.save_ints(8 * self.B)  # the class ids
-        self._work("flops", 2 * self.B * self.h * num_labels)
+        self._work("flops", 2 * self.B * self.h * (num_labels + (self.h if pooler else 0)))
         self._work("elementwise", 2 * self.B * num_labels)
 
     # ---- the step

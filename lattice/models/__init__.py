@@ -51,13 +51,17 @@ def load_hf_dir(src: Path):
         raise LatticeConfigError(f"{src} is not a HuggingFace model directory (no config.json); pass the directory "
                                  f"that save_pretrained wrote")
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        fields = json.loads(config.read_text())
+        model_type = fields.get("model_type")
     except (OSError, ValueError) as e:
         raise LatticeConfigError(f"{config} cannot be read as JSON ({type(e).__name__}); pass an intact HuggingFace "
                                  f"model directory") from None
     family = arch_of_hf(model_type)
     try:
-        return getattr(hf.transformers_module(), family.hf.model_class).from_pretrained(src, local_files_only=True)
+        # the class that saved it (a family may export several: BERT's masked LM and classifier)
+        saved = [a for a in fields.get("architectures") or () if a in family.hf.exported_classes()]
+        cls = getattr(hf.transformers_module(), saved[0] if saved else family.hf.model_class)
+        return cls.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError) as e:
         raise LatticeConfigError(f"{src} cannot be loaded as {family.hf.label} ({str(e).splitlines()[0][:160]})") from None
 

@@ -119,19 +119,20 @@ class SelfAttention(nn.Module):
     `qkv.k`, `qkv.v` with n_kv_heads for k and v, grouped-query attention), attention over
     this rank's whole heads of whole sequences, and an OUT linear `proj` back to the residual.
 
-    `causal` masks future positions (decoders) or not (encoders); `rotary` (a Rotary) rotates q
+    `segmented` keeps q, k, v as segments even with every head (BERT's checkpoints hold them
+    apart). `causal` masks future positions (decoders) or not (encoders); `rotary` (a Rotary) rotates q
     and k by their positions; `bias(T_q, T_k, start)` (a module returning (nh_local, T_q, T_k))
     is added to the scores (T5's relative position bias). Dropout on the attention weights
     draws from the sharded stream, on the output from the residual's."""
 
     def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, n_heads: int, n_kv_heads: int | None = None,
                  head_size: int | None = None, dropout: float = 0.0, bias: bool = True, causal: bool = True,
-                 rotary: Rotary | None = None):
+                 rotary: Rotary | None = None, segmented: bool = False):
         super().__init__()
         self.head_size = head_size or d_model // n_heads
         n_kv = n_kv_heads or n_heads
         inner, kv_inner = n_heads * self.head_size, n_kv * self.head_size
-        if n_kv == n_heads and inner == d_model:
+        if n_kv == n_heads and inner == d_model and not segmented:
             self.qkv = mode.linear(d_model, d_model, block=Block.ATTENTION, position=Position.IN, stack=3, bias=bias)
             self.stacked = True
         else:

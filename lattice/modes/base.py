@@ -164,10 +164,13 @@ class Mode:
     head_axes: tuple = ()
     attention_batch_axes: tuple = ()
 
-    def embedding(self, *, positions: bool = True) -> nn.Module:
+    def embedding(self, *, positions: bool = True, types: int = 0) -> nn.Module:
         """tokens (B, T) int64, identical across the replica -> x in the residual layout. With
-        `positions`, a learned position table of seq_len rows is added (GPT-2, BERT); without
-        it the table does not exist (rotary or relative positions live in attention)."""
+        `positions`, a learned position table `wpe` of seq_len rows is added (GPT-2, BERT);
+        without it the table does not exist (rotary or relative positions live in attention).
+        With `types` > 0 (and positions), a token-type table `wtype` (types, d_model) split like
+        `wpe`, whose row 0 is added to every token (BERT's segment embedding, single-segment
+        inputs)."""
         raise NotImplementedError
 
     def norm(self, kind: str = "layer", *, eps: float, bias: bool) -> nn.Module:
@@ -191,9 +194,17 @@ class Mode:
         """
         raise NotImplementedError
 
-    def lm_head(self, embedding: nn.Module) -> nn.Module:
-        """Module with loss(x, targets) -> mean cross-entropy over the replica batch (identical on
-        every rank of the replica) and logits(x) -> full (B, T, V) logits."""
+    def dense(self, in_features: int, out_features: int, *, bias: bool = True) -> nn.Module:
+        """y = x W + b from the residual layout back to it (in = out = d_model; BERT's MLM
+        transform). By default the mode's first linear of an MLP, which returns the residual
+        layout when it is d_model wide (serial, 2d, subgraph); a mode where it does not (1d: the
+        features split over the ranks; 3d: the roles of two axes swapped) overrides this."""
+        return self.linear(in_features, out_features, block=Block.MLP, position=Position.IN, bias=bias)
+
+    def lm_head(self, embedding: nn.Module, *, bias: bool = False) -> nn.Module:
+        """Module with loss(x, targets) -> mean cross-entropy over the replica batch's labelled
+        targets (those not -100; identical on every rank of the replica) and logits(x) -> full
+        (B, T, V) logits. With `bias`, a parameter `bias` (V,) is added to the logits (BERT)."""
         raise NotImplementedError
 
     def per_head(self, shape: tuple[int, ...], heads_dim: int) -> nn.Module:
@@ -249,6 +260,11 @@ class Mode:
                     input_from_attention: bool) -> tuple[float, float]:
         """A linear layer: collectives; returns (elements saved, elements of the output storage)."""
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+    def cost_dense(self, b, in_features: int, out_features: int, bias: bool) -> tuple[float, float]:
+        """`dense`: collectives; returns (elements saved, elements of the output storage)."""
+        return self.cost_linear(b, in_features, out_features, block="mlp", position="in", bias=bias,
+                                input_from_attention=False)
 
     def cost_lm_head(self, b) -> float:
         """The LM head and its cross-entropy: collectives and index bytes; returns the elements saved."""

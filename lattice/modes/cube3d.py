@@ -46,10 +46,10 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
+from lattice.layers import (TiedHead, check_norm_kind, check_types, position_rows, compute_dtype, linear_params, normalize_split_hidden,
                             pool_pieces, register_linear, round_up, rows_on_every_rank, split_segments,
-                            vocab_table_spec)
-from lattice.loss import vocab_parallel_cross_entropy
+                            vocab_bias_spec, vocab_table_spec)
+from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.sharding import ShardSpec, register_sharded
@@ -180,12 +180,15 @@ class Embedding(nn.Module):
     """tokens (B, T), identical on every rank of the replica -> (B/q², T, h/q): batch pieces (i, j),
     hidden block l."""
 
-    def __init__(self, cfg, mode: "Cube3D", positions: bool):
+    def __init__(self, cfg, mode: "Cube3D", positions: bool, types: int = 0):
         super().__init__()
-        self.cube, self.q, self.positions = mode.cube, mode.q, positions
+        check_types(positions, types)
+        self.cube, self.q, self.positions, self.types = mode.cube, mode.q, positions, types
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         if positions:
             register_sharded(self, "wpe", vector_spec((cfg.seq_len, cfg.d_model), 1, CL), mode.ctx)
+        if types:
+            register_sharded(self, "wtype", vector_spec((types, cfg.d_model), 1, CL), mode.ctx)
 
     def forward(self, tokens, start: int = 0):
         c, q = self.cube, self.q
@@ -196,7 +199,7 @@ class Embedding(nn.Module):
         x = x.view(B // (q * q), T, -1)
         if not self.positions:
             return x
-        pos = hosted(None if self.wpe is None else self.wpe[start:start + T], (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
+        pos = hosted(position_rows(self, start, T), (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
         return x + pos
 
 
@@ -261,19 +264,44 @@ class Linear(nn.Module):
         return split_segments(self, y.view(x.shape[0], x.shape[1], *self.local_out))
 
 
+class GatheredLinear(nn.Module):
+    """`Cube3D.dense`: x (B/q², T, in/q), hidden block l, all-gathered along l to whole hidden
+    vectors, times column block l of W (in, out) -> (B/q², T, out/q), the residual layout again.
+    W and b are split over l alone (a 3D product would swap l for j) and replicated over the
+    (i, j) plane, whose ranks hold other tokens: their gradients are summed there. Backward:
+    the input gradient x̄ = ȳ W_lᵀ is a partial sum over l, reduce-scattered along l."""
+
+    def __init__(self, cfg, mode: "Cube3D", in_features, out_features, bias):
+        super().__init__()
+        self.cube = mode.cube
+        plane = {"grad_sum": (CI, CJ)}
+        register_sharded(self, "weight", ShardSpec((in_features, out_features), ((1, (CL,)),), **plane), mode.ctx)
+        if bias:
+            register_sharded(self, "bias", ShardSpec((out_features,), ((0, (CL,)),), **plane), mode.ctx)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        whole = comm.all_gather(x, self.cube.group(CL), x.dim() - 1)  # (B/q², T, in)
+        y = whole @ self.weight
+        return y if self.bias is None else y + self.bias
+
+
 class LMHead(TiedHead):
     """logits = X Eᵀ on the cube (X in the residual layout, E the token table's pieces), with the
     vocabulary-parallel cross-entropy over j; the mean loss summed over the (i, l) plane."""
 
-    def __init__(self, cfg, mode: "Cube3D", embedding):
-        super().__init__(cfg, mode.ctx, embedding, mode.table_spec())
+    def __init__(self, cfg, mode: "Cube3D", embedding, bias: bool = False):
+        # the bias: vocabulary block j of the logits, on every (i, l) (each scores other tokens)
+        super().__init__(cfg, mode.ctx, embedding, mode.table_spec(),
+                         vocab_bias_spec(cfg, (CJ,), mode.q * mode.q, grad_sum=(CI, CL)) if bias else None)
         self.cube, self.q, self.vocab_size, self.vocab_pad = mode.cube, mode.q, cfg.vocab_size, mode.vocab_pad
         self.overlap = mode.overlap
 
     def _local_logits(self, x):  # (B/q², T, h/q) batch (i, j) -> (B/q² · T, V'/q) batch (i, l), vocab j
         c = self.cube
-        return linear_3d(x.reshape(-1, x.shape[-1]), self.table(), c.group(CJ), c.group(CI), c.group(CL),
-                         transpose_w=True, overlap=self.overlap)
+        return self.add_bias(linear_3d(x.reshape(-1, x.shape[-1]), self.table(), c.group(CJ), c.group(CI),
+                                       c.group(CL), transpose_w=True, overlap=self.overlap))
 
     def loss(self, x, targets):
         c, q = self.cube, self.q
@@ -283,7 +311,7 @@ class LMHead(TiedHead):
         mine = targets[start:start + b].reshape(-1)
         vb = self.vocab_pad // q
         per_token = vocab_parallel_cross_entropy(self._local_logits(x), mine, c.group(CJ), c.j * vb, self.vocab_size)
-        return comm.all_reduce(per_token.sum() / (B * T), c.group(CI, CL))
+        return comm.all_reduce(per_token.sum() / labelled_count(targets), c.group(CI, CL))
 
     def logits(self, x):
         """Full (B, T, V) logits on every rank (inference only): the vocabulary gathered along j,
@@ -348,8 +376,8 @@ class Cube3D(Mode):
     # after the first linear of a block, feature block j (whole heads) of batch pieces (i, l)
     head_axes, attention_batch_axes = (CJ,), (CI, CL)
 
-    def embedding(self, *, positions=True):
-        return Embedding(self.cfg, self, positions)
+    def embedding(self, *, positions=True, types=0):
+        return Embedding(self.cfg, self, positions, types)
 
     def norm(self, kind="layer", *, eps, bias):
         return Norm(self.cfg, self, kind, eps, bias)
@@ -361,8 +389,11 @@ class Cube3D(Mode):
         return Linear(self.cfg, self, in_features, out_features, position, stack, segments,
                       self.cfg.bias if bias is None else bias)
 
-    def lm_head(self, embedding):
-        return LMHead(self.cfg, self, embedding)
+    def dense(self, in_features, out_features, *, bias=True):
+        return GatheredLinear(self.cfg, self, in_features, out_features, bias)
+
+    def lm_head(self, embedding, *, bias=False):
+        return LMHead(self.cfg, self, embedding, bias)
 
     def residual_shape(self, batch, seq):
         return (batch // self.q ** 2, seq, self.cfg.d_model // self.q)
@@ -430,6 +461,14 @@ class Cube3D(Mode):
         self._product(b, b.M, in_features, out_features, CJ if first else CL, CL if first else CJ, "linear")
         saved = 0 if input_from_attention else b.M * in_features / q ** 3
         return saved, b.M * out_features / q ** 3
+
+    def cost_dense(self, b, in_features, out_features, bias):
+        """The input all-gathered along l, its gradient reduce-scattered back. Saves the
+        gathered input."""
+        rows = b.M / self.q ** 2
+        b.add("forward", "all_gather", (CL,), rows * in_features)
+        b.add("backward", "reduce_scatter", (CL,), rows * in_features)
+        return rows * in_features, rows * out_features / self.q
 
     def cost_lm_head(self, b):
         """X Eᵀ as a product with the first roles; the cross-entropy's max and (Σe^x, target

@@ -34,12 +34,12 @@ import torch.nn.functional as F
 
 from lattice import comm
 from lattice.context import MeshAxis
-from lattice.loss import vocab_parallel_cross_entropy
-from lattice.layers import (TiedHead, linear_params, local_linear, pool_pieces, register_linear, split_segments,
-                            vocab_table_spec)
+from lattice.loss import labelled_count, vocab_parallel_cross_entropy
+from lattice.layers import (TiedHead, check_types, linear_params, position_rows, local_linear, pool_pieces, register_linear, split_segments,
+                            vocab_bias_spec, vocab_table_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
-from lattice.modes.serial import Norm
+from lattice.modes.serial import Linear, Norm
 from lattice.sharding import ShardSpec, register_sharded
 
 
@@ -66,13 +66,16 @@ class VocabParallelEmbedding(nn.Module):
     tokens (B, T) whole on every rank -> (B, T, h), or (B, T/p, h) with sequence parallel.
     """
 
-    def __init__(self, cfg, ctx, sequence_parallel: bool, positions: bool):
+    def __init__(self, cfg, ctx, sequence_parallel: bool, positions: bool, types: int = 0):
         super().__init__()
-        self.ctx, self.sp, self.positions = ctx, sequence_parallel, positions
+        check_types(positions, types)
+        self.ctx, self.sp, self.positions, self.types = ctx, sequence_parallel, positions, types
         self.vocab_start, self.vocab_local = vocab_range(cfg, ctx)
         register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
         if positions:
             register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
+        if types:
+            register_sharded(self, "wtype", ShardSpec((types, cfg.d_model)), ctx)
 
     def forward(self, tokens, start: int = 0):
         group = tp_group(self.ctx)
@@ -83,12 +86,12 @@ class VocabParallelEmbedding(nn.Module):
         part = part.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         if not self.sp:
             x = comm.all_reduce(part, group)
-            return x + self.wpe[start:start + T] if self.positions else x
+            return x + position_rows(self, start, T) if self.positions else x
         x_seq = comm.reduce_scatter(part, group, 1)  # (B, T/p, h)
         if not self.positions:
             return x_seq
         t_local = x_seq.shape[1]
-        wpe = comm.copy_to_group(self.wpe[start:start + T], group)  # each rank's rows are a partial gradient
+        wpe = comm.copy_to_group(position_rows(self, start, T), group)  # each rank's rows are a partial gradient
         first = comm.group_rank(group) * t_local
         return x_seq + wpe[first:first + t_local]
 
@@ -145,21 +148,23 @@ class VocabParallelLMHead(TiedHead):
     x (B, T, h) replicated, or (B, T/p, h) with sequence parallel (all-gathered over T first).
     """
 
-    def __init__(self, cfg, ctx, embedding, sequence_parallel):
-        super().__init__(cfg, ctx, embedding, vocab_spec(cfg, ctx))
+    def __init__(self, cfg, ctx, embedding, sequence_parallel, bias: bool = False):
+        # every rank scores every token against its vocabulary rows: the bias gradient is whole
+        super().__init__(cfg, ctx, embedding, vocab_spec(cfg, ctx),
+                         vocab_bias_spec(cfg, (MeshAxis.TP,), ctx.size(MeshAxis.TP)) if bias else None)
         self.ctx, self.sp, self.vocab_size = ctx, sequence_parallel, cfg.vocab_size
         self.vocab_start, _ = vocab_range(cfg, ctx)
 
     def _local_logits(self, x):  # -> (B, T, V_local) of this rank's vocabulary rows
         group = tp_group(self.ctx)
         x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)
-        return x @ self.table().t()
+        return self.add_bias(x @ self.table().t())
 
     def loss(self, x, targets):
         logits = self._local_logits(x)
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), tp_group(self.ctx),
                                                  self.vocab_start, self.vocab_size)
-        return per_token.mean()
+        return per_token.sum() / labelled_count(targets)
 
     def logits(self, x):
         """Full (B, T, V) logits, gathered over the vocabulary: for inference and debugging only."""
@@ -203,8 +208,8 @@ class Megatron1D(Mode):
 
     head_axes = (MeshAxis.TP,)
 
-    def embedding(self, *, positions=True):
-        return VocabParallelEmbedding(self.cfg, self.ctx, self.sp, positions)
+    def embedding(self, *, positions=True, types=0):
+        return VocabParallelEmbedding(self.cfg, self.ctx, self.sp, positions, types)
 
     def norm(self, kind="layer", *, eps, bias):
         return Norm(self.cfg, self.ctx, kind, eps, bias, grad_sum=(MeshAxis.TP,) if self.sp else ())
@@ -218,8 +223,14 @@ class Megatron1D(Mode):
             raise ValueError("a row-parallel (Position.OUT) linear cannot be stacked or segmented")
         return RowParallelLinear(self.cfg, self.ctx, in_features, out_features, bias, self.sp)
 
-    def lm_head(self, embedding):
-        return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp)
+    def dense(self, in_features, out_features, *, bias=True):
+        """Replicated on every rank, as Megatron's BERT head is: every rank holds whole hidden
+        vectors; with sequence parallelism other tokens, so the gradients are partial sums."""
+        return Linear(self.cfg, self.ctx, in_features, out_features, None, None, bias,
+                      grad_sum=(MeshAxis.TP,) if self.sp else ())
+
+    def lm_head(self, embedding, *, bias=False):
+        return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp, bias)
 
     def residual_shape(self, batch, seq):
         return (batch, seq // self.p if self.sp else seq, self.cfg.d_model)
@@ -244,12 +255,16 @@ class Megatron1D(Mode):
         return vocab_spec(self.cfg, self.ctx).storage_shape[0]
 
     def cost_shares(self, b):
-        return {"replicated": 1 / self.p if self.sp else 1}
+        return {"replicated": 1 / self.p if self.sp else 1, "dense": 1 / self.p if self.sp else 1}
 
     # f/g around every column/row pair: forward g = all-reduce of the row linear's [B, T, h]
     # output, backward f = all-reduce of the column linear's input gradient. Sequence
     # parallelism swaps each all-reduce for a reduce-scatter plus an all-gather over T of the same
     # buffer; LayerNorm and row-bias sums come from their specs (grad_sum).
+    def cost_dense(self, b, in_features, out_features, bias):
+        """Replicated: no collectives (the sequence-parallel gradient sums follow from the specs)."""
+        return b.residual, b.residual
+
     def cost_embedding(self, b, positions):
         """Vocab-parallel rows summed (all-reduce; reduce-scatter over T with sequence parallelism,
         whose wpe rows in use are all-reduced in backward). Saves the token ids and the mask."""

@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.context import LatticeConfigError
-from lattice.layers import (TiedHead, check_norm_kind, linear_params, local_linear, normalize_split_hidden,
-                            register_linear, split_segments, upcast)
+from lattice.layers import (TiedHead, check_norm_kind, check_types, position_rows, linear_params, local_linear, normalize_split_hidden,
+                            register_linear, split_segments, upcast, vocab_bias_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
 from lattice.sharding import ShardSpec, register_sharded
@@ -21,16 +21,19 @@ class Embedding(nn.Module):
     further ShardSpec fields of these unsplit tensors (`holders`, `grad_sum`) for modes that
     reuse the module."""
 
-    def __init__(self, cfg, ctx, positions: bool = True, **whole):
+    def __init__(self, cfg, ctx, positions: bool = True, types: int = 0, **whole):
         super().__init__()
+        check_types(positions, types)
         register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
         if positions:
             register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), **whole), ctx)
-        self.positions = positions
+        if types:
+            register_sharded(self, "wtype", ShardSpec((types, cfg.d_model), **whole), ctx)
+        self.positions, self.types = positions, types
 
     def forward(self, tokens, start: int = 0):  # (B, T) at positions start.. -> (B, T, h)
         x = F.embedding(tokens, self.wte)
-        return x + self.wpe[start:start + tokens.shape[1]] if self.positions else x
+        return x + position_rows(self, start, tokens.shape[1]) if self.positions else x
 
 
 class Norm(nn.Module):
@@ -70,11 +73,12 @@ class Linear(nn.Module):
 class LMHead(TiedHead):
     """Logits against the (tied) token table, cross-entropy in float32."""
 
-    def __init__(self, cfg, ctx, embedding):
-        super().__init__(cfg, ctx, embedding, ShardSpec((cfg.vocab_size, cfg.d_model)))
+    def __init__(self, cfg, ctx, embedding, bias: bool = False):
+        super().__init__(cfg, ctx, embedding, ShardSpec((cfg.vocab_size, cfg.d_model)),
+                         vocab_bias_spec(cfg) if bias else None)
 
     def logits(self, x):  # (B, T, h) -> (B, T, V)
-        return x @ self.table().t()
+        return self.add_bias(x @ self.table().t())
 
     def loss(self, x, targets):
         logits = self.logits(x)
@@ -93,8 +97,8 @@ class Serial(Mode):
                                      f"or a parallel mode (1d, 2d, 3d, subgraph)")
         return ()
 
-    def embedding(self, *, positions=True):
-        return Embedding(self.cfg, self.ctx, positions)
+    def embedding(self, *, positions=True, types=0):
+        return Embedding(self.cfg, self.ctx, positions, types)
 
     def norm(self, kind="layer", *, eps, bias):
         return Norm(self.cfg, self.ctx, kind, eps, bias)
@@ -104,8 +108,8 @@ class Serial(Mode):
         return Linear(self.cfg, self.ctx, in_features, out_features, stack, segments,
                       self.cfg.bias if bias is None else bias)
 
-    def lm_head(self, embedding):
-        return LMHead(self.cfg, self.ctx, embedding)
+    def lm_head(self, embedding, *, bias=False):
+        return LMHead(self.cfg, self.ctx, embedding, bias)
 
     def residual_shape(self, batch, seq):
         return (batch, seq, self.cfg.d_model)

@@ -51,9 +51,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice import comm
+from lattice.loss import labelled_count
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.layers import (TiedHead, idle_output, linear_params, local_linear, pool_pieces, register_linear,
-                            register_weight_and_bias, rows_on_every_rank, split_segments)
+                            register_weight_and_bias, rows_on_every_rank, split_segments, vocab_bias_spec)
 from lattice.modes import register, serial
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.sharding import ShardSpec
@@ -140,8 +141,8 @@ class Segments:
 class Embedding(serial.Embedding):
     """Token (+ position) embedding of this rank's common rows: tokens (B, T) -> (rows, T, h)."""
 
-    def __init__(self, cfg, ctx, mode: "SubGraph", positions: bool):
-        super().__init__(cfg, ctx, positions, **mode.common_spec)
+    def __init__(self, cfg, ctx, mode: "SubGraph", positions: bool, types: int = 0):
+        super().__init__(cfg, ctx, positions, types, **mode.common_spec)
         self.seg, self.d_model = mode.seg, cfg.d_model
         # carries the model's dtype and device to the idle ranks' empty residual (GPT.to moves it)
         self.register_buffer("idle_residual", torch.zeros(0), persistent=False)
@@ -182,19 +183,20 @@ class CommonLinear(serial.Linear):
 class LMHead(TiedHead):
     """Cross-entropy of this rank's common rows, scaled by rows/B and summed over the replica."""
 
-    def __init__(self, cfg, ctx, mode: "SubGraph", embedding):
-        super().__init__(cfg, ctx, embedding, ShardSpec((cfg.vocab_size, cfg.d_model), **mode.common_spec))
+    def __init__(self, cfg, ctx, mode: "SubGraph", embedding, bias: bool = False):
+        super().__init__(cfg, ctx, embedding, ShardSpec((cfg.vocab_size, cfg.d_model), **mode.common_spec),
+                         vocab_bias_spec(cfg, **mode.common_spec) if bias else None)
         self.seg, self.ctx, self.vocab_size = mode.seg, ctx, cfg.vocab_size
 
     def _local_logits(self, x):
-        return x @ self.table().t()
+        return self.add_bias(x @ self.table().t())
 
     def loss(self, x, targets):
         B = targets.shape[0]
         rows = targets[self.seg.common_rows(B)]
         if self.seg.runs_common:
             logits = serial.upcast(self._local_logits(x))
-            part = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), reduction="sum") / targets.numel()
+            part = F.cross_entropy(logits.flatten(0, 1), rows.flatten(), reduction="sum") / labelled_count(targets)
         else:  # no rows here; 0 that stays in the graph, so backward reaches the branches
             part = x.sum() * 0.0
         return comm.all_reduce(part, self.ctx.tensor_group())
@@ -333,8 +335,8 @@ class SubGraph(Mode):
     # heads: sub-grid k's block; the members of a sub-grid run other sequences
     head_axes, attention_batch_axes = (SUB,), (MEM,)
 
-    def embedding(self, *, positions=True):
-        return Embedding(self.cfg, self.ctx, self, positions)
+    def embedding(self, *, positions=True, types=0):
+        return Embedding(self.cfg, self.ctx, self, positions, types)
 
     def norm(self, kind="layer", *, eps, bias):
         return Norm(self.cfg, self.ctx, self, kind, eps, bias)
@@ -349,8 +351,8 @@ class SubGraph(Mode):
         kind = BranchLinear if self.projections == "branch" else SlicedProjection
         return kind(self.cfg, self.ctx, self, in_features, out_features, position, stack, segments, bias)
 
-    def lm_head(self, embedding):
-        return LMHead(self.cfg, self.ctx, self, embedding)
+    def lm_head(self, embedding, *, bias=False):
+        return LMHead(self.cfg, self.ctx, self, embedding, bias)
 
     def residual_shape(self, batch, seq):
         rows = self.seg.common_rows(batch)

@@ -24,12 +24,12 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis, Topology
-from lattice.loss import vocab_parallel_cross_entropy
+from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
-from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
+from lattice.layers import (TiedHead, check_norm_kind, check_types, position_rows, compute_dtype, linear_params, normalize_split_hidden,
                             pool_pieces, register_linear, register_weight_and_bias, round_up, split_segments,
-                            vocab_table_spec)
+                            vocab_bias_spec, vocab_table_spec)
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
 
@@ -90,12 +90,15 @@ class _Embed2D(torch.autograd.Function):
 class Embedding(nn.Module):
     """Tokens (B, T), identical on every rank of the replica -> x (B/q, T, h/q)."""
 
-    def __init__(self, cfg, mode: "Summa2D", positions: bool):
+    def __init__(self, cfg, mode: "Summa2D", positions: bool, types: int = 0):
         super().__init__()
-        self.grid, self.positions = mode.grid, positions
+        check_types(positions, types)
+        self.grid, self.positions, self.types = mode.grid, positions, types
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         if positions:
             register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
+        if types:
+            register_sharded(self, "wtype", ShardSpec((types, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
 
     def forward(self, tokens, start: int = 0):
         g = self.grid
@@ -104,7 +107,7 @@ class Embedding(nn.Module):
         x = _Embed2D.apply(self.wte, rows.reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
         if not self.positions:
             return x
-        pos = hosted(None if self.wpe is None else self.wpe[start:start + T], (T, x.shape[-1]), g, x.dtype, x.device)
+        pos = hosted(position_rows(self, start, T), (T, x.shape[-1]), g, x.dtype, x.device)
         return x + pos
 
 
@@ -164,12 +167,14 @@ class Linear(nn.Module):
 class LMHead(TiedHead):
     """logits = x Eᵀ (SUMMA C = A Bᵀ) against the tied table (or its own), with 2D cross-entropy."""
 
-    def __init__(self, cfg, mode: "Summa2D", embedding: Embedding):
-        super().__init__(cfg, mode.ctx, embedding, mode.table_spec())
+    def __init__(self, cfg, mode: "Summa2D", embedding: Embedding, bias: bool = False):
+        # the bias: vocabulary block j of the logits, on every row (each scores other sequences)
+        super().__init__(cfg, mode.ctx, embedding, mode.table_spec(),
+                         vocab_bias_spec(cfg, (COL,), mode.q, grad_sum=(ROW,)) if bias else None)
         self.grid, self.cfg, self.vocab_pad = mode.grid, cfg, mode.vocab_pad
 
     def _local_logits(self, x):  # (B/q, T, h/q) -> (B/q·T, V_pad/q): batch i, vocab j
-        return summa_abt(x.reshape(-1, x.shape[-1]), self.table(), self.grid)
+        return self.add_bias(summa_abt(x.reshape(-1, x.shape[-1]), self.table(), self.grid))
 
     def loss(self, x, targets):
         g = self.grid
@@ -179,7 +184,7 @@ class LMHead(TiedHead):
         # the vocabulary is split along the mesh row (§3.2.2)
         per_token = vocab_parallel_cross_entropy(self._local_logits(x), rows, g.row, g.j * vb, self.cfg.vocab_size)
         # every rank of a row holds the same per-token losses: sum the rows' shares down the column
-        return comm.all_reduce(per_token.sum() / (B * T), g.col)
+        return comm.all_reduce(per_token.sum() / labelled_count(targets), g.col)
 
     def logits(self, x):
         """Full (B, T, V) logits on every rank (gathered: for inference and debugging only)."""
@@ -298,8 +303,8 @@ class Summa2D(Mode):
     # heads by column j, sequences by row i
     head_axes, attention_batch_axes = (COL,), (ROW,)
 
-    def embedding(self, *, positions=True):
-        return Embedding(self.cfg, self, positions)
+    def embedding(self, *, positions=True, types=0):
+        return Embedding(self.cfg, self, positions, types)
 
     def norm(self, kind="layer", *, eps, bias):
         return Norm(self.cfg, self, kind, eps, bias)
@@ -310,8 +315,8 @@ class Summa2D(Mode):
             raise ValueError("only a Position.IN linear can be segmented")
         return Linear(self.cfg, self, in_features, out_features, stack, segments, self.cfg.bias if bias is None else bias)
 
-    def lm_head(self, embedding):
-        return LMHead(self.cfg, self, embedding)
+    def lm_head(self, embedding, *, bias=False):
+        return LMHead(self.cfg, self, embedding, bias)
 
     def residual_shape(self, batch, seq):
         return (batch // self.q, seq, self.cfg.d_model // self.q)
