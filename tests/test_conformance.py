@@ -37,6 +37,7 @@ import lattice
 import probe_family  # noqa: F401  (registers the family "probe")
 from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.bench.measure import saved_activation_bytes
+from lattice.loss import IGNORE_INDEX
 from lattice.models import get_arch
 from lattice.modes import REFERENCE_MODE, get_mode
 from multiproc import cached_init, run_distributed
@@ -71,12 +72,17 @@ def _world(layout: dict) -> int:
 
 
 def _batch(cfg, n: int, seed: int):
-    """(tokens, targets): next-token ids (n, T), or class ids (n,) for a classifying config."""
+    """(tokens, targets): token targets (n, T) with every third position ignored (-100, as BERT's
+    unmasked positions are), or class ids (n,) for a classifying config. Every sequence has the
+    same number of labelled targets, so that the mean over the replicas' (and micro-batches')
+    means is the global batch's mean."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (n, T), generator=gen)
     if getattr(cfg, "num_labels", 0):
         return tokens, torch.randint(0, cfg.num_labels, (n,), generator=gen)
-    return tokens, torch.randint(0, cfg.vocab_size, (n, T), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (n, T), generator=gen)
+    targets[:, 1::3] = IGNORE_INDEX
+    return tokens, targets
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor, floor: float = 1e-300) -> float:
