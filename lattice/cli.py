@@ -94,6 +94,10 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
         faults.check_schedule(saved, asdict(tcfg), args.allow_config_change, where)
+    elif tcfg.init_from:
+        from lattice.train import check_init_from
+
+        check_init_from(tcfg, cfg)
     return layout, tcfg, ckpt, run
 
 
@@ -186,8 +190,13 @@ def cmd_train(args, argv: list[str]) -> int:
                 print(f"stopped by {by} at step {result['step']}; checkpoint saved in {out}; continue with: "
                       f"{run_dir.resume_command(argv, out)}", flush=True)
                 return 0
-            print(f"final val loss: {result['val_loss']:.4f} nats/token (step {result['step']})")
-            print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
+            unit = "sequence" if "val_accuracy" in result else "token"
+            print(f"final val loss: {result['val_loss']:.4f} nats/{unit} (step {result['step']})")
+            if "val_accuracy" in result:
+                print(f"val accuracy: {result['val_accuracy']:.3f} (majority-class baseline "
+                      f"{result['majority_baseline']:.3f})", flush=True)
+            else:
+                print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
     except faults.TrainingStopped as e:
         then = ""
         if isinstance(e, sharded_checkpoint.WriteFailed) and sharded_checkpoint.complete(out):

@@ -336,14 +336,20 @@ def train_batch(corpus: Corpus, step: int, ctx: ParallelContext, *, seed: int, b
     return x.to(ctx.device), y.to(ctx.device)
 
 
+def val_windows(corpus: Corpus, *, batch_size: int, seq_len: int, num_batches: int) -> torch.Tensor:
+    """(num_batches, batch_size, seq_len) windows evenly spread over the validation split: the
+    global batches every validation of every run with these sizes reads."""
+    n = batch_size * num_batches
+    starts = torch.linspace(0, len(corpus.val) - seq_len, n).long()
+    return windows(corpus.val, starts, seq_len).view(num_batches, batch_size, seq_len)
+
+
 def val_batches(corpus: Corpus, ctx: ParallelContext, *, batch_size: int, seq_len: int,
                 num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of validation batches (windows evenly spread over the split), this replica's
     rows of each. The same for every run with the same sizes, so validation losses compare."""
     _check_batch(batch_size, seq_len, ctx.dp, corpus.val, "validation")
-    n = batch_size * num_batches
-    starts = torch.linspace(0, len(corpus.val) - seq_len - 1, n).long()
-    window = windows(corpus.val, starts, seq_len + 1).view(num_batches, batch_size, seq_len + 1)
+    window = val_windows(corpus, batch_size=batch_size, seq_len=seq_len + 1, num_batches=num_batches)
     rows = replica_rows(batch_size, ctx)
     return [(w[rows, :-1].contiguous().to(ctx.device), w[rows, 1:].contiguous().to(ctx.device))
             for w in window]

@@ -101,7 +101,8 @@ def run_inference(args, argv: list[str]) -> int:
     ctx = lattice.init(layout_from_args(args), seed=args.seed)
     try:
         if args.command == "eval":
-            from lattice.train import TrainConfig, evaluate, model_and_batches
+            from lattice.tasks import Classify
+            from lattice.train import TrainConfig, class_accuracy, evaluate, model_and_batches
 
             saved = ckpt.get("train_config", {})
             other = {}
@@ -113,13 +114,18 @@ def run_inference(args, argv: list[str]) -> int:
             tcfg = TrainConfig.from_dict({**saved, "arch": checkpoint.arch_of(ckpt), "out_dir": None, "progress": False,
                                           **other,
                                           **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
-            _, model, batches = model_and_batches(tcfg, ctx, tcfg.corpus(), ckpt, checkpoint.resolve(args.run))
+            _, model, batches, task = model_and_batches(tcfg, ctx, tcfg.corpus(), ckpt, checkpoint.resolve(args.run))
             checkpoint.load_into(ckpt, model)  # weights only
             loss = evaluate(model, batches, ctx, bf16=tcfg.bf16)
+            scored = ""
+            if isinstance(task, Classify):
+                scored = (f", accuracy {class_accuracy(model, batches, ctx, bf16=tcfg.bf16):.3f} (majority-class "
+                          f"baseline {task.majority():.3f})")
             if ctx.rank == 0:
-                print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} "
-                      f"({tcfg.eval_batches} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of "
-                      f"{tcfg.data or 'the built-in corpus'}, step {ckpt['step']})")
+                data = tcfg.data or ("the built-in task" if isinstance(task, Classify) else "the built-in corpus")
+                print(f"val loss {loss:.4f} nats/{'sequence' if isinstance(task, Classify) else 'token'}, perplexity "
+                      f"{math.exp(loss):.2f}{scored} ({len(batches)} batches of {tcfg.batch_size} x {cfg.seq_len} "
+                      f"tokens of {data}, {tcfg.task_name}, step {ckpt['step']})")
             return 0
         if tokenizer is not None:
             encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode

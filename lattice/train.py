@@ -25,8 +25,7 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import (DEFAULT_VOCAB, Corpus, check_batch_size, load_corpus, load_data_corpus,
-                          train_batch, unigram_baseline, val_batches)
+from lattice.data import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus, unigram_baseline
 from lattice.models import DEFAULT_ARCH, available_archs, build_model, get_arch
 from lattice.modes import get_mode
 from lattice.metrics import Metrics, step_flops
@@ -34,6 +33,8 @@ from lattice.options import flag
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
 from lattice.pipeline import batch_problem
 from lattice.run_checkpoints import RunCheckpoints
+from lattice.tasks import (BUILTIN_CLASSES, TASKS, Classify, accuracy, check_task, make_task, model_vocab,
+                           read_labelled)
 
 DATA_FORMATS = ("text", "jsonl")
 DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
@@ -60,10 +61,18 @@ class TrainConfig:
                                   "built-in corpus)", metavar="PATH", group="data")
     data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS, group="data")
     text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)", group="data")
+    task: str | None = flag(None, "what to train: lm (the next token), mlm (BERT's masked LM) or classify (a class per "
+                                  "sequence: --data JSON lines with --label-key, or the built-in task); default: the "
+                                  "family's first (gpt2, llama: lm; bert: mlm)", choices=lambda: TASKS, group="data")
+    label_key: str = flag("label", "the class field of each JSON line (--task classify)", group="data")
     tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
                                        "trained on the data)", metavar="PATH", group="data")
     data_hash: str | None = None  # identity of the text trained on (set by the trainer)
     dropout: float = flag(0.0, "dropout probability", group="model")
+    init_from: str | None = flag(None, "start from the weights of a lattice checkpoint or run directory (lattice "
+                                       "convert --from hf writes one); what it lacks for this task (a new classifier) "
+                                       "starts fresh, and its tokenizer.json is the run's unless --tokenizer",
+                                 metavar="CKPT", group="checkpoints")
     steps: int = flag(300, "optimizer steps", group="training")
     stop_at: int | None = flag(None, "stop after this step with a checkpoint, to go on later with --resume (the "
                                      "schedule still runs to --steps), as for a job in a time-limited slot",
@@ -116,6 +125,30 @@ class TrainConfig:
             raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
         if self.dtype not in DTYPES:
             raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
+        check_task(self.task_name, get_arch(self.arch))
+        if self.task_name == "classify" and self.data is not None and self.data_format != "jsonl":
+            raise LatticeConfigError("--task classify reads labelled JSON lines: pass --data-format jsonl (with "
+                                     "--text-key and --label-key)")
+        if self.init_from and self.tokenizer is None and Path(self.init_from).exists():
+            # the text is read as the weights were trained to read it
+            run_tokenizer = checkpoint.run_dir(self.init_from) / "tokenizer.json"
+            if run_tokenizer.is_file():
+                self.tokenizer = str(run_tokenizer)
+
+    @property
+    def task_name(self) -> str:
+        return self.task or get_arch(self.arch).tasks[0]
+
+    def make_task(self, corpus: Corpus):
+        return make_task(self.task_name, corpus, data=self.data, text_key=self.text_key, label_key=self.label_key)
+
+    def num_labels(self) -> int:
+        """The classes of a classification run (read from --data), 0 for other tasks."""
+        if self.task_name != "classify":
+            return 0
+        if self.data is None:
+            return len(BUILTIN_CLASSES)
+        return len({label for _, label in read_labelled(self.data, self.text_key, self.label_key)})
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -132,28 +165,32 @@ class TrainConfig:
         return corpus
 
     def model_config(self, vocab_size: int | None = None):
-        """The model this run trains: the family's preset with the shape overrides."""
+        """The model this run trains: the family's preset with the shape overrides, its token
+        table the tokenizer's `vocab_size` plus the task's special tokens."""
         config_class = get_arch(self.arch).config_class
         shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(self, k)}
-        return config_class.preset(self.model or config_class.default_preset, vocab_size=vocab_size or self.vocab_size,
-                                   dropout=self.dropout, **shape)
+        if self.task_name == "classify":
+            shape["num_labels"] = self.num_labels()
+        return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
+                                   vocab_size=model_vocab(self.task_name, vocab_size or self.vocab_size), **shape)
 
 
 def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ckpt: dict | None = None,
                       where="checkpoint"):
-    """(model config, model, fixed validation batches) of a run on `corpus`: this rank's shards
-    of the model and every size checked against the layout before any collective; with `ckpt`,
-    a checkpoint of another model is refused."""
+    """(model config, model, fixed validation batches, task) of a run on `corpus`: this rank's
+    shards of the model and every size checked against the layout before any collective; with
+    `ckpt`, a checkpoint of another model is refused."""
     model_config = cfg.model_config(corpus.vocab_size)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
     check_run(cfg, model_config, ctx)
-    check_batch_size(corpus, cfg.batch_size, model_config.seq_len, ctx.dp)
+    task = cfg.make_task(corpus)
+    task.check(cfg.batch_size, model_config.seq_len, ctx.dp)
     model = build_model(model_config, ctx, dtype=getattr(torch, cfg.dtype),
                         activation_checkpointing=cfg.activation_checkpointing)
-    val_set = val_batches(corpus, ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
-                          num_batches=cfg.eval_batches)
-    return model_config, model, val_set
+    val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
+                               num_batches=cfg.eval_batches)
+    return model_config, model, val_set, task
 
 
 def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
@@ -216,6 +253,45 @@ def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> flo
     return dp_mean(total, ctx)
 
 
+def class_accuracy(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
+    """The fraction of `batches` (this replica's) classified right, over every replica."""
+    with autocast(ctx, bf16):
+        return dp_mean(accuracy(model, batches), ctx)
+
+
+def check_init_from(cfg: TrainConfig, model_config) -> dict:
+    """The checkpoint `--init-from` names, read and validated (every rank, before any
+    collective): the same family and the same sizes, but for the heads (num_labels) and dropout."""
+    where = checkpoint.resolve(cfg.init_from)
+    ckpt = checkpoint.read(cfg.init_from)
+    if checkpoint.arch_of(ckpt) != cfg.arch:
+        raise LatticeConfigError(f"--init-from {where} holds a {checkpoint.arch_of(ckpt)} model, this run trains "
+                                 f"--arch {cfg.arch}; pass a checkpoint of the same family")
+    ours = model_config.to_dict()
+    theirs = {**ours, **ckpt.get("model_config", {})}
+    differ = {k: (theirs[k], ours[k]) for k in ours if k not in ("num_labels", "dropout") and theirs[k] != ours[k]}
+    if differ:
+        raise LatticeConfigError(f"--init-from {where} holds another model: {differ} (checkpoint, this run); give this "
+                                 f"run the checkpoint's sizes (--model, --d-model, ..., --vocab-size: the tokenizer's "
+                                 f"vocabulary without the {model_vocab(cfg.task_name, 0)} special tokens)")
+    return ckpt
+
+
+@torch.no_grad()
+def init_weights_from(ckpt: dict, model, ctx: ParallelContext) -> list[str]:
+    """Copy every parameter the checkpoint's model shares with `model` (same name and shape) into
+    it: the checkpoint is loaded into its own model under this layout (a collective), whose shards
+    are then this rank's. Returns the names of `model`'s parameters it did not have."""
+    donor_config = type(model.cfg).from_dict(ckpt["model_config"])
+    donor = build_model(donor_config, ctx, dtype=model.dtype)
+    checkpoint.load_into(ckpt, donor)
+    theirs = dict(donor.named_parameters())
+    for name, p in model.named_parameters():
+        if name in theirs and theirs[name].shape == p.shape:
+            p.copy_(theirs[name])
+    return [n for n, s in model.specs.items() if n not in donor.specs or donor.specs[n].full_shape != s.full_shape]
+
+
 def _metered_allreduce_hook(group, bucket):
     """DDP's averaging all-reduce, reported to CommMeter so measured bytes include dp traffic."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -241,7 +317,8 @@ class Trainer:
         where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume) if resume else None
         changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
                                         where) if ckpt is not None else []
-        self.model_config, self.model, self.val_set = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
+        self.model_config, self.model, self.val_set, self.task = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
+        donor = check_init_from(cfg, self.model_config) if ckpt is None and cfg.init_from else None
         if ckpt is not None and not checkpoint.is_sharded(ckpt):
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
                                      f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
@@ -256,6 +333,11 @@ class Trainer:
             self._saved_step = self.step
             if changed and ctx.rank == 0:
                 print(schedule_change(ckpt["train_config"], cfg, self.step, changed), flush=True)
+        if donor is not None:
+            fresh = init_weights_from(donor, self.model, ctx)
+            if ctx.rank == 0:
+                print(f"initialised from {checkpoint.resolve(cfg.init_from)}" + (f"; starting fresh: {', '.join(fresh)}"
+                                                                                  if fresh else ""), flush=True)
         if cfg.async_checkpoint and cfg.out_dir:
             self.checkpoints.start_async()
         self.engine = self.model
@@ -284,8 +366,8 @@ class Trainer:
         """One optimizer step on the global batch of `self.step`; returns its metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
         self.model.train()
-        x, y = train_batch(self.corpus, self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
-                           seq_len=self.model_config.seq_len)
+        x, y = self.task.train_batch(self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
+                                     seq_len=self.model_config.seq_len)
         lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -324,6 +406,10 @@ class Trainer:
         """Mean loss over the fixed validation batches, identical on every rank."""
         return evaluate(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
 
+    def val_accuracy(self) -> float:
+        """Classification: the fraction of the validation sequences classified right (every rank)."""
+        return class_accuracy(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         """Train from the current step up to cfg.steps (or cfg.stop_at), evaluating every
@@ -348,8 +434,10 @@ class Trainer:
                     row["val_loss"] = None
                     if self.step % cfg.eval_interval == 0 or self.step == until:
                         row["val_loss"] = val_loss = self.evaluate()
+                        scored = f", val accuracy {self.val_accuracy():.3f}" if isinstance(self.task, Classify) else ""
                         if is_main:
-                            metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}")
+                            metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss "
+                                        f"{val_loss:.4f}{scored}")
                     self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
                     self.history.append(row)
                     metrics.log(row)
@@ -369,8 +457,13 @@ class Trainer:
             if self._saved_step != self.step:
                 self.save(out)
             self.checkpoints.wait()  # the last checkpoint is complete when fit returns
-        return {"step": self.step, "val_loss": val_loss, "unigram_baseline": unigram_baseline(self.corpus),
-                "history": self.history, "stopped_by": stopped_by, "skipped": self.skipped}
+        summary = {"step": self.step, "val_loss": val_loss, "history": self.history, "stopped_by": stopped_by,
+                   "skipped": self.skipped}
+        if isinstance(self.task, Classify):
+            summary.update(val_accuracy=self.val_accuracy(), majority_baseline=self.task.majority())
+        else:
+            summary["unigram_baseline"] = unigram_baseline(self.corpus)
+        return summary
 
     def _stop_requested(self, stop: faults.StopRequest) -> bool:
         """Whether any rank was asked to stop (one tiny all-reduce, so that all ranks stop at the

@@ -10,6 +10,7 @@ declares, as class attributes:
 | `config_class`  | its config dataclass (a `ModelConfig`), with `presets`       | CLI, trainer, checkpoints |
 | `test_shapes`   | small configs the conformance suite runs in every mode       | tests/test_conformance.py |
 | `hf`            | its HuggingFace mapping (`lattice.hf.HFMapping`) or None     | lattice.hf, `convert`   |
+| `tasks`         | what it trains on (`lattice.tasks`: lm, mlm, classify)       | trainer, CLI            |
 | `parts()`       | its modules in order: first part, blocks, last part          | the pipeline builder    |
 | `cost_layout()` | the operations of one step, in order, for the cost model     | lattice.cost            |
 
@@ -98,6 +99,8 @@ class Model(nn.Module):
     test_shapes: ClassVar[Sequence[Mapping[str, Any]]] = ()
     #: the HuggingFace mapping (lattice.hf.HFMapping), or None
     hf: ClassVar[Any] = None
+    #: what `lattice train --task` can train it on (lattice.tasks), its default first
+    tasks: ClassVar[tuple[str, ...]] = ("lm",)
 
     def __init__(self, cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
                  activation_checkpointing: bool = False):

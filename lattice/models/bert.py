@@ -234,6 +234,7 @@ class Bert(Model):
     name = "bert"
     config_class = BertConfig
     hf = BERT_HF
+    tasks = ("mlm", "classify")
     # both branches; V = 61 is padded where a mode splits the vocabulary; heads and d_model divide
     # by every degree the test layouts use
     test_shapes = (dict(vocab_size=61, seq_len=12, d_model=24, n_heads=4, n_layers=2, intermediate_size=40),
