@@ -50,6 +50,9 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
                                  f"read from it) or pass another run")
     cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
+    if args.command == "generate" and "lm" not in get_arch(arch).tasks:
+        raise LatticeConfigError(f"{args.run} holds a {arch} model, an encoder: it does not continue text; score it "
+                                 f"with lattice eval {args.run}")
     tokenizer = None
     if args.command == "eval" and args.eval_batches is not None and args.eval_batches < 1:
         raise LatticeConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")

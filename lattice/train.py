@@ -148,7 +148,11 @@ class TrainConfig:
             return 0
         if self.data is None:
             return len(BUILTIN_CLASSES)
-        return len({label for _, label in read_labelled(self.data, self.text_key, self.label_key)})
+        labels = {label for _, label in read_labelled(self.data, self.text_key, self.label_key)}
+        if len(labels) < 2:
+            raise LatticeConfigError(f"--data {self.data} has {len(labels)} distinct label(s) under "
+                                     f"{self.label_key!r}; classification needs at least 2")
+        return len(labels)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -47,6 +47,16 @@ TABLE = {
                                  "n_heads = 3 is not divisible by tp = 2"),
     "process count of another layout": (["train", "--mode", "1d", "--tp", "2", "--nproc", "4"],
                                         "--nproc 4 does not match the layout"),
+    "a task the family does not train on": (["train", "--task", "classify"], "--arch gpt2 does not train on --task classify"),
+    "classify text that is not JSON lines": (["train", "--arch", "bert", "--task", "classify", "--data", "text.txt"],
+                                             "--task classify reads labelled JSON lines"),
+    "classify lines without a label": (["train", "--arch", "bert", "--task", "classify", "--data", "unlabelled.jsonl",
+                                        "--data-format", "jsonl"], "is not a JSON object with 'text' and 'label' fields"),
+    "classify one label only": (["train", "--arch", "bert", "--task", "classify", "--data", "onelabel.jsonl",
+                                 "--data-format", "jsonl"], "has 1 distinct label(s) under 'label'"),
+    "init-from another family": (["train", "--arch", "bert", "--init-from", "run"],
+                                 "holds a gpt2 model, this run trains --arch bert"),
+    "init-from another size": (["train", "--init-from", "run", "--d-model", "96"], "holds another model: {'d_model'"),
     # eval and generate
     "eval a missing run": (["eval", "nope"], "checkpoint nope does not exist"),
     "eval a file that is no checkpoint": (["eval", "binary.so"], "is not a torch.save archive"),
@@ -94,6 +104,8 @@ def workspace(tmp_path_factory):
     (here / "binary.so").write_bytes(bytes(range(256)) * 64)
     (here / "bad.toml").write_text("not = [toml\n")
     (here / "unknown.toml").write_text("nosuchkey = 3\n")
+    (here / "unlabelled.jsonl").write_text('{"text": "hello"}\n')
+    (here / "onelabel.jsonl").write_text('{"text": "hello", "label": "a"}\n' * 20)
     (here / "badtok").mkdir()
     os.symlink(here / "run" / "checkpoints", here / "badtok" / "checkpoints")
     (here / "badtok" / "tokenizer.json").write_text("garbage\n")
