@@ -86,7 +86,8 @@ class BertConfig(ModelConfig):
         self.check_positive("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "intermediate_size",
                             "type_vocab_size")
         if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 0:
-            raise LatticeConfigError(f"num_labels must be 0 (masked LM) or a number of classes, got {self.num_labels!r}")
+            raise LatticeConfigError(f"num_labels must be 0 (masked LM) or a number of classes, got "
+                                     f"{self.num_labels!r}")
         if self.num_labels == 1:
             raise LatticeConfigError("num_labels = 1 would be regression, which is not implemented; use 2 or more "
                                      "classes, or 0 for masked-LM pre-training")
@@ -126,8 +127,10 @@ class BertLayer(nn.Module):
 class BertHF(HFMapping):
     model_type, model_class, label = "bert", "BertForMaskedLM", "BERT"
     CLASSIFIER = "BertForSequenceClassification"
-    _LAYER = (("attention.self.query.weight", "attn.qkv.q.weight", True), ("attention.self.query.bias", "attn.qkv.q.bias", False),
-              ("attention.self.key.weight", "attn.qkv.k.weight", True), ("attention.self.key.bias", "attn.qkv.k.bias", False),
+    _LAYER = (("attention.self.query.weight", "attn.qkv.q.weight", True),
+              ("attention.self.query.bias", "attn.qkv.q.bias", False),
+              ("attention.self.key.weight", "attn.qkv.k.weight", True),
+              ("attention.self.key.bias", "attn.qkv.k.bias", False),
               ("attention.self.value.weight", "attn.qkv.v.weight", True),
               ("attention.self.value.bias", "attn.qkv.v.bias", False),
               ("attention.output.dense.weight", "attn.proj.weight", True),
@@ -158,7 +161,8 @@ class BertHF(HFMapping):
         if getattr(c, "is_decoder", False) or getattr(c, "add_cross_attention", False):
             raise LatticeConfigError("a BERT decoder (is_decoder / add_cross_attention) is not implemented; lattice's "
                                      "BERT is an encoder")
-        rates = {"hidden_dropout_prob": c.hidden_dropout_prob, "attention_probs_dropout_prob": c.attention_probs_dropout_prob}
+        rates = {"hidden_dropout_prob": c.hidden_dropout_prob,
+                 "attention_probs_dropout_prob": c.attention_probs_dropout_prob}
         if getattr(c, "classifier_dropout", None) is not None:
             rates["classifier_dropout"] = c.classifier_dropout
         if given is None and len(set(rates.values())) != 1:

@@ -46,9 +46,9 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import (TiedHead, check_norm_kind, check_types, position_rows, compute_dtype, linear_params, normalize_split_hidden,
-                            pool_pieces, register_linear, round_up, rows_on_every_rank, split_segments,
-                            vocab_bias_spec, vocab_table_spec)
+from lattice.layers import (TiedHead, check_norm_kind, check_types, compute_dtype, linear_params,
+                            normalize_split_hidden, pool_pieces, position_rows, register_linear, round_up,
+                            rows_on_every_rank, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples

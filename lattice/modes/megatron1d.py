@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from lattice import comm
 from lattice.context import MeshAxis
 from lattice.loss import labelled_count, vocab_parallel_cross_entropy
-from lattice.layers import (TiedHead, check_types, linear_params, position_rows, local_linear, pool_pieces, register_linear, split_segments,
-                            vocab_bias_spec, vocab_table_spec)
+from lattice.layers import (TiedHead, check_types, linear_params, local_linear, pool_pieces, position_rows,
+                            register_linear, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
 from lattice.modes.serial import Linear, Norm

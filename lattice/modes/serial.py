@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.context import LatticeConfigError
-from lattice.layers import (TiedHead, check_norm_kind, check_types, position_rows, linear_params, local_linear, normalize_split_hidden,
-                            register_linear, split_segments, upcast, vocab_bias_spec)
+from lattice.layers import (TiedHead, check_norm_kind, check_types, linear_params, local_linear, normalize_split_hidden,
+                            position_rows, register_linear, split_segments, upcast, vocab_bias_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
 from lattice.sharding import ShardSpec, register_sharded

@@ -27,9 +27,9 @@ from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
-from lattice.layers import (TiedHead, check_norm_kind, check_types, position_rows, compute_dtype, linear_params, normalize_split_hidden,
-                            pool_pieces, register_linear, register_weight_and_bias, round_up, split_segments,
-                            vocab_bias_spec, vocab_table_spec)
+from lattice.layers import (TiedHead, check_norm_kind, check_types, compute_dtype, linear_params,
+                            normalize_split_hidden, pool_pieces, position_rows, register_linear,
+                            register_weight_and_bias, round_up, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
 
