@@ -208,6 +208,9 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
     mode = get_mode(ctx.mode)(model_config, ctx)  # the mode's size checks
     if ctx.pipeline is not None:
         ctx.pipeline.chunks(model_config.n_layers)  # the stage split
+        if cfg.task_name == "classify":
+            raise LatticeConfigError("--task classify scores the class logits of every validation, which a pipeline "
+                                     "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
 
     def problem(batch):
         if batch % ctx.dp:

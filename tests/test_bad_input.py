@@ -56,6 +56,8 @@ TABLE = {
                                        "is not a JSON object with 'text' and 'label' fields"),
     "classify one label only": (["train", "--arch", "bert", "--task", "classify", "--data", "onelabel.jsonl",
                                  "--data-format", "jsonl"], "has 1 distinct label(s) under 'label'"),
+    "classify through a pipeline": (["train", "--arch", "bert", "--task", "classify", "--pp", "2", "--n-layers", "2"],
+                                    "fine-tune with --pp 1"),
     "init-from another family": (["train", "--arch", "bert", "--init-from", "run"],
                                  "holds a gpt2 model, this run trains --arch bert"),
     "init-from another size": (["train", "--init-from", "run", "--d-model", "96"], "holds another model: {'d_model'"),
