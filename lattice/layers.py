@@ -46,9 +46,17 @@ def position_rows(embedding: nn.Module, start: int, length: int) -> torch.Tensor
     return rows + embedding.wtype[0] if embedding.types else rows
 
 
-def check_types(positions: bool, types: int) -> None:
+def register_position_tables(embedding: nn.Module, cfg, ctx, positions: bool, types: int, spec) -> None:
+    """Declare an embedding's position table `wpe` (seq_len, d_model) when `positions`, and its
+    token-type table `wtype` (types, d_model) when `types`, each as `spec(full_shape)` says (both
+    split and held alike, as `position_rows` adds them together)."""
     if types and not positions:
         raise ValueError("a token-type table is added with the position table: types need positions=True")
+    embedding.positions, embedding.types = positions, types
+    if positions:
+        register_sharded(embedding, "wpe", spec((cfg.seq_len, cfg.d_model)), ctx)
+    if types:
+        register_sharded(embedding, "wtype", spec((types, cfg.d_model)), ctx)
 
 
 class TiedHead(nn.Module):

@@ -431,7 +431,7 @@ class Trainer:
                                    activation_checkpointing=cfg.activation_checkpointing)
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
                           tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
-        val_loss, start, clock, stopped_by = None, self.elapsed, time.perf_counter(), None
+        val_loss, val_accuracy, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
         try:
             with faults.StopRequest() as stop:
@@ -441,7 +441,10 @@ class Trainer:
                     row["val_loss"] = None
                     if self.step % cfg.eval_interval == 0 or self.step == until:
                         row["val_loss"] = val_loss = self.evaluate()
-                        scored = f", val accuracy {self.val_accuracy():.3f}" if isinstance(self.task, Classify) else ""
+                        scored = ""
+                        if isinstance(self.task, Classify):
+                            val_accuracy = self.val_accuracy()
+                            scored = f", val accuracy {val_accuracy:.3f}"
                         if is_main:
                             metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss "
                                         f"{val_loss:.4f}{scored}")
@@ -467,7 +470,9 @@ class Trainer:
         summary = {"step": self.step, "val_loss": val_loss, "history": self.history, "stopped_by": stopped_by,
                    "skipped": self.skipped}
         if isinstance(self.task, Classify):
-            summary.update(val_accuracy=self.val_accuracy(), majority_baseline=self.task.majority())
+            if val_accuracy is None:  # stopped before the last step's validation
+                val_accuracy = self.val_accuracy()
+            summary.update(val_accuracy=val_accuracy, majority_baseline=self.task.majority())
         else:
             summary["unigram_baseline"] = unigram_baseline(self.corpus)
         return summary

@@ -46,8 +46,8 @@ import torch.nn as nn
 
 from lattice import comm
 from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import (TiedHead, check_norm_kind, check_types, compute_dtype, linear_params,
-                            normalize_split_hidden, pool_pieces, position_rows, register_linear, round_up,
+from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
+                            pool_pieces, position_rows, register_linear, register_position_tables, round_up,
                             rows_on_every_rank, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
@@ -182,13 +182,9 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg, mode: "Cube3D", positions: bool, types: int = 0):
         super().__init__()
-        check_types(positions, types)
-        self.cube, self.q, self.positions, self.types = mode.cube, mode.q, positions, types
+        self.cube, self.q = mode.cube, mode.q
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
-        if positions:
-            register_sharded(self, "wpe", vector_spec((cfg.seq_len, cfg.d_model), 1, CL), mode.ctx)
-        if types:
-            register_sharded(self, "wtype", vector_spec((types, cfg.d_model), 1, CL), mode.ctx)
+        register_position_tables(self, cfg, mode.ctx, positions, types, lambda shape: vector_spec(shape, 1, CL))
 
     def forward(self, tokens, start: int = 0):
         c, q = self.cube, self.q

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from lattice import comm
 from lattice.context import MeshAxis
 from lattice.loss import labelled_count, vocab_parallel_cross_entropy
-from lattice.layers import (TiedHead, check_types, linear_params, local_linear, pool_pieces, position_rows,
-                            register_linear, split_segments, vocab_bias_spec, vocab_table_spec)
+from lattice.layers import (TiedHead, linear_params, local_linear, pool_pieces, position_rows, register_linear,
+                            register_position_tables, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
 from lattice.modes.serial import Linear, Norm
@@ -68,14 +68,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, cfg, ctx, sequence_parallel: bool, positions: bool, types: int = 0):
         super().__init__()
-        check_types(positions, types)
-        self.ctx, self.sp, self.positions, self.types = ctx, sequence_parallel, positions, types
+        self.ctx, self.sp = ctx, sequence_parallel
         self.vocab_start, self.vocab_local = vocab_range(cfg, ctx)
         register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
-        if positions:
-            register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model)), ctx)
-        if types:
-            register_sharded(self, "wtype", ShardSpec((types, cfg.d_model)), ctx)
+        register_position_tables(self, cfg, ctx, positions, types, ShardSpec)
 
     def forward(self, tokens, start: int = 0):
         group = tp_group(self.ctx)

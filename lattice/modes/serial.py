@@ -9,8 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.context import LatticeConfigError
-from lattice.layers import (TiedHead, check_norm_kind, check_types, linear_params, local_linear, normalize_split_hidden,
-                            position_rows, register_linear, split_segments, upcast, vocab_bias_spec)
+from lattice.layers import (TiedHead, check_norm_kind, linear_params, local_linear, normalize_split_hidden,
+                            position_rows, register_linear, register_position_tables, split_segments, upcast,
+                            vocab_bias_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
 from lattice.sharding import ShardSpec, register_sharded
@@ -23,13 +24,8 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg, ctx, positions: bool = True, types: int = 0, **whole):
         super().__init__()
-        check_types(positions, types)
         register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
-        if positions:
-            register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), **whole), ctx)
-        if types:
-            register_sharded(self, "wtype", ShardSpec((types, cfg.d_model), **whole), ctx)
-        self.positions, self.types = positions, types
+        register_position_tables(self, cfg, ctx, positions, types, lambda shape: ShardSpec(shape, **whole))
 
     def forward(self, tokens, start: int = 0):  # (B, T) at positions start.. -> (B, T, h)
         x = F.embedding(tokens, self.wte)

@@ -27,8 +27,8 @@ from lattice.context import LatticeConfigError, MeshAxis, Topology
 from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
-from lattice.layers import (TiedHead, check_norm_kind, check_types, compute_dtype, linear_params,
-                            normalize_split_hidden, pool_pieces, position_rows, register_linear,
+from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
+                            pool_pieces, position_rows, register_linear, register_position_tables,
                             register_weight_and_bias, round_up, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.sharding import ShardSpec, register_sharded
 from lattice.summa import SummaGrid, summa_ab, summa_abt
@@ -92,13 +92,10 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg, mode: "Summa2D", positions: bool, types: int = 0):
         super().__init__()
-        check_types(positions, types)
-        self.grid, self.positions, self.types = mode.grid, positions, types
+        self.grid = mode.grid
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
-        if positions:
-            register_sharded(self, "wpe", ShardSpec((cfg.seq_len, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
-        if types:
-            register_sharded(self, "wtype", ShardSpec((types, cfg.d_model), ((1, (COL,)),), ON_ROW_0), mode.ctx)
+        register_position_tables(self, cfg, mode.ctx, positions, types,
+                                 lambda shape: ShardSpec(shape, ((1, (COL,)),), ON_ROW_0))
 
     def forward(self, tokens, start: int = 0):
         g = self.grid
