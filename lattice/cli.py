@@ -190,11 +190,10 @@ def cmd_train(args, argv: list[str]) -> int:
                 print(f"stopped by {by} at step {result['step']}; checkpoint saved in {out}; continue with: "
                       f"{run_dir.resume_command(argv, out)}", flush=True)
                 return 0
-            unit = "sequence" if "val_accuracy" in result else "token"
-            print(f"final val loss: {result['val_loss']:.4f} nats/{unit} (step {result['step']})")
-            if "val_accuracy" in result:
-                print(f"val accuracy: {result['val_accuracy']:.3f} (majority-class baseline "
-                      f"{result['majority_baseline']:.3f})", flush=True)
+            print(f"final val loss: {result['val_loss']:.4f} nats/{trainer.task.loss_unit} (step {result['step']})")
+            if "metric" in result:
+                name, trivial = result["trivial"]
+                print(f"val {result['metric']}: {result['val_score']:.3f} ({name} {trivial:.3f})", flush=True)
             else:
                 print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
     except faults.TrainingStopped as e:

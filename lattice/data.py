@@ -123,11 +123,13 @@ def _check_text(path: Path, spec: str) -> None:
 CHUNK_CHARS = 1 << 20  # text is read, hashed, tokenized and written in pieces of about this size
 
 
-def data_chunks(spec: str, data_format: str = "text", text_key: str = "text"):
+def data_chunks(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text"):
     """The text of `--data` in pieces of about CHUNK_CHARS ending at a line break (files
-    separated by a blank line; JSON lines contribute their `text_key`), never all in memory."""
+    separated by a blank line; JSON lines contribute their `text_key`, or each of several keys:
+    both sides of translation pairs), never all in memory."""
     import json
 
+    keys = (text_key,) if isinstance(text_key, str) else tuple(text_key)
     for i, path in enumerate(data_files(spec)):
         if i:
             yield "\n\n"
@@ -137,10 +139,14 @@ def data_chunks(spec: str, data_format: str = "text", text_key: str = "text"):
                     if not line.strip():
                         continue
                     try:
-                        yield str(json.loads(line)[text_key]) + "\n\n"
+                        row = json.loads(line)
+                        yield "".join(str(row[k]) + "\n\n" for k in keys)
                     except (ValueError, KeyError, TypeError):
-                        raise LatticeConfigError(f"{path}:{n} is not a JSON object with a {text_key!r} field; fix it "
-                                                 f"or pass --text-key") from None
+                        named = " and ".join(repr(k) for k in keys)
+                        raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named} field"
+                                                 f"{'s' * (len(keys) > 1)}; fix it or pass "
+                                                 f"{'--text-key' if len(keys) == 1 else '--source-key / --target-key'}"
+                                                 ) from None
                 continue
             while True:
                 piece = f.read(CHUNK_CHARS)
@@ -149,16 +155,17 @@ def data_chunks(spec: str, data_format: str = "text", text_key: str = "text"):
                 yield piece + f.readline()  # end at a line break, so no word is cut
 
 
-def data_hash(spec: str, data_format: str = "text", text_key: str = "text") -> str:
+def data_hash(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text") -> str:
     """Identity of `--data`'s content (read in pieces)."""
-    h = hashlib.sha256(f"{data_format}\0{text_key}\0".encode())
+    named = text_key if isinstance(text_key, str) else "\0".join(text_key)
+    h = hashlib.sha256(f"{data_format}\0{named}\0".encode())
     for piece in data_chunks(spec, data_format, text_key):
         h.update(piece.encode())
     return h.hexdigest()[:16]
 
 
-def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text", text_key: str = "text",
-                     tokenizer_path: str | None = None) -> Corpus:
+def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
+                     text_key: str | tuple[str, ...] = "text", tokenizer_path: str | None = None) -> Corpus:
     """Your own text, tokenized once (in pieces) into a memory-mapped token file (uint16, or
     uint32 beyond 65536 tokens) cached by content hash, so that a corpus larger than memory
     trains with bounded memory: batches read only their windows. A byte-level BPE is trained on
@@ -300,6 +307,10 @@ def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, s
     if len(tokens) < seq_len + 1:
         raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
                                  f"{seq_len + 1}; use a shorter seq_len or a larger corpus")
+
+
+def on_device(ctx: ParallelContext, *tensors) -> tuple:
+    return tuple(t.to(ctx.device) for t in tensors)
 
 
 def replica_rows(batch_size: int, ctx: ParallelContext) -> slice:

@@ -1,6 +1,7 @@
 """`lattice generate` and `lattice eval`: a trained run's checkpoint loaded into any layout.
 
     lattice generate runs/a --prompt "def f(x):" --max-new-tokens 20
+    lattice generate runs/t5 --prompt "reverse these words"   # an encoder-decoder: its output for the source
     lattice eval runs/a --mode 2d --tp 4 --nproc 4
 """
 
@@ -25,8 +26,9 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
     p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
     p.add_argument("--seed", type=int, default=0)
     if generate:
-        p.add_argument("--prompt", required=True, help="the text to continue")
-        p.add_argument("--max-new-tokens", type=int, default=50)
+        p.add_argument("--prompt", required=True, help="the text to continue (an encoder-decoder's source)")
+        p.add_argument("--max-new-tokens", type=int, default=None,
+                       help="default 50 (an encoder-decoder's: its target_len)")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
         p.add_argument("--top-k", type=int, default=None)
     else:
@@ -50,13 +52,18 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"{args.run} holds a {arch} model, not {args.arch}; drop --arch (the run's family is "
                                  f"read from it) or pass another run")
     cfg = get_arch(arch).config_class.from_dict(ckpt["model_config"])
-    if args.command == "generate" and "lm" not in get_arch(arch).tasks:
+    if args.command == "generate" and not {"lm", "seq2seq"} & set(get_arch(arch).tasks):
         raise LatticeConfigError(f"{args.run} holds a {arch} model, an encoder: it does not continue text; score it "
                                  f"with lattice eval {args.run}")
     tokenizer = None
     if args.command == "eval" and args.eval_batches is not None and args.eval_batches < 1:
         raise LatticeConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")
     if args.command == "generate":
+        longest = getattr(cfg, "target_len", None)  # an encoder-decoder's output fits its decoder
+        args.max_new_tokens = args.max_new_tokens or longest or 50
+        if longest is not None and args.max_new_tokens > longest:
+            raise LatticeConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds the model's target_len = {longest}; "
+                                     f"ask for at most {longest}")
         for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--temperature", args.temperature, 0),
                                    ("--top-k", 1 if args.top_k is None else args.top_k, 1)):
             if value < least:
@@ -104,8 +111,7 @@ def run_inference(args, argv: list[str]) -> int:
     ctx = lattice.init(layout_from_args(args), seed=args.seed)
     try:
         if args.command == "eval":
-            from lattice.tasks import Classify
-            from lattice.train import TrainConfig, class_accuracy, evaluate, model_and_batches
+            from lattice.train import TrainConfig, evaluate, model_and_batches, task_score
 
             saved = ckpt.get("train_config", {})
             other = {}
@@ -121,14 +127,14 @@ def run_inference(args, argv: list[str]) -> int:
             checkpoint.load_into(ckpt, model)  # weights only
             loss = evaluate(model, batches, ctx, bf16=tcfg.bf16)
             scored = ""
-            if isinstance(task, Classify):
-                scored = (f", accuracy {class_accuracy(model, batches, ctx, bf16=tcfg.bf16):.3f} (majority-class "
-                          f"baseline {task.majority():.3f})")
+            if task.metric:
+                scored = (f", {task.metric} {task_score(task, model, batches, ctx, bf16=tcfg.bf16):.3f} "
+                          f"({task.trivial_name} {task.trivial():.3f})")
             if ctx.rank == 0:
-                data = tcfg.data or ("the built-in task" if isinstance(task, Classify) else "the built-in corpus")
-                print(f"val loss {loss:.4f} nats/{'sequence' if isinstance(task, Classify) else 'token'}, perplexity "
-                      f"{math.exp(loss):.2f}{scored} ({len(batches)} batches of {tcfg.batch_size} x {cfg.seq_len} "
-                      f"tokens of {data}, {tcfg.task_name}, step {ckpt['step']})")
+                data = tcfg.data or ("the built-in task" if task.metric else "the built-in corpus")
+                print(f"val loss {loss:.4f} nats/{task.loss_unit}, perplexity {math.exp(loss):.2f}{scored} "
+                      f"({len(batches)} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of {data}, "
+                      f"{tcfg.task_name}, step {ckpt['step']})")
             return 0
         if tokenizer is not None:
             encode, decode = (lambda text: tokenizer.encode(text).ids), tokenizer.decode
@@ -146,9 +152,15 @@ def run_inference(args, argv: list[str]) -> int:
         out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
         dt = time.perf_counter() - t0
         if ctx.rank == 0:
-            print(args.prompt + decode(out[0, len(ids):].tolist()))
-            print(f"{args.max_new_tokens} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
-                  f"{copies * args.max_new_tokens / dt:.1f} tokens/s (batch {copies}, {args.mode} on "
+            if getattr(cfg, "eos_token_id", None) is not None:  # an encoder-decoder: its answer, up to the end token
+                answer = out[0, 1:].tolist()
+                answer = answer[:answer.index(cfg.eos_token_id)] if cfg.eos_token_id in answer else answer
+                print(decode([t for t in answer if t not in (cfg.pad_token_id, cfg.decoder_start_token_id)]))
+            else:
+                print(args.prompt + decode(out[0, len(ids):].tolist()))
+            made = out.shape[1] - (1 if getattr(cfg, "eos_token_id", None) is not None else len(ids))
+            print(f"{made} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
+                  f"{copies * made / dt:.1f} tokens/s (batch {copies}, {args.mode} on "
                   f"{ctx.world_size} ranks)", file=sys.stderr)
         return 0
     finally:

@@ -5,6 +5,7 @@
 | `lm`       | gpt2, llama   | windows and the next token of each position         | unigram cross-entropy        |
 | `mlm`      | bert          | windows with 15% of positions masked, their labels  | unigram cross-entropy        |
 | `classify` | bert          | [CLS] + a text, one class id per sequence           | majority-class accuracy      |
+| `seq2seq`  | t5            | a source and its target's labels (lattice.pairs)    | exact match of copying       |
 
 Masked LM (Devlin et al. 2019, §3.1): every sequence predicts exactly round(0.15·T) positions
 (as BERT's own data generator picks a fixed number per sequence), of which 80% read [MASK], 10%
@@ -35,13 +36,14 @@ from functools import cached_property
 
 import torch
 
-from lattice.context import LatticeConfigError, ParallelContext
-from lattice.data import (VAL_FRACTION, Corpus, check_batch_size, data_files, global_batch, replica_rows,
-                          train_batch, unigram_baseline, val_batches, val_windows)
+from lattice.context import LatticeConfigError
+from lattice.data import (VAL_FRACTION, Corpus, check_batch_size, data_files, global_batch, on_device,
+                          replica_rows, train_batch, unigram_baseline, val_batches, val_windows)
 from lattice.loss import IGNORE_INDEX
+from lattice.pairs import PAIR_TOKENS, Seq2Seq
 
-TASKS = ("lm", "mlm", "classify")
-SPECIAL_TOKENS = ("[MASK]", "[CLS]", "[PAD]")
+TASKS = ("lm", "mlm", "classify", "seq2seq")
+SPECIAL_TOKENS = ("[MASK]", "[CLS]", "[PAD]")  # the encoder tasks'; seq2seq's are lattice.pairs.PAIR_TOKENS
 MASK_FRACTION, MASK_TOKEN, RANDOM_TOKEN = 0.15, 0.8, 0.1  # of the predicted positions: 80% [MASK], 10% random
 BUILTIN_CLASSES = ("argparse", "tarfile", "inspect")
 VAL_EVERY = 10  # every tenth JSON line is a validation example
@@ -56,23 +58,34 @@ def check_task(task: str, family) -> None:
                                  f"{' or '.join(family.tasks)}")
 
 
+def task_tokens(task: str) -> tuple[str, ...]:
+    """The special tokens `task` appends to the tokenizer's vocabulary, in id order."""
+    return {"lm": (), "seq2seq": PAIR_TOKENS}.get(task, SPECIAL_TOKENS)
+
+
 def model_vocab(task: str, tokenizer_vocab: int) -> int:
-    """Rows of the model's token table: the tokenizer's, plus the special tokens of encoder tasks."""
-    return tokenizer_vocab + (len(SPECIAL_TOKENS) if task != "lm" else 0)
+    """Rows of the model's token table: the tokenizer's, plus the task's special tokens."""
+    return tokenizer_vocab + len(task_tokens(task))
+
+
+def task_model_fields(task: str, tokenizer_vocab: int) -> dict:
+    """Config fields of the model a task fixes beside the vocabulary: an encoder-decoder's pad,
+    decoder start and end tokens (the pair task's [PAD] and [EOS])."""
+    if task != "seq2seq":
+        return {}
+    pad, eos = (tokenizer_vocab + PAIR_TOKENS.index(t) for t in PAIR_TOKENS)
+    return {"pad_token_id": pad, "decoder_start_token_id": pad, "eos_token_id": eos}
 
 
 def special_id(token: str, tokenizer_vocab: int) -> int:
     return tokenizer_vocab + SPECIAL_TOKENS.index(token)
 
 
-def _on(ctx: ParallelContext, *tensors):
-    return tuple(t.to(ctx.device) for t in tensors)
-
-
 class NextToken:
     """`lm`: the corpus windows and their next tokens (lattice.data)."""
 
     num_labels = 0
+    metric, loss_unit = None, "token"  # no score beyond the loss
 
     def __init__(self, corpus: Corpus):
         self.corpus = corpus
@@ -112,18 +125,21 @@ class MaskedLM(NextToken):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 7)  # masks of the global batch, then our rows
         x, y = self.mask(window, gen)
         rows = replica_rows(batch_size, ctx)
-        return _on(ctx, x[rows], y[rows])
+        return on_device(ctx, x[rows], y[rows])
 
     def val_batches(self, ctx, *, batch_size, seq_len, num_batches):
         self.check(batch_size, seq_len, ctx.dp)
         gen = torch.Generator().manual_seed(0)  # the same masks in every run
         rows = replica_rows(batch_size, ctx)
-        return [_on(ctx, *(t[rows] for t in self.mask(window, gen)))
+        return [on_device(ctx, *(t[rows] for t in self.mask(window, gen)))
                 for window in val_windows(self.corpus, batch_size=batch_size, seq_len=seq_len, num_batches=num_batches)]
 
 
 class Classify:
     """`classify`: [CLS] + text -> a class id; JSON lines or the built-in module task."""
+
+    metric, loss_unit = "accuracy", "sequence"
+    trivial_name = "majority-class baseline"
 
     def __init__(self, corpus: Corpus, *, data: str | None, text_key: str, label_key: str):
         self.corpus, self.data, self.text_key, self.label_key = corpus, data, text_key, label_key
@@ -197,7 +213,7 @@ class Classify:
             x = self._sequences([train[i][0] for i in pick.tolist()], seq_len)
             labels = torch.tensor([train[i][1] for i in pick.tolist()], dtype=torch.int64)
         rows = replica_rows(batch_size, ctx)
-        return _on(ctx, x[rows], labels[rows])
+        return on_device(ctx, x[rows], labels[rows])
 
     def val_batches(self, ctx, *, batch_size, seq_len, num_batches):
         _, val, names = self.examples
@@ -211,14 +227,17 @@ class Classify:
             labels = torch.tensor([label for _, label in val[:n]], dtype=torch.int64)
         self.val_labels = labels  # every replica's
         rows = replica_rows(batch_size, ctx)
-        return [_on(ctx, x[i:i + batch_size][rows], labels[i:i + batch_size][rows]) for i in range(0, n, batch_size)]
+        return [on_device(ctx, x[i:i + batch_size][rows], labels[i:i + batch_size][rows]) for i in range(0, n, batch_size)]
 
-    def majority(self) -> float:
+    def score(self, model, batches) -> torch.Tensor:
+        return accuracy(model, batches)
+
+    def trivial(self) -> float:
         """The accuracy of always answering the most frequent class of the validation batches."""
         return float(torch.bincount(self.val_labels).max()) / len(self.val_labels)
 
     def baseline(self) -> str:
-        return f"majority-class baseline: accuracy {self.majority():.3f}"
+        return f"majority-class baseline: accuracy {self.trivial():.3f}"
 
 
 def _module_source(name: str) -> str:
@@ -252,9 +271,12 @@ def read_labelled(spec: str, text_key: str, label_key: str) -> list[tuple[str, o
     return out
 
 
-def make_task(task: str, corpus: Corpus, *, data: str | None, text_key: str, label_key: str):
+def make_task(task: str, corpus: Corpus, *, data: str | None, text_key: str, label_key: str, source_key: str,
+              target_key: str, target_len: int | None):
     if task == "classify":
         return Classify(corpus, data=data, text_key=text_key, label_key=label_key)
+    if task == "seq2seq":
+        return Seq2Seq(corpus, data=data, source_key=source_key, target_key=target_key, target_len=target_len)
     return MaskedLM(corpus) if task == "mlm" else NextToken(corpus)
 
 

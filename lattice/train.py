@@ -13,10 +13,11 @@ family (and its pipeline stages) has, so every layout and family trains through 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,158 +26,15 @@ import torch.distributed as dist
 from lattice import checkpoint, faults
 from lattice.comm import raw_all_reduce, record
 from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.data import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus, unigram_baseline
-from lattice.models import DEFAULT_ARCH, available_archs, build_model, get_arch
+from lattice.data import Corpus, unigram_baseline
+from lattice.models import build_model, get_arch
 from lattice.modes import get_mode
 from lattice.metrics import Metrics, step_flops
-from lattice.options import flag
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
 from lattice.pipeline import batch_problem
 from lattice.run_checkpoints import RunCheckpoints
-from lattice.tasks import (BUILTIN_CLASSES, TASKS, Classify, accuracy, check_task, make_task, model_vocab,
-                           read_labelled)
-
-DATA_FORMATS = ("text", "jsonl")
-DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
-ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run, or skip the step
-
-
-@dataclass
-class TrainConfig:
-    """Everything about a run except the layout (which is the ParallelContext's)."""
-
-    # Each field with `flag` metadata is a `lattice train` flag (lattice.arguments derives them;
-    # `--config` TOML keys and the checkpoint's recorded train_config use the same names).
-    arch: str = flag(DEFAULT_ARCH, "model family (default gpt2; with --resume, the run's)", choices=available_archs,
-                     group="model")
-    model: str | None = flag(None, "size preset of the family (default its default, e.g. small for gpt2)",
-                             metavar="PRESET", group="model")
-    d_model: int | None = flag(None, "width (default: the preset's)", group="model")
-    n_layers: int | None = flag(None, "transformer blocks (default: the preset's)", group="model")
-    n_heads: int | None = flag(None, "attention heads (default: the preset's)", group="model")
-    seq_len: int | None = flag(None, "context length (default: the preset's)", group="model")
-    vocab_size: int = flag(DEFAULT_VOCAB, "vocabulary of the byte-level BPE trained on the data (the built-in corpus "
-                                          "or --data)", group="model")
-    data: str | None = flag(None, "train on your own text: a file, a directory of files or a glob (default: the "
-                                  "built-in corpus)", metavar="PATH", group="data")
-    data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS, group="data")
-    text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)", group="data")
-    task: str | None = flag(None, "what to train: lm (the next token), mlm (BERT's masked LM) or classify (a class per "
-                                  "sequence: --data JSON lines with --label-key, or the built-in task); default: the "
-                                  "family's first (gpt2, llama: lm; bert: mlm)", choices=lambda: TASKS, group="data")
-    label_key: str = flag("label", "the class field of each JSON line (--task classify)", group="data")
-    tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
-                                       "trained on the data)", metavar="PATH", group="data")
-    data_hash: str | None = None  # identity of the text trained on (set by the trainer)
-    dropout: float = flag(0.0, "dropout probability", group="model")
-    init_from: str | None = flag(None, "start from the weights of a lattice checkpoint or run directory (lattice "
-                                       "convert --from hf writes one); what it lacks for this task (a new classifier) "
-                                       "starts fresh, and its tokenizer.json is the run's unless --tokenizer",
-                                 metavar="CKPT", group="checkpoints")
-    steps: int = flag(300, "optimizer steps", group="training")
-    stop_at: int | None = flag(None, "stop after this step with a checkpoint, to go on later with --resume (the "
-                                     "schedule still runs to --steps), as for a job in a time-limited slot",
-                                    group="training")
-    batch_size: int = flag(16, "global batch: sequences per optimizer step, split over --dp replicas", alias="--batch",
-                           group="training")
-    lr: float = flag(2e-3, "peak learning rate", group="training")
-    min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this", group="training")
-    warmup: int = flag(30, "linear warmup steps", group="training")
-    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings)", group="training")
-    beta1: float = flag(0.9, "AdamW beta1", group="training")
-    beta2: float = flag(0.95, "AdamW beta2", group="training")
-    grad_clip: float = flag(1.0, "max global gradient norm; 0 turns clipping off", group="training")
-    seed: int = flag(0, "seed of the weights, data order and dropout", group="training")
-    eval_interval: int = flag(100, "steps between validations", group="logging")
-    eval_batches: int = flag(8, "validation batches", group="logging")
-    bf16: bool = flag(False, "bf16 autocast", group="training")
-    activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
-    out_dir: str | None = flag(None, "where checkpoints and metrics.csv go; lattice train without it: a new runs/run-N "
-                               "(runs/latest links to the newest), or with --resume the resumed run's directory",
-                               alias="--checkpoint-dir", group="checkpoints")
-    checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)", group="checkpoints")
-    keep: int = flag(3, "keep K checkpoints: the one just written and the newest others (0 keeps all)", metavar="K", group="checkpoints")
-    async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on",
-                                  group="checkpoints")
-    dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
-                      choices=lambda: DTYPES, group="training")
-    progress: bool = flag(True, "progress: a bar on a terminal, plain lines otherwise", group="logging")
-    on_nan: str = flag(ON_NAN[0], "a non-finite loss or gradient norm stops the run or skips the step",
-                       choices=lambda: ON_NAN, group="faults")
-    dist_timeout: float = flag(300.0, "seconds a collective waits for the other ranks before the run fails and "
-                                      "names the stalled rank", group="faults")
-    peak_tflops: float | None = flag(None, "peak TFLOP/s of one device, for the model FLOP utilisation logged to "
-                                           "TensorBoard", group="logging")
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
-            raise LatticeConfigError(f"stop_at must be a step of the run, 1 to steps = {self.steps}; got {self.stop_at}")
-        for name in ("warmup", "checkpoint_interval", "keep"):
-            if getattr(self, name) < 0:
-                raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise LatticeConfigError(f"lr must be positive, got {self.lr}")
-        if self.data_format not in DATA_FORMATS:
-            raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
-        if self.on_nan not in ON_NAN:
-            raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
-        if self.dtype not in DTYPES:
-            raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
-        check_task(self.task_name, get_arch(self.arch))
-        if self.task_name == "classify" and self.data is not None and self.data_format != "jsonl":
-            raise LatticeConfigError("--task classify reads labelled JSON lines: pass --data-format jsonl (with "
-                                     "--text-key and --label-key)")
-        if self.init_from and self.tokenizer is None and Path(self.init_from).exists():
-            # the text is read as the weights were trained to read it
-            run_tokenizer = checkpoint.run_dir(self.init_from) / "tokenizer.json"
-            if run_tokenizer.is_file():
-                self.tokenizer = str(run_tokenizer)
-
-    @property
-    def task_name(self) -> str:
-        return self.task or get_arch(self.arch).tasks[0]
-
-    def make_task(self, corpus: Corpus):
-        return make_task(self.task_name, corpus, data=self.data, text_key=self.text_key, label_key=self.label_key)
-
-    def num_labels(self) -> int:
-        """The classes of a classification run (read from --data), 0 for other tasks."""
-        if self.task_name != "classify":
-            return 0
-        if self.data is None:
-            return len(BUILTIN_CLASSES)
-        labels = {label for _, label in read_labelled(self.data, self.text_key, self.label_key)}
-        if len(labels) < 2:
-            raise LatticeConfigError(f"--data {self.data} has {len(labels)} distinct label(s) under "
-                                     f"{self.label_key!r}; classification needs at least 2")
-        return len(labels)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    def corpus(self) -> Corpus:
-        """The training text (own data or the built-in corpus), tokenized; records its hash."""
-        if self.data is None:
-            return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
-        corpus = load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=self.text_key,
-                                  tokenizer_path=self.tokenizer)
-        self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
-        return corpus
-
-    def model_config(self, vocab_size: int | None = None):
-        """The model this run trains: the family's preset with the shape overrides, its token
-        table the tokenizer's `vocab_size` plus the task's special tokens."""
-        config_class = get_arch(self.arch).config_class
-        shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len") if getattr(self, k)}
-        if self.task_name == "classify":
-            shape["num_labels"] = self.num_labels()
-        return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
-                                   vocab_size=model_vocab(self.task_name, vocab_size or self.vocab_size), **shape)
+from lattice.tasks import model_vocab
+from lattice.train_config import DATA_FORMATS, DTYPES, ON_NAN, TrainConfig  # noqa: F401  (lattice.train's names)
 
 
 def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ckpt: dict | None = None,
@@ -188,7 +46,7 @@ def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ck
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
     check_run(cfg, model_config, ctx)
-    task = cfg.make_task(corpus)
+    task = cfg.make_task(corpus, model_config)
     task.check(cfg.batch_size, model_config.seq_len, ctx.dp)
     model = build_model(model_config, ctx, dtype=getattr(torch, cfg.dtype),
                         activation_checkpointing=cfg.activation_checkpointing)
@@ -207,15 +65,22 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
 
     mode = get_mode(ctx.mode)(model_config, ctx)  # the mode's size checks
     if ctx.pipeline is not None:
+        family = get_arch(cfg.arch)
+        with torch.device("meta"):
+            if family(model_config, dataclasses.replace(ctx, pipeline=None)).parts() is None:
+                raise LatticeConfigError(f"--arch {cfg.arch} cannot be split into pipeline stages; use --pp 1 (any "
+                                         f"tensor layout, with --dp for more ranks)")
         ctx.pipeline.chunks(model_config.n_layers)  # the stage split
         if cfg.task_name == "classify":
             raise LatticeConfigError("--task classify scores the class logits of every validation, which a pipeline "
                                      "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
+    # every length a batch has: the sequence, and an encoder-decoder's target
+    lengths = [model_config.seq_len] + [n for n in [getattr(model_config, "target_len", None)] if n]
 
     def problem(batch):
         if batch % ctx.dp:
             return f"batch size {batch} is not divisible by dp = {ctx.dp}"
-        return batch_problem(ctx.pipeline, mode, batch // ctx.dp, model_config.seq_len)
+        return next(filter(None, (batch_problem(ctx.pipeline, mode, batch // ctx.dp, n) for n in lengths)), None)
 
     found = problem(cfg.batch_size)
     if found:
@@ -260,10 +125,11 @@ def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> flo
     return dp_mean(total, ctx)
 
 
-def class_accuracy(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
-    """The fraction of `batches` (this replica's) classified right, over every replica."""
+def task_score(task, model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
+    """The task's score of `batches` (this replica's) over every replica: the accuracy of a
+    classifier, the exact match of an encoder-decoder's greedy outputs."""
     with autocast(ctx, bf16):
-        return dp_mean(accuracy(model, batches), ctx)
+        return dp_mean(task.score(model, batches), ctx)
 
 
 def check_init_from(cfg: TrainConfig, model_config) -> dict:
@@ -413,9 +279,9 @@ class Trainer:
         """Mean loss over the fixed validation batches, identical on every rank."""
         return evaluate(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
 
-    def val_accuracy(self) -> float:
-        """Classification: the fraction of the validation sequences classified right (every rank)."""
-        return class_accuracy(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
+    def val_score(self) -> float:
+        """The task's score of the validation batches (every rank): see `task_score`."""
+        return task_score(self.task, self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -431,7 +297,8 @@ class Trainer:
                                    activation_checkpointing=cfg.activation_checkpointing)
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
                           tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
-        val_loss, val_accuracy, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
+        val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
+        metric = self.task.metric
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
         try:
             with faults.StopRequest() as stop:
@@ -442,9 +309,9 @@ class Trainer:
                     if self.step % cfg.eval_interval == 0 or self.step == until:
                         row["val_loss"] = val_loss = self.evaluate()
                         scored = ""
-                        if isinstance(self.task, Classify):
-                            val_accuracy = self.val_accuracy()
-                            scored = f", val accuracy {val_accuracy:.3f}"
+                        if metric:
+                            val_score = self.val_score()
+                            scored = f", val {metric} {val_score:.3f}"
                         if is_main:
                             metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss "
                                         f"{val_loss:.4f}{scored}")
@@ -469,10 +336,10 @@ class Trainer:
             self.checkpoints.wait()  # the last checkpoint is complete when fit returns
         summary = {"step": self.step, "val_loss": val_loss, "history": self.history, "stopped_by": stopped_by,
                    "skipped": self.skipped}
-        if isinstance(self.task, Classify):
-            if val_accuracy is None:  # stopped before the last step's validation
-                val_accuracy = self.val_accuracy()
-            summary.update(val_accuracy=val_accuracy, majority_baseline=self.task.majority())
+        if metric:
+            if val_score is None:  # stopped before the last step's validation
+                val_score = self.val_score()
+            summary.update(metric=metric, val_score=val_score, trivial=(self.task.trivial_name, self.task.trivial()))
         else:
             summary["unigram_baseline"] = unigram_baseline(self.corpus)
         return summary

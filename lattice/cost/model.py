@@ -68,6 +68,7 @@ class Cost:
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
     pipeline: object = None  # lattice.pipeline.PipelineConfig with pp > 1, and this rank's stage
     stage: int = 0
+    target_seq: int | None = None  # an encoder-decoder's target length (T5's decoder); seq is the source's
     residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks
 
     def _select(self, phase=None, op=None, site=None):
@@ -152,22 +153,26 @@ class Cost:
         return out
 
 
-def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, dtype: torch.dtype = torch.float32,
-             activation_checkpointing: bool = False, rank: int = 0, **layout_kwargs) -> Cost:
+def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
+             dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
+             **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
     family). With pp > 1 the rank runs its stages' blocks (with the first part on the first
     stage, the head on the last) on each of the m micro-batches of batch/m sequences, sends the
     residual point-to-point (see lattice.cost.pipeline) and sums shared parameters' gradients
-    between the end stages; the activations are those of one micro-batch through its stages."""
+    between the end stages; the activations are those of one micro-batch through its stages. An
+    encoder-decoder reads `seq` source and `target_seq` target tokens (default: its config's
+    target_len)."""
     ctx = as_layout(layout, layout_kwargs).context(rank)
     mode = ctx.mode
     with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
         model = build_model(cfg, ctx)
     itemsize = torch.empty((), dtype=dtype).element_size()
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
-                activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage)
+                activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,
+                target_seq=target_seq or getattr(cfg, "target_len", None))
     CostBuilder(cost, model).build()
     return cost
 
@@ -182,12 +187,14 @@ class CostBuilder:
     For the mode: B sequences of T tokens per replica, M = B·T, h, V, `vocab_padded`, p ranks
     per replica, `options`, `c.itemsize`, `residual` (this rank's residual elements) and
     `current` (the elements of the storage the last operation produced, which the next one may
-    save)."""
+    save). An encoder-decoder describes each stack inside `sequence(T)` (the target's length is
+    `target_T`); every figure then uses that stack's T."""
 
     def __init__(self, cost: Cost, model):
         c, cfg = cost, cost.cfg
         self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
         self.B, self.T, self.h, self.L = c.batch, c.seq, cfg.d_model, cfg.n_layers
+        self.target_T = c.target_seq or c.seq
         self.repeat, self.first, self.last = 1, True, True  # micro-batches; the stage holds the first / last part
         pcfg = c.pipeline
         if pcfg is not None:  # one micro-batch through this rank's chunks, m times
@@ -202,7 +209,8 @@ class CostBuilder:
         self.options = c.options
         self.vocab_padded = self.mode.padded_vocab()
         self.residual = math.prod(self.mode.residual_shape(self.B, self.T))
-        self.current = 0.0
+        self.current = self.previous = 0.0
+        self.memory_tokens, self.memory_elements, self.memory_read = 0, 0.0, False  # an encoder's output (`memory`)
         self.share = {"split": 1 / self.p, **self.mode.cost_shares(self)}  # FLOP shares (see `work`)
         self.region = "embedding"  # embedding | layer | head: the site of terms outside layers
         self.layer_terms: list[tuple[Term, int, bool]] = []  # (term, operation index, after its saves)
@@ -210,7 +218,8 @@ class CostBuilder:
         self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0}
         self.output_saved = False  # whether the last operation's output is saved already (by itself)
         self.work = {part: {k: 0.0 for k in ("flops", "attention_flops", "elementwise", "scores")}
-                     for part in ("layer", "other")}
+                     for part in ("layer", "other", "layers")}  # layers: every layer block's, times its count
+        self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0}  # likewise for the saves
 
     # ---- for the modes
     def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False):
@@ -248,20 +257,45 @@ class CostBuilder:
         self.current = self.residual
 
     @contextmanager
-    def layer(self):
-        """The operations of one layer (counted L times)."""
+    def layer(self, count: int | None = None):
+        """The operations of one layer, counted `count` times (default: the model's L layers, or
+        the stage's under a pipeline)."""
+        count = self.L if count is None else count
         self.region, self.op = "layer", 0
+        self.layer_terms = []
         yield
         # recomputation stops after the layer's last saved tensor (every operation saves some,
         # if only a view or an empty tensor): collectives its last operation issues after its
         # saves (a 1D row-parallel linear's all-reduce) are not repeated
         last = self.op
         for t, op, after in self.layer_terms:
-            self.c.terms.append(Term(t.phase, t.op, t.axes, t.calls * self.L, t.elements * self.L, t.site, t.itemsize))
+            self.c.terms.append(Term(t.phase, t.op, t.axes, t.calls * count, t.elements * count, t.site, t.itemsize))
             if self.c.checkpointing and t.phase == "forward" and (op < last or (op == last and not after)):
-                self.c.terms.append(Term("backward", t.op, t.axes, t.calls * self.L, t.elements * self.L, t.site,
+                self.c.terms.append(Term("backward", t.op, t.axes, t.calls * count, t.elements * count, t.site,
                                          t.itemsize))
+        for kind, amount in self.work["layer"].items():
+            self.work["layers"][kind] += count * amount
+            self.work["layer"][kind] = 0.0
+        self.layers_saved["elements"] += count * self.saved["layer"]
+        self.layers_saved["ints"] += count * self.saved["layer_ints"]
+        self.layers_saved["checkpointed"] += count * self.residual  # only each layer's input survives
+        self.saved["layer"] = self.saved["layer_ints"] = 0.0
         self.region = "head"
+
+    @contextmanager
+    def sequence(self, length: int):
+        """The operations inside run on sequences of `length` tokens (an encoder-decoder's
+        stacks: the source's, the target's)."""
+        before = self.T
+        self._set_length(length)
+        try:
+            yield
+        finally:
+            self._set_length(before)
+
+    def _set_length(self, length: int) -> None:
+        self.T, self.M = length, self.B * length
+        self.residual = math.prod(self.mode.residual_shape(self.B, length))
 
     def _next(self):
         if self.region == "layer":
@@ -275,13 +309,19 @@ class CostBuilder:
         self.current, self.output_saved = self.residual, False
 
     def linear(self, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
-               input_from_attention: bool = False) -> None:
+               input_from_attention: bool = False, from_memory: bool = False) -> None:
         """`block` "attention" or "mlp", `position` "in" or "out"; out_features counts every
         stacked copy or segment. `input_from_attention`: the input is attention's output (which
-        attention saves already where the layout feeds it on as a view)."""
+        attention saves already where the layout feeds it on as a view). `from_memory`: an IN
+        linear of the encoder's output (`memory`), over its tokens, whose storage every layer
+        reading it shares: saved once, where the layout keeps the input as it is."""
         self._next()
-        saved, out = self.mode.cost_linear(self, in_features, out_features, block=block, position=position,
-                                           bias=bias, input_from_attention=input_from_attention and self.output_saved)
+        length = self.T
+        if from_memory:
+            self._set_length(self.memory_tokens)
+            self.memory_read = self.memory_read or self.mode.cost_keeps_input(block, position)
+        saved, out = self.mode.cost_linear(self, in_features, out_features, block=block, position=position, bias=bias,
+                                           input_saved=(input_from_attention and self.output_saved) or from_memory)
         self.save(saved)
         share = self.share.get(block, self.share["split"])
         replicated = self.share.get("replicated", self.share["split"])
@@ -290,10 +330,11 @@ class CostBuilder:
             self._work("elementwise", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
             self._work("elementwise", self.M * out_features * replicated * (2 if bias else 1))
-        self.current, self.output_saved = out, False
+        self._set_length(length)
+        self.previous, self.current, self.output_saved = self.current, out, False
 
     def attention(self, *, heads: int, kv_heads: int, head_size: int, causal: bool = True, rotary: bool = False,
-                  bias: bool = False) -> None:
+                  bias: bool = False, shared_bias: bool = False) -> None:
         """Scaled dot-product attention of q (heads), k and v (kv_heads) of `head_size`, which
         the preceding IN linear produced in one storage (`current`). Without an additive bias the
         fused kernel runs: it saves q, k, v (views of that storage, or rotated copies of q and k
@@ -301,7 +342,8 @@ class CostBuilder:
         and token, with k and v at kv_heads. With a per-head bias (a mask that requires grad)
         the math kernel runs: it saves q, k and v expanded to every head and the attention
         weights, and the bias's distance indices (and the causal mask); its output is not saved,
-        so the next linear saves its own copy."""
+        so the next linear saves its own copy. `shared_bias`: the bias is the stack's, computed
+        once (`position_bias`), so its indices are not this layer's."""
         self._next()
         share = self.share.get("attention", self.share["split"])
         q = self.M * heads * head_size * share
@@ -311,7 +353,7 @@ class CostBuilder:
             self.save(2 * T * head_size)  # cos and sin of the positions
         if bias:
             self.save(3 * q + self.B * heads * T * T * share)
-            self.save_ints(8 * T * T + (T * T if causal else 0))
+            self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
             self.output_saved = False
         else:
             self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share)
@@ -321,6 +363,31 @@ class CostBuilder:
         self._work("attention_flops", 4 * head_size * scores)
         self._work("flops", 4 * head_size * scores)
         self.current = q
+
+    def position_bias(self, *, heads: int) -> None:
+        """A stack's relative position bias (T5's): the (T, T) bucket indices of the table
+        lookup, saved once for the stack's layers."""
+        self.save_ints(8 * self.T * self.T)
+
+    def memory(self) -> None:
+        """The stream is now the encoder's output, which the decoder's cross-attention reads (in
+        every layer, `linear(..., from_memory=True)`)."""
+        self.memory_tokens, self.memory_elements = self.T, self.residual
+
+    def cross_attention(self, *, heads: int, head_size: int) -> None:
+        """Attention of the current stream's queries (the IN linear before last) to the memory's
+        keys and values (the last IN linear's one storage), no mask: the fused kernel saves q, k
+        and v (views of those two storages), its output and the log-sum-exp per head and query."""
+        self._next()
+        share = self.share.get("attention", self.share["split"])
+        out = self.M * heads * head_size * share
+        self.save(self.previous + self.current + out + self.B * heads * self.T * share)
+        self.output_saved = True
+        scores = self.B * heads * self.T * self.memory_tokens * share
+        self._work("scores", scores)
+        self._work("attention_flops", 4 * head_size * scores)
+        self._work("flops", 4 * head_size * scores)
+        self.current = out
 
     def activation(self, width: int, *, kind: str = "gelu_tanh", gated: bool = False) -> None:
         """The MLP's elementwise activation (lattice.models.components.ACTIVATIONS) on `width`
@@ -367,14 +434,15 @@ class CostBuilder:
 
     # ---- the step
     def build(self):
-        c, L = self.c, self.L
+        c = self.c
         self.model.cost_layout(self)
         c.residual_elements = self.residual
-        per_layer, layer_ints = self.saved["layer"], self.saved["layer_ints"]
+        layers, layer_ints = self.layers_saved["elements"], self.layers_saved["ints"]
         if c.checkpointing:  # only each layer's input survives the forward
-            per_layer, layer_ints = self.residual, 0
-        c.memory["activations"] = (c.itemsize * (L * per_layer + self.saved["other"]) + L * layer_ints
-                                   + self.saved["ints"])
+            layers, layer_ints = self.layers_saved["checkpointed"], 0
+        if self.memory_read:  # the encoder's output, as the layout's cross-attention keeps it
+            self.saved["other"] += self.memory_elements
+        c.memory["activations"] = (c.itemsize * (layers + self.saved["other"]) + layer_ints + self.saved["ints"])
         params = list(self.model.parameters())
         c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
         c.param_tensors = len(params)
@@ -400,13 +468,13 @@ class CostBuilder:
     def _totals(self):
         """Forward and backward work: backward is twice the forward, plus one forward of every
         layer under activation checkpointing."""
-        L, ckpt = self.L, self.c.checkpointing
-        layer, other = self.work["layer"], self.work["other"]
+        ckpt = self.c.checkpointing
+        layers, other = self.work["layers"], self.work["other"]
         out = {}
         for kind in ("flops", "attention_flops", "elementwise", "scores"):
-            fwd = L * layer[kind] + other[kind]
-            out[kind] = {"forward": fwd, "backward": 2 * fwd + (L * layer[kind] if ckpt else 0)}
+            fwd = layers[kind] + other[kind]
+            out[kind] = {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)}
         self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
         self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
-        self.c.stem = {kind: {"forward": L * layer[kind], "backward": (3 if ckpt else 2) * L * layer[kind]}
+        self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
                        for kind in ("flops", "attention_flops", "elementwise", "scores")}

@@ -195,22 +195,23 @@ class Model(nn.Module):
             return self.head_logits(x[:, -1:] if last_only else x)
         return self.head_loss(x, targets)
 
-    def run_blocks(self, x: torch.Tensor, blocks) -> torch.Tensor:
-        """x through `blocks` (residual layout in and out), checkpointed when asked. A
+    def run_blocks(self, x: torch.Tensor, blocks, **inputs) -> torch.Tensor:
+        """x through `blocks` (residual layout in and out; `inputs`: what every block takes
+        beside it, an encoder's output or a position bias), checkpointed when asked. A
         recomputed block draws its dropout masks at the forward count of its first pass (under a
         pipeline schedule other micro-batches run in between)."""
         count = self.seeds.forward_count
         for block in blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(self._block_at_count, block, x, count, use_reentrant=False)
+                x = checkpoint(self._block_at_count, block, x, count, use_reentrant=False, **inputs)
             else:
-                x = block(x)
+                x = block(x, **inputs)
         return x
 
-    def _block_at_count(self, block, x, count: int):
+    def _block_at_count(self, block, x, count: int, **inputs):
         now, self.seeds.forward_count = self.seeds.forward_count, count
         try:
-            return block(x)
+            return block(x, **inputs)
         finally:
             self.seeds.forward_count = now
 
@@ -228,6 +229,14 @@ class Model(nn.Module):
                                      f"{self.cfg.seq_len}; shorten the batch or raise seq_len")
         if targets is not None:
             self.check_targets(tokens, targets)
+
+    @classmethod
+    def random_targets(cls, cfg, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Random targets of the kind `model(tokens, targets)` takes for `tokens` (for tests and
+        benchmarks): token ids (B, T), or class ids (B,) for a config with num_labels."""
+        if getattr(cfg, "num_labels", 0):
+            return torch.randint(0, cfg.num_labels, tuple(tokens.shape[:1]), generator=generator)
+        return torch.randint(0, cfg.vocab_size, tuple(tokens.shape), generator=generator)
 
     def check_targets(self, tokens, targets):
         if targets.shape != tokens.shape:

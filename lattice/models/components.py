@@ -1,7 +1,8 @@
 """Components the families share, written once against the mode interface: dropout with
 layout-independent masks, self-attention (causal or bidirectional; fused or grouped-query
-projections; optional rotary positions and an additive per-head bias), the MLP variants and a
-small replicated linear for heads over pooled tokens.
+projections; optional rotary positions and an additive per-head bias), cross-attention from one
+stream to another (an encoder-decoder's), the MLP variants and a small replicated linear for
+heads over pooled tokens.
 
 Every tensor a component sees is in its mode's layout; attention always gets whole heads of
 whole sequences, so the softmax, the rotary embedding and a per-head bias are local.
@@ -119,15 +120,16 @@ class SelfAttention(nn.Module):
     `qkv.k`, `qkv.v` with n_kv_heads for k and v, grouped-query attention), attention over
     this rank's whole heads of whole sequences, and an OUT linear `proj` back to the residual.
 
-    `segmented` keeps q, k, v as segments even with every head (BERT's checkpoints hold them
-    apart). `causal` masks future positions (decoders) or not (encoders); `rotary` (a Rotary) rotates q
-    and k by their positions; `bias(T_q, T_k, start)` (a module returning (nh_local, T_q, T_k))
-    is added to the scores (T5's relative position bias). Dropout on the attention weights
-    draws from the sharded stream, on the output from the residual's."""
+    `segmented` keeps q, k, v as segments even with every head (BERT's and T5's checkpoints hold
+    them apart). `causal` masks future positions (decoders) or not (encoders); `rotary` (a Rotary)
+    rotates q and k by their positions; `bias(T_q, T_k, start)` (a module returning (nh_local,
+    T_q, T_k)) is added to the scores (T5's relative position bias); `scale` multiplies q·k
+    (default 1/sqrt(head_size); T5 folds it into its initialisation: 1). Dropout on the attention
+    weights draws from the sharded stream, on the output from the residual's."""
 
     def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, n_heads: int, n_kv_heads: int | None = None,
                  head_size: int | None = None, dropout: float = 0.0, bias: bool = True, causal: bool = True,
-                 rotary: Rotary | None = None, segmented: bool = False):
+                 rotary: Rotary | None = None, segmented: bool = False, scale: float | None = None):
         super().__init__()
         self.head_size = head_size or d_model // n_heads
         n_kv = n_kv_heads or n_heads
@@ -140,8 +142,8 @@ class SelfAttention(nn.Module):
                                    segments=(("q", inner), ("k", kv_inner), ("v", kv_inner)), bias=bias)
             self.stacked = False
         self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT, bias=bias)
-        self.causal, self.rotary, self.attn_p = causal, rotary, dropout
-        self.seeds, self.site = seeds, seeds.new_site()
+        self.causal, self.rotary, self.scale = causal, rotary, scale
+        self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
 
     def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None):
@@ -165,28 +167,82 @@ class SelfAttention(nn.Module):
                     raise LatticeConfigError("a KV cache extends one position at a time after the prompt")
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B_l, nkv_l, T_all, hs)
             cache["k"], cache["v"] = k, v
-        y = self._attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
-                         causal=self.causal and (cache is None or T > 1))
+        y = attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
+                   causal=self.causal and (cache is None or T > 1), scale=self.scale,
+                   dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
 
-    def _attend(self, q, k, v, bias, causal: bool):
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        mask = None
-        if bias is not None:
-            mask = bias.to(q.dtype)
-            if causal:  # the bias and the causal mask in one additive mask
-                future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(k.shape[2] - q.shape[2] + 1)
-                mask = mask.masked_fill(future, float("-inf"))
-            causal = False
-        if self.training and self.attn_p > 0:
-            # heads differ per rank: the sharded stream, seeded so that recomputation repeats it
-            devices = [q.device] if q.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices, device_type=q.device.type):
-                torch.manual_seed(self.seeds.seed("sharded", self.site))
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.attn_p,
-                                                      **gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
+
+class AttentionDropout:
+    """The dropout rate of attention weights and its seed: the heads differ per rank, so the
+    sharded stream, seeded by the forward count so that recomputation draws the same masks."""
+
+    def __init__(self, p: float, seeds: DropoutSeeds):
+        self.p, self.seeds, self.site = p, seeds, seeds.new_site()
+
+    def seed(self) -> int:
+        return self.seeds.seed("sharded", self.site)
+
+
+def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, dropout: AttentionDropout | None = None):
+    """softmax(scale · q kᵀ + bias [+ causal mask]) v over this rank's heads: q (B_l, nh_l, T_q,
+    hs), k and v (B_l, nkv_l, T_k, hs) (grouped-query when nkv_l < nh_l), `bias` (nh_l, T_q, T_k)
+    or None. The causal mask lets query i see keys up to i + T_k - T_q (the queries are the last
+    T_q positions). `dropout` (training only) drops attention weights."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    mask = None
+    if bias is not None:
+        mask = bias.to(q.dtype)
+        if causal:  # the bias and the causal mask in one additive mask
+            future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(k.shape[2] - q.shape[2] + 1)
+            mask = mask.masked_fill(future, float("-inf"))
+        causal = False
+        # with a mask that requires grad the math kernel saves v as a (B·nh, T, hs) copy, except
+        # for one local sequence, where its view would keep the whole fused q/k/v output alive
+        v = v.contiguous()
+    if dropout is not None and dropout.p > 0:
+        devices = [q.device] if q.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=q.device.type):
+            torch.manual_seed(dropout.seed())
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout.p,
+                                                  scale=scale, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
+
+
+class CrossAttention(nn.Module):
+    """Attention from one stream to another (an encoder-decoder's): queries from x (the decoder's
+    residual), keys and values from `memory` (the encoder's output, in the residual layout too,
+    of its own length): an IN linear `q` on x, an IN linear `kv` with segments `k`, `v` on the
+    memory (whole heads of both per rank, the same heads as q's), attention over this rank's
+    heads with no mask, and an OUT linear `proj` back to x's residual."""
+
+    def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, n_heads: int, head_size: int,
+                 dropout: float = 0.0, bias: bool = False, scale: float | None = None):
+        super().__init__()
+        self.head_size, self.scale = head_size, scale
+        inner = n_heads * head_size
+        self.q = mode.linear(d_model, inner, block=Block.ATTENTION, position=Position.IN, bias=bias)
+        self.kv = mode.linear(d_model, 2 * inner, block=Block.ATTENTION, position=Position.IN,
+                              segments=(("k", inner), ("v", inner)), bias=bias)
+        self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT, bias=bias)
+        self.weights_drop = AttentionDropout(dropout, seeds)
+        self.resid_drop = residual_dropout(dropout, mode, seeds)
+
+    def forward(self, x, memory, *, cache: dict | None = None):
+        """`cache` (inference): the memory's keys and values in this rank's layout, computed at
+        the first call and read at every later one (the memory does not change while decoding)."""
+        hs = self.head_size
+        q = self.q(x).unflatten(-1, (-1, hs)).transpose(1, 2)  # (B_l, nh_l, T, hs)
+        if cache is not None and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            k, v = (t.unflatten(-1, (-1, hs)).transpose(1, 2) for t in self.kv(memory))  # (B_l, nh_l, S, hs)
+            if cache is not None:
+                cache["k"], cache["v"] = k, v
+        y = attend(q, k, v, causal=False, scale=self.scale, dropout=self.weights_drop if self.training else None)
+        y = y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B_l, T, nh_l · hs)
+        return self.resid_drop(self.proj(y))
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -204,7 +260,7 @@ class MLP(nn.Module):
     act(gate) * up."""
 
     def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, hidden: int, activation: str = "gelu_tanh",
-                 gated: bool = False, bias: bool = True, dropout: float = 0.0):
+                 gated: bool = False, bias: bool = True, dropout: float = 0.0, hidden_dropout: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise LatticeConfigError(f"activation {activation!r} is not implemented; choose one of {sorted(ACTIVATIONS)}")
@@ -214,12 +270,18 @@ class MLP(nn.Module):
                               segments=segments, bias=bias)
         self.proj = mode.linear(hidden, d_model, block=Block.MLP, position=Position.OUT, bias=bias)
         self.drop = residual_dropout(dropout, mode, seeds)
+        # T5's: dropout on the hidden features too, which every layout splits or gives each rank its own rows of
+        self.hidden_drop = Dropout(dropout, seeds, "sharded") if hidden_dropout else None
 
     def forward(self, x):
         if self.gated:
             gate, up = self.fc(x)
-            return self.drop(self.proj(self.act(gate) * up))
-        return self.drop(self.proj(self.act(self.fc(x))))
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(self.fc(x))
+        if self.hidden_drop is not None:
+            hidden = self.hidden_drop(hidden)
+        return self.drop(self.proj(hidden))
 
 
 # ----------------------------------------------------------------------------- heads

@@ -257,14 +257,21 @@ class Mode:
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
 
     def cost_linear(self, b, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
-                    input_from_attention: bool) -> tuple[float, float]:
-        """A linear layer: collectives; returns (elements saved, elements of the output storage)."""
+                    input_saved: bool) -> tuple[float, float]:
+        """A linear layer: collectives; returns (elements saved, elements of the output storage).
+        `input_saved`: the input's storage is saved for backward already (attention's output, an
+        encoder's output every decoder layer reads): count only a copy the layout makes of it."""
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
+
+    def cost_keeps_input(self, block: str, position: str) -> bool:
+        """Whether a linear at (block, position) saves its input's own storage for backward
+        (True), or only a copy the layout makes of it (a gathered input)."""
+        return True
 
     def cost_dense(self, b, in_features: int, out_features: int, bias: bool) -> tuple[float, float]:
         """`dense`: collectives; returns (elements saved, elements of the output storage)."""
         return self.cost_linear(b, in_features, out_features, block="mlp", position="in", bias=bias,
-                                input_from_attention=False)
+                                input_saved=False)
 
     def cost_lm_head(self, b) -> float:
         """The LM head and its cross-entropy: collectives and index bytes; returns the elements saved."""

@@ -447,7 +447,7 @@ class Cube3D(Mode):
         b.add("backward", "all_reduce", (CL,), sums * b.M / q ** 2, 1, "norm")
         return b.M * b.h / q ** 3 + b.M / q ** 2 + b.h / q
 
-    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
         """IN: the input's batch pieces gathered along j, the product reduce-scattered along l
         (features j out); OUT: the swapped roles, back to the residual layout."""
         q = self.q
@@ -455,7 +455,7 @@ class Cube3D(Mode):
         if bias:
             self._vectors(b, out_features / q, 1, PLANE[CJ] if first else PLANE[CL], "bias")
         self._product(b, b.M, in_features, out_features, CJ if first else CL, CL if first else CJ, "linear")
-        saved = 0 if input_from_attention else b.M * in_features / q ** 3
+        saved = 0 if input_saved else b.M * in_features / q ** 3
         return saved, b.M * out_features / q ** 3
 
     def cost_dense(self, b, in_features, out_features, bias):

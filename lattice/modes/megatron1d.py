@@ -280,24 +280,27 @@ class Megatron1D(Mode):
         r = self.p if self.sp else 1
         return b.M * b.h / r + (2 if kind == "layer" else 1) * b.M / r
 
-    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
         TP = MeshAxis.TP
-        if position == "in":  # saves its whole (all-gathered) input
+        if position == "in":  # saves its whole input (a gathered copy with sequence parallelism)
             x = b.M * in_features
             if not self.sp:
                 b.add("backward", "all_reduce", (TP,), x, site="linear")
             else:
                 b.add("forward", "all_gather", (TP,), x, site="linear")
                 b.add("backward", "reduce_scatter", (TP,), x, site="linear")
-            return x, b.M * out_features / self.p
+            return (0 if input_saved and not self.sp else x), b.M * out_features / self.p
         y = b.M * out_features  # the sum over ranks follows the product, which saved the input
         if not self.sp:
             b.add("forward", "all_reduce", (TP,), y, site="linear", after_saves=True)
         else:
             b.add("forward", "reduce_scatter", (TP,), y, site="linear", after_saves=True)
             b.add("backward", "all_gather", (TP,), y, site="linear")
-        saved = 0 if input_from_attention else b.M * in_features / self.p
+        saved = 0 if input_saved else b.M * in_features / self.p
         return saved, y / (self.p if self.sp else 1)
+
+    def cost_keeps_input(self, block, position):
+        return position == "out" or not self.sp  # a sequence-parallel IN linear saves the gathered input
 
     def cost_lm_head(self, b):
         """The head's f (all-gather over T with sequence parallelism) and the vocab-parallel

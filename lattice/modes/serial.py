@@ -121,8 +121,8 @@ class Serial(Mode):
         """LayerNorm saves its input, mean and rstd; RMSNorm x̂ and rstd."""
         return b.M * b.h + (2 if kind == "layer" else 1) * b.M
 
-    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
-        return (0 if input_from_attention else b.M * in_features), b.M * out_features
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
+        return (0 if input_saved else b.M * in_features), b.M * out_features
 
     def cost_lm_head(self, b):
         """Saves the head's input, the log-softmax of the logits, the loss's total weight; the targets."""

@@ -390,7 +390,7 @@ class SubGraph(Mode):
         r_c, _ = self._rows(b)
         return r_c * b.T * (b.h + (2 if kind == "layer" else 1))
 
-    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
         """MLP linears are common layers. With projections="branch" an attention block is
         entered by a split of (r_b, T, h) (D&SP all-gather, cSub broadcast) and left by a sum of
         the same size (reduce-scatter, reduce), each with the other as its backward; with
@@ -400,7 +400,7 @@ class SubGraph(Mode):
         r_c, r_b = self._rows(b)
         T, g = b.T, self.g
         if block == "mlp":
-            return r_c * T * in_features, r_c * T * out_features
+            return (0 if input_saved else r_c * T * in_features), r_c * T * out_features
         first = position == "in"
         if self.projections == "branch":
             split, join = ("all_gather", "reduce_scatter") if self.common_all else ("broadcast", "reduce")
@@ -408,7 +408,7 @@ class SubGraph(Mode):
                 self._boundary(b, split, join, r_b * T * in_features)
                 return r_b * T * in_features, r_b * T * out_features / g
             self._boundary(b, join, split, r_b * T * out_features)
-            return (0 if input_from_attention else r_b * T * in_features / g), r_c * T * out_features
+            return (0 if input_saved else r_b * T * in_features / g), r_c * T * out_features
         by_gather = self.slice_collective == "all_gather"
         if first:  # the slice of q, k, v
             if self.common_all and not by_gather:  # the slice sends its common rows of every head
@@ -419,7 +419,7 @@ class SubGraph(Mode):
                 self._boundary(b, "scatter", "gather", r_b * T * out_features)
             else:
                 self._boundary(b, "broadcast", "reduce", r_b * T * out_features)
-            return r_c * T * in_features, r_b * T * out_features / (1 if by_gather else g)
+            return (0 if input_saved else r_c * T * in_features), r_b * T * out_features / (1 if by_gather else g)
         # the concatenation of the heads back into the common rows
         if self.common_all and not by_gather:
             self._boundary(b, "all_to_all", "all_to_all", r_b * T * in_features / g)
@@ -431,6 +431,9 @@ class SubGraph(Mode):
             self._boundary(b, "all_gather", "reduce_scatter", r_b * T * in_features)
             saved = r_b * T * in_features if self.seg.runs_common else 0
         return saved, r_c * T * out_features
+
+    def cost_keeps_input(self, block, position):
+        return not (block == "attention" and position == "in" and self.projections == "branch")  # a split's copy
 
     def cost_lm_head(self, b):
         """Cross-entropy of the common rows, its one value all-reduced over the replica. Saves

@@ -364,13 +364,13 @@ class Summa2D(Mode):
         b.add("backward", "all_reduce", (COL,), sums * m, 1, "norm")
         return b.M * b.h / q ** 2 + m + b.h / q
 
-    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_from_attention):
+    def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
         q = self.q
         if bias:
             b.add("forward", "broadcast", (ROW,), out_features / q, 1, "bias")
             b.add("backward", "reduce", (ROW,), out_features / q, 1, "bias")
         summa_product_terms(b, "linear", b.M, in_features, out_features, q)
-        saved = 0 if input_from_attention else b.M * in_features / q ** 2
+        saved = 0 if input_saved else b.M * in_features / q ** 2
         return saved, b.M * out_features / q ** 2
 
     def cost_lm_head(self, b):

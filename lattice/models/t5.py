@@ -1,0 +1,517 @@
+"""T5 (Raffel et al. 2020): encoder-decoder Transformers, written once against the mode interface.
+
+    cfg = T5Config.preset("tiny", vocab_size=2048)
+    model = lattice.build_model(cfg, lattice.init("2d", tp=4))
+    loss = model(tokens, targets)      # tokens: the encoder input (B, S); targets: transformers' labels (B, T)
+    out = model.generate(tokens, 16)   # greedy: the decoder's tokens (B, <= 1 + 16), the start token first
+
+An encoder stack and a decoder stack of pre-norm blocks with T5's scale-only norm (RMSNorm, no
+bias): the encoder's blocks are bidirectional self-attention and a feed-forward block; the
+decoder's are causal self-attention, cross-attention (queries from the decoder, keys and values
+from the encoder's output: `components.CrossAttention`) and a feed-forward block. No biases
+anywhere, and no 1/sqrt(d) in attention (T5 folds it into its initialisation). Positions enter
+only as a relative position bias: a learned (buckets, n_heads) table per stack, computed once
+per forward and shared by the stack's layers, split over the ranks like the heads
+(`Mode.per_head`); bidirectional buckets in the encoder, causal ones in the decoder. The
+feed-forward block is T5 v1.0's ReLU (`feed_forward_proj="relu"`) or v1.1's gated GELU
+("gated-gelu": the tanh GELU of the gate times a linear unit); its hidden features have dropout
+too. One token table feeds both stacks; the LM head is that table scaled by d_model^-0.5
+(`tie_embeddings`, v1.0) or a table of its own, unscaled (v1.1).
+
+`model(tokens, targets)` is transformers' `T5ForConditionalGeneration(input_ids=tokens,
+labels=targets).loss`: the decoder reads the labels shifted right behind the decoder start token
+(-100 read as the pad token) and the loss is the mean cross-entropy over the labels that are not
+-100. Without targets, `model(tokens, decoder_tokens=d)` returns the (B, T, V) logits of
+decoder input d (default: the start token alone). The sequences are unpadded: lattice has no
+attention mask, so a padded source is attended to as it is.
+
+Every mode splits the heads of self- and cross-attention alike (sub-graph parallelism runs both
+as branches: the split or slice enters a branch from the decoder's stream for q and from the
+encoder's output for k and v). Pipeline parallelism is refused (`parts()` is None): the decoder's
+every stage needs the encoder's output, which lattice's stage split (one stream of blocks in
+order) does not carry; use pp = 1 with any tensor layout and dp.
+
+HuggingFace (T5ForConditionalGeneration): nn.Linear keeps W[out, in], lattice W[in, out], so
+every projection is transposed; q, k, v are the self-attention IN linear's segments, k and v the
+cross-attention `kv` linear's; wi (or wi_0, wi_1: gate and up) and wo the feed-forward block's.
+transformers 5 always ties its `lm_head` in memory and says untied by `scale_decoder_outputs` =
+False (an lm_head that differs from the table is then loaded as its own); transformers 4 by
+tie_word_embeddings. Refused: a feed-forward activation lattice does not implement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from lattice.context import LatticeConfigError
+from lattice.hf import HFMapping, HFTensor, transformers_module
+from lattice.loss import IGNORE_INDEX
+from lattice.models.base import Model, ModelConfig
+from lattice.models.components import MLP, CrossAttention, SelfAttention, residual_dropout
+from lattice.models.registry import register
+
+# transformers' feed_forward_proj -> (lattice activation, gated); "gated-gelu" is the tanh GELU there
+FEED_FORWARD = {"relu": ("relu", False), "gated-gelu": ("gelu_tanh", True), "gelu": ("gelu", False),
+                "gated-relu": ("relu", True), "silu": ("silu", False), "gated-silu": ("silu", True)}
+
+
+@dataclass
+class T5Config(ModelConfig):
+    vocab_size: int = 32128
+    seq_len: int = 512  # the longest source (encoder input)
+    target_len: int = 128  # the longest target (decoder input and labels)
+    d_model: int = 512
+    n_heads: int = 8
+    head_size: int = 64  # transformers' d_kv; n_heads * head_size need not be d_model
+    n_layers: int = 6  # encoder blocks
+    n_decoder_layers: int = 0  # 0: as many as the encoder
+    d_ff: int = 2048
+    feed_forward_proj: str = "relu"  # "relu" (T5 v1.0) or "gated-gelu" (v1.1); see FEED_FORWARD
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    norm_eps: float = 1e-6
+    dropout: float = 0.0  # everywhere T5 applies its dropout_rate
+    tie_embeddings: bool = True  # the LM head is the token table times d_model^-0.5 (v1.0); v1.1: its own
+    pad_token_id: int = 0
+    decoder_start_token_id: int = 0
+    eos_token_id: int | None = 1  # generation stops a sequence there (None: never)
+    init_factor: float = 1.0  # transformers' initializer_factor
+
+    # tiny: the tests' and the examples'; small: learns the built-in pair task in minutes on 2
+    # cores; the rest: the published shapes (T5 1.0 and 1.1), and SUPER's T5-Large-Mod (§V-E:
+    # T5-Large with 32 heads; the head size is not given, 32 keeps n_heads * head_size = d_model)
+    presets = {
+        "tiny": dict(seq_len=32, target_len=32, d_model=64, n_heads=4, head_size=16, n_layers=2, d_ff=128),
+        "small": dict(seq_len=32, target_len=32, d_model=128, n_heads=4, head_size=32, n_layers=2, d_ff=512),
+        "t5-small": dict(d_model=512, n_heads=8, head_size=64, n_layers=6, d_ff=2048, dropout=0.1),
+        "t5-base": dict(d_model=768, n_heads=12, head_size=64, n_layers=12, d_ff=3072, dropout=0.1),
+        "t5-large": dict(d_model=1024, n_heads=16, head_size=64, n_layers=24, d_ff=4096, dropout=0.1),
+        "t5-large-mod": dict(d_model=1024, n_heads=32, head_size=32, n_layers=24, d_ff=4096, dropout=0.1),
+        "t5-v1_1-base": dict(d_model=768, n_heads=12, head_size=64, n_layers=12, d_ff=2048, dropout=0.1,
+                             feed_forward_proj="gated-gelu", tie_embeddings=False),
+    }
+    default_preset = "small"
+
+    def __post_init__(self):
+        self.check_positive("vocab_size", "seq_len", "target_len", "d_model", "n_heads", "head_size", "n_layers",
+                            "d_ff", "relative_buckets", "relative_max_distance")
+        if isinstance(self.n_decoder_layers, bool) or not isinstance(self.n_decoder_layers, int) \
+                or self.n_decoder_layers < 0:
+            raise LatticeConfigError(f"n_decoder_layers must be 0 (as many as n_layers) or a positive integer, got "
+                                     f"{self.n_decoder_layers!r}")
+        self.n_decoder_layers = self.n_decoder_layers or self.n_layers
+        if self.feed_forward_proj not in FEED_FORWARD:
+            raise LatticeConfigError(f"feed_forward_proj={self.feed_forward_proj!r} is not implemented; choose one of "
+                                     f"{', '.join(FEED_FORWARD)}")
+        if self.relative_buckets < 4:
+            raise LatticeConfigError(f"relative_buckets = {self.relative_buckets} leaves no logarithmic buckets; use "
+                                     f"at least 4 (T5 uses 32)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise LatticeConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("pad_token_id", "decoder_start_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise LatticeConfigError(f"{name} = {value} is not a token of the vocabulary of {self.vocab_size}; use "
+                                         f"an id below vocab_size")
+
+    @property
+    def inner(self) -> int:
+        """Width of attention's heads together (n_heads * head_size)."""
+        return self.n_heads * self.head_size
+
+
+def relative_buckets(t_q: int, t_k: int, start: int, *, bidirectional: bool, buckets: int,
+                     max_distance: int) -> torch.Tensor:
+    """T5's bucket of every (query, key) pair, (t_q, t_k) int64, for queries at positions
+    start.. and keys at 0..: bidirectional, half the buckets for keys after the query; causal,
+    every bucket for keys at or before it. Of a side's n buckets, distances below n/2 have one
+    each, the rest share the others logarithmically up to `max_distance` (farther ones the last);
+    the logarithm in float32, as T5's own code computes it, so that imported weights see the
+    same buckets."""
+    distance = torch.arange(t_k)[None, :] - torch.arange(start, start + t_q)[:, None]  # key - query
+    if bidirectional:
+        side = buckets // 2
+        base = (distance > 0).long() * side
+        far = distance.abs()
+    else:
+        side, base = buckets, 0
+        far = (-distance).clamp_min(0)  # how far back; keys ahead share bucket 0 (the causal mask hides them)
+    exact = side // 2
+    logarithmic = exact + (torch.log(far.float() / exact) / math.log(max_distance / exact)
+                           * (side - exact)).long()
+    return base + torch.where(far < exact, far, logarithmic.clamp_max(side - 1))
+
+
+class EncoderBlock(nn.Module):
+    """x + attn(ln_1(x)) with the stack's position bias, then + ff(ln_2(x))."""
+
+    def __init__(self, cfg: T5Config, mode, seeds):
+        super().__init__()
+        activation, gated = FEED_FORWARD[cfg.feed_forward_proj]
+        self.ln_1 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.attn = SelfAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size,
+                                  dropout=cfg.dropout, bias=False, causal=False, segmented=True, scale=1.0)
+        self.ln_2 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.d_ff, activation=activation, gated=gated,
+                       bias=False, dropout=cfg.dropout, hidden_dropout=True)
+
+    def forward(self, x, position_bias):
+        x = x + self.attn(self.ln_1(x), bias=lambda *_: position_bias)
+        return x + self.mlp(self.ln_2(x))
+
+
+class DecoderBlock(nn.Module):
+    """x + attn(ln_1(x)) (causal, with the stack's position bias), + cross(ln_cross(x), memory),
+    then + ff(ln_2(x))."""
+
+    def __init__(self, cfg: T5Config, mode, seeds):
+        super().__init__()
+        activation, gated = FEED_FORWARD[cfg.feed_forward_proj]
+        self.ln_1 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.attn = SelfAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size,
+                                  dropout=cfg.dropout, bias=False, causal=True, segmented=True, scale=1.0)
+        self.ln_cross = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.cross = CrossAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size,
+                                    dropout=cfg.dropout, bias=False, scale=1.0)
+        self.ln_2 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.d_ff, activation=activation, gated=gated,
+                       bias=False, dropout=cfg.dropout, hidden_dropout=True)
+
+    def forward(self, x, memory, position_bias, cache: dict | None = None, start: int = 0):
+        """`cache` (generation): {"self": .., "cross": ..}, this layer's keys and values."""
+        x = x + self.attn(self.ln_1(x), cache=None if cache is None else cache["self"], start=start,
+                          bias=lambda *_: position_bias)
+        x = x + self.cross(self.ln_cross(x), memory, cache=None if cache is None else cache["cross"])
+        return x + self.mlp(self.ln_2(x))
+
+
+class T5HF(HFMapping):
+    model_type, model_class, label = "t5", "T5ForConditionalGeneration", "T5"
+    _ATTENTION = (("q", "qkv.q"), ("k", "qkv.k"), ("v", "qkv.v"), ("o", "proj"))
+    _CROSS = (("q", "q"), ("k", "kv.k"), ("v", "kv.v"), ("o", "proj"))
+    _ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu", "gelu": "gelu", "silu": "silu"}
+
+    def config_from_hf(self, c, given=None):
+        if getattr(c, "model_type", None) != "t5":
+            raise LatticeConfigError(f"expected a T5 config (model_type 't5'), got model_type "
+                                     f"{getattr(c, 'model_type', None)!r}")
+        proj = c.feed_forward_proj
+        if proj == "gated-gelu_new":
+            proj = "gated-gelu"
+        if proj not in FEED_FORWARD:
+            raise LatticeConfigError(f"feed_forward_proj={c.feed_forward_proj!r} is not implemented; lattice "
+                                     f"implements {', '.join(FEED_FORWARD)}")
+        scaled = getattr(c, "scale_decoder_outputs", None)  # transformers 5 says "untied" by not scaling
+        tied = bool(c.tie_word_embeddings if scaled is None else scaled)
+        cfg = T5Config(vocab_size=c.vocab_size, seq_len=given.seq_len if given else 512,
+                       target_len=given.target_len if given else 128, d_model=c.d_model, n_heads=c.num_heads,
+                       head_size=c.d_kv, n_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers or c.num_layers,
+                       d_ff=c.d_ff, feed_forward_proj=proj, relative_buckets=c.relative_attention_num_buckets,
+                       relative_max_distance=c.relative_attention_max_distance, norm_eps=c.layer_norm_epsilon,
+                       dropout=float(c.dropout_rate), tie_embeddings=tied, pad_token_id=c.pad_token_id or 0,
+                       decoder_start_token_id=_start_token(c), eos_token_id=_eos_token(c),
+                       init_factor=c.initializer_factor)
+        return self.with_given(cfg, given)
+
+    def config_to_hf(self, cfg):
+        return transformers_module().T5Config(
+            vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_size, d_ff=cfg.d_ff,
+            num_layers=cfg.n_layers, num_decoder_layers=cfg.n_decoder_layers, num_heads=cfg.n_heads,
+            relative_attention_num_buckets=cfg.relative_buckets,
+            relative_attention_max_distance=cfg.relative_max_distance, dropout_rate=cfg.dropout,
+            layer_norm_epsilon=cfg.norm_eps, initializer_factor=cfg.init_factor,
+            feed_forward_proj=cfg.feed_forward_proj, tie_word_embeddings=cfg.tie_embeddings,
+            pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id,
+            decoder_start_token_id=cfg.decoder_start_token_id)
+
+    def tensors(self, cfg):
+        h, inner, ff, v = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size
+        gated = FEED_FORWARD[cfg.feed_forward_proj][1]
+        ffn = ((("wi_0", "fc.gate", (ff, h)), ("wi_1", "fc.up", (ff, h))) if gated else (("wi", "fc", (ff, h)),))
+        ffn += (("wo", "proj", (h, ff)),)
+        out = [HFTensor("shared.weight", "embed.wte", (v, h))]
+        for stack, layers in (("encoder", cfg.n_layers), ("decoder", cfg.n_decoder_layers)):
+            out.append(HFTensor(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                                f"{stack}_bias.weight", (cfg.relative_buckets, cfg.n_heads)))
+            for i in range(layers):
+                hf, ours = f"{stack}.block.{i}.layer.", f"{stack}.{i}."
+                for name, lattice_name in self._ATTENTION:
+                    out.append(HFTensor(f"{hf}0.SelfAttention.{name}.weight", f"{ours}attn.{lattice_name}.weight",
+                                        (h, inner) if name == "o" else (inner, h), True))
+                out.append(HFTensor(f"{hf}0.layer_norm.weight", f"{ours}ln_1.weight", (h,)))
+                ff_layer = 1
+                if stack == "decoder":
+                    for name, lattice_name in self._CROSS:
+                        out.append(HFTensor(f"{hf}1.EncDecAttention.{name}.weight", f"{ours}cross.{lattice_name}.weight",
+                                            (h, inner) if name == "o" else (inner, h), True))
+                    out.append(HFTensor(f"{hf}1.layer_norm.weight", f"{ours}ln_cross.weight", (h,)))
+                    ff_layer = 2
+                for name, lattice_name, shape in ffn:
+                    out.append(HFTensor(f"{hf}{ff_layer}.DenseReluDense.{name}.weight", f"{ours}mlp.{lattice_name}.weight",
+                                        shape, True))
+                out.append(HFTensor(f"{hf}{ff_layer}.layer_norm.weight", f"{ours}ln_2.weight", (h,)))
+            out.append(HFTensor(f"{stack}.final_layer_norm.weight", f"{stack}_norm.weight", (h,)))
+        if not cfg.tie_embeddings:
+            out.append(HFTensor("lm_head.weight", "head.weight", (v, h)))
+        return out
+
+    def tied(self, cfg):
+        copies = [("encoder.embed_tokens.weight", "shared.weight"), ("decoder.embed_tokens.weight", "shared.weight")]
+        return copies + ([("lm_head.weight", "shared.weight")] if cfg.tie_embeddings else [])
+
+
+def _start_token(c) -> int:
+    start = getattr(c, "decoder_start_token_id", None)
+    return c.pad_token_id or 0 if start is None else start
+
+
+def _eos_token(c) -> int | None:
+    eos = c.eos_token_id
+    return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
+T5_HF = T5HF()
+
+
+@register
+class T5(Model):
+    """A T5 encoder-decoder holding only this rank's shards. Parameter names are the serial
+    model's."""
+
+    name = "t5"
+    config_class = T5Config
+    hf = T5_HF
+    tasks = ("seq2seq",)
+    # both feed-forward variants, tied and untied; more decoder than encoder layers; T = 8 sources
+    # with shorter targets (the conformance batch: cross-attention between lengths); V = 61 padded
+    # where a mode splits the vocabulary; 8 buckets with a maximum distance inside the sequence
+    test_shapes = (dict(vocab_size=61, seq_len=12, target_len=10, d_model=24, n_heads=4, head_size=6, n_layers=1,
+                        n_decoder_layers=2, d_ff=40, relative_buckets=8, relative_max_distance=6),
+                   dict(vocab_size=64, seq_len=12, target_len=10, d_model=24, n_heads=4, head_size=8, n_layers=2,
+                        d_ff=32, feed_forward_proj="gated-gelu", tie_embeddings=False, relative_buckets=8,
+                        relative_max_distance=6))
+
+    def build(self):
+        cfg, mode, seeds = self.cfg, self.mode, self.seeds
+        self.embed = mode.embedding(positions=False)
+        self.encoder_drop = residual_dropout(cfg.dropout, mode, seeds)
+        self.encoder_bias = mode.per_head((cfg.relative_buckets, cfg.n_heads), 1)
+        self.encoder = nn.ModuleList(EncoderBlock(cfg, mode, seeds) for _ in range(cfg.n_layers))
+        self.encoder_norm = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.encoder_out_drop = residual_dropout(cfg.dropout, mode, seeds)
+        self.decoder_drop = residual_dropout(cfg.dropout, mode, seeds)
+        self.decoder_bias = mode.per_head((cfg.relative_buckets, cfg.n_heads), 1)
+        self.decoder = nn.ModuleList(DecoderBlock(cfg, mode, seeds) for _ in range(cfg.n_decoder_layers))
+        self.decoder_norm = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        self.decoder_out_drop = residual_dropout(cfg.dropout, mode, seeds)
+        self.head = mode.lm_head(self.embed)
+
+    def init_std(self, name):
+        """transformers' T5 initialisation (factor f): the token table and an own LM head f; q
+        f·(d·d_kv)^-0.5; k, v, wi and the relative bias f·d^-0.5; o f·(n_heads·d_kv)^-0.5; wo
+        f·d_ff^-0.5."""
+        cfg, f = self.cfg, self.cfg.init_factor
+        if name in ("embed.wte", "head.weight"):
+            return f
+        if name.endswith(("qkv.q.weight", "cross.q.weight")):
+            return f * (cfg.d_model * cfg.head_size) ** -0.5
+        if name.endswith("attn.proj.weight") or name.endswith("cross.proj.weight"):
+            return f * cfg.inner ** -0.5
+        if name.endswith("mlp.proj.weight"):
+            return f * cfg.d_ff ** -0.5
+        return f * cfg.d_model ** -0.5  # k, v, wi (gate, up), the relative biases
+
+    # ---- inputs
+    @classmethod
+    def random_targets(cls, cfg, tokens, generator):
+        """Labels half as long as the source (cross-attention between two lengths)."""
+        length = min(cfg.target_len, max(1, tokens.shape[1] // 2))
+        return torch.randint(0, cfg.vocab_size, (tokens.shape[0], length), generator=generator)
+
+    def shift_right(self, targets: torch.Tensor) -> torch.Tensor:
+        """The decoder's input of labels: the start token, then the labels but the last, -100 read
+        as the pad token."""
+        cfg = self.cfg
+        shifted = torch.full_like(targets, cfg.decoder_start_token_id)
+        shifted[:, 1:] = targets[:, :-1]
+        return shifted.masked_fill(shifted == IGNORE_INDEX, cfg.pad_token_id)
+
+    def start_tokens(self, batch: int, device) -> torch.Tensor:
+        return torch.full((batch, 1), self.cfg.decoder_start_token_id, dtype=torch.int64, device=device)
+
+    def check_inputs(self, tokens, targets=None, decoder_tokens=None):
+        """The source, the labels (or the decoder's input) against the config and the layout
+        (every rank, before any collective): shapes, lengths, token ids."""
+        cfg = self.cfg
+        _check_ids("tokens", tokens, cfg.vocab_size, cfg.seq_len, "seq_len")
+        second = targets if targets is not None else decoder_tokens
+        if second is not None:
+            name = "targets" if targets is not None else "decoder_tokens"
+            _check_ids(name, second, cfg.vocab_size, cfg.target_len, "target_len", ignored=targets is not None)
+            if second.shape[0] != tokens.shape[0]:
+                raise LatticeConfigError(f"{name} hold {second.shape[0]} sequences, tokens {tokens.shape[0]}; give one "
+                                         f"target sequence per source")
+            self.mode.check_batch(second)
+        self.mode.check_batch(tokens)
+
+    # ---- forward
+    def position_bias(self, table: nn.Module, t_q: int, t_k: int, start: int, bidirectional: bool) -> torch.Tensor:
+        """(nh_local, t_q, t_k): this rank's heads of a stack's bias for queries at start.."""
+        cfg = self.cfg
+        buckets = relative_buckets(t_q, t_k, start, bidirectional=bidirectional, buckets=cfg.relative_buckets,
+                                   max_distance=cfg.relative_max_distance)
+        return table.weight[buckets.to(table.weight.device)].permute(2, 0, 1)
+
+    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The encoder's output (the memory), in the residual layout."""
+        S = tokens.shape[1]
+        x = self.encoder_drop(self.embed(tokens))
+        x = self.run_blocks(x, self.encoder, position_bias=self.position_bias(self.encoder_bias, S, S, 0, True))
+        return self.encoder_out_drop(self.encoder_norm(x))
+
+    def decode(self, decoder_tokens: torch.Tensor, memory: torch.Tensor, *, cache: list[dict] | None = None,
+               start: int = 0) -> torch.Tensor:
+        """The decoder's output for its input at positions start.. (after `start` cached ones)."""
+        T = decoder_tokens.shape[1]
+        x = self.decoder_drop(self.embed(decoder_tokens))
+        bias = self.position_bias(self.decoder_bias, T, start + T, start, False)
+        if cache is None:
+            x = self.run_blocks(x, self.decoder, memory=memory, position_bias=bias)
+        else:
+            for block, layer_cache in zip(self.decoder, cache):
+                x = block(x, memory, bias, cache=layer_cache, start=start)
+        return self.decoder_out_drop(self.decoder_norm(x))
+
+    def _head_input(self, x):
+        return x * self.cfg.d_model ** -0.5 if self.cfg.tie_embeddings else x
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over this replica's labelled targets, or without targets the (B, T, V)
+        logits of `decoder_tokens` (default: the start token alone)."""
+        self.check_inputs(tokens, targets, decoder_tokens)
+        if targets is not None:
+            decoder_tokens = self.shift_right(targets)
+        elif decoder_tokens is None:
+            decoder_tokens = self.start_tokens(tokens.shape[0], tokens.device)
+        self.mode.begin_batch(tokens.shape[0], max(tokens.shape[1], decoder_tokens.shape[1]))
+        if self.training:
+            self.seeds.forward_count += 1
+        if torch.is_grad_enabled():
+            self._grads_pending = True  # a backward may follow: sync_grads has work again
+        x = self._head_input(self.decode(decoder_tokens, self.encode(tokens)))
+        return self.head.logits(x) if targets is None else self.head.loss(x, targets)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> torch.Tensor:
+        """The decoder's tokens for (B, S) sources, identical on every rank of the replica: the
+        start token, then up to `max_new_tokens` tokens, greedy at temperature 0 or sampled (as
+        `Model.generate`). A sequence that emits eos_token_id continues with the pad token, and
+        generation ends early when every sequence has, as transformers' generate does. The
+        encoder runs once; with `use_cache` every decoder layer keeps its self-attention keys and
+        values and the memory's cross-attention keys and values, and each step runs the newest
+        position alone."""
+        cfg = self.cfg
+        if max_new_tokens > cfg.target_len:  # the decoder reads the start token and all but the last new one
+            raise LatticeConfigError(f"{max_new_tokens} new tokens exceed target_len = {cfg.target_len}; ask for at "
+                                     f"most {cfg.target_len}")
+        self.check_inputs(prompt)
+        was_training = self.training
+        self.eval()
+        B = prompt.shape[0]
+        self.mode.begin_batch(B, max(prompt.shape[1], max_new_tokens))
+        gen = torch.Generator().manual_seed(seed)
+        memory = self.encode(prompt)
+        out = self.start_tokens(B, prompt.device)
+        cache = [{"self": {}, "cross": {}} for _ in self.decoder] if use_cache else None
+        done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+        for _ in range(max_new_tokens):
+            start = out.shape[1] - 1 if use_cache else 0
+            x = self.decode(out[:, start:], memory, cache=cache, start=start)
+            logits = self.head.logits(self._head_input(x[:, -1:]))[:, -1].float()  # (B, V)
+            nxt = _next_token(logits, temperature, top_k, gen).to(out.device)
+            if cfg.eos_token_id is not None:
+                nxt = nxt.masked_fill(done.unsqueeze(1), cfg.pad_token_id)
+                done |= nxt.squeeze(1) == cfg.eos_token_id
+            out = torch.cat([out, nxt], dim=1)
+            if bool(done.all()):
+                break
+        self.train(was_training)
+        return out
+
+    def parts(self):
+        return None  # see the module docstring: pipeline stages are refused
+
+    def cost_layout(self, b):
+        """The encoder over the source's b.T tokens, the decoder over the targets' (b.target_T):
+        each stack's embedding and position bias, its layers, its final norm; the decoder's
+        cross-attention reads the memory (b.T tokens) in every layer; the LM head."""
+        cfg = self.cfg
+        h, inner, hs, n = cfg.d_model, cfg.inner, cfg.head_size, cfg.n_heads
+        activation, gated = FEED_FORWARD[cfg.feed_forward_proj]
+        source, target = b.T, b.target_T
+
+        def feed_forward():
+            b.norm("rms", bias=False)
+            b.linear(h, (2 if gated else 1) * cfg.d_ff, block="mlp", position="in", bias=False)
+            b.activation(cfg.d_ff, kind=activation, gated=gated)
+            b.linear(cfg.d_ff, h, block="mlp", position="out", bias=False)
+
+        def self_attention(causal):
+            b.norm("rms", bias=False)
+            b.linear(h, 3 * inner, block="attention", position="in", bias=False)
+            b.attention(heads=n, kv_heads=n, head_size=hs, causal=causal, bias=True, shared_bias=True)
+            b.linear(inner, h, block="attention", position="out", bias=False, input_from_attention=True)
+
+        with b.sequence(source):
+            b.embedding(positions=False)
+            b.position_bias(heads=n)
+            with b.layer(count=cfg.n_layers):
+                self_attention(causal=False)
+                feed_forward()
+            b.norm("rms", bias=False)
+            b.memory()
+        with b.sequence(target):
+            b.embedding(positions=False)
+            b.position_bias(heads=n)
+            with b.layer(count=cfg.n_decoder_layers):
+                self_attention(causal=True)
+                b.norm("rms", bias=False)
+                b.linear(h, inner, block="attention", position="in", bias=False)
+                b.linear(h, 2 * inner, block="attention", position="in", bias=False, from_memory=True)
+                b.cross_attention(heads=n, head_size=hs)
+                b.linear(inner, h, block="attention", position="out", bias=False, input_from_attention=True)
+                feed_forward()
+            b.norm("rms", bias=False)
+            b.lm_head()
+
+
+def _check_ids(name: str, ids: torch.Tensor, vocab: int, longest: int, limit: str, ignored: bool = False) -> None:
+    if ids.dim() != 2 or ids.dtype != torch.int64:
+        raise LatticeConfigError(f"{name} must be a (batch, seq) int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    if ids.shape[1] > longest:
+        raise LatticeConfigError(f"{name} of length {ids.shape[1]} exceed T5Config.{limit} = {longest}; shorten them "
+                                 f"or raise {limit}")
+    if ids.numel():
+        real = ids[ids != IGNORE_INDEX] if ignored else ids
+        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
+            raise LatticeConfigError(f"{name} hold ids outside the vocabulary [0, {vocab})" +
+                                     (" (-100 marks an ignored label)" if ignored else "") +
+                                     "; encode with the model's tokenizer or raise vocab_size")
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
+    """(B, 1): the argmax at temperature 0, else a draw from softmax(logits / temperature) over
+    the top_k (on the CPU generator, so that every rank draws the same)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen)

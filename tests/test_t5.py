@@ -1,0 +1,220 @@
+"""The T5 family against transformers' own T5ForConditionalGeneration (built locally from a
+T5Config with random weights; nothing downloaded), both feed-forward variants (v1.0's ReLU with
+the tied, scaled head; v1.1's gated GELU with an untied head), in every layout; greedy
+generation against transformers' generate; the refusals.
+
+The reference's norm: transformers' T5LayerNorm computes the variance in float32 (to protect half
+precision); in a float64 model that downcast alone puts the reference ~1e-8 from any float64
+computation. The reference therefore runs the same formula at the input's precision when that is
+float64 (`_reference_norm`), as tests/test_llama.py does for RMSNorm; everything else is
+transformers' code as shipped (its eager attention).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lattice
+from lattice import hf as lhf
+from lattice.models.t5 import T5, T5Config, relative_buckets
+from multiproc import cached_init, run_distributed
+from numerics import rel_diff
+
+transformers = pytest.importorskip("transformers")
+
+# 12 source and 7 target positions (odd: no layout's split may assume equal lengths); 8 buckets
+# with a maximum distance of 5, so that the logarithmic buckets and the farthest one are in use
+BASE = dict(vocab_size=61, seq_len=16, target_len=12, d_model=32, n_heads=4, head_size=8, n_layers=2,
+            n_decoder_layers=3, d_ff=48, relative_buckets=8, relative_max_distance=5)
+VARIANTS = {"relu-tied": dict(BASE), "gated-gelu-untied": dict(BASE, feed_forward_proj="gated-gelu",
+                                                             tie_embeddings=False, head_size=6, n_layers=3)}
+SOURCE, TARGET = 12, 7
+
+
+def _reference_norm(self, x):
+    xs = x if x.dtype == torch.float64 else x.float()
+    return self.weight * (x * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+@torch.no_grad()
+def random_hf_t5(variant: str, seed=0):
+    """A float64 T5ForConditionalGeneration in eval mode with every parameter random (its init
+    leaves the norm weights at 1, which would hide a norm mix-up); an untied variant gets an LM
+    head of its own (transformers 5 ties it in memory otherwise)."""
+    from transformers.models.t5 import modeling_t5
+
+    modeling_t5.T5LayerNorm.forward = _reference_norm
+    torch.manual_seed(seed)
+    cfg = T5Config(**VARIANTS[variant])
+    hf_config = T5.hf.config_to_hf(cfg)
+    hf_config._attn_implementation = "eager"
+    model = transformers.T5ForConditionalGeneration(hf_config).double().eval()
+    if not cfg.tie_embeddings:
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model, dtype=torch.float64))
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _pairs(seed, batch=4):
+    """Sources (batch, 12) and labels (batch, 7) with two labels per row ignored (-100)."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(2, BASE["vocab_size"], (batch, SOURCE), generator=gen)
+    labels = torch.randint(2, BASE["vocab_size"], (batch, TARGET), generator=gen)
+    labels[:, 2::3] = -100
+    return src, labels
+
+
+def _equals_transformers(layout: dict, generate: bool) -> dict:
+    """Per variant, lattice.from_hf of a random float64 T5 under `layout`: relative differences of
+    the loss and the worst gradient from transformers' float64 forward and backward on the same
+    global batch (this replica's rows), and (with `generate`) whether greedy generation with
+    lattice's caches gives transformers' generate() tokens."""
+    ctx = cached_init(**layout)
+    out = {}
+    for variant in VARIANTS:
+        hf = random_hf_t5(variant, seed=5)
+        src, labels = _pairs(6, batch=4 * ctx.dp)
+        reference = hf(input_ids=src, labels=labels).loss
+        reference.backward()
+        model = lattice.from_hf(hf, ctx)
+        rows = slice(ctx.coord(lattice.MeshAxis.DP) * 4, (ctx.coord(lattice.MeshAxis.DP) + 1) * 4)
+        loss = model.forward_backward(src[rows], labels[rows])
+        if ctx.dp > 1:  # averaging over replicas by hand (the Trainer's DDP does this); every row has 5 labels
+            dp_group = ctx.group(lattice.MeshAxis.DP)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= ctx.dp
+            total = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(total, group=dp_group)
+            loss = float(total) / ctx.dp
+        grads = lhf.to_hf_state_dict(model.family, model.cfg, model.full_grad_dict())
+        worst = max(rel_diff(grads[name], p.grad) for name, p in hf.named_parameters())
+        same_tokens = None
+        if generate:
+            prompt = src[:4, :9]  # 3d splits the batch over q² = 4
+            # transformers' decoder cache assumes as many decoder as encoder layers: generate without it
+            expected = hf.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+            same_tokens = torch.equal(model.generate(prompt, 6), expected)
+        out[variant] = (abs(loss - reference.item()) / reference.item(), worst, same_tokens)
+    return out
+
+
+def test_serial_equals_transformers_and_generates_its_tokens():
+    """Catches any difference from transformers' T5 in either variant: a 1/sqrt(d) left in the
+    scores, a bucket computed otherwise (bidirectional in the decoder, the log buckets in float64),
+    a bias not shared by the layers or not split by heads, the labels shifted wrong or -100 fed to
+    the decoder, a missing d^-0.5 before a tied head (or one before an untied head), the gate and
+    linear unit swapped, a transposed or misnamed tensor -- or a cache that drops a position or
+    recomputes the memory's keys differently (greedy tokens)."""
+    for variant, (loss, grads, same) in _equals_transformers(dict(mode="serial"), True).items():
+        print(f"serial {variant}: loss {loss:.1e}, worst gradient {grads:.1e}, generate equal {same}")
+        assert loss < 1e-10 and grads < 1e-10 and same, variant
+
+
+LAYOUTS = [dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True), dict(mode="2d", tp=4),
+           dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2),
+           dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"),
+           dict(mode="subgraph", tp=4, subgrids=2, projections="common"), dict(mode="serial", dp=2)]
+GENERATES = (dict(mode="2d", tp=4), dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"), dict(mode="1d", tp=2))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lo: "-".join(f"{k}={v}" for k, v in lo.items()))
+def test_layout_equals_transformers(layout):
+    """Catches a layout that splits the self- and cross-attention heads differently (a query
+    head meeting another head's keys), the relative bias split otherwise than the heads or its
+    gradient not summed over the ranks holding other sequences, cross-attention entering a
+    sub-graph branch from the wrong stream (or D&SP-cSub's idle ranks sizing the memory by the
+    target's length), a sequence-parallel gather of the memory over the wrong length, or the
+    data-parallel path losing a gradient: every rank's loss and full gradients equal
+    transformers' within 1e-10 for both variants, and the listed layouts' greedy tokens its."""
+    world = lattice.plan(**layout).world_size
+    results = run_distributed(world, _equals_transformers, layout, layout in GENERATES)
+    for result in results:
+        for variant, (loss, grads, same_tokens) in result.items():
+            assert loss < 1e-10 and grads < 1e-10, (variant, loss, grads)
+            assert same_tokens in (None, True), variant
+    worst = {v: max(max(r[v][0], r[v][1]) for r in results) for v in VARIANTS}
+    print(f"{layout}: worst relative difference {worst}")
+
+
+def test_buckets_follow_the_t5_rule():
+    """Catches a bucket rule that differs from T5's at a boundary: checked against the rule
+    written out by hand for 32 buckets, max distance 128 (transformers' defaults) -- exact
+    buckets below 8 (bidirectional: 8 each side, the far side offset by 16), then log-spaced
+    ones, the farthest distances in the last bucket."""
+    def by_hand(distance, bidirectional):
+        side = 16 if bidirectional else 32
+        base = side if bidirectional and distance > 0 else 0
+        n = abs(distance) if bidirectional else max(0, -distance)
+        exact = side // 2
+        if n < exact:
+            return base + n
+        import math
+        return base + min(side - 1, exact + int(math.log(n / exact) / math.log(128 / exact) * (side - exact)))
+
+    for bidirectional in (True, False):
+        got = relative_buckets(1, 400, 200, bidirectional=bidirectional, buckets=32, max_distance=128)[0]
+        want = torch.tensor([by_hand(k - 200, bidirectional) for k in range(400)])
+        assert torch.equal(got, want), bidirectional
+
+
+def _refusals(layout: dict) -> list:
+    """Each bad input on every rank: (message, elements sent before it)."""
+    ctx = cached_init(**layout)
+    cfg = T5Config(**BASE)
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    src, labels = _pairs(1, batch=4)
+    cases = {"long source": (torch.randint(0, 61, (4, 17)), labels),
+             "long target": (src, torch.randint(0, 61, (4, 13))),
+             "token outside the vocabulary": (src.masked_fill(src == src[0, 0], 61), labels),
+             "label outside the vocabulary": (src, labels.masked_fill(labels == labels[0, 0], -5)),
+             "targets for other sources": (src, labels[:2]),
+             "odd target length": (src, labels[:, :7])}
+    out = {}
+    for name, (x, y) in cases.items():
+        with lattice.CommMeter() as meter:
+            try:
+                model(x, y)
+                out[name] = (None, meter.count())
+            except lattice.LatticeConfigError as e:
+                out[name] = (str(e), meter.count())
+    return out
+
+
+def test_bad_inputs_are_refused_in_one_line_on_every_rank():
+    """Catches an input that reaches a kernel (an index error in the embedding, a shape error in
+    cross-attention) or is refused on some ranks only (a hang): lengths beyond seq_len /
+    target_len, ids outside the vocabulary, mismatched batches and, under sequence
+    parallelism, a target length the ranks cannot split -- each one line on every rank before any
+    collective."""
+    results = run_distributed(2, _refusals, dict(mode="1d", tp=2, sequence_parallel=True))
+    expected = {"long source": "seq_len = 16", "long target": "target_len = 12",
+                "token outside the vocabulary": "outside the vocabulary [0, 61)",
+                "label outside the vocabulary": "-100 marks an ignored label",
+                "targets for other sources": "one target sequence per source",
+                "odd target length": "sequence length = 7 is not divisible by tp = 2"}
+    for result in results:
+        for name, fragment in expected.items():
+            message, sent = result[name]
+            assert message and fragment in message and "\n" not in message and sent == 0, (name, message, sent)
+
+
+def test_pipeline_is_refused_in_one_line_naming_what_works():
+    """Catches a T5 cut into stages as one stream of blocks (the decoder's stages would lack the
+    encoder's output): refused when the model is built, before any process group is needed."""
+    with pytest.raises(lattice.LatticeConfigError, match="pp = 1") as e:
+        with torch.device("meta"):
+            lattice.build_model(T5Config(**BASE), lattice.plan("1d", tp=2, pp=2))
+    assert "\n" not in str(e.value)
+
+
+def test_presets_build_on_meta_with_their_published_sizes():
+    """Catches a preset whose shape is not the published model's: T5-Small 60.5 M, T5-Base 223 M,
+    T5-Large 738 M parameters (transformers' T5ForConditionalGeneration of the published configs,
+    which tie the head), T5 v1.1-Base 248 M (untied), built on the meta device."""
+    expected = {"t5-small": 60.51e6, "t5-base": 222.9e6, "t5-large": 737.7e6, "t5-v1_1-base": 247.6e6}
+    for preset, count in expected.items():
+        with torch.device("meta"):
+            model = lattice.build_model(T5Config.preset(preset), lattice.plan("serial"))
+        assert abs(model.num_parameters() - count) / count < 0.005, (preset, model.num_parameters())
