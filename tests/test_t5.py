@@ -22,13 +22,13 @@ from numerics import rel_diff
 
 transformers = pytest.importorskip("transformers")
 
-# 12 source and 7 target positions (odd: no layout's split may assume equal lengths); 8 buckets
+# 12 source and 6 target positions (no layout's split may assume equal lengths); 8 buckets
 # with a maximum distance of 5, so that the logarithmic buckets and the farthest one are in use
 BASE = dict(vocab_size=61, seq_len=16, target_len=12, d_model=32, n_heads=4, head_size=8, n_layers=2,
             n_decoder_layers=3, d_ff=48, relative_buckets=8, relative_max_distance=5)
 VARIANTS = {"relu-tied": dict(BASE), "gated-gelu-untied": dict(BASE, feed_forward_proj="gated-gelu",
                                                              tie_embeddings=False, head_size=6, n_layers=3)}
-SOURCE, TARGET = 12, 7
+SOURCE, TARGET = 12, 6
 
 
 def _reference_norm(self, x):
@@ -57,7 +57,7 @@ def random_hf_t5(variant: str, seed=0):
 
 
 def _pairs(seed, batch=4):
-    """Sources (batch, 12) and labels (batch, 7) with two labels per row ignored (-100)."""
+    """Sources (batch, 12) and labels (batch, 6) with two labels per row ignored (-100)."""
     gen = torch.Generator().manual_seed(seed)
     src = torch.randint(2, BASE["vocab_size"], (batch, SOURCE), generator=gen)
     labels = torch.randint(2, BASE["vocab_size"], (batch, TARGET), generator=gen)
@@ -80,7 +80,7 @@ def _equals_transformers(layout: dict, generate: bool) -> dict:
         model = lattice.from_hf(hf, ctx)
         rows = slice(ctx.coord(lattice.MeshAxis.DP) * 4, (ctx.coord(lattice.MeshAxis.DP) + 1) * 4)
         loss = model.forward_backward(src[rows], labels[rows])
-        if ctx.dp > 1:  # averaging over replicas by hand (the Trainer's DDP does this); every row has 5 labels
+        if ctx.dp > 1:  # averaging over replicas by hand (the Trainer's DDP does this); every row has 4 labels
             dp_group = ctx.group(lattice.MeshAxis.DP)
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=dp_group)
@@ -170,7 +170,7 @@ def _refusals(layout: dict) -> list:
              "token outside the vocabulary": (src.masked_fill(src == src[0, 0], 61), labels),
              "label outside the vocabulary": (src, labels.masked_fill(labels == labels[0, 0], -5)),
              "targets for other sources": (src, labels[:2]),
-             "odd target length": (src, labels[:, :7])}
+             "odd target length": (src, labels[:, :5])}
     out = {}
     for name, (x, y) in cases.items():
         with lattice.CommMeter() as meter:
@@ -193,7 +193,7 @@ def test_bad_inputs_are_refused_in_one_line_on_every_rank():
                 "token outside the vocabulary": "outside the vocabulary [0, 61)",
                 "label outside the vocabulary": "-100 marks an ignored label",
                 "targets for other sources": "one target sequence per source",
-                "odd target length": "sequence length = 7 is not divisible by tp = 2"}
+                "odd target length": "sequence length = 5 is not divisible by tp = 2"}
     for result in results:
         for name, fragment in expected.items():
             message, sent = result[name]
