@@ -19,6 +19,8 @@ from lattice.tasks import BUILTIN_CLASSES, TASKS, check_task, make_task, model_v
 DATA_FORMATS = ("text", "jsonl")
 DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
 ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run, or skip the step
+#: the schedule's defaults, where the family declares none of its own (`Model.train_defaults`)
+RUN_DEFAULTS = {"steps": 300, "batch_size": 16, "warmup": 30}
 
 
 @dataclass
@@ -58,15 +60,15 @@ class TrainConfig:
                                        "convert --from hf writes one); what it lacks for this task (a new classifier) "
                                        "starts fresh, and its tokenizer.json is the run's unless --tokenizer",
                                  metavar="CKPT", group="checkpoints")
-    steps: int = flag(300, "optimizer steps", group="training")
+    steps: int | None = flag(None, "optimizer steps (default 300; t5: 2000)", group="training")
     stop_at: int | None = flag(None, "stop after this step with a checkpoint, to go on later with --resume (the "
                                      "schedule still runs to --steps), as for a job in a time-limited slot",
                                     group="training")
-    batch_size: int = flag(16, "global batch: sequences per optimizer step, split over --dp replicas", alias="--batch",
-                           group="training")
+    batch_size: int | None = flag(None, "global batch: sequences per optimizer step, split over --dp replicas (default "
+                                        "16; t5: 32)", alias="--batch", group="training")
     lr: float = flag(2e-3, "peak learning rate", group="training")
     min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this", group="training")
-    warmup: int = flag(30, "linear warmup steps", group="training")
+    warmup: int | None = flag(None, "linear warmup steps (default 30; t5: 100)", group="training")
     weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings)", group="training")
     beta1: float = flag(0.9, "AdamW beta1", group="training")
     beta2: float = flag(0.95, "AdamW beta2", group="training")
@@ -94,6 +96,9 @@ class TrainConfig:
                                            "TensorBoard", group="logging")
 
     def __post_init__(self):
+        for name, default in RUN_DEFAULTS.items():  # the family's schedule where none is given
+            if getattr(self, name) is None:
+                setattr(self, name, get_arch(self.arch).train_defaults.get(name, default))
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

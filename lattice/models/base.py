@@ -10,7 +10,8 @@ declares, as class attributes:
 | `config_class`  | its config dataclass (a `ModelConfig`), with `presets`       | CLI, trainer, checkpoints |
 | `test_shapes`   | small configs the conformance suite runs in every mode       | tests/test_conformance.py |
 | `hf`            | its HuggingFace mapping (`lattice.hf.HFMapping`) or None     | lattice.hf, `convert`   |
-| `tasks`         | what it trains on (`lattice.tasks`: lm, mlm, classify)       | trainer, CLI            |
+| `tasks`         | what it trains on (`lattice.tasks`: lm, mlm, classify, seq2seq) | trainer, CLI         |
+| `train_defaults`| its schedule where the command line gives none (steps, ...)  | lattice.train_config    |
 | `parts()`       | its modules in order: first part, blocks, last part          | the pipeline builder    |
 | `cost_layout()` | the operations of one step, in order, for the cost model     | lattice.cost            |
 
@@ -101,6 +102,9 @@ class Model(nn.Module):
     hf: ClassVar[Any] = None
     #: what `lattice train --task` can train it on (lattice.tasks), its default first
     tasks: ClassVar[tuple[str, ...]] = ("lm",)
+    #: the schedule `lattice train` uses for it where the command line gives none (steps,
+    #: batch_size, warmup; lattice.train_config.RUN_DEFAULTS otherwise)
+    train_defaults: ClassVar[Mapping[str, int]] = {}
 
     def __init__(self, cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
                  activation_checkpointing: bool = False):

@@ -81,12 +81,13 @@ class T5Config(ModelConfig):
     eos_token_id: int | None = 1  # generation stops a sequence there (None: never)
     init_factor: float = 1.0  # transformers' initializer_factor
 
-    # tiny: the tests' and the examples'; small: learns the built-in pair task in minutes on 2
-    # cores; the rest: the published shapes (T5 1.0 and 1.1), and SUPER's T5-Large-Mod (§V-E:
+    # tiny: the tests' and the examples'; small: learns the built-in pair task (reversing windows of
+    # seq_len tokens) in minutes on 2 cores; both take sources of 8 and targets of 10 (8 tokens,
+    # [EOS] and one ignored label: lengths a sequence-parallel tp = 2 divides); the rest: the published shapes (T5 1.0 and 1.1), and SUPER's T5-Large-Mod (§V-E:
     # T5-Large with 32 heads; the head size is not given, 32 keeps n_heads * head_size = d_model)
     presets = {
-        "tiny": dict(seq_len=32, target_len=32, d_model=64, n_heads=4, head_size=16, n_layers=2, d_ff=128),
-        "small": dict(seq_len=32, target_len=32, d_model=128, n_heads=4, head_size=32, n_layers=2, d_ff=512),
+        "tiny": dict(seq_len=8, target_len=10, d_model=64, n_heads=4, head_size=16, n_layers=2, d_ff=128),
+        "small": dict(seq_len=8, target_len=10, d_model=128, n_heads=4, head_size=32, n_layers=2, d_ff=512),
         "t5-small": dict(d_model=512, n_heads=8, head_size=64, n_layers=6, d_ff=2048, dropout=0.1),
         "t5-base": dict(d_model=768, n_heads=12, head_size=64, n_layers=12, d_ff=3072, dropout=0.1),
         "t5-large": dict(d_model=1024, n_heads=16, head_size=64, n_layers=24, d_ff=4096, dropout=0.1),
@@ -286,6 +287,8 @@ class T5(Model):
     config_class = T5Config
     hf = T5_HF
     tasks = ("seq2seq",)
+    # the built-in pair task at the small preset: exact match ~0.5 after 2000 steps (2 min on 2 cores)
+    train_defaults = {"steps": 2000, "batch_size": 32, "warmup": 100}
     # both feed-forward variants, tied and untied; more decoder than encoder layers; T = 8 sources
     # with shorter targets (the conformance batch: cross-attention between lengths); V = 61 padded
     # where a mode splits the vocabulary; 8 buckets with a maximum distance inside the sequence
