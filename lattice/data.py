@@ -142,11 +142,10 @@ def data_chunks(spec: str, data_format: str = "text", text_key: str | tuple[str,
                         row = json.loads(line)
                         yield "".join(str(row[k]) + "\n\n" for k in keys)
                     except (ValueError, KeyError, TypeError):
-                        named = " and ".join(repr(k) for k in keys)
-                        raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named} field"
-                                                 f"{'s' * (len(keys) > 1)}; fix it or pass "
-                                                 f"{'--text-key' if len(keys) == 1 else '--source-key / --target-key'}"
-                                                 ) from None
+                        named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
+                        flags = "--text-key" if len(keys) == 1 else "--source-key / --target-key"
+                        raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
+                                                 f"{flags}") from None
                 continue
             while True:
                 piece = f.read(CHUNK_CHARS)

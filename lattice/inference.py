@@ -60,7 +60,8 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")
     if args.command == "generate":
         longest = getattr(cfg, "target_len", None)  # an encoder-decoder's output fits its decoder
-        args.max_new_tokens = args.max_new_tokens or longest or 50
+        if args.max_new_tokens is None:
+            args.max_new_tokens = longest or 50
         if longest is not None and args.max_new_tokens > longest:
             raise LatticeConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds the model's target_len = {longest}; "
                                      f"ask for at most {longest}")

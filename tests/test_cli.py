@@ -118,12 +118,12 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
                             ranks_per_node=2)
     set_by_the_trainer = {"data_hash"}
     changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_by_the_trainer}
-    changed.update(arch="llama", model="tiny", batch_size=8)
-    tcfg = TrainConfig(**changed)
-    (tmp_path / "run.toml").write_text(config_toml(run_config(layout, tcfg)))
-    args = with_config_file(["train", "--config", str(tmp_path / "run.toml")], str(tmp_path / "run.toml"))
-    assert layout_from_args(args) == layout
-    assert train_config(args) == tcfg
+    changed.update(arch="llama", model="tiny", batch_size=8, target_len=None)  # an encoder-decoder's: below
+    for tcfg in (TrainConfig(**changed), TrainConfig(**{**changed, "arch": "t5", "task": "seq2seq", "target_len": 12})):
+        (tmp_path / "run.toml").write_text(config_toml(run_config(layout, tcfg)))
+        args = with_config_file(["train", "--config", str(tmp_path / "run.toml")], str(tmp_path / "run.toml"))
+        assert layout_from_args(args) == layout
+        assert train_config(args) == tcfg
 
 
 def test_a_single_file_run_directory_resumes_exactly_through_the_sharded_form(tmp_path, capsys):

@@ -35,6 +35,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-heads", type=int, default=None)
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--target-len", type=int, default=None, help="an encoder-decoder's target length (t5)")
     p.add_argument("--batch", type=int, default=8,
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
@@ -53,6 +54,10 @@ def model_config(arch: str, preset: str | None, **sizes):
     config_class = get_arch(arch).config_class
     name = preset or config_class.default_preset
     sizes = {k: v for k, v in sizes.items() if v}
+    unknown = sorted(set(sizes) - {f.name for f in dataclass_fields(config_class)})
+    if unknown:
+        raise LatticeConfigError(f"--arch {arch} has no {', '.join(unknown)} (its sizes: "
+                                 f"{', '.join(f.name for f in dataclass_fields(config_class))})")
     if "vocab_size" not in sizes and "vocab_size" not in config_class.presets.get(name, {}):
         sizes["vocab_size"] = DEFAULT_VOCAB  # the built-in corpus's, for presets of no published model
     return config_class.preset(name, **sizes)
@@ -61,7 +66,7 @@ def model_config(arch: str, preset: str | None, **sizes):
 def run_plan(args) -> int:
     """Refusals (LatticeConfigError) reach `lattice.cli.main`, which prints them in one line."""
     cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
-                       n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len)
+                       n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len, target_len=args.target_len)
     replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
     if args.batch < 1 or args.batch % replicas:
         raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
@@ -120,7 +125,8 @@ def format_cost(c: Cost, machine: Machine) -> str:
     widths = [9, 15] + [max(w, 1 + max(len(r[k]) for r in rows + [total])) for k, w in
                         zip(range(2, 8), (6, 8, 14, 10, 14, 10))]
     header = ("phase", "collective", "group", "calls", "elements", "MiB", "wire words", "messages")
-    lines = [f"{c.mode} on {axes}, {c.cfg}", f"batch {c.batch} x {c.seq} per replica, {c.itemsize}-byte values"
+    target = f" -> {c.target_seq} target tokens" if hasattr(c.cfg, "target_len") else ""  # an encoder-decoder's
+    lines = [f"{c.mode} on {axes}, {c.cfg}", f"batch {c.batch} x {c.seq}{target} per replica, {c.itemsize}-byte values"
              f"{', activation checkpointing' if c.checkpointing else ''}; per rank:", "",
              "  " + "".join(f"{h:<{w}}" if k < 2 else f"{h:>{w}}" for k, (h, w) in enumerate(zip(header, widths)))]
     for r in rows:
