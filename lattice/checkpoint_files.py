@@ -4,6 +4,7 @@ version, and the space a save needs and the reason a write failed."""
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import shutil
@@ -11,6 +12,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -123,3 +125,12 @@ def space_shortfall(base: Path, need: dict[str, int], *, size: int, group) -> tu
     tensors = {k: v for part, _ in views for k, v in part.items()}
     total = sum(tensors.values()) + FIXED_OVERHEAD + OVERHEAD_PER_TENSOR * len(tensors)
     return next(((total, r, free) for r, (_, free) in enumerate(views) if free < total), None)
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    """A torch RNG state as text for a checkpoint's JSON marker."""
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

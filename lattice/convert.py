@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lattice import checkpoint, hf, run_dir
+from lattice import checkpoint, checkpoint_files, hf, run_dir
 from lattice import sharded_checkpoint as sharded
 from lattice.context import LatticeConfigError
 from lattice.faults import check_out_dir
@@ -104,7 +104,7 @@ def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     meta["arch"] = checkpoint.arch_of(ckpt)
     rng = ckpt.get("rng", {}).get("torch")
     if rng is not None:
-        meta["rng"] = {"torch": rng if isinstance(rng, str) else sharded.encode_rng(rng)}
+        meta["rng"] = {"torch": rng if isinstance(rng, str) else checkpoint_files.encode_rng(rng)}
     if checkpoint.is_sharded(ckpt):
         meta["optimizer_step"] = int(ckpt.get("optimizer_step", 0))
         keys = [k for k in ckpt["tensors"] if k.startswith("model/") or (meta["optimizer_step"] and
@@ -157,7 +157,7 @@ def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:
     payload = {k: v for k, v in meta.items() if k not in ("rng", "optimizer_step")}
     payload.update(model=model, optimizer={**optimizer, "step": step})
     if "rng" in meta:
-        payload["rng"] = {"torch": sharded.decode_rng(meta["rng"]["torch"])}
+        payload["rng"] = {"torch": checkpoint_files.decode_rng(meta["rng"]["torch"])}
     return checkpoint.save(payload, checkpoint.single_file(dst))
 
 

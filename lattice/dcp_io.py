@@ -94,3 +94,8 @@ class Reader(dcp.FileSystemReader):
         index.storage_meta = index.storage_meta or dcp.metadata.StorageMeta()
         index.storage_meta.load_id = self.load_id
         return index
+
+
+def overlaps(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
+    """Whether two chunks of one tensor (offsets and sizes per dim) share an element."""
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lattice import faults
+from lattice import checkpoint_files, faults
 from lattice import sharded_checkpoint as sharded
 
 
@@ -56,7 +56,7 @@ class RunCheckpoints:
             "forward_count": self.model.seeds.forward_count,
         }
         steps = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
-        meta.update(optimizer_step=max(steps, default=0), rng={"torch": sharded.encode_rng(torch.get_rng_state())})
+        meta.update(optimizer_step=max(steps, default=0), rng={"torch": checkpoint_files.encode_rng(torch.get_rng_state())})
         if self.async_writer is not None:  # copy now; the thread writes the copy while training goes on
             state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps), staged=True)
             self.async_writer.submit(Path(path), meta, state, keep=self.cfg.keep)
@@ -72,5 +72,5 @@ class RunCheckpoints:
         self.model.seeds.forward_count = int(ckpt.get("forward_count", step))
         rng = ckpt.get("rng", {}).get("torch")
         if rng is not None:
-            torch.set_rng_state(sharded.decode_rng(rng))
+            torch.set_rng_state(checkpoint_files.decode_rng(rng))
         return step, float(ckpt.get("elapsed_s", 0.0))

@@ -24,7 +24,6 @@ and DCP reads tensors with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from lattice.checkpoint_files import (START_FRESH, WriteFailed, atomic_write, check_version_and_keys, crc_file,
                                       fsync_dir, megabytes, space_shortfall, write_failure_reason)
 from lattice.context import LatticeConfigError
-from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, checksums, read_index
+from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, checksums, overlaps, read_index
 
 FORMAT = "lattice-sharded-checkpoint"
 VERSION = 1
@@ -283,14 +282,6 @@ class AsyncWriter:
             self.pool.shutdown()
 
 
-def encode_rng(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode()
-
-
-def decode_rng(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
 # ----------------------------------------------------------------------------- read (no collective)
 def read(path: Path) -> dict:
     """Validate a sharded checkpoint on this rank alone, before any collective: the marker
@@ -385,10 +376,6 @@ def load(saved: dict, model, optimizer=None) -> None:
                  no_dist=not dist.is_initialized())
 
 
-def _overlaps(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
-
-
 def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str | None:
     """Check the CRC-32 of every stored chunk this rank's regions overlap (exactly what DCP
     will read for it); a one-line problem, or None."""
@@ -396,7 +383,7 @@ def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str
     needed = []
     for key, chunk in state.items():
         for stored in index.state_dict_metadata[key].chunks:
-            if _overlaps(chunk.offsets, chunk.data.shape, stored.offsets, stored.sizes):
+            if overlaps(chunk.offsets, chunk.data.shape, stored.offsets, stored.sizes):
                 needed.append(MetadataIndex(key, stored.offsets))
     recorded = saved["checksums"]
     for name, crc in checksums(path, index.storage_data, needed).items():

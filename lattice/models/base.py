@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from lattice.context import LatticeConfigError, ParallelContext
+from lattice.loss import IGNORE_INDEX
 from lattice.models.components import DropoutSeeds
 from lattice.models.registry import build_model
 from lattice.modes import get_mode
@@ -231,6 +232,7 @@ class Model(nn.Module):
         if start + tokens.shape[1] > self.cfg.seq_len:
             raise LatticeConfigError(f"sequence length {tokens.shape[1]} exceeds {type(self.cfg).__name__}.seq_len = "
                                      f"{self.cfg.seq_len}; shorten the batch or raise seq_len")
+        check_ids("tokens", tokens, self.cfg.vocab_size)
         if targets is not None:
             self.check_targets(tokens, targets)
 
@@ -265,14 +267,7 @@ class Model(nn.Module):
         step_input, start = tokens, 0
         for _ in range(max_new_tokens):
             logits = self(step_input, cache=cache, start=start, last_only=True)[:, -1].float()  # (B, V)
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen).to(tokens.device)
+            nxt = next_token(logits, temperature, top_k, gen).to(tokens.device)
             tokens = torch.cat([tokens, nxt], dim=1)
             if use_cache:
                 step_input, start = nxt, tokens.shape[1] - 1
@@ -397,6 +392,29 @@ class Model(nn.Module):
         from lattice import hf
 
         return hf.to_hf_state_dict(self.family, self.cfg, self.full_state_dict())
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab: int, *, labels: bool = False) -> None:
+    """One line unless every id in `ids` is a token of a vocabulary of `vocab` (with `labels`,
+    -100 marks one to ignore), instead of an index error deep in an embedding."""
+    real = ids[ids != IGNORE_INDEX] if labels else ids
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
+        raise LatticeConfigError(f"{name} hold ids outside the vocabulary [0, {vocab})" +
+                                 (" (-100 marks an ignored label)" if labels else "") +
+                                 "; encode with the model's tokenizer or raise vocab_size")
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
+    """(B, 1) from (B, V) logits: the argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the top_k, on a CPU generator seeded alike on every rank
+    (so that every rank draws the same)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen)
 
 
 class DecoderLM(Model):

@@ -245,6 +245,36 @@ class CrossAttention(nn.Module):
         return self.resid_drop(self.proj(y))
 
 
+def relative_buckets(t_q: int, t_k: int, start: int, *, bidirectional: bool, buckets: int,
+                     max_distance: int) -> torch.Tensor:
+    """T5's bucket of every (query, key) pair, (t_q, t_k) int64, for queries at positions
+    start.. and keys at 0..: bidirectional, half the buckets for keys after the query; causal,
+    every bucket for keys at or before it. Of a side's n buckets, distances below n/2 have one
+    each, the rest share the others logarithmically up to `max_distance` (farther ones the last);
+    the logarithm in float32, as T5's own code computes it, so that imported weights see the
+    same buckets."""
+    distance = torch.arange(t_k)[None, :] - torch.arange(start, start + t_q)[:, None]  # key - query
+    if bidirectional:
+        side = buckets // 2
+        base = (distance > 0).long() * side
+        far = distance.abs()
+    else:
+        side, base = buckets, 0
+        far = (-distance).clamp_min(0)  # how far back; keys ahead share bucket 0 (the causal mask hides them)
+    exact = side // 2
+    logarithmic = exact + (torch.log(far.float() / exact) / math.log(max_distance / exact)
+                           * (side - exact)).long()
+    return base + torch.where(far < exact, far, logarithmic.clamp_max(side - 1))
+
+
+def bucketed_bias(table: torch.Tensor, t_q: int, t_k: int, start: int, **rule) -> torch.Tensor:
+    """T5's relative position bias from this rank's (buckets, nh_local) table (`Mode.per_head`):
+    (nh_local, t_q, t_k) for queries at positions start.. and keys at 0.. (`relative_buckets`'s
+    rule), added to attention's scores."""
+    buckets = relative_buckets(t_q, t_k, start, **rule)
+    return table[buckets.to(table.device)].permute(2, 0, 1)
+
+
 # ----------------------------------------------------------------------------- MLP
 ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's

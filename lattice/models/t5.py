@@ -25,11 +25,10 @@ labels=targets).loss`: the decoder reads the labels shifted right behind the dec
 decoder input d (default: the start token alone). The sequences are unpadded: lattice has no
 attention mask, so a padded source is attended to as it is.
 
-Every mode splits the heads of self- and cross-attention alike (sub-graph parallelism runs both
-as branches: the split or slice enters a branch from the decoder's stream for q and from the
-encoder's output for k and v). Pipeline parallelism is refused (`parts()` is None): the decoder's
-every stage needs the encoder's output, which lattice's stage split (one stream of blocks in
-order) does not carry; use pp = 1 with any tensor layout and dp.
+Every mode splits the heads of self- and cross-attention alike (sub-graph parallelism enters a
+branch from the decoder's stream for q, from the encoder's output for k and v). Pipeline stages
+are refused (`parts()` is None): each decoder stage needs the encoder's output, which lattice's
+stages (one stream of blocks in order) do not carry; use pp = 1 with any tensor layout and dp.
 
 HuggingFace (T5ForConditionalGeneration): nn.Linear keeps W[out, in], lattice W[in, out], so
 every projection is transposed; q, k, v are the self-attention IN linear's segments, k and v the
@@ -41,7 +40,6 @@ tie_word_embeddings. Refused: a feed-forward activation lattice does not impleme
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +48,8 @@ import torch.nn as nn
 from lattice.context import LatticeConfigError
 from lattice.hf import HFMapping, HFTensor, transformers_module
 from lattice.loss import IGNORE_INDEX
-from lattice.models.base import Model, ModelConfig
-from lattice.models.components import MLP, CrossAttention, SelfAttention, residual_dropout
+from lattice.models.base import Model, ModelConfig, check_ids, next_token
+from lattice.models.components import MLP, CrossAttention, SelfAttention, bucketed_bias, residual_dropout
 from lattice.models.registry import register
 
 # transformers' feed_forward_proj -> (lattice activation, gated); "gated-gelu" is the tanh GELU there
@@ -81,10 +79,10 @@ class T5Config(ModelConfig):
     eos_token_id: int | None = 1  # generation stops a sequence there (None: never)
     init_factor: float = 1.0  # transformers' initializer_factor
 
-    # tiny: the tests' and the examples'; small: learns the built-in pair task (reversing windows of
-    # seq_len tokens) in minutes on 2 cores; both take sources of 8 and targets of 10 (8 tokens,
-    # [EOS] and one ignored label: lengths a sequence-parallel tp = 2 divides); the rest: the published shapes (T5 1.0 and 1.1), and SUPER's T5-Large-Mod (§V-E:
-    # T5-Large with 32 heads; the head size is not given, 32 keeps n_heads * head_size = d_model)
+    # tiny: the tests'; small: learns the built-in pair task (reversing windows of seq_len tokens)
+    # in minutes on 2 cores; both: sources of 8, targets of 10 (8 tokens, [EOS] and one ignored
+    # label, lengths a sequence-parallel tp = 2 divides); the rest: the published shapes (T5 1.0
+    # and 1.1) and SUPER's T5-Large-Mod (§V-E: T5-Large with 32 heads; head size 32 assumed)
     presets = {
         "tiny": dict(seq_len=8, target_len=10, d_model=64, n_heads=4, head_size=16, n_layers=2, d_ff=128),
         "small": dict(seq_len=8, target_len=10, d_model=128, n_heads=4, head_size=32, n_layers=2, d_ff=512),
@@ -125,96 +123,58 @@ class T5Config(ModelConfig):
         return self.n_heads * self.head_size
 
 
-def relative_buckets(t_q: int, t_k: int, start: int, *, bidirectional: bool, buckets: int,
-                     max_distance: int) -> torch.Tensor:
-    """T5's bucket of every (query, key) pair, (t_q, t_k) int64, for queries at positions
-    start.. and keys at 0..: bidirectional, half the buckets for keys after the query; causal,
-    every bucket for keys at or before it. Of a side's n buckets, distances below n/2 have one
-    each, the rest share the others logarithmically up to `max_distance` (farther ones the last);
-    the logarithm in float32, as T5's own code computes it, so that imported weights see the
-    same buckets."""
-    distance = torch.arange(t_k)[None, :] - torch.arange(start, start + t_q)[:, None]  # key - query
-    if bidirectional:
-        side = buckets // 2
-        base = (distance > 0).long() * side
-        far = distance.abs()
-    else:
-        side, base = buckets, 0
-        far = (-distance).clamp_min(0)  # how far back; keys ahead share bucket 0 (the causal mask hides them)
-    exact = side // 2
-    logarithmic = exact + (torch.log(far.float() / exact) / math.log(max_distance / exact)
-                           * (side - exact)).long()
-    return base + torch.where(far < exact, far, logarithmic.clamp_max(side - 1))
+class T5Block(nn.Module):
+    """x + attn(ln_1(x)) with the stack's position bias (causal in the decoder), in the decoder
+    then + cross(ln_cross(x), memory), then + ff(ln_2(x))."""
 
-
-class EncoderBlock(nn.Module):
-    """x + attn(ln_1(x)) with the stack's position bias, then + ff(ln_2(x))."""
-
-    def __init__(self, cfg: T5Config, mode, seeds):
+    def __init__(self, cfg: T5Config, mode, seeds, decoder: bool):
         super().__init__()
         activation, gated = FEED_FORWARD[cfg.feed_forward_proj]
+        heads = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size, dropout=cfg.dropout,
+                     bias=False, scale=1.0)
         self.ln_1 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
-        self.attn = SelfAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size,
-                                  dropout=cfg.dropout, bias=False, causal=False, segmented=True, scale=1.0)
+        self.attn = SelfAttention(mode, seeds, **heads, causal=decoder, segmented=True)
+        if decoder:
+            self.ln_cross = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+            self.cross = CrossAttention(mode, seeds, **heads)
         self.ln_2 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
         self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.d_ff, activation=activation, gated=gated,
                        bias=False, dropout=cfg.dropout, hidden_dropout=True)
 
-    def forward(self, x, position_bias):
-        x = x + self.attn(self.ln_1(x), bias=lambda *_: position_bias)
-        return x + self.mlp(self.ln_2(x))
-
-
-class DecoderBlock(nn.Module):
-    """x + attn(ln_1(x)) (causal, with the stack's position bias), + cross(ln_cross(x), memory),
-    then + ff(ln_2(x))."""
-
-    def __init__(self, cfg: T5Config, mode, seeds):
-        super().__init__()
-        activation, gated = FEED_FORWARD[cfg.feed_forward_proj]
-        self.ln_1 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
-        self.attn = SelfAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size,
-                                  dropout=cfg.dropout, bias=False, causal=True, segmented=True, scale=1.0)
-        self.ln_cross = mode.norm("rms", eps=cfg.norm_eps, bias=False)
-        self.cross = CrossAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, head_size=cfg.head_size,
-                                    dropout=cfg.dropout, bias=False, scale=1.0)
-        self.ln_2 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
-        self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.d_ff, activation=activation, gated=gated,
-                       bias=False, dropout=cfg.dropout, hidden_dropout=True)
-
-    def forward(self, x, memory, position_bias, cache: dict | None = None, start: int = 0):
-        """`cache` (generation): {"self": .., "cross": ..}, this layer's keys and values."""
+    def forward(self, x, position_bias, memory=None, cache: dict | None = None, start: int = 0):
+        """`cache` (the decoder's generation): {"self": .., "cross": ..}, this layer's keys and values."""
         x = x + self.attn(self.ln_1(x), cache=None if cache is None else cache["self"], start=start,
                           bias=lambda *_: position_bias)
-        x = x + self.cross(self.ln_cross(x), memory, cache=None if cache is None else cache["cross"])
+        if memory is not None:
+            x = x + self.cross(self.ln_cross(x), memory, cache=None if cache is None else cache["cross"])
         return x + self.mlp(self.ln_2(x))
 
 
 class T5HF(HFMapping):
     model_type, model_class, label = "t5", "T5ForConditionalGeneration", "T5"
-    _ATTENTION = (("q", "qkv.q"), ("k", "qkv.k"), ("v", "qkv.v"), ("o", "proj"))
-    _CROSS = (("q", "q"), ("k", "kv.k"), ("v", "kv.v"), ("o", "proj"))
-    _ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu", "gelu": "gelu", "silu": "silu"}
+    # (HF layer, HF module, lattice module, its q / k / v / o) of a decoder block's attentions
+    _ATTENTIONS = ((0, "SelfAttention", "attn", ("qkv.q", "qkv.k", "qkv.v", "proj")),
+                   (1, "EncDecAttention", "cross", ("q", "kv.k", "kv.v", "proj")))
 
     def config_from_hf(self, c, given=None):
         if getattr(c, "model_type", None) != "t5":
             raise LatticeConfigError(f"expected a T5 config (model_type 't5'), got model_type "
                                      f"{getattr(c, 'model_type', None)!r}")
         proj = c.feed_forward_proj
-        if proj == "gated-gelu_new":
-            proj = "gated-gelu"
         if proj not in FEED_FORWARD:
             raise LatticeConfigError(f"feed_forward_proj={c.feed_forward_proj!r} is not implemented; lattice "
                                      f"implements {', '.join(FEED_FORWARD)}")
         scaled = getattr(c, "scale_decoder_outputs", None)  # transformers 5 says "untied" by not scaling
         tied = bool(c.tie_word_embeddings if scaled is None else scaled)
+        start, eos = getattr(c, "decoder_start_token_id", None), c.eos_token_id
         cfg = T5Config(vocab_size=c.vocab_size, seq_len=given.seq_len if given else 512,
                        target_len=given.target_len if given else 128, d_model=c.d_model, n_heads=c.num_heads,
                        head_size=c.d_kv, n_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers or c.num_layers,
                        d_ff=c.d_ff, feed_forward_proj=proj, relative_buckets=c.relative_attention_num_buckets,
                        relative_max_distance=c.relative_attention_max_distance, norm_eps=c.layer_norm_epsilon,
                        dropout=float(c.dropout_rate), tie_embeddings=tied, pad_token_id=c.pad_token_id or 0,
-                       decoder_start_token_id=_start_token(c), eos_token_id=_eos_token(c),
+                       decoder_start_token_id=(c.pad_token_id or 0) if start is None else start,
+                       eos_token_id=eos[0] if isinstance(eos, (list, tuple)) else eos,
                        init_factor=c.initializer_factor)
         return self.with_given(cfg, given)
 
@@ -238,19 +198,16 @@ class T5HF(HFMapping):
         for stack, layers in (("encoder", cfg.n_layers), ("decoder", cfg.n_decoder_layers)):
             out.append(HFTensor(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
                                 f"{stack}_bias.weight", (cfg.relative_buckets, cfg.n_heads)))
+            attentions = self._ATTENTIONS if stack == "decoder" else self._ATTENTIONS[:1]
             for i in range(layers):
                 hf, ours = f"{stack}.block.{i}.layer.", f"{stack}.{i}."
-                for name, lattice_name in self._ATTENTION:
-                    out.append(HFTensor(f"{hf}0.SelfAttention.{name}.weight", f"{ours}attn.{lattice_name}.weight",
-                                        (h, inner) if name == "o" else (inner, h), True))
-                out.append(HFTensor(f"{hf}0.layer_norm.weight", f"{ours}ln_1.weight", (h,)))
-                ff_layer = 1
-                if stack == "decoder":
-                    for name, lattice_name in self._CROSS:
-                        out.append(HFTensor(f"{hf}1.EncDecAttention.{name}.weight", f"{ours}cross.{lattice_name}.weight",
+                for layer, module, mine, names in attentions:
+                    for name, lattice_name in zip("qkvo", names):
+                        out.append(HFTensor(f"{hf}{layer}.{module}.{name}.weight", f"{ours}{mine}.{lattice_name}.weight",
                                             (h, inner) if name == "o" else (inner, h), True))
-                    out.append(HFTensor(f"{hf}1.layer_norm.weight", f"{ours}ln_cross.weight", (h,)))
-                    ff_layer = 2
+                    out.append(HFTensor(f"{hf}{layer}.layer_norm.weight",
+                                        f"{ours}{'ln_1' if mine == 'attn' else 'ln_cross'}.weight", (h,)))
+                ff_layer = len(attentions)
                 for name, lattice_name, shape in ffn:
                     out.append(HFTensor(f"{hf}{ff_layer}.DenseReluDense.{name}.weight", f"{ours}mlp.{lattice_name}.weight",
                                         shape, True))
@@ -263,16 +220,6 @@ class T5HF(HFMapping):
     def tied(self, cfg):
         copies = [("encoder.embed_tokens.weight", "shared.weight"), ("decoder.embed_tokens.weight", "shared.weight")]
         return copies + ([("lm_head.weight", "shared.weight")] if cfg.tie_embeddings else [])
-
-
-def _start_token(c) -> int:
-    start = getattr(c, "decoder_start_token_id", None)
-    return c.pad_token_id or 0 if start is None else start
-
-
-def _eos_token(c) -> int | None:
-    eos = c.eos_token_id
-    return eos[0] if isinstance(eos, (list, tuple)) else eos
 
 
 T5_HF = T5HF()
@@ -303,12 +250,12 @@ class T5(Model):
         self.embed = mode.embedding(positions=False)
         self.encoder_drop = residual_dropout(cfg.dropout, mode, seeds)
         self.encoder_bias = mode.per_head((cfg.relative_buckets, cfg.n_heads), 1)
-        self.encoder = nn.ModuleList(EncoderBlock(cfg, mode, seeds) for _ in range(cfg.n_layers))
+        self.encoder = nn.ModuleList(T5Block(cfg, mode, seeds, False) for _ in range(cfg.n_layers))
         self.encoder_norm = mode.norm("rms", eps=cfg.norm_eps, bias=False)
         self.encoder_out_drop = residual_dropout(cfg.dropout, mode, seeds)
         self.decoder_drop = residual_dropout(cfg.dropout, mode, seeds)
         self.decoder_bias = mode.per_head((cfg.relative_buckets, cfg.n_heads), 1)
-        self.decoder = nn.ModuleList(DecoderBlock(cfg, mode, seeds) for _ in range(cfg.n_decoder_layers))
+        self.decoder = nn.ModuleList(T5Block(cfg, mode, seeds, True) for _ in range(cfg.n_decoder_layers))
         self.decoder_norm = mode.norm("rms", eps=cfg.norm_eps, bias=False)
         self.decoder_out_drop = residual_dropout(cfg.dropout, mode, seeds)
         self.head = mode.lm_head(self.embed)
@@ -346,28 +293,35 @@ class T5(Model):
     def start_tokens(self, batch: int, device) -> torch.Tensor:
         return torch.full((batch, 1), self.cfg.decoder_start_token_id, dtype=torch.int64, device=device)
 
+    def check_targets(self, tokens, targets, *, name: str = "targets", labels: bool = True):
+        """Labels (or, without `labels`, the decoder's input tokens) for `tokens`' sources."""
+        if targets.dim() != 2 or targets.dtype != torch.int64:
+            raise LatticeConfigError(f"{name} must be a (batch, seq) int64 tensor, got {tuple(targets.shape)} "
+                                     f"{targets.dtype}")
+        if targets.shape[0] != tokens.shape[0]:
+            raise LatticeConfigError(f"{name} hold {targets.shape[0]} sequences, tokens {tokens.shape[0]}; give one "
+                                     f"target sequence per source")
+        if targets.shape[1] > self.cfg.target_len:
+            raise LatticeConfigError(f"{name} of length {targets.shape[1]} exceed T5Config.target_len = "
+                                     f"{self.cfg.target_len}; shorten them or raise target_len")
+        check_ids(name, targets, self.cfg.vocab_size, labels=labels)
+
     def check_inputs(self, tokens, targets=None, decoder_tokens=None):
-        """The source, the labels (or the decoder's input) against the config and the layout
+        """The sources, the labels or the decoder's input against the config and the layout
         (every rank, before any collective): shapes, lengths, token ids."""
-        cfg = self.cfg
-        _check_ids("tokens", tokens, cfg.vocab_size, cfg.seq_len, "seq_len")
-        second = targets if targets is not None else decoder_tokens
-        if second is not None:
-            name = "targets" if targets is not None else "decoder_tokens"
-            _check_ids(name, second, cfg.vocab_size, cfg.target_len, "target_len", ignored=targets is not None)
-            if second.shape[0] != tokens.shape[0]:
-                raise LatticeConfigError(f"{name} hold {second.shape[0]} sequences, tokens {tokens.shape[0]}; give one "
-                                         f"target sequence per source")
-            self.mode.check_batch(second)
+        self.check_tokens(tokens, targets)
+        if decoder_tokens is not None:
+            self.check_targets(tokens, decoder_tokens, name="decoder_tokens", labels=False)
+        for second in (targets, decoder_tokens):
+            if second is not None:
+                self.mode.check_batch(second)
         self.mode.check_batch(tokens)
 
     # ---- forward
     def position_bias(self, table: nn.Module, t_q: int, t_k: int, start: int, bidirectional: bool) -> torch.Tensor:
         """(nh_local, t_q, t_k): this rank's heads of a stack's bias for queries at start.."""
-        cfg = self.cfg
-        buckets = relative_buckets(t_q, t_k, start, bidirectional=bidirectional, buckets=cfg.relative_buckets,
-                                   max_distance=cfg.relative_max_distance)
-        return table.weight[buckets.to(table.weight.device)].permute(2, 0, 1)
+        return bucketed_bias(table.weight, t_q, t_k, start, bidirectional=bidirectional,
+                             buckets=self.cfg.relative_buckets, max_distance=self.cfg.relative_max_distance)
 
     def encode(self, tokens: torch.Tensor) -> torch.Tensor:
         """The encoder's output (the memory), in the residual layout."""
@@ -386,7 +340,7 @@ class T5(Model):
             x = self.run_blocks(x, self.decoder, memory=memory, position_bias=bias)
         else:
             for block, layer_cache in zip(self.decoder, cache):
-                x = block(x, memory, bias, cache=layer_cache, start=start)
+                x = block(x, bias, memory, cache=layer_cache, start=start)
         return self.decoder_out_drop(self.decoder_norm(x))
 
     def _head_input(self, x):
@@ -437,7 +391,7 @@ class T5(Model):
             start = out.shape[1] - 1 if use_cache else 0
             x = self.decode(out[:, start:], memory, cache=cache, start=start)
             logits = self.head.logits(self._head_input(x[:, -1:]))[:, -1].float()  # (B, V)
-            nxt = _next_token(logits, temperature, top_k, gen).to(out.device)
+            nxt = next_token(logits, temperature, top_k, gen).to(out.device)
             if cfg.eos_token_id is not None:
                 nxt = nxt.masked_fill(done.unsqueeze(1), cfg.pad_token_id)
                 done |= nxt.squeeze(1) == cfg.eos_token_id
@@ -492,29 +446,3 @@ class T5(Model):
                 feed_forward()
             b.norm("rms", bias=False)
             b.lm_head()
-
-
-def _check_ids(name: str, ids: torch.Tensor, vocab: int, longest: int, limit: str, ignored: bool = False) -> None:
-    if ids.dim() != 2 or ids.dtype != torch.int64:
-        raise LatticeConfigError(f"{name} must be a (batch, seq) int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
-    if ids.shape[1] > longest:
-        raise LatticeConfigError(f"{name} of length {ids.shape[1]} exceed T5Config.{limit} = {longest}; shorten them "
-                                 f"or raise {limit}")
-    if ids.numel():
-        real = ids[ids != IGNORE_INDEX] if ignored else ids
-        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
-            raise LatticeConfigError(f"{name} hold ids outside the vocabulary [0, {vocab})" +
-                                     (" (-100 marks an ignored label)" if ignored else "") +
-                                     "; encode with the model's tokenizer or raise vocab_size")
-
-
-def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
-    """(B, 1): the argmax at temperature 0, else a draw from softmax(logits / temperature) over
-    the top_k (on the CPU generator, so that every rank draws the same)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen)

@@ -236,7 +236,7 @@ class Mode:
         "forward_mults"/"backward_mults" scalar multiplications per rank."""
         return None
 
-    # The price of each operation a family describes (lattice.cost.model.CostBuilder): every
+    # The price of each operation a family describes (lattice.cost.builder.CostBuilder): every
     # method adds the operation's collectives (`b.add`, in CommMeter's units) and returns the
     # elements it saves for backward (with what the next operation sees where asked).
     def padded_vocab(self) -> int:

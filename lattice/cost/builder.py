@@ -1,0 +1,320 @@
+"""The builder of the cost model (lattice.cost.model.estimate): a family describes one step as
+its operations in order (`Model.cost_layout(builder)`), the mode prices each (`Mode.cost_*`),
+and the builder adds what the shard specs alone say (parameter memory, the in-replica gradient
+sums, the data-parallel all-reduce) and sums the work, saves and terms into a `Cost`."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+from lattice.context import MeshAxis
+from lattice.cost.machine import Term
+from lattice.cost.stages import pipeline_terms
+from lattice.sharding import grad_sum_buckets
+
+DP = MeshAxis.DP
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
+
+
+class CostBuilder:
+    """Fills a Cost from the family's description of one step (`Model.cost_layout(builder)`,
+    which calls the operations below in the order its forward runs them) and the mode's price of
+    each operation. What follows from the shard specs alone the builder adds itself: parameter
+    memory and tensor count, the in-replica gradient sums (`ShardSpec.grad_sum`, bucketed as
+    `sync_grads` does) and the data-parallel gradient all-reduce (bucketed as DDP does).
+
+    For the mode: B sequences of T tokens per replica, M = B·T, h, V, `vocab_padded`, p ranks
+    per replica, `options`, `c.itemsize`, `residual` (this rank's residual elements) and
+    `current` (the elements of the storage the last operation produced, which the next one may
+    save). An encoder-decoder describes each stack inside `sequence(T)` (the target's length is
+    `target_T`); every figure then uses that stack's T."""
+
+    def __init__(self, cost, model):
+        c, cfg = cost, cost.cfg
+        self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
+        self.B, self.T, self.h, self.L = c.batch, c.seq, cfg.d_model, cfg.n_layers
+        self.target_T = c.target_seq or c.seq
+        self.repeat, self.first, self.last = 1, True, True  # micro-batches; the stage holds the first / last part
+        pcfg = c.pipeline
+        if pcfg is not None:  # one micro-batch through this rank's chunks, m times
+            chunks = pcfg.chunks(len(model.blocks))
+            mine = range(c.stage, len(chunks), pcfg.stages)
+            self.B, self.repeat = c.batch // pcfg.m, pcfg.m
+            self.L = sum(len(chunks[k]) for k in mine)
+            self.first, self.last = 0 in mine, len(chunks) - 1 in mine
+        self.M = self.B * self.T
+        self.V = cfg.vocab_size
+        self.p = c.topology.tp_size
+        self.options = c.options
+        self.vocab_padded = self.mode.padded_vocab()
+        self.residual = math.prod(self.mode.residual_shape(self.B, self.T))
+        self.current = self.previous = 0.0
+        self.memory_tokens, self.memory_elements, self.memory_read = 0, 0.0, False  # an encoder's output (`memory`)
+        self.share = {"split": 1 / self.p, **self.mode.cost_shares(self)}  # FLOP shares (see `work`)
+        self.region = "embedding"  # embedding | layer | head: the site of terms outside layers
+        self.layer_terms: list[tuple[Term, int, bool]] = []  # (term, operation index, after its saves)
+        self.op = 0  # operations described so far (in the current layer)
+        self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0}
+        self.output_saved = False  # whether the last operation's output is saved already (by itself)
+        self.work = {part: {k: 0.0 for k in ("flops", "attention_flops", "elementwise", "scores")}
+                     for part in ("layer", "other", "layers")}  # layers: every layer block's, times its count
+        self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0}  # likewise for the saves
+
+    # ---- for the modes
+    def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False):
+        """One collective term at `site` ("linear", "bias", "norm", "branch" inside a layer, where
+        it counts once per layer; "loss"; elsewhere the region's). `after_saves`: issued after
+        every tensor its operation saves for backward, so that recomputation under activation
+        checkpointing, which stops after the layer's last saved tensor, may not repeat it."""
+        in_layer = self.region == "layer"
+        where = "loss" if site == "loss" else (f"layer.{site}" if in_layer else self.region)
+        if (where == "embedding" and not self.first) or (where in ("head", "loss") and not self.last):
+            return  # a pipeline stage without that part
+        if where != "grads":
+            calls, elements = calls * self.repeat, elements * self.repeat
+        t = Term(phase, op, tuple(axes), calls, elements, where, itemsize or self.c.itemsize)
+        if in_layer:
+            self.layer_terms.append((t, self.op, after_saves))
+        else:
+            self.c.terms.append(t)
+
+    def save(self, elements: float) -> None:
+        """Elements (in the step's dtype) the current operation saves for backward."""
+        self.saved["layer" if self.region == "layer" else "other"] += elements
+
+    def save_ints(self, nbytes: float) -> None:
+        """Bytes of token ids, indices and masks saved for backward."""
+        self.saved["layer_ints" if self.region == "layer" else "ints"] += nbytes
+
+    def _work(self, kind: str, amount: float) -> None:
+        self.work["layer" if self.region == "layer" else "other"][kind] += amount
+
+    # ---- for the families: the operations of one step, in order
+    def embedding(self, *, positions: bool = True) -> None:
+        self.region = "embedding"
+        self.mode.cost_embedding(self, positions)
+        self.current = self.residual
+
+    @contextmanager
+    def layer(self, count: int | None = None):
+        """The operations of one layer, counted `count` times (default: the model's L layers, or
+        the stage's under a pipeline)."""
+        count = self.L if count is None else count
+        self.region, self.op = "layer", 0
+        self.layer_terms = []
+        yield
+        # recomputation stops after the layer's last saved tensor (every operation saves some,
+        # if only a view or an empty tensor): collectives its last operation issues after its
+        # saves (a 1D row-parallel linear's all-reduce) are not repeated
+        last = self.op
+        for t, op, after in self.layer_terms:
+            self.c.terms.append(Term(t.phase, t.op, t.axes, t.calls * count, t.elements * count, t.site, t.itemsize))
+            if self.c.checkpointing and t.phase == "forward" and (op < last or (op == last and not after)):
+                self.c.terms.append(Term("backward", t.op, t.axes, t.calls * count, t.elements * count, t.site,
+                                         t.itemsize))
+        for kind, amount in self.work["layer"].items():
+            self.work["layers"][kind] += count * amount
+            self.work["layer"][kind] = 0.0
+        self.layers_saved["elements"] += count * self.saved["layer"]
+        self.layers_saved["ints"] += count * self.saved["layer_ints"]
+        self.layers_saved["checkpointed"] += count * self.residual  # only each layer's input survives
+        self.saved["layer"] = self.saved["layer_ints"] = 0.0
+        self.region = "head"
+
+    @contextmanager
+    def sequence(self, length: int):
+        """The operations inside run on sequences of `length` tokens (an encoder-decoder's
+        stacks: the source's, the target's)."""
+        before = self.T
+        self._set_length(length)
+        try:
+            yield
+        finally:
+            self._set_length(before)
+
+    def _set_length(self, length: int) -> None:
+        self.T, self.M = length, self.B * length
+        self.residual = math.prod(self.mode.residual_shape(self.B, length))
+
+    def _next(self):
+        if self.region == "layer":
+            self.op += 1
+
+    def norm(self, kind: str = "layer", *, bias: bool) -> None:
+        """LayerNorm (kind "layer") or RMSNorm ("rms") of the residual stream."""
+        self._next()
+        self.save(self.mode.cost_norm(self, kind, bias))
+        self._work("elementwise", self.M * self.h * self.share.get("replicated", self.share["split"]))
+        self.current, self.output_saved = self.residual, False
+
+    def linear(self, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
+               input_from_attention: bool = False, from_memory: bool = False) -> None:
+        """`block` "attention" or "mlp", `position` "in" or "out"; out_features counts every
+        stacked copy or segment. `input_from_attention`: the input is attention's output (which
+        attention saves already where the layout feeds it on as a view). `from_memory`: an IN
+        linear of the encoder's output (`memory`), over its tokens, whose storage every layer
+        reading it shares: saved once, where the layout keeps the input as it is."""
+        self._next()
+        length = self.T
+        if from_memory:
+            self._set_length(self.memory_tokens)
+            self.memory_read = self.memory_read or self.mode.cost_keeps_input(block, position)
+        saved, out = self.mode.cost_linear(self, in_features, out_features, block=block, position=position, bias=bias,
+                                           input_saved=(input_from_attention and self.output_saved) or from_memory)
+        self.save(saved)
+        share = self.share.get(block, self.share["split"])
+        replicated = self.share.get("replicated", self.share["split"])
+        self._work("flops", 2 * self.M * in_features * out_features * share)
+        if position == "in":
+            self._work("elementwise", self.M * out_features * (share if bias else 0))
+        else:  # the bias and the residual add
+            self._work("elementwise", self.M * out_features * replicated * (2 if bias else 1))
+        self._set_length(length)
+        self.previous, self.current, self.output_saved = self.current, out, False
+
+    def attention(self, *, heads: int, kv_heads: int, head_size: int, causal: bool = True, rotary: bool = False,
+                  bias: bool = False, shared_bias: bool = False) -> None:
+        """Scaled dot-product attention of q (heads), k and v (kv_heads) of `head_size`, which
+        the preceding IN linear produced in one storage (`current`). Without an additive bias the
+        fused kernel runs: it saves q, k, v (views of that storage, or rotated copies of q and k
+        with `rotary`, whose cos and sin are saved too), the output and the log-sum-exp per head
+        and token, with k and v at kv_heads. With a per-head bias (a mask that requires grad)
+        the math kernel runs: it saves q, k and v expanded to every head and the attention
+        weights, and the bias's distance indices (and the causal mask); its output is not saved,
+        so the next linear saves its own copy. `shared_bias`: the bias is the stack's, computed
+        once (`position_bias`), so its indices are not this layer's."""
+        self._next()
+        share = self.share.get("attention", self.share["split"])
+        q = self.M * heads * head_size * share
+        kv = self.M * kv_heads * head_size * share
+        T = self.T
+        if rotary:
+            self.save(2 * T * head_size)  # cos and sin of the positions
+        if bias:
+            self.save(3 * q + self.B * heads * T * T * share)
+            self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
+            self.output_saved = False
+        else:
+            self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share)
+            self.output_saved = True
+        scores = self.B * heads * T * T * share
+        self._work("scores", scores)
+        self._work("attention_flops", 4 * head_size * scores)
+        self._work("flops", 4 * head_size * scores)
+        self.current = q
+
+    def position_bias(self, *, heads: int) -> None:
+        """A stack's relative position bias (T5's): the (T, T) bucket indices of the table
+        lookup, saved once for the stack's layers."""
+        self.save_ints(8 * self.T * self.T)
+
+    def memory(self) -> None:
+        """The stream is now the encoder's output, which the decoder's cross-attention reads (in
+        every layer, `linear(..., from_memory=True)`)."""
+        self.memory_tokens, self.memory_elements = self.T, self.residual
+
+    def cross_attention(self, *, heads: int, head_size: int) -> None:
+        """Attention of the current stream's queries (the IN linear before last) to the memory's
+        keys and values (the last IN linear's one storage), no mask: the fused kernel saves q, k
+        and v (views of those two storages), its output and the log-sum-exp per head and query."""
+        self._next()
+        share = self.share.get("attention", self.share["split"])
+        out = self.M * heads * head_size * share
+        self.save(self.previous + self.current + out + self.B * heads * self.T * share)
+        self.output_saved = True
+        scores = self.B * heads * self.T * self.memory_tokens * share
+        self._work("scores", scores)
+        self._work("attention_flops", 4 * head_size * scores)
+        self._work("flops", 4 * head_size * scores)
+        self.current = out
+
+    def activation(self, width: int, *, kind: str = "gelu_tanh", gated: bool = False) -> None:
+        """The MLP's elementwise activation (lattice.models.components.ACTIVATIONS) on `width`
+        hidden features: GELU and SiLU save their input, ReLU its output (which the next linear
+        saves anyway); gated (SwiGLU), act(gate) * up over the IN linear's two segments saves
+        both (one storage) and act(gate)."""
+        self._next()
+        share = self.share.get("mlp", self.share["split"])
+        out = self.M * width * share
+        saves_input = kind != "relu"
+        self.save((self.current + out) if gated else (self.current if saves_input else 0))
+        self._work("elementwise", self.M * width * share * (2 if gated else 1))
+        self.current, self.output_saved = out, False
+
+    def dense(self, in_features: int, out_features: int, *, bias: bool, activation: str) -> None:
+        """A linear from the residual layout back to it (`Mode.dense`) and its elementwise
+        activation (BERT's MLM transform: dense, GELU; a norm follows)."""
+        self._next()
+        saved, out = self.mode.cost_dense(self, in_features, out_features, bias)
+        share = self.share.get("dense", self.share["split"])
+        self.save(saved + (out if activation != "relu" else 0))  # GELU saves its input
+        self._work("flops", 2 * self.M * in_features * out_features * share)
+        self._work("elementwise", self.M * out_features * share * (2 if bias else 1))
+        self.current, self.output_saved = out, False
+
+    def lm_head(self) -> None:
+        """The LM head against the (tied) table and the cross-entropy."""
+        self.region = "head"
+        self.save(self.mode.cost_lm_head(self))
+        share = self.share.get("head", self.share["split"])
+        self._work("flops", 2 * self.M * self.h * self.vocab_padded * share)
+        self._work("elementwise", 2 * self.M * self.vocab_padded * share)
+
+    def classifier(self, num_labels: int, *, pooler: bool = False) -> None:
+        """A head over the first token of every sequence (`Mode.pool`), run replicated: with
+        `pooler`, a linear h -> h and tanh (BERT's), then a linear to `num_labels` and the
+        cross-entropy of the replica batch's class ids."""
+        self.region = "head"
+        pooled = self.B * self.h if pooler else 0  # tanh's output, which the classifier saves too
+        self.save(self.mode.cost_pool(self) + pooled + self.B * num_labels + 1)  # inputs, log-softmax, total weight
+        self.save_ints(8 * self.B)  # the class ids
+        self._work("flops", 2 * self.B * self.h * (num_labels + (self.h if pooler else 0)))
+        self._work("elementwise", 2 * self.B * num_labels)
+
+    # ---- the step
+    def build(self):
+        c = self.c
+        self.model.cost_layout(self)
+        c.residual_elements = self.residual
+        layers, layer_ints = self.layers_saved["elements"], self.layers_saved["ints"]
+        if c.checkpointing:  # only each layer's input survives the forward
+            layers, layer_ints = self.layers_saved["checkpointed"], 0
+        if self.memory_read:  # the encoder's output, as the layout's cross-attention keeps it
+            self.saved["other"] += self.memory_elements
+        c.memory["activations"] = (c.itemsize * (layers + self.saved["other"]) + layer_ints + self.saved["ints"])
+        params = list(self.model.parameters())
+        c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
+        c.param_tensors = len(params)
+        self._gradient_sums()
+        if c.pipeline is not None:
+            pipeline_terms(self)
+        if self.topo.size(DP) > 1:  # data-parallel gradient averaging, bucketed as DDP does
+            grads = c.memory["parameters"] / c.itemsize
+            self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
+                     "grads")
+        c.memory["gradients"] = c.memory["parameters"]
+        c.memory["optimizer"] = 2 * c.memory["parameters"]  # AdamW's two moments
+        self._totals()
+
+    def _gradient_sums(self):
+        """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes."""
+        self.region = "grads"
+        params = dict(self.model.named_parameters())
+        for axes, names in grad_sum_buckets(self.model):
+            if self.c.group_size(axes) > 1:
+                self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
+
+    def _totals(self):
+        """Forward and backward work: backward is twice the forward, plus one forward of every
+        layer under activation checkpointing."""
+        ckpt = self.c.checkpointing
+        layers, other = self.work["layers"], self.work["other"]
+        out = {}
+        for kind in ("flops", "attention_flops", "elementwise", "scores"):
+            fwd = layers[kind] + other[kind]
+            out[kind] = {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)}
+        self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
+        self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
+        self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
+                       for kind in ("flops", "attention_flops", "elementwise", "scores")}
