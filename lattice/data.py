@@ -91,6 +91,26 @@ def data_files(spec: str) -> list[Path]:
     return files
 
 
+def json_lines(spec: str, keys: tuple[str, ...], flags: str):
+    """(path, line number, the `keys` fields) of every JSON line of `--data`, or one line naming
+    the first that lacks them and the flags (`flags`) that name other keys."""
+    import json
+
+    for path in data_files(spec):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    values = tuple(row[k] for k in keys)
+                except (ValueError, KeyError, TypeError):
+                    named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
+                    raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
+                                             f"{flags}") from None
+                yield path, n, values
+
+
 TEXT_SAMPLE = 1 << 16  # bytes of each --data file looked at before training on it
 MAX_UNDECODABLE = 0.01  # the share of a file's sample that may fail to decode as UTF-8
 

@@ -26,13 +26,12 @@ Every batch is a function of (seed, step) alone, and a replica takes its rows of
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 
 import torch
 
 from lattice.context import LatticeConfigError
-from lattice.data import Corpus, data_files, global_batch, on_device, replica_rows, val_windows
+from lattice.data import Corpus, global_batch, json_lines, on_device, replica_rows, val_windows
 from lattice.loss import IGNORE_INDEX
 
 PAIR_TOKENS = ("[PAD]", "[EOS]")
@@ -45,18 +44,7 @@ def pair_token(token: str, tokenizer_vocab: int) -> int:
 
 def read_pairs(spec: str, source_key: str, target_key: str) -> list[tuple[str, str]]:
     """(source, target) of every JSON line of `--data`, or one line naming the first that is not one."""
-    out = []
-    for path in data_files(spec):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    out.append((str(row[source_key]), str(row[target_key])))
-                except (ValueError, KeyError, TypeError):
-                    raise LatticeConfigError(f"{path}:{n} is not a JSON object with {source_key!r} and {target_key!r} "
-                                             f"fields; fix it or pass --source-key / --target-key") from None
+    out = [(str(s), str(t)) for _, _, (s, t) in json_lines(spec, (source_key, target_key), "--source-key / --target-key")]
     if not out:
         raise LatticeConfigError(f"--data {spec} holds no JSON lines; give source/target pairs")
     return out

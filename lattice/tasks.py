@@ -31,13 +31,12 @@ its rows of the global batch, so resumed and re-laid-out runs see the same data.
 from __future__ import annotations
 
 import importlib.util
-import json
 from functools import cached_property
 
 import torch
 
 from lattice.context import LatticeConfigError
-from lattice.data import (VAL_FRACTION, Corpus, check_batch_size, data_files, global_batch, on_device,
+from lattice.data import (VAL_FRACTION, Corpus, check_batch_size, global_batch, json_lines, on_device,
                           replica_rows, train_batch, unigram_baseline, val_batches, val_windows)
 from lattice.loss import IGNORE_INDEX
 from lattice.pairs import PAIR_TOKENS, Seq2Seq
@@ -252,20 +251,10 @@ def _module_source(name: str) -> str:
 def read_labelled(spec: str, text_key: str, label_key: str) -> list[tuple[str, object]]:
     """(text, label) of every JSON line of `--data`, or one line naming the first that is not one."""
     out = []
-    for path in data_files(spec):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    text, label = str(row[text_key]), row[label_key]
-                except (ValueError, KeyError, TypeError):
-                    raise LatticeConfigError(f"{path}:{n} is not a JSON object with {text_key!r} and {label_key!r} "
-                                             f"fields; fix it or pass --text-key / --label-key") from None
-                if not isinstance(label, (str, int)) or isinstance(label, bool):
-                    raise LatticeConfigError(f"{path}:{n}: the label {label!r} is neither a string nor an integer")
-                out.append((text, label))
+    for path, n, (text, label) in json_lines(spec, (text_key, label_key), "--text-key / --label-key"):
+        if not isinstance(label, (str, int)) or isinstance(label, bool):
+            raise LatticeConfigError(f"{path}:{n}: the label {label!r} is neither a string nor an integer")
+        out.append((str(text), label))
     if not out:
         raise LatticeConfigError(f"--data {spec} holds no JSON lines; give labelled examples")
     return out
