@@ -113,10 +113,9 @@ def test_serial_equals_transformers_and_generates_its_tokens():
         assert loss < 1e-10 and grads < 1e-10 and same, variant
 
 
-LAYOUTS = [dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True), dict(mode="2d", tp=4),
-           dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2),
-           dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"),
-           dict(mode="subgraph", tp=4, subgrids=2, projections="common"), dict(mode="serial", dp=2)]
+# (sequence parallelism and common projections: against serial, test_t5_layouts_beyond_the_suite...)
+LAYOUTS = [dict(mode="1d", tp=2), dict(mode="2d", tp=4), dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2),
+           dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"), dict(mode="serial", dp=2)]
 GENERATES = (dict(mode="2d", tp=4), dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2, common="subgrid"),
              dict(mode="1d", tp=2))
 
@@ -136,8 +135,9 @@ def test_layout_equals_transformers(layout):
         for variant, (loss, grads, same_tokens) in result.items():
             assert loss < 1e-10 and grads < 1e-10, (variant, loss, grads)
             assert same_tokens in (None, True), variant
-    worst = {v: max(max(r[v][0], r[v][1]) for r in results) for v in VARIANTS}
-    print(f"{layout}: worst relative difference {worst}")
+    for v in VARIANTS:
+        print(f"{layout} {v}: loss {max(r[v][0] for r in results):.1e}, worst gradient "
+              f"{max(r[v][1] for r in results):.1e}, generate equal {results[0][v][2]}")
 
 
 def test_buckets_follow_the_t5_rule():
@@ -172,7 +172,8 @@ def _refusals(layout: dict) -> list:
              "token outside the vocabulary": (src.masked_fill(src == src[0, 0], 61), labels),
              "label outside the vocabulary": (src, labels.masked_fill(labels == labels[0, 0], -5)),
              "targets for other sources": (src, labels[:2]),
-             "odd target length": (src, labels[:, :5])}
+             "odd target length": (src, labels[:, :5]),
+             "logits of the start token alone": (src, None)}
     out = {}
     for name, (x, y) in cases.items():
         with lattice.CommMeter() as meter:
@@ -195,7 +196,8 @@ def test_bad_inputs_are_refused_in_one_line_on_every_rank():
                 "token outside the vocabulary": "outside the vocabulary [0, 61)",
                 "label outside the vocabulary": "-100 marks an ignored label",
                 "targets for other sources": "one target sequence per source",
-                "odd target length": "sequence length = 5 is not divisible by tp = 2"}
+                "odd target length": "sequence length = 5 is not divisible by tp = 2",
+                "logits of the start token alone": "sequence length = 1 is not divisible by tp = 2"}
     for result in results:
         for name, fragment in expected.items():
             message, sent = result[name]
@@ -249,3 +251,18 @@ def test_trains_evaluates_and_exports_from_the_command_line(tmp_path, capsys, mo
     out = hf.generate(ids, max_new_tokens=6, do_sample=False)
     assert out[0, 0] == hf.config.decoder_start_token_id == tokenizer.vocab_size  # [PAD] after the vocabulary
     assert printed == tokenizer.decode([t for t in out[0, 1:].tolist() if t < tokenizer.vocab_size])
+
+
+@pytest.mark.parametrize("layout", [{"mode": "1d", "tp": 2, "sequence_parallel": True},
+                                    {"mode": "subgraph", "tp": 2, "subgrids": 2, "common": "subgrid"},
+                                    {"mode": "subgraph", "tp": 4, "subgrids": 2, "projections": "common",
+                                     "slice_collective": "all_gather"}],
+                         ids=["1d-sp", "subgraph-csub", "subgraph-common-projections"])
+def test_t5_layouts_beyond_the_suite_equal_serial_and_their_cost_model(layout):
+    """Catches cross-attention costed wrong where the layout copies what it reads: the memory
+    gathered again by every decoder layer (sequence parallelism), split into the branches
+    (D&SP-cSub, whose idle ranks hold none of it) or read by common projections -- against
+    serial, with the cost model's bytes and activations, as the conformance suite checks."""
+    from test_conformance import assert_layout_equals_serial
+
+    assert_layout_equals_serial("t5", layout)

@@ -350,11 +350,11 @@ class T5(Model):
                 decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss over this replica's labelled targets, or without targets the (B, T, V)
         logits of `decoder_tokens` (default: the start token alone)."""
+        if targets is None and decoder_tokens is None:
+            decoder_tokens = self.start_tokens(tokens.shape[0], tokens.device)
         self.check_inputs(tokens, targets, decoder_tokens)
         if targets is not None:
             decoder_tokens = self.shift_right(targets)
-        elif decoder_tokens is None:
-            decoder_tokens = self.start_tokens(tokens.shape[0], tokens.device)
         self.mode.begin_batch(tokens.shape[0], max(tokens.shape[1], decoder_tokens.shape[1]))
         if self.training:
             self.seeds.forward_count += 1
