@@ -57,8 +57,11 @@ class ShardSpec:
         shape = list(self.storage_shape)
         for d, n in self.split_sizes(topo).items():
             if shape[d] % n:
+                axes = " x ".join(a.value for dim, split in self.splits if dim == d for a in split)
                 raise LatticeConfigError(
-                    f"dimension {d} of size {shape[d]} does not split into {n} shards")
+                    f"a parameter of shape {list(self.full_shape)} does not split over this layout: its dimension {d} "
+                    f"of size {shape[d]} does not divide into {n} shards (mesh axes {axes}); choose model sizes that "
+                    f"make it a multiple of {n} (the MLP's hidden width, the head size or the head counts)")
             shape[d] //= n
         return tuple(shape)
 

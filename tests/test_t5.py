@@ -10,6 +10,8 @@ float64 (`_reference_norm`), as tests/test_llama.py does for RMSNorm; everything
 transformers' code as shipped (its eager attention).
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -202,6 +204,22 @@ def test_bad_inputs_are_refused_in_one_line_on_every_rank():
         for name, fragment in expected.items():
             message, sent = result[name]
             assert message and fragment in message and "\n" not in message and sent == 0, (name, message, sent)
+
+
+@pytest.mark.parametrize("change, layout, fragment", [
+    (dict(n_heads=3), dict(mode="1d", tp=2), "n_heads = 3 is not divisible by tp = 2"),
+    (dict(d_ff=42), dict(mode="3d", tp=8), "dimension 0 of size 42 does not divide into 4 shards"),
+    (dict(n_decoder_layers=-1), dict(mode="serial"), "n_decoder_layers must be 0"),
+    (dict(feed_forward_proj="swiglu"), dict(mode="serial"), "feed_forward_proj='swiglu' is not implemented"),
+    (dict(eos_token_id=61), dict(mode="serial"), "eos_token_id = 61 is not a token of the vocabulary of 61")])
+def test_bad_sizes_are_refused_in_one_line_before_anything_is_allocated(change, layout, fragment):
+    """Catches a size that fails deep in a kernel instead of one line naming it: heads a layout
+    cannot split, a feed-forward width the 3D cube cannot split (refused by the parameter's shard
+    spec, naming the dimension and the divisor), and config values T5 cannot take."""
+    with pytest.raises(lattice.LatticeConfigError, match=re.escape(fragment)) as e:
+        with torch.device("meta"):
+            lattice.build_model(T5Config(**{**BASE, **change}), lattice.plan(**layout))
+    assert "\n" not in str(e.value)
 
 
 def test_pipeline_is_refused_in_one_line_naming_what_works():
