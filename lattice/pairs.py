@@ -69,14 +69,19 @@ class Seq2Seq:
         return ([e for i, e in enumerate(encoded) if i % VAL_EVERY != VAL_EVERY - 1],
                 encoded[VAL_EVERY - 1::VAL_EVERY])
 
+    @staticmethod
+    def check_lengths(data: str | None, seq_len: int, target_len: int) -> None:
+        """The lengths against the data, from the config alone (the launcher checks them too)."""
+        if data is None and target_len < seq_len + 1:
+            raise LatticeConfigError(f"the built-in pair task reverses windows of seq_len = {seq_len} tokens and ends "
+                                     f"them with [EOS]: target_len = {target_len} is too short; pass --target-len "
+                                     f"{seq_len + 1} or more (or a shorter --seq-len)")
+
     def check(self, batch_size: int, seq_len: int, dp: int) -> None:
         if batch_size % dp:
             raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of {dp}")
+        self.check_lengths(self.data, seq_len, self.target_len)
         if self.data is None:
-            if self.target_len < seq_len + 1:
-                raise LatticeConfigError(f"the built-in pair task reverses windows of seq_len = {seq_len} tokens and "
-                                         f"ends them with [EOS]: target_len = {self.target_len} is too short; pass "
-                                         f"--target-len {seq_len + 1} or more (or a shorter --seq-len)")
             for split, tokens in (("training", self.corpus.train), ("validation", self.corpus.val)):
                 if len(tokens) < seq_len + 1:
                     raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than a window of "

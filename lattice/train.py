@@ -31,6 +31,7 @@ from lattice.models import build_model, get_arch
 from lattice.modes import get_mode
 from lattice.metrics import Metrics, step_flops
 from lattice.optim import clip_grads, grad_norm, lr_at, make_optimizer
+from lattice.pairs import Seq2Seq
 from lattice.pipeline import batch_problem
 from lattice.run_checkpoints import RunCheckpoints
 from lattice.tasks import model_vocab
@@ -76,6 +77,8 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
                                      "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
     # every length a batch has: the sequence, and an encoder-decoder's target
     lengths = [model_config.seq_len] + [n for n in [getattr(model_config, "target_len", None)] if n]
+    if cfg.task_name == "seq2seq":
+        Seq2Seq.check_lengths(cfg.data, *lengths)
 
     def problem(batch):
         if batch % ctx.dp:
