@@ -94,21 +94,25 @@ def data_files(spec: str) -> list[Path]:
 def json_lines(spec: str, keys: tuple[str, ...], flags: str):
     """(path, line number, the `keys` fields) of every JSON line of `--data`, or one line naming
     the first that lacks them and the flags (`flags`) that name other keys."""
+    for path in data_files(spec):
+        yield from _json_rows(path, keys, flags)
+
+
+def _json_rows(path: Path, keys: tuple[str, ...], flags: str):
     import json
 
-    for path in data_files(spec):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    values = tuple(row[k] for k in keys)
-                except (ValueError, KeyError, TypeError):
-                    named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
-                    raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
-                                             f"{flags}") from None
-                yield path, n, values
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                values = tuple(row[k] for k in keys)
+            except (ValueError, KeyError, TypeError):
+                named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
+                raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
+                                         f"{flags}") from None
+            yield path, n, values
 
 
 TEXT_SAMPLE = 1 << 16  # bytes of each --data file looked at before training on it
@@ -147,26 +151,16 @@ def data_chunks(spec: str, data_format: str = "text", text_key: str | tuple[str,
     """The text of `--data` in pieces of about CHUNK_CHARS ending at a line break (files
     separated by a blank line; JSON lines contribute their `text_key`, or each of several keys:
     both sides of translation pairs), never all in memory."""
-    import json
-
     keys = (text_key,) if isinstance(text_key, str) else tuple(text_key)
+    flags = "--text-key" if len(keys) == 1 else "--source-key / --target-key"
     for i, path in enumerate(data_files(spec)):
         if i:
             yield "\n\n"
+        if data_format == "jsonl":
+            for _, _, values in _json_rows(path, keys, flags):
+                yield "".join(str(v) + "\n\n" for v in values)
+            continue
         with open(path, encoding="utf-8", errors="replace") as f:
-            if data_format == "jsonl":
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                        yield "".join(str(row[k]) + "\n\n" for k in keys)
-                    except (ValueError, KeyError, TypeError):
-                        named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
-                        flags = "--text-key" if len(keys) == 1 else "--source-key / --target-key"
-                        raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
-                                                 f"{flags}") from None
-                continue
             while True:
                 piece = f.read(CHUNK_CHARS)
                 if not piece:

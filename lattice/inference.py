@@ -153,13 +153,14 @@ def run_inference(args, argv: list[str]) -> int:
         out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
         dt = time.perf_counter() - t0
         if ctx.rank == 0:
-            if getattr(cfg, "eos_token_id", None) is not None:  # an encoder-decoder: its answer, up to the end token
+            answers = "seq2seq" in model.family.tasks  # an encoder-decoder: its answer, up to the end token
+            if answers:
                 answer = out[0, 1:].tolist()
                 answer = answer[:answer.index(cfg.eos_token_id)] if cfg.eos_token_id in answer else answer
                 print(decode([t for t in answer if t not in (cfg.pad_token_id, cfg.decoder_start_token_id)]))
             else:
                 print(args.prompt + decode(out[0, len(ids):].tolist()))
-            made = out.shape[1] - (1 if getattr(cfg, "eos_token_id", None) is not None else len(ids))
+            made = out.shape[1] - (1 if answers else len(ids))
             print(f"{made} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
                   f"{copies * made / dt:.1f} tokens/s (batch {copies}, {args.mode} on "
                   f"{ctx.world_size} ranks)", file=sys.stderr)

@@ -198,13 +198,16 @@ class CostBuilder:
         else:
             self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share)
             self.output_saved = True
-        scores = self.B * heads * T * T * share
+        self._score_work(self.B * heads * T * T * share, head_size)
+        self.current = q
+
+    def _score_work(self, scores: float, head_size: int) -> None:
+        """q kᵀ and the weights times v: 2·head_size multiply-adds per score, each."""
         self._work("scores", scores)
         self._work("attention_flops", 4 * head_size * scores)
         self._work("flops", 4 * head_size * scores)
-        self.current = q
 
-    def position_bias(self, *, heads: int) -> None:
+    def position_bias(self) -> None:
         """A stack's relative position bias (T5's): the (T, T) bucket indices of the table
         lookup, saved once for the stack's layers."""
         self.save_ints(8 * self.T * self.T)
@@ -223,10 +226,7 @@ class CostBuilder:
         out = self.M * heads * head_size * share
         self.save(self.previous + self.current + out + self.B * heads * self.T * share)
         self.output_saved = True
-        scores = self.B * heads * self.T * self.memory_tokens * share
-        self._work("scores", scores)
-        self._work("attention_flops", 4 * head_size * scores)
-        self._work("flops", 4 * head_size * scores)
+        self._score_work(self.B * heads * self.T * self.memory_tokens * share, head_size)
         self.current = out
 
     def activation(self, width: int, *, kind: str = "gelu_tanh", gated: bool = False) -> None:

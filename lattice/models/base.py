@@ -397,8 +397,11 @@ class Model(nn.Module):
 def check_ids(name: str, ids: torch.Tensor, vocab: int, *, labels: bool = False) -> None:
     """One line unless every id in `ids` is a token of a vocabulary of `vocab` (with `labels`,
     -100 marks one to ignore), instead of an index error deep in an embedding."""
-    real = ids[ids != IGNORE_INDEX] if labels else ids
-    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
+    if not ids.numel():
+        return
+    real = ids.masked_fill(ids == IGNORE_INDEX, 0) if labels else ids
+    low, high = torch.stack([real.min(), real.max()]).tolist()  # one host sync per check
+    if low < 0 or high >= vocab:
         raise LatticeConfigError(f"{name} hold ids outside the vocabulary [0, {vocab})" +
                                  (" (-100 marks an ignored label)" if labels else "") +
                                  "; encode with the model's tokenizer or raise vocab_size")

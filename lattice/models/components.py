@@ -156,7 +156,7 @@ class SelfAttention(nn.Module):
             B, T, _, h_local = qkv.shape
             q, k, v = qkv.view(B, T, 3, h_local // hs, hs).permute(2, 0, 3, 1, 4)  # (B_l, nh_l, T, hs)
         else:
-            q, k, v = (t.unflatten(-1, (-1, hs)).transpose(1, 2) for t in self.qkv(x))  # (B_l, nh_l | nkv_l, T, hs)
+            q, k, v = (split_heads(t, hs) for t in self.qkv(x))  # (B_l, nh_l | nkv_l, T, hs)
             B, T = q.shape[0], q.shape[2]
         if self.rotary is not None:
             cos, sin = self.rotary(start, T, q)
@@ -172,6 +172,11 @@ class SelfAttention(nn.Module):
                    dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
+
+
+def split_heads(t: torch.Tensor, head_size: int) -> torch.Tensor:
+    """(B, T, nh · hs) -> (B, nh, T, hs): a projection's features as its heads."""
+    return t.unflatten(-1, (-1, head_size)).transpose(1, 2)
 
 
 class AttentionDropout:
@@ -233,11 +238,11 @@ class CrossAttention(nn.Module):
         """`cache` (inference): the memory's keys and values in this rank's layout, computed at
         the first call and read at every later one (the memory does not change while decoding)."""
         hs = self.head_size
-        q = self.q(x).unflatten(-1, (-1, hs)).transpose(1, 2)  # (B_l, nh_l, T, hs)
+        q = split_heads(self.q(x), hs)  # (B_l, nh_l, T, hs)
         if cache is not None and "k" in cache:
             k, v = cache["k"], cache["v"]
         else:
-            k, v = (t.unflatten(-1, (-1, hs)).transpose(1, 2) for t in self.kv(memory))  # (B_l, nh_l, S, hs)
+            k, v = (split_heads(t, hs) for t in self.kv(memory))  # (B_l, nh_l, S, hs)
             if cache is not None:
                 cache["k"], cache["v"] = k, v
         y = attend(q, k, v, causal=False, scale=self.scale, dropout=self.weights_drop if self.training else None)

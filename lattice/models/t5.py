@@ -427,7 +427,7 @@ class T5(Model):
 
         with b.sequence(source):
             b.embedding(positions=False)
-            b.position_bias(heads=n)
+            b.position_bias()
             with b.layer(count=cfg.n_layers):
                 self_attention(causal=False)
                 feed_forward()
@@ -435,7 +435,7 @@ class T5(Model):
             b.memory()
         with b.sequence(target):
             b.embedding(positions=False)
-            b.position_bias(heads=n)
+            b.position_bias()
             with b.layer(count=cfg.n_decoder_layers):
                 self_attention(causal=True)
                 b.norm("rms", bias=False)
