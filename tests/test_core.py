@@ -198,6 +198,45 @@ def test_a_hung_check_reports_every_stuck_ranks_stack():
         assert "in _hang_on_rank_1" in rank_stack, report
 
 
+def _cache_layouts_and_stray_groups(layouts: list[dict], stray: int) -> None:
+    for layout in layouts:
+        cached_init(**layout)
+    for _ in range(stray):
+        dist.new_group([0, 1])
+
+
+def _groups_alive() -> int:
+    """Process groups this rank holds besides the world, counted from torch's own registry."""
+    from torch.distributed import distributed_c10d
+
+    return len(set(distributed_c10d._world.pg_map) - {dist.group.WORLD})
+
+
+def _groups_one_init_makes(layout: dict) -> int:
+    before = _groups_alive()
+    lattice.init(**layout)
+    return _groups_alive() - before
+
+
+def _tp_all_reduce(layout: dict) -> float:
+    x = torch.ones(1)
+    dist.all_reduce(x, group=cached_init(**layout).group(MeshAxis.TP))
+    return x.item()
+
+
+def test_test_workers_give_back_the_groups_of_old_layouts_and_of_a_check():
+    """Catches the test harness keeping every layout's (or every check's own) process groups:
+    each idle gloo group owns a thread that wakes 100 times a second, and ~20 workers holding
+    dozens each made the suite 40% slower. After six layouts and five stray groups a worker holds
+    the groups of its two latest layouts (as many as two plain inits make), and they still work."""
+    layouts = [dict(mode="1d", tp=2, sequence_parallel=sp, seed=seed) for sp in (False, True) for seed in (1, 2, 3)]
+    run_distributed(2, _cache_layouts_and_stray_groups, layouts, 5)
+    expected = [a + b for a, b in zip(*(run_distributed(2, _groups_one_init_makes, lo) for lo in layouts[-2:]))]
+    assert run_distributed(2, _groups_alive) == expected and min(expected) > 0
+    assert run_distributed(2, _tp_all_reduce, layouts[-1]) == [2.0, 2.0]
+    assert run_distributed(2, _groups_alive) == expected  # reused, not made again
+
+
 def _check_groups_and_gather_to_one_rank():
     import torch.distributed as dist
 
