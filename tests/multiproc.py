@@ -194,11 +194,8 @@ def _destroy(groups) -> None:
 def _destroy_groups_outside_the_cache() -> None:
     """Groups a check created for itself (a plain lattice.init, a checkpointer's group): every
     rank ran the same check, so every rank destroys the same groups."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        kept = set().union(*(groups for _, groups in _ctx_cache.values()))
-        _destroy(_live_groups() - kept)
+    kept = set().union(*(groups for _, groups in _ctx_cache.values()))
+    _destroy(_live_groups() - kept)
 
 
 def cached_init(**kwargs):
@@ -214,5 +211,6 @@ def cached_init(**kwargs):
         ctx = lattice.init(**kwargs)
         _ctx_cache[key] = (ctx, _live_groups() - before)
         while len(_ctx_cache) > KEEP_LAYOUTS:
-            _destroy(_ctx_cache.popitem(last=False)[1][1])
+            _, (_, oldest_groups) = _ctx_cache.popitem(last=False)
+            _destroy(oldest_groups)
     return _ctx_cache[key][0]

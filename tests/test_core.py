@@ -206,10 +206,10 @@ def _cache_layouts_and_stray_groups(layouts: list[dict], stray: int) -> None:
 
 
 def _groups_alive() -> int:
-    """Process groups this rank holds besides the world, counted from torch's own registry."""
-    from torch.distributed import distributed_c10d
+    """Process groups this rank holds besides the world (torch's own registry)."""
+    import multiproc
 
-    return len(set(distributed_c10d._world.pg_map) - {dist.group.WORLD})
+    return len(multiproc._live_groups())
 
 
 def _groups_one_init_makes(layout: dict) -> int:
