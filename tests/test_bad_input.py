@@ -153,11 +153,16 @@ def test_a_bad_input_is_one_line_with_the_fix(case, workspace, capsys, monkeypat
 
 def test_every_rank_prints_the_line(workspace):
     """Catches a refusal printed by rank 0 only (the other ranks wait in a collective until the
-    timeout) under the user's own torchrun, where no launcher of ours checked first."""
+    timeout) under the user's own torchrun, where no launcher of ours checked first.
+
+    torchrun's agent ends the other workers at its first look after one has failed (every 0.1 s
+    by default), and on a loaded machine rank 1 reached its check later than that (CI: one
+    refusal, rank 1 ended by SIGTERM). The agent here looks after 20 s: time for a rank that checks
+    to print, none for one stuck in a collective (its group's timeout is far longer)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "lattice", "train", *TINY, "--dp", "2", "--out-dir", "run"],
+                           "--monitor-interval", "20", "-m", "lattice", "train", *TINY, "--dp", "2", "--out-dir", "run"],
                           cwd=workspace, env=env, capture_output=True, text=True, timeout=180)
     refusals = [line for line in proc.stderr.splitlines() if "--out-dir run holds a run with checkpoints" in line]
     # (torchrun's agent prints its own traceback of the failed children; none may come from a worker)
