@@ -34,6 +34,7 @@ from lattice import sharded_checkpoint as sharded
 from lattice.checkpoint_files import START_FRESH, atomic_write, check_version_and_keys
 from lattice.context import LatticeConfigError
 from lattice.sharding import gather_full
+from lattice.zero import ZeroOptimizer
 
 FORMAT = "lattice-checkpoint"
 VERSION = 1
@@ -200,10 +201,14 @@ def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:
     spec; before the first step they are zeros."""
     params = dict(model.named_parameters())
     out = {"exp_avg": {}, "exp_avg_sq": {}, "step": 0}
+    local = optimizer.full_local_moments() if isinstance(optimizer, ZeroOptimizer) else None  # over dp first
     for name, spec in model.specs.items():
-        state = optimizer.state.get(params[name], {}) if name in params else {}
+        state = optimizer.state.get(params[name], {}) if name in params and local is None else {}
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key][name] = gather_full(state.get(key), spec, model.ctx, dtype=model.dtype)
+            mine = local[key].get(name) if local is not None else state.get(key)
+            out[key][name] = gather_full(mine, spec, model.ctx, dtype=model.dtype)
         if "step" in state:
             out["step"] = int(state["step"])
+    if local is not None:
+        out["step"] = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
     return out

@@ -8,6 +8,7 @@ SUPER's message counts.
 from __future__ import annotations
 
 from lattice.arguments import layout_from_args
+from lattice.context import MeshAxis
 from lattice.layout import PLACEMENTS
 from lattice.models import DEFAULT_ARCH
 
@@ -54,7 +55,34 @@ def run_info(args) -> int:
         pad = f" padded to {list(spec.padded_shape)}" if spec.padded_shape else ""
         print(f"  {name} {list(spec.full_shape)}{pad}: {spec.describe(topo)}")
         print("      " + "; ".join(f"{k} on ranks {v}" for k, v in held.items()))
+    _print_optimizer_memory(args, cfg, model.num_parameters())
     return 0
+
+
+def _print_optimizer_memory(args, cfg, total: int) -> None:
+    """What each rank keeps between steps in fp32 -- weights, gradients and AdamW's moments --
+    without and with the distributed optimizer (lattice.zero), and per parameter of the model."""
+    import torch
+
+    from lattice.models import build_model
+    from lattice.zero import ZERO_STAGES, memory_per_rank
+
+    layout = layout_from_args(args)
+    topo = layout.topology
+    dp = topo.size(MeshAxis.DP)
+    print(f"memory per rank between steps, fp32 (weights + gradients + AdamW moments, MiB; bytes per parameter of "
+          f"the model times the ranks of one replica):")
+    print("  rank  " + "".join(f"{'--zero ' + str(z):>24}" for z in ZERO_STAGES))
+    for r in range(topo.world_size):
+        ctx = layout.context(r)
+        with torch.device("meta"):
+            model = build_model(cfg, ctx)
+        cells = []
+        for zero in ZERO_STAGES:
+            held = memory_per_rank(model, dp, ctx.coord(MeshAxis.DP), zero, 4)
+            b = sum(held.values())
+            cells.append(f"{b / 2 ** 20:.2f} ({b * topo.replica_size / total:.2f} B/param)")
+        print(f"  {r:<6}" + "".join(f"{c:>24}" for c in cells))
 
 
 def _print_stages(model) -> None:

@@ -44,6 +44,7 @@ from lattice.checkpoint_files import (START_FRESH, WriteFailed, atomic_write, ch
                                       fsync_dir, megabytes, space_shortfall, write_failure_reason)
 from lattice.context import LatticeConfigError
 from lattice.dcp_io import INDEX_FILE, LoadPlanner, Reader, SavePlanner, checksums, overlaps, read_index
+from lattice.zero import ZeroOptimizer
 
 FORMAT = "lattice-sharded-checkpoint"
 VERSION = 1
@@ -85,12 +86,14 @@ class Chunk:
         return self.data
 
 
-def chunk_of(local: torch.Tensor, spec, ctx) -> Chunk | None:
+def chunk_of(local: torch.Tensor, spec, ctx, first_row: int = 0) -> Chunk | None:
     """This rank's shard as a chunk of the full (unpadded) tensor; None when it holds only
-    padding."""
+    padding. `first_row`: `local` is the shard's rows from there on (a distributed optimizer's
+    piece of a moment), not the whole shard."""
     offsets, region = [], []
-    for sl, n in zip(spec.slices(ctx.coords, ctx.topology), spec.full_shape):
-        lo, hi = min(sl.start, n), min(sl.stop, n)
+    for dim, (sl, n) in enumerate(zip(spec.slices(ctx.coords, ctx.topology), spec.full_shape)):
+        start, stop = (sl.start + first_row, sl.start + first_row + local.shape[0]) if dim == 0 else (sl.start, sl.stop)
+        lo, hi = min(start, n), min(stop, n)
         if hi <= lo:
             return None
         offsets.append(lo)
@@ -103,19 +106,19 @@ def training_state(model, optimizer, *, with_moments: bool, staged: bool = False
     their parameters) when `with_moments`. `staged` copies them to CPU first, so that training
     may go on changing the live tensors while a background thread writes the copies."""
     params = dict(model.named_parameters())
-    out = {}
-    for name, spec in model.specs.items():
-        if name not in params:
-            continue  # a rank that does not host this parameter (2D vectors off row 0, ...)
-        p = params[name]
-        tensors = {f"model/{name}": p.detach()}
-        if with_moments:
+    tensors = {}  # key: (name, the tensor, its first row in the local shard)
+    for name, p in params.items():
+        tensors[f"model/{name}"] = (name, p.detach(), 0)
+        if with_moments and not isinstance(optimizer, ZeroOptimizer):
             state = optimizer.state[p]
-            tensors.update({f"optimizer/{key}/{name}": state[key] for key in ("exp_avg", "exp_avg_sq")})
-        for key, t in tensors.items():
-            chunk = chunk_of(t.detach().to("cpu", copy=True) if staged else t.detach(), spec, model.ctx)
-            if chunk is not None:
-                out[key] = chunk
+            tensors.update({f"optimizer/{key}/{name}": (name, state[key], 0) for key in ("exp_avg", "exp_avg_sq")})
+    if with_moments and isinstance(optimizer, ZeroOptimizer):  # this dp rank's rows of each moment
+        tensors.update({f"optimizer/{key}/{name}": (name, t, row) for name, key, t, row in optimizer.moments()})
+    out = {}
+    for key, (name, t, row) in tensors.items():
+        chunk = chunk_of(t.detach().to("cpu", copy=True) if staged else t.detach(), model.specs[name], model.ctx, row)
+        if chunk is not None:
+            out[key] = chunk
     return out
 
 
@@ -348,7 +351,9 @@ def load(saved: dict, model, optimizer=None) -> None:
     rank calls it)."""
     with_moments = optimizer is not None and int(saved.get("optimizer_step", 0)) > 0
     check_tensors(saved, model, with_moments=with_moments, where=saved["path"])
-    if with_moments:
+    if with_moments and isinstance(optimizer, ZeroOptimizer):
+        optimizer.prepare_moments(int(saved["optimizer_step"]))
+    elif with_moments:
         for p in model.parameters():
             state = optimizer.state.get(p, {})
             moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]

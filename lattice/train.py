@@ -35,6 +35,7 @@ from lattice.pairs import Seq2Seq
 from lattice.pipeline import batch_problem
 from lattice.run_checkpoints import RunCheckpoints
 from lattice.tasks import model_vocab
+from lattice.zero import ZeroOptimizer
 from lattice.train_config import DATA_FORMATS, DTYPES, ON_NAN, TrainConfig  # noqa: F401  (lattice.train's names)
 
 
@@ -199,8 +200,12 @@ class Trainer:
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
                                      f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
                                      f"train --resume` convert it")
-        self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                        weight_decay=cfg.weight_decay)
+        if cfg.zero:  # the moments (and with stage 2 the gradients) split over the dp replicas
+            self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None)
+        else:
+            self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                            weight_decay=cfg.weight_decay)
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
         self._saved_step = None  # the step of the last checkpoint written or loaded
         self.checkpoints = RunCheckpoints(cfg, ctx, self.model, self.optimizer, self.model_config)
@@ -217,7 +222,7 @@ class Trainer:
         if cfg.async_checkpoint and cfg.out_dir:
             self.checkpoints.start_async()
         self.engine = self.model
-        if ctx.dp > 1 and ctx.pipeline is None:
+        if ctx.dp > 1 and ctx.pipeline is None and not cfg.zero:
             from torch.nn.parallel import DistributedDataParallel
 
             group = ctx.group(MeshAxis.DP)
@@ -251,13 +256,18 @@ class Trainer:
         if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
             with autocast(self.ctx, cfg.bf16):
                 loss = torch.tensor(self.model.forward_backward(x, y), dtype=torch.float64)
-            self._average_over_replicas()
+            if not cfg.zero:
+                self._average_over_replicas()
         else:
             with autocast(self.ctx, cfg.bf16):
                 loss = self.engine(x, y)
             loss.backward()
             self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
-        norm = grad_norm(self.model, self.ctx)
+        if cfg.zero:  # the reduce-scatters backward did not start, then every rank's own slices
+            self.optimizer.reduce_grads()
+            norm = self.optimizer.grad_norm()
+        else:
+            norm = grad_norm(self.model, self.ctx)
         # the norm is already identical on every rank: every rank takes the same decision
         finite = bool(torch.isfinite(norm))
         if not finite and cfg.on_nan == "stop":
@@ -266,7 +276,9 @@ class Trainer:
                 f"before updating the weights, and nothing was saved over the last checkpoint; lower --lr, or pass "
                 f"--on-nan skip to skip such steps")
         if finite:
-            if cfg.grad_clip > 0:
+            if cfg.grad_clip > 0 and cfg.zero:
+                self.optimizer.clip(norm, cfg.grad_clip)
+            elif cfg.grad_clip > 0:
                 clip_grads(self.model, norm, cfg.grad_clip)
             self.optimizer.step()
         else:  # --on-nan skip: the batch is consumed, the weights and moments stay as they were

@@ -14,6 +14,7 @@ from lattice.context import LatticeConfigError
 from lattice.data import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.options import flag
+from lattice.zero import ZERO_STAGES
 from lattice.tasks import BUILTIN_CLASSES, TASKS, check_task, make_task, model_vocab, read_labelled, task_model_fields
 
 DATA_FORMATS = ("text", "jsonl")
@@ -78,6 +79,9 @@ class TrainConfig:
     eval_batches: int = flag(8, "validation batches", group="logging")
     bf16: bool = flag(False, "bf16 autocast", group="training")
     activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
+    zero: int = flag(0, "distributed optimizer over the --dp replicas: 1 splits the AdamW moments (ZeRO-1, Megatron's "
+                        "distributed optimizer), 2 also the gradients; 0 keeps everything on every replica (DDP)",
+                     choices=lambda: ZERO_STAGES, group="training")
     out_dir: str | None = flag(None, "where checkpoints and metrics.csv go; lattice train without it: a new runs/run-N "
                                "(runs/latest links to the newest), or with --resume the resumed run's directory",
                                alias="--checkpoint-dir", group="checkpoints")
@@ -113,6 +117,9 @@ class TrainConfig:
             raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
         if self.on_nan not in ON_NAN:
             raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        if self.zero not in ZERO_STAGES:
+            raise LatticeConfigError(f"zero must be one of {ZERO_STAGES} (1: optimizer state split over dp, 2: and the "
+                                     f"gradients), got {self.zero!r}")
         if self.dtype not in DTYPES:
             raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
         check_task(self.task_name, get_arch(self.arch))

@@ -12,6 +12,7 @@ from lattice.context import MeshAxis
 from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.sharding import grad_sum_buckets
+from lattice.zero import memory_per_rank, plan_buckets
 
 DP = MeshAxis.DP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -289,12 +290,19 @@ class CostBuilder:
         self._gradient_sums()
         if c.pipeline is not None:
             pipeline_terms(self)
-        if self.topo.size(DP) > 1:  # data-parallel gradient averaging, bucketed as DDP does
+        dp = self.topo.size(DP)
+        if c.zero:  # the distributed optimizer: per bucket a reduce-scatter in backward, an all-gather after the update
+            for _, _, segment in plan_buckets(self.model, dp, itemsize=c.itemsize):
+                if dp > 1:
+                    self.add("backward", "reduce_scatter", (DP,), dp * segment, 1, "grads")
+                    self.add("optimizer", "all_gather", (DP,), dp * segment, 1, "grads")
+        elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does
             grads = c.memory["parameters"] / c.itemsize
             self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
                      "grads")
-        c.memory["gradients"] = c.memory["parameters"]
-        c.memory["optimizer"] = 2 * c.memory["parameters"]  # AdamW's two moments
+        held = memory_per_rank(self.model, dp, c.topology.coords(c.rank).get(DP, 0), c.zero, c.itemsize)
+        c.memory["gradients"] = held["gradients"]
+        c.memory["optimizer"] = held["optimizer"]  # AdamW's two moments (of this rank's rows under ZeRO)
         self._totals()
 
     def _gradient_sums(self):

@@ -21,6 +21,7 @@ from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import parallel_modes
+from lattice.zero import ZERO_STAGES
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
+                   help="distributed optimizer stage over --dp (as in train): its traffic and memory per rank")
     p.add_argument("--machine", default=None, metavar="JSON",
                    help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
                         "default: the papers' 4-GPU-node cluster")
@@ -86,7 +89,7 @@ def run_plan(args) -> int:
         print(format_pipeline(cfg, layout, batch=batch, machine=machine))
         return 0
     c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                 activation_checkpointing=args.activation_checkpointing)
+                 activation_checkpointing=args.activation_checkpointing, zero=args.zero)
     print(format_cost(c, machine))
     return 0
 
@@ -122,7 +125,7 @@ def format_cost(c: Cost, machine: Machine) -> str:
     total = ("total", "", "", f"{c.calls():.0f}", f"{c.elements():,.0f}", f"{c.bytes() / 2 ** 20:.3f}", f"{c.wire():,.0f}",
              f"{c.messages():.0f}")
     # the numeric columns widen for a model whose counts outgrow them (a published size)
-    widths = [9, 15] + [max(w, 1 + max(len(r[k]) for r in rows + [total])) for k, w in
+    widths = [max(9, 1 + max(len(r[0]) for r in rows + [total])), 15] + [max(w, 1 + max(len(r[k]) for r in rows + [total])) for k, w in
                         zip(range(2, 8), (6, 8, 14, 10, 14, 10))]
     header = ("phase", "collective", "group", "calls", "elements", "MiB", "wire words", "messages")
     target = f" -> {c.target_seq} target tokens" if hasattr(c.cfg, "target_len") else ""  # an encoder-decoder's

@@ -1,0 +1,342 @@
+"""A distributed optimizer over the data-parallel axis (ZeRO stage 1 and 2; Megatron-LM's
+distributed optimizer): AdamW whose moments each dp rank keeps for its 1/d of every parameter.
+
+    optimizer = ZeroOptimizer(model, ctx, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=1)
+    loss = model(x, y); loss.backward()        # buckets reduce-scatter as their gradients are ready
+    model.sync_grads(); optimizer.reduce_grads()
+    norm = optimizer.grad_norm(); optimizer.clip(norm, 1.0); optimizer.step()   # then all-gather
+
+What a dp rank owns: of each parameter's local shard (its tensor-parallel piece), the rows
+r·⌈R/d⌉ … (r+1)·⌈R/d⌉ - 1 of dim 0 (R rows, d replicas, r this rank's dp coordinate), so its
+piece of every parameter is one rectangle of the full tensor, the same whichever tensor layout
+or bucket the parameter is in: checkpoints key the moments by serial name and offset and DCP
+reshards them like any other shard.
+
+The pair per bucket of gradients, with g_k replica k's gradient and P_r the rows rank r owns:
+    backward:  reduce-scatter  ĝ_r = (1/d) Σ_k P_r g_k            (started by the bucket's last
+                                                                   gradient hook, as DDP does)
+    step:      AdamW on (w_r, ĝ_r) with w_r = P_r w, then all-gather w = [w_0; …; w_{d-1}]
+A bucket is laid out rank-major (every parameter's rows of rank 0, padded to ⌈R/d⌉ rows, then
+rank 1's, ...), so reduce-scatter hands each rank exactly its rows; the reduce-scatter and the
+all-gather together move the words of the all-reduce they replace (2(d-1)/d per element).
+
+Stage 2 also drops each full gradient once its bucket is reduced, so only the 1/d slices stay
+until the step. Parameters whose gradient a later sum completes (`ShardSpec.grad_sum`, the
+in-replica sums of sync_grads) sit in buckets that `reduce_grads` starts after those sums; under
+a pipeline schedule, which accumulates micro-batches, every bucket starts there.
+
+Memory per parameter with fp32 weights (4 weight + 4 gradient + 8 moments = 16 bytes without
+ZeRO): stage 1 keeps 8 + 8/d, stage 2 4 + 12/d (the gradient is also split). The fp32 weight
+is its own master copy: the piece AdamW updates is a view into the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lattice.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_reduce, record
+from lattice.context import LatticeConfigError, MeshAxis
+from lattice.sharding import GRAD_BUCKET_BYTES, byte_buckets
+
+ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state (DDP)
+
+
+def rows_of(shape) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor split along dim 0."""
+    if len(shape) == 0:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
+    """[r0, r1): the rows of dim 0 dp rank r owns (⌈rows/dp⌉ each, the last ones fewer or none)."""
+    per = -(-rows // dp)
+    r0 = min(r * per, rows)
+    return r0, min(r0 + per, rows)
+
+
+def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES,
+                 itemsize: int | None = None) -> list[tuple[bool, list[str], int]]:
+    """The gradient buckets of this rank's parameters: (late, names, segment), where `segment` is
+    the elements each dp rank receives of the bucket (the bucket holds dp × segment) and `late`
+    marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
+    the order backward produces their gradients), at most `max_bytes` of them per bucket
+    (`itemsize` bytes per element, default the parameters'). Pure: the cost model plans a meta
+    model with it."""
+    params = dict(model.named_parameters())
+    early, late = [], []
+    for name in reversed(list(params)):
+        (late if model.specs[name].grad_sum else early).append(name)
+    out = []
+    for is_late, names in ((False, early), (True, late)):
+        for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
+                                   max_bytes):
+            segment = 0
+            for n in names_:
+                rows, width = rows_of(params[n].shape)
+                segment += -(-rows // dp) * width
+            out.append((is_late, names_, segment))
+    return out
+
+
+@dataclass
+class _Piece:
+    """This dp rank's rows [r0, r1) of one parameter, at `offset` in its bucket's segment."""
+
+    name: str
+    param: nn.Parameter
+    r0: int
+    r1: int
+    per: int  # rows per dp rank (the bucket reserves this many for every rank)
+    width: int  # elements per row
+    offset: int
+    master: torch.Tensor | None = None  # the rows AdamW updates (a view into the parameter)
+
+    @property
+    def numel(self) -> int:
+        return (self.r1 - self.r0) * self.width
+
+
+@dataclass
+class _Bucket:
+    pieces: list[_Piece]
+    segment: int
+    late: bool
+    waiting: set = field(default_factory=set)  # parameters whose gradient is not ready yet
+    flat: torch.Tensor | None = None  # the rank-major gradients being reduced
+    reduced: torch.Tensor | None = None  # this rank's segment of their average
+    work: object = None
+    launched: bool = False
+
+
+class ZeroOptimizer:
+    """AdamW (decay on matrices only, as lattice.optim.make_optimizer) with its state split over
+    the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients. `hooks`:
+    start each bucket's reduce-scatter from backward (off under a pipeline schedule, whose
+    micro-batches accumulate)."""
+
+    def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
+                 hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES):
+        if stage not in (1, 2):
+            raise LatticeConfigError(f"zero stage must be 1 (optimizer state) or 2 (and gradients), got {stage}")
+        self.model, self.ctx, self.stage = model, ctx, stage
+        self.dp, self.dp_rank, self.group = ctx.dp, ctx.coord(MeshAxis.DP), ctx.group(MeshAxis.DP)
+        params = dict(model.named_parameters())
+        self.buckets: list[_Bucket] = []
+        decay, no_decay = [], []
+        for late, names, segment in plan_buckets(model, self.dp, bucket_bytes):
+            pieces, offset = [], 0
+            for name in names:
+                p = params[name]
+                rows, width = rows_of(p.shape)
+                r0, r1 = owned_rows(rows, self.dp, self.dp_rank)
+                piece = _Piece(name, p, r0, r1, -(-rows // self.dp), width, offset)
+                offset += piece.per * width
+                if piece.numel:
+                    piece.master = p.detach().view(rows, width)[r0:r1]
+                    (decay if len(model.specs[name].full_shape) >= 2 else no_decay).append(piece.master)
+                pieces.append(piece)
+            self.buckets.append(_Bucket(pieces, segment, late))
+        self.pieces = {piece.name: piece for b in self.buckets for piece in b.pieces}
+        # one group each even when empty, so that the learning rate is set alike on every rank
+        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+        self._handles = []
+        if hooks:
+            for bucket in self.buckets:
+                if not bucket.late:
+                    for piece in bucket.pieces:
+                        self._handles.append(piece.param.register_post_accumulate_grad_hook(
+                            lambda p, bucket=bucket: self._grad_ready(bucket, p)))
+        self._next = 0  # the first bucket not launched yet: buckets start in plan order on every rank
+        self._arm()
+
+    # ---- torch.optim.Optimizer's face, for the trainer and checkpoints
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                piece.master.grad = None
+        self._arm()
+
+    def _arm(self) -> None:
+        for bucket in self.buckets:
+            bucket.waiting = {id(piece.param) for piece in bucket.pieces}
+            bucket.flat = bucket.reduced = bucket.work = None
+            bucket.launched = False
+        self._next = 0
+
+    # ---- gradients
+    def _grad_ready(self, bucket: _Bucket, param) -> None:
+        bucket.waiting.discard(id(param))
+        while self._next < len(self.buckets):  # launch in plan order, as far as the ready ones go
+            nxt = self.buckets[self._next]
+            if nxt.late or nxt.waiting:
+                break
+            self._launch(nxt)
+            self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        """Lay the bucket's gradients out rank-major, averaged, and start their reduce-scatter."""
+        dtype = self.model.dtype
+        flat = torch.zeros(self.dp, bucket.segment, dtype=dtype, device=self.ctx.device)
+        for piece in bucket.pieces:
+            grad = piece.param.grad
+            if grad is None:
+                continue  # a parameter this step did not use: zeros
+            rows = grad.view(-1, piece.width)
+            for r in range(self.dp):
+                r0, r1 = owned_rows(rows.shape[0], self.dp, r)
+                flat[r, piece.offset:piece.offset + (r1 - r0) * piece.width] = rows[r0:r1].reshape(-1)
+            if self.stage == 2:
+                piece.param.grad = None
+        if self.dp > 1:
+            flat.div_(self.dp)
+            bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
+            record("reduce_scatter", self.group, flat.numel(), dtype, phase="backward")
+            bucket.work = _reduce_scatter_tensor(bucket.reduced, flat.view(-1), group=self.group, async_op=True)
+            bucket.flat = flat  # alive until the reduction is done
+        else:
+            bucket.reduced = flat.view(-1)
+        bucket.launched = True
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Start the buckets backward did not (those sync_grads completes, those with a missing
+        gradient, every one under a pipeline), wait for all, and hand each owned piece its
+        averaged gradient. Call after backward and `model.sync_grads()`."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.flat = bucket.work = None
+            for piece in bucket.pieces:
+                if piece.master is not None:
+                    piece.master.grad = bucket.reduced[piece.offset:piece.offset + piece.numel].view_as(piece.master)
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the full gradient from the owned pieces, identical on every
+        rank: each piece counts 1/(ranks of the replica holding the same shard), a pipeline
+        mirror not at all; summed over the dp group, then over the model replica's."""
+        acc = torch.promote_types(self.model.dtype, torch.float32)
+        sq = torch.zeros(1, dtype=acc, device=self.ctx.device)
+        topo = self.ctx.topology
+        for piece in self.pieces.values():
+            if piece.master is not None and not self.model.is_mirror(piece.name):
+                sq += piece.master.grad.to(acc).pow(2).sum() / self.model.specs[piece.name].replicas(topo)
+        sq = raw_all_reduce(sq, self.group)
+        return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
+
+    @torch.no_grad()
+    def clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale the owned gradients by min(1, max_norm / norm), as lattice.optim.clip_grads."""
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                piece.master.grad.mul_(scale)
+
+    # ---- the update
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the owned rows, then every replica gathers every rank's updated rows."""
+        self.inner.step()
+        if self.dp == 1:
+            return
+        dtype = self.model.dtype
+        for bucket in self.buckets:
+            mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
+            for piece in bucket.pieces:
+                if piece.master is not None:
+                    mine[piece.offset:piece.offset + piece.numel] = piece.master.reshape(-1)
+            gathered = torch.empty(self.dp, bucket.segment, dtype=dtype, device=self.ctx.device)
+            record("all_gather", self.group, gathered.numel(), dtype, phase="optimizer")
+            _all_gather_tensor(gathered.view(-1), mine, group=self.group)
+            for piece in bucket.pieces:
+                rows = piece.param.detach().view(-1, piece.width)
+                for r in range(self.dp):
+                    r0, r1 = owned_rows(rows.shape[0], self.dp, r)
+                    if r != self.dp_rank and r1 > r0:
+                        rows[r0:r1] = gathered[r, piece.offset:piece.offset + (r1 - r0) * piece.width].view(-1, piece.width)
+
+    # ---- the state, for checkpoints
+    def moments(self):
+        """(name, key, tensor, first row) of every owned piece's AdamW moments: the rows
+        [first row, first row + len) of the parameter's local shard."""
+        for piece in self.pieces.values():
+            state = self.inner.state.get(piece.master) if piece.master is not None else None
+            if state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    yield piece.name, key, state[key].view((piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])), piece.r0
+
+    def prepare_moments(self, step: int) -> None:
+        """Zero moments at optimizer step `step`, for a checkpoint to be read into."""
+        self.inner.state.clear()
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                self.inner.state[piece.master] = {"step": torch.tensor(float(step)),
+                                                  "exp_avg": torch.zeros_like(piece.master),
+                                                  "exp_avg_sq": torch.zeros_like(piece.master)}
+
+    @torch.no_grad()
+    def full_local_moments(self) -> dict[str, dict[str, torch.Tensor | None]]:
+        """{key: {name: this rank's whole local shard of the moment}}, gathered over dp (a
+        collective over the dp group; None before the first step), for comparisons and export."""
+        out = {"exp_avg": {}, "exp_avg_sq": {}}
+        stepped = any(self.inner.state.values())
+        dtype = self.model.dtype
+        for bucket in self.buckets:
+            for key in out:
+                mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
+                for piece in bucket.pieces:
+                    state = self.inner.state.get(piece.master) if piece.master is not None else None
+                    if state:
+                        mine[piece.offset:piece.offset + piece.numel] = state[key].reshape(-1)
+                gathered = torch.empty(self.dp, bucket.segment, dtype=dtype, device=self.ctx.device)
+                if self.dp > 1:
+                    _all_gather_tensor(gathered.view(-1), mine, group=self.group)
+                else:
+                    gathered = mine.view(1, -1)
+                for piece in bucket.pieces:
+                    full = torch.empty_like(piece.param)
+                    rows = full.view(-1, piece.width)
+                    for r in range(self.dp):
+                        r0, r1 = owned_rows(rows.shape[0], self.dp, r)
+                        rows[r0:r1] = gathered[r, piece.offset:piece.offset + (r1 - r0) * piece.width].view(-1, piece.width)
+                    out[key][piece.name] = full if stepped else None
+        return out
+
+
+def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int) -> dict[str, int]:
+    """Bytes of weights, gradients and AdamW moments this rank keeps between steps (`model`: its
+    shards, a meta model will do), for ZeRO `stage` 0, 1 or 2 over `dp` replicas: stage 1 keeps
+    the moments of its own rows only, stage 2 also only its reduced slice of each gradient
+    bucket. Without ZeRO, 16 bytes per fp32 parameter; with it 8 + 8/d (stage 1), 4 + 12/d
+    (stage 2), up to the rows that do not divide by d."""
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    owned = numel
+    if stage:
+        owned = 0
+        for p in params:
+            rows, width = rows_of(p.shape)
+            r0, r1 = owned_rows(rows, dp, dp_rank)
+            owned += (r1 - r0) * width
+    grads = numel if stage < 2 else sum(segment for _, _, segment in plan_buckets(model, dp, itemsize=itemsize))
+    return {"parameters": itemsize * numel, "gradients": itemsize * grads, "optimizer": 2 * itemsize * owned}
