@@ -227,8 +227,19 @@ class ZeroOptimizer:
                 bucket.work.wait()
             bucket.flat = bucket.work = None
             for piece in bucket.pieces:
-                if piece.master is not None:
-                    piece.master.grad = bucket.reduced[piece.offset:piece.offset + piece.numel].view_as(piece.master)
+                if piece.master is None:
+                    continue
+                reduced = bucket.reduced[piece.offset:piece.offset + piece.numel].view_as(piece.master)
+                if self.stage == 1:  # the full gradient stays: its own rows take the average, no second copy
+                    p = piece.param
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    rows = p.grad.view(-1, piece.width)[piece.r0:piece.r1]
+                    rows.copy_(reduced)
+                    reduced = rows
+                piece.master.grad = reduced
+            if self.stage == 1:
+                bucket.reduced = None
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:

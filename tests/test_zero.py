@@ -35,7 +35,8 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
     """Three AdamW steps of the same float64 model: plain data parallelism (gradients averaged
     by hand with torch.distributed, lattice.optim's norm and clip, torch's AdamW) and the
     distributed optimizer at each stage; full weights and moments of both, and the distributed
-    optimizer's collectives of its first step beside the cost model's."""
+    optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
+    block in backward)."""
     ctx = cached_init(**layout)
     family = get_arch("gpt2")
     cfg = family.config_class(**family.test_shapes[0])
@@ -64,8 +65,8 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
         ref_opt.step()
     ref_weights, ref_moments = ref.full_state_dict(), checkpoint.gather_optimizer(ref, ref_opt)
     out = {"clipped": min(ref_norms) > CLIP}
-    for stage in stages:
-        model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    for stage in stages:  # stage 2 with activation checkpointing: its recomputation must not re-fire a bucket
+        model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=stage == 2)
         model.load_full_state_dict(weights)
         opt = ZeroOptimizer(model, ctx, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=stage,
                             hooks=ctx.pipeline is None)
@@ -89,7 +90,7 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
         moments = checkpoint.gather_optimizer(model, opt)
         owned = sum(t.numel() for _, key, t, _ in opt.moments() if key == "exp_avg")
         analytic = lattice.cost.estimate(cfg, layout["mode"], batch=REPLICA_BATCH, seq=T, dtype=torch.float64,
-                                         rank=ctx.rank, zero=stage, **{k: v for k, v in layout.items() if k != "mode"})
+                                         rank=ctx.rank, zero=stage, activation_checkpointing=stage == 2, **{k: v for k, v in layout.items() if k != "mode"})
         modelled = {k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]}
         out[stage] = {"weights": _worst(model.full_state_dict(), ref_weights),
                       "moments": max(_worst(moments[k], ref_moments[k]) for k in ("exp_avg", "exp_avg_sq")),

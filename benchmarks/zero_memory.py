@@ -1,0 +1,130 @@
+"""Memory per rank of weights, gradients and AdamW moments with the distributed optimizer
+(lattice.zero), measured after one step, beside the formula and lattice.cost's figure.
+
+    python benchmarks/zero_memory.py                      # the gpt2 preset at dp = 1, 2, 4
+    python benchmarks/zero_memory.py --model tiny --dp 1 2
+
+For each dp and ZeRO stage (0: plain data parallelism, 1: moments split, 2: gradients too) it
+starts dp gloo processes (serial tensor layout), builds the model in fp32, takes one step on one
+sequence per replica, and counts the bytes of the distinct storages the rank then holds:
+parameters, gradients (p.grad, or the reduced slices AdamW reads) and the optimizer's state.
+The formula per parameter: 16 bytes without ZeRO, 8 + 8/d with stage 1, 4 + 12/d with stage 2.
+Then the same figure from the cost model (no processes) for Llama-3-8B.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lattice.bench.world import spawn
+
+MIB = 2 ** 20
+
+
+def formula(zero: int, dp: int) -> float:
+    return {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp}[zero]
+
+
+def _held_bytes(model, optimizer) -> dict[str, int]:
+    """Bytes of the distinct storages behind the parameters, the gradients and the optimizer state."""
+    seen: set[int] = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(model.parameters())
+    out = {"parameters": count(params)}
+    grads = [p.grad for p in params if p.grad is not None]
+    pieces = getattr(optimizer, "pieces", {})
+    grads += [piece.master.grad for piece in pieces.values() if piece.master is not None and piece.master.grad is not None]
+    out["gradients"] = count(grads)
+    out["optimizer"] = count([t for state in optimizer.state.values() for t in state.values()
+                              if hasattr(t, "untyped_storage") and t.dim() > 0])
+    return out
+
+
+def _worker(preset: str, seq: int, zero: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import lattice
+    from lattice.models import get_arch
+    from lattice.optim import make_optimizer
+    from lattice.zero import ZeroOptimizer
+
+    ctx = lattice.init("serial", dp=dist.get_world_size())
+    cfg = get_arch("gpt2").config_class.preset(preset, seq_len=seq)
+    model = lattice.build_model(cfg, ctx)
+    if zero:
+        optimizer = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=zero)
+    else:
+        optimizer = make_optimizer(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(ctx.rank)
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
+    model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    if zero:
+        optimizer.reduce_grads()
+    else:
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.dp
+    optimizer.step()
+    return {**_held_bytes(model, optimizer), "numel": sum(p.numel() for p in model.parameters())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt2", help="gpt2 preset (default gpt2: 124M parameters)")
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--seq", type=int, default=32, help="tokens of the one sequence per replica")
+    args = p.parse_args(argv)
+
+    import torch
+
+    import lattice.cost
+    from lattice.models import get_arch
+
+    print(f"gpt2 preset {args.model}, fp32, serial tensor layout; bytes each rank holds after one step (the "
+          f"largest rank), per parameter of the model:")
+    print("| dp | zero | parameters MiB | gradients MiB | optimizer MiB | total MiB | B/param measured | formula | "
+          "cost model |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cfg = get_arch("gpt2").config_class.preset(args.model, seq_len=args.seq)
+    for dp in args.dp:
+        for zero in (0, 1, 2):
+            if dp == 1 and zero:
+                continue  # the same as without: one replica owns every row
+            rows = spawn(dp, _worker, args.model, args.seq, zero)
+            worst = max(rows, key=lambda r: r["parameters"] + r["gradients"] + r["optimizer"])
+            total = worst["parameters"] + worst["gradients"] + worst["optimizer"]
+            modelled = lattice.cost.estimate(cfg, "serial", batch=1, seq=args.seq, dp=dp, zero=zero).memory
+            model_total = modelled["parameters"] + modelled["gradients"] + modelled["optimizer"]
+            print(f"| {dp} | {zero} | {worst['parameters'] / MIB:.1f} | {worst['gradients'] / MIB:.1f} | "
+                  f"{worst['optimizer'] / MIB:.1f} | {total / MIB:.1f} | {total / worst['numel']:.3f} | "
+                  f"{formula(zero, dp):.3f} | {model_total / worst['numel']:.3f} |", flush=True)
+
+    llama = get_arch("llama").config_class.preset("llama3-8b")
+    with torch.device("meta"):
+        n = lattice.build_model(llama, lattice.plan("serial")).num_parameters()
+    print(f"\nLlama-3-8B ({n / 1e9:.2f} B parameters), fp32, from the cost model (no processes), one replica of "
+          f"tp = 1; GiB per rank:")
+    print("| dp | zero 0 | zero 1 | zero 2 | B/param zero 1 (formula) | B/param zero 2 (formula) |")
+    print("|---|---|---|---|---|---|")
+    for dp in args.dp:
+        tot = []
+        for zero in (0, 1, 2):
+            m = lattice.cost.estimate(llama, "serial", batch=1, seq=128, dp=dp, zero=zero).memory
+            tot.append(m["parameters"] + m["gradients"] + m["optimizer"])
+        print(f"| {dp} | {tot[0] / 2 ** 30:.1f} | {tot[1] / 2 ** 30:.1f} | {tot[2] / 2 ** 30:.1f} | "
+              f"{tot[1] / n:.3f} ({formula(1, dp):.3f}) | {tot[2] / n:.3f} ({formula(2, dp):.3f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
