@@ -206,7 +206,8 @@ def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:
         state = optimizer.state.get(params[name], {}) if name in params and local is None else {}
         for key in ("exp_avg", "exp_avg_sq"):
             mine = local[key].get(name) if local is not None else state.get(key)
-            out[key][name] = gather_full(mine, spec, model.ctx, dtype=model.dtype)
+            out[key][name] = gather_full(mine, spec, model.ctx, dtype=model.dtype if local is None else
+                                         optimizer.master_dtype)
         if "step" in state:
             out["step"] = int(state["step"])
     if local is not None:

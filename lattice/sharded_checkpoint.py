@@ -107,11 +107,15 @@ def training_state(model, optimizer, *, with_moments: bool, staged: bool = False
     may go on changing the live tensors while a background thread writes the copies."""
     params = dict(model.named_parameters())
     tensors = {}  # key: (name, the tensor, its first row in the local shard)
+    masters = isinstance(optimizer, ZeroOptimizer) and optimizer.separate_masters
     for name, p in params.items():
-        tensors[f"model/{name}"] = (name, p.detach(), 0)
+        if not masters:
+            tensors[f"model/{name}"] = (name, p.detach(), 0)
         if with_moments and not isinstance(optimizer, ZeroOptimizer):
             state = optimizer.state[p]
             tensors.update({f"optimizer/{key}/{name}": (name, state[key], 0) for key in ("exp_avg", "exp_avg_sq")})
+    if masters:  # bf16 weights: the weights stored are the fp32 master rows, this dp rank's
+        tensors.update({f"model/{name}": (name, t, row) for name, t, row in optimizer.masters()})
     if with_moments and isinstance(optimizer, ZeroOptimizer):  # this dp rank's rows of each moment
         tensors.update({f"optimizer/{key}/{name}": (name, t, row) for name, key, t, row in optimizer.moments()})
     out = {}
@@ -379,6 +383,8 @@ def load(saved: dict, model, optimizer=None) -> None:
     with _single_process_ok():
         dcp.load(state, storage_reader=Reader(saved["path"]), planner=LoadPlanner(),
                  no_dist=not dist.is_initialized())
+    if isinstance(optimizer, ZeroOptimizer) and optimizer.separate_masters:
+        optimizer.params_from_masters()  # the master rows were read: round them into the weights, gather
 
 
 def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str | None:

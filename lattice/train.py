@@ -50,7 +50,7 @@ def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ck
     check_run(cfg, model_config, ctx)
     task = cfg.make_task(corpus, model_config)
     task.check(cfg.batch_size, model_config.seq_len, ctx.dp)
-    model = build_model(model_config, ctx, dtype=getattr(torch, cfg.dtype),
+    model = build_model(model_config, ctx, dtype=cfg.param_dtype,
                         activation_checkpointing=cfg.activation_checkpointing)
     val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
                                num_batches=cfg.eval_batches)
@@ -200,9 +200,10 @@ class Trainer:
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
                                      f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
                                      f"train --resume` convert it")
-        if cfg.zero:  # the moments (and with stage 2 the gradients) split over the dp replicas
+        if cfg.distributed_optimizer:  # ZeRO over the dp replicas, or fp32 master rows of bf16 weights
             self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None)
+                                           weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None,
+                                           reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
         else:
             self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                             weight_decay=cfg.weight_decay)
@@ -216,13 +217,15 @@ class Trainer:
                 print(schedule_change(ckpt["train_config"], cfg, self.step, changed), flush=True)
         if donor is not None:
             fresh = init_weights_from(donor, self.model, ctx)
+            if cfg.distributed_optimizer:
+                self.optimizer.masters_from_params()
             if ctx.rank == 0:
                 print(f"initialised from {checkpoint.resolve(cfg.init_from)}" + (f"; starting fresh: {', '.join(fresh)}"
                                                                                   if fresh else ""), flush=True)
         if cfg.async_checkpoint and cfg.out_dir:
             self.checkpoints.start_async()
         self.engine = self.model
-        if ctx.dp > 1 and ctx.pipeline is None and not cfg.zero:
+        if ctx.dp > 1 and ctx.pipeline is None and not cfg.distributed_optimizer:
             from torch.nn.parallel import DistributedDataParallel
 
             group = ctx.group(MeshAxis.DP)
@@ -256,14 +259,14 @@ class Trainer:
         if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
             with autocast(self.ctx, cfg.bf16):
                 loss = torch.tensor(self.model.forward_backward(x, y), dtype=torch.float64)
-            if not cfg.zero:
+            if not cfg.distributed_optimizer:
                 self._average_over_replicas()
         else:
             with autocast(self.ctx, cfg.bf16):
                 loss = self.engine(x, y)
             loss.backward()
             self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
-        if cfg.zero:  # the reduce-scatters backward did not start, then every rank's own slices
+        if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
             self.optimizer.reduce_grads()
             norm = self.optimizer.grad_norm()
         else:
@@ -276,7 +279,7 @@ class Trainer:
                 f"before updating the weights, and nothing was saved over the last checkpoint; lower --lr, or pass "
                 f"--on-nan skip to skip such steps")
         if finite:
-            if cfg.grad_clip > 0 and cfg.zero:
+            if cfg.grad_clip > 0 and cfg.distributed_optimizer:
                 self.optimizer.clip(norm, cfg.grad_clip)
             elif cfg.grad_clip > 0:
                 clip_grads(self.model, norm, cfg.grad_clip)

@@ -19,6 +19,8 @@ from lattice.tasks import BUILTIN_CLASSES, TASKS, check_task, make_task, model_v
 
 DATA_FORMATS = ("text", "jsonl")
 DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
+PRECISIONS = ("fp32", "bf16")  # bf16: bf16 weights with fp32 master rows in the optimizer (lattice.zero)
+REDUCE_DTYPES = ("fp32", "bf16")  # of the data-parallel gradient reduction under --precision bf16
 ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run, or skip the step
 #: the schedule's defaults, where the family declares none of its own (`Model.train_defaults`)
 RUN_DEFAULTS = {"steps": 300, "batch_size": 16, "warmup": 30}
@@ -91,6 +93,12 @@ class TrainConfig:
                                   group="checkpoints")
     dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
                       choices=lambda: DTYPES, group="training")
+    precision: str = flag(PRECISIONS[0], "bf16: bf16 weights, activations and gradients, fp32 master weights and AdamW "
+                                         "moments in the optimizer, fp32 gradient reduction, loss and softmax statistics "
+                                         "in fp32 (as Megatron-LM); fp32: --dtype throughout (--bf16 is autocast over fp32 "
+                                         "weights instead)", choices=lambda: PRECISIONS, group="training")
+    grad_reduce_dtype: str = flag(REDUCE_DTYPES[0], "dtype of the data-parallel gradient reduction with --precision bf16",
+                                  choices=lambda: REDUCE_DTYPES, group="training")
     progress: bool = flag(True, "progress: a bar on a terminal, plain lines otherwise", group="logging")
     on_nan: str = flag(ON_NAN[0], "a non-finite loss or gradient norm stops the run or skips the step",
                        choices=lambda: ON_NAN, group="faults")
@@ -117,6 +125,15 @@ class TrainConfig:
             raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
         if self.on_nan not in ON_NAN:
             raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        if self.precision not in PRECISIONS or self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise LatticeConfigError(f"precision must be one of {PRECISIONS} and grad_reduce_dtype one of "
+                                     f"{REDUCE_DTYPES}; got {self.precision!r}, {self.grad_reduce_dtype!r}")
+        if self.precision == "bf16" and (self.bf16 or self.dtype != "float32"):
+            raise LatticeConfigError(f"--precision bf16 keeps bf16 weights with fp32 master weights; it does not combine "
+                                     f"with {'--bf16 (autocast over fp32 weights)' if self.bf16 else '--dtype ' + self.dtype}:"
+                                     f" pass one of them")
+        if self.grad_reduce_dtype != "fp32" and self.precision != "bf16":
+            raise LatticeConfigError("--grad-reduce-dtype bf16 reduces bf16 gradients; it needs --precision bf16")
         if self.zero not in ZERO_STAGES:
             raise LatticeConfigError(f"zero must be one of {ZERO_STAGES} (1: optimizer state split over dp, 2: and the "
                                      f"gradients), got {self.zero!r}")
@@ -138,6 +155,18 @@ class TrainConfig:
             run_tokenizer = checkpoint.run_dir(self.init_from) / "tokenizer.json"
             if run_tokenizer.is_file():
                 self.tokenizer = str(run_tokenizer)
+
+    @property
+    def param_dtype(self):
+        """The weights' dtype: bf16 under --precision bf16, else --dtype."""
+        import torch
+
+        return torch.bfloat16 if self.precision == "bf16" else getattr(torch, self.dtype)
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether lattice.zero's optimizer steps this run (ZeRO, or master weights of bf16 ones)."""
+        return bool(self.zero) or self.precision == "bf16"
 
     @property
     def task_name(self) -> str:

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lattice.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_reduce, record
@@ -43,6 +44,7 @@ from lattice.context import LatticeConfigError, MeshAxis
 from lattice.sharding import GRAD_BUCKET_BYTES, byte_buckets
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state (DDP)
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
 
 
 def rows_of(shape) -> tuple[int, int]:
@@ -120,24 +122,33 @@ class ZeroOptimizer:
     micro-batches accumulate)."""
 
     def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
-                 hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES):
-        if stage not in (1, 2):
-            raise LatticeConfigError(f"zero stage must be 1 (optimizer state) or 2 (and gradients), got {stage}")
+                 hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None):
+        if stage not in ZERO_STAGES:
+            raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
+                                     f"got {stage}")
         self.model, self.ctx, self.stage = model, ctx, stage
-        self.dp, self.dp_rank, self.group = ctx.dp, ctx.coord(MeshAxis.DP), ctx.group(MeshAxis.DP)
+        self.dp, self.group = ctx.dp, ctx.group(MeshAxis.DP)
+        # stage 0 (mixed precision without ZeRO): one shard, every rank owns every row
+        self.shards, self.shard = (self.dp, ctx.coord(MeshAxis.DP)) if stage else (1, 0)
+        self.param_dtype = model.dtype
+        self.master_dtype = torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
+        self.reduce_dtype = reduce_dtype or self.master_dtype
+        self.separate_masters = self.master_dtype != self.param_dtype
         params = dict(model.named_parameters())
         self.buckets: list[_Bucket] = []
         decay, no_decay = [], []
-        for late, names, segment in plan_buckets(model, self.dp, bucket_bytes):
+        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes):
             pieces, offset = [], 0
             for name in names:
                 p = params[name]
                 rows, width = rows_of(p.shape)
-                r0, r1 = owned_rows(rows, self.dp, self.dp_rank)
-                piece = _Piece(name, p, r0, r1, -(-rows // self.dp), width, offset)
+                r0, r1 = owned_rows(rows, self.shards, self.shard)
+                piece = _Piece(name, p, r0, r1, -(-rows // self.shards), width, offset)
                 offset += piece.per * width
                 if piece.numel:
                     piece.master = p.detach().view(rows, width)[r0:r1]
+                    if self.separate_masters:  # fp32 master rows of bf16 weights
+                        piece.master = piece.master.to(self.master_dtype, copy=True)
                     (decay if len(model.specs[name].full_shape) >= 2 else no_decay).append(piece.master)
                 pieces.append(piece)
             self.buckets.append(_Bucket(pieces, segment, late))
@@ -191,27 +202,32 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        """Lay the bucket's gradients out rank-major, averaged, and start their reduce-scatter."""
-        dtype = self.model.dtype
-        flat = torch.zeros(self.dp, bucket.segment, dtype=dtype, device=self.ctx.device)
+        """Lay the bucket's gradients out rank-major, averaged, in the reduction dtype, and start
+        their reduce-scatter (an all-reduce with one shard)."""
+        dtype = self.reduce_dtype
+        flat = torch.zeros(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
         for piece in bucket.pieces:
             grad = piece.param.grad
             if grad is None:
                 continue  # a parameter this step did not use: zeros
             rows = grad.view(-1, piece.width)
-            for r in range(self.dp):
-                r0, r1 = owned_rows(rows.shape[0], self.dp, r)
+            for r in range(self.shards):
+                r0, r1 = owned_rows(rows.shape[0], self.shards, r)
                 flat[r, piece.offset:piece.offset + (r1 - r0) * piece.width] = rows[r0:r1].reshape(-1)
-            if self.stage == 2:
+            if self.stage != 1:  # stage 2 keeps the slices alone; stage 0 the reduced copy alone
                 piece.param.grad = None
         if self.dp > 1:
             flat.div_(self.dp)
+        if self.shards > 1:
             bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
             record("reduce_scatter", self.group, flat.numel(), dtype, phase="backward")
             bucket.work = _reduce_scatter_tensor(bucket.reduced, flat.view(-1), group=self.group, async_op=True)
             bucket.flat = flat  # alive until the reduction is done
         else:
             bucket.reduced = flat.view(-1)
+            if self.dp > 1:
+                record("all_reduce", self.group, flat.numel(), dtype, phase="backward")
+                bucket.work = dist.all_reduce(bucket.reduced, group=self.group, async_op=True)
         bucket.launched = True
 
     @torch.no_grad()
@@ -230,7 +246,10 @@ class ZeroOptimizer:
                 if piece.master is None:
                     continue
                 reduced = bucket.reduced[piece.offset:piece.offset + piece.numel].view_as(piece.master)
-                if self.stage == 1:  # the full gradient stays: its own rows take the average, no second copy
+                if reduced.dtype != self.master_dtype:  # a bf16 reduction for fp32 master rows
+                    reduced = reduced.to(self.master_dtype)
+                elif self.stage == 1 and not self.separate_masters:
+                    # the full gradient stays: its own rows take the average, no second copy
                     p = piece.param
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
@@ -238,7 +257,7 @@ class ZeroOptimizer:
                     rows.copy_(reduced)
                     reduced = rows
                 piece.master.grad = reduced
-            if self.stage == 1:
+            if self.stage == 1 and not self.separate_masters:
                 bucket.reduced = None
 
     @torch.no_grad()
@@ -266,25 +285,56 @@ class ZeroOptimizer:
     # ---- the update
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the owned rows, then every replica gathers every rank's updated rows."""
+        """AdamW on the owned rows (fp32 master rows of bf16 weights are then rounded into the
+        weights), then every replica gathers every rank's updated rows."""
         self.inner.step()
-        if self.dp == 1:
+        if self.separate_masters:
+            self.params_from_masters()
+        else:
+            self._gather_rows()
+
+    @torch.no_grad()
+    def params_from_masters(self) -> None:
+        """Round the master rows into the weights and gather every shard's (after an update, or
+        after a checkpoint was read into the master rows)."""
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1] = piece.master
+        self._gather_rows()
+
+    @torch.no_grad()
+    def _gather_rows(self) -> None:
+        if self.shards == 1:
             return
-        dtype = self.model.dtype
+        dtype = self.param_dtype
         for bucket in self.buckets:
             mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
             for piece in bucket.pieces:
                 if piece.master is not None:
-                    mine[piece.offset:piece.offset + piece.numel] = piece.master.reshape(-1)
-            gathered = torch.empty(self.dp, bucket.segment, dtype=dtype, device=self.ctx.device)
+                    mine[piece.offset:piece.offset + piece.numel] = piece.param.detach().view(-1, piece.width)[
+                        piece.r0:piece.r1].reshape(-1)
+            gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
             record("all_gather", self.group, gathered.numel(), dtype, phase="optimizer")
             _all_gather_tensor(gathered.view(-1), mine, group=self.group)
-            for piece in bucket.pieces:
-                rows = piece.param.detach().view(-1, piece.width)
-                for r in range(self.dp):
-                    r0, r1 = owned_rows(rows.shape[0], self.dp, r)
-                    if r != self.dp_rank and r1 > r0:
-                        rows[r0:r1] = gathered[r, piece.offset:piece.offset + (r1 - r0) * piece.width].view(-1, piece.width)
+            self._unpack(bucket, gathered, lambda piece: piece.param.detach(), skip_own=True)
+
+    def _unpack(self, bucket: _Bucket, gathered: torch.Tensor, target, skip_own: bool = False) -> None:
+        """Every shard's rows of each parameter of the bucket, from the gathered segments into `target(piece)`."""
+        for piece in bucket.pieces:
+            rows = target(piece).view(-1, piece.width)
+            for r in range(self.shards):
+                r0, r1 = owned_rows(rows.shape[0], self.shards, r)
+                if r1 > r0 and not (skip_own and r == self.shard):
+                    rows[r0:r1] = gathered[r, piece.offset:piece.offset + (r1 - r0) * piece.width].view(-1, piece.width)
+
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """Take the weights as they are now (after weights were loaded into the model) as the
+        master rows."""
+        if self.separate_masters:
+            for piece in self.pieces.values():
+                if piece.master is not None:
+                    piece.master.copy_(piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1])
 
     # ---- the state, for checkpoints
     def moments(self):
@@ -295,6 +345,13 @@ class ZeroOptimizer:
             if state:
                 for key in ("exp_avg", "exp_avg_sq"):
                     yield piece.name, key, state[key].view((piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])), piece.r0
+
+    def masters(self):
+        """(name, tensor, first row) of every owned piece's fp32 master rows (bf16 weights only),
+        shaped like the parameter's rows: what a checkpoint stores as the weights."""
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                yield piece.name, piece.master.view((piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])), piece.r0
 
     def prepare_moments(self, step: int) -> None:
         """Zero moments at optimizer step `step`, for a checkpoint to be read into."""
@@ -311,7 +368,7 @@ class ZeroOptimizer:
         collective over the dp group; None before the first step), for comparisons and export."""
         out = {"exp_avg": {}, "exp_avg_sq": {}}
         stepped = any(self.inner.state.values())
-        dtype = self.model.dtype
+        dtype = self.master_dtype
         for bucket in self.buckets:
             for key in out:
                 mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
@@ -319,18 +376,14 @@ class ZeroOptimizer:
                     state = self.inner.state.get(piece.master) if piece.master is not None else None
                     if state:
                         mine[piece.offset:piece.offset + piece.numel] = state[key].reshape(-1)
-                gathered = torch.empty(self.dp, bucket.segment, dtype=dtype, device=self.ctx.device)
-                if self.dp > 1:
+                gathered = mine.view(1, -1)
+                if self.shards > 1:
+                    gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
                     _all_gather_tensor(gathered.view(-1), mine, group=self.group)
-                else:
-                    gathered = mine.view(1, -1)
-                for piece in bucket.pieces:
-                    full = torch.empty_like(piece.param)
-                    rows = full.view(-1, piece.width)
-                    for r in range(self.dp):
-                        r0, r1 = owned_rows(rows.shape[0], self.dp, r)
-                        rows[r0:r1] = gathered[r, piece.offset:piece.offset + (r1 - r0) * piece.width].view(-1, piece.width)
-                    out[key][piece.name] = full if stepped else None
+                full = {piece.name: torch.empty(piece.param.shape, dtype=dtype, device=self.ctx.device)
+                        for piece in bucket.pieces}
+                self._unpack(bucket, gathered, lambda piece: full[piece.name])
+                out[key].update({name: t if stepped else None for name, t in full.items()})
         return out
 
 
