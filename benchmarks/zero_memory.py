@@ -8,8 +8,10 @@ For each dp and ZeRO stage (0: plain data parallelism, 1: moments split, 2: grad
 starts dp gloo processes (serial tensor layout), builds the model in fp32, takes one step on one
 sequence per replica, and counts the bytes of the distinct storages the rank then holds:
 parameters, gradients (p.grad, or the reduced slices AdamW reads) and the optimizer's state.
-The formula per parameter: 16 bytes without ZeRO, 8 + 8/d with stage 1, 4 + 12/d with stage 2.
-Then the same figure from the cost model (no processes) for Llama-3-8B.
+The formula per parameter (lattice.zero.memory_per_rank): fp32 16 bytes without ZeRO, 8 + 8/d
+with stage 1, 4 + 12/d with stage 2; bf16 weights with fp32 master rows 18, 4 + 16/d, 2 + 16/d
+(Megatron-LM's table, which keeps a whole fp32 gradient buffer: 18 and 6 + 12/d). Then the same
+figures from the cost model (no processes) for Llama-3-8B.
 """
 
 from __future__ import annotations
@@ -21,8 +23,18 @@ from lattice.bench.world import spawn
 MIB = 2 ** 20
 
 
-def formula(zero: int, dp: int) -> float:
+def formula(zero: int, dp: int, precision: str = "fp32") -> float:
+    """Bytes per parameter this implementation keeps (see lattice.zero.memory_per_rank)."""
+    if precision == "bf16":
+        return {0: 18.0, 1: 4 + 16 / dp, 2: 2 + 16 / dp}[zero]
     return {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp}[zero]
+
+
+def megatron(zero: int, dp: int, precision: str) -> float:
+    """Megatron-LM's distributed-optimizer table (bf16 weights, fp32 gradients and master)."""
+    if precision == "bf16":
+        return 18.0 if zero == 0 else 6 + 12 / dp
+    return 16.0 if zero == 0 else 8 + 8 / dp
 
 
 def _held_bytes(model, optimizer) -> dict[str, int]:
@@ -44,12 +56,14 @@ def _held_bytes(model, optimizer) -> dict[str, int]:
     pieces = getattr(optimizer, "pieces", {})
     grads += [piece.master.grad for piece in pieces.values() if piece.master is not None and piece.master.grad is not None]
     out["gradients"] = count(grads)
+    masters = [piece.master for piece in pieces.values()
+               if piece.master is not None and getattr(optimizer, "separate_masters", False)]
     out["optimizer"] = count([t for state in optimizer.state.values() for t in state.values()
-                              if hasattr(t, "untyped_storage") and t.dim() > 0])
+                              if hasattr(t, "untyped_storage") and t.dim() > 0] + masters)
     return out
 
 
-def _worker(preset: str, seq: int, zero: int) -> dict:
+def _worker(preset: str, seq: int, zero: int, precision: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -60,15 +74,15 @@ def _worker(preset: str, seq: int, zero: int) -> dict:
 
     ctx = lattice.init("serial", dp=dist.get_world_size())
     cfg = get_arch("gpt2").config_class.preset(preset, seq_len=seq)
-    model = lattice.build_model(cfg, ctx)
-    if zero:
+    model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    if zero or precision == "bf16":  # (bf16 weights: fp32 master rows, at stage 0 unsplit)
         optimizer = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=zero)
     else:
         optimizer = make_optimizer(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     g = torch.Generator().manual_seed(ctx.rank)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
     model.forward_backward(tokens[:, :-1], tokens[:, 1:])
-    if zero:
+    if zero or precision == "bf16":
         optimizer.reduce_grads()
     else:
         for p in model.parameters():
@@ -90,39 +104,43 @@ def main(argv=None) -> int:
     import lattice.cost
     from lattice.models import get_arch
 
-    print(f"gpt2 preset {args.model}, fp32, serial tensor layout; bytes each rank holds after one step (the "
-          f"largest rank), per parameter of the model:")
-    print("| dp | zero | parameters MiB | gradients MiB | optimizer MiB | total MiB | B/param measured | formula | "
-          "cost model |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"gpt2 preset {args.model}, serial tensor layout; bytes each rank holds after one step (the largest "
+          f"rank), per parameter of the model (optimizer: moments, and fp32 master rows of bf16 weights):")
+    print("| precision | dp | zero | parameters MiB | gradients MiB | optimizer MiB | total MiB | B/param measured | "
+          "formula | cost model | Megatron's table |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     cfg = get_arch("gpt2").config_class.preset(args.model, seq_len=args.seq)
-    for dp in args.dp:
-        for zero in (0, 1, 2):
-            if dp == 1 and zero:
-                continue  # the same as without: one replica owns every row
-            rows = spawn(dp, _worker, args.model, args.seq, zero)
-            worst = max(rows, key=lambda r: r["parameters"] + r["gradients"] + r["optimizer"])
-            total = worst["parameters"] + worst["gradients"] + worst["optimizer"]
-            modelled = lattice.cost.estimate(cfg, "serial", batch=1, seq=args.seq, dp=dp, zero=zero).memory
-            model_total = modelled["parameters"] + modelled["gradients"] + modelled["optimizer"]
-            print(f"| {dp} | {zero} | {worst['parameters'] / MIB:.1f} | {worst['gradients'] / MIB:.1f} | "
-                  f"{worst['optimizer'] / MIB:.1f} | {total / MIB:.1f} | {total / worst['numel']:.3f} | "
-                  f"{formula(zero, dp):.3f} | {model_total / worst['numel']:.3f} |", flush=True)
+    for precision in ("fp32", "bf16"):
+        for dp in args.dp:
+            for zero in (0, 1, 2):
+                if dp == 1 and zero:
+                    continue  # the same as without: one replica owns every row
+                rows = spawn(dp, _worker, args.model, args.seq, zero, precision)
+                worst = max(rows, key=lambda r: r["parameters"] + r["gradients"] + r["optimizer"])
+                total = worst["parameters"] + worst["gradients"] + worst["optimizer"]
+                modelled = lattice.cost.estimate(cfg, "serial", batch=1, seq=args.seq, dp=dp, zero=zero,
+                                                 precision=precision).memory
+                model_total = modelled["parameters"] + modelled["gradients"] + modelled["optimizer"]
+                print(f"| {precision} | {dp} | {zero} | {worst['parameters'] / MIB:.1f} | {worst['gradients'] / MIB:.1f} | "
+                      f"{worst['optimizer'] / MIB:.1f} | {total / MIB:.1f} | {total / worst['numel']:.3f} | "
+                      f"{formula(zero, dp, precision):.3f} | {model_total / worst['numel']:.3f} | "
+                      f"{megatron(zero, dp, precision):.3f} |", flush=True)
 
     llama = get_arch("llama").config_class.preset("llama3-8b")
     with torch.device("meta"):
         n = lattice.build_model(llama, lattice.plan("serial")).num_parameters()
-    print(f"\nLlama-3-8B ({n / 1e9:.2f} B parameters), fp32, from the cost model (no processes), one replica of "
-          f"tp = 1; GiB per rank:")
-    print("| dp | zero 0 | zero 1 | zero 2 | B/param zero 1 (formula) | B/param zero 2 (formula) |")
-    print("|---|---|---|---|---|---|")
-    for dp in args.dp:
-        tot = []
-        for zero in (0, 1, 2):
-            m = lattice.cost.estimate(llama, "serial", batch=1, seq=128, dp=dp, zero=zero).memory
-            tot.append(m["parameters"] + m["gradients"] + m["optimizer"])
-        print(f"| {dp} | {tot[0] / 2 ** 30:.1f} | {tot[1] / 2 ** 30:.1f} | {tot[2] / 2 ** 30:.1f} | "
-              f"{tot[1] / n:.3f} ({formula(1, dp):.3f}) | {tot[2] / n:.3f} ({formula(2, dp):.3f}) |")
+    print(f"\nLlama-3-8B ({n / 1e9:.2f} B parameters) from the cost model (no processes), one replica of tp = 1; "
+          f"GiB per rank (bytes per parameter; formula):")
+    print("| precision | dp | zero 0 | zero 1 | zero 2 |")
+    print("|---|---|---|---|---|")
+    for precision in ("fp32", "bf16"):
+        for dp in args.dp:
+            cells = []
+            for zero in (0, 1, 2):
+                m = lattice.cost.estimate(llama, "serial", batch=1, seq=128, dp=dp, zero=zero, precision=precision).memory
+                tot = m["parameters"] + m["gradients"] + m["optimizer"]
+                cells.append(f"{tot / 2 ** 30:.1f} ({tot / n:.3f}; {formula(zero, dp, precision):.3f})")
+            print(f"| {precision} | {dp} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -137,7 +137,8 @@ class ZeroOptimizer:
         params = dict(model.named_parameters())
         self.buckets: list[_Bucket] = []
         decay, no_decay = [], []
-        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes):
+        itemsize = self.reduce_dtype.itemsize  # a bucket's bytes are those of its reduction
+        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize):
             pieces, offset = [], 0
             for name in names:
                 p = params[name]
@@ -264,14 +265,16 @@ class ZeroOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the full gradient from the owned pieces, identical on every
         rank: each piece counts 1/(ranks of the replica holding the same shard), a pipeline
-        mirror not at all; summed over the dp group, then over the model replica's."""
+        mirror not at all; summed over the dp group (when split over it), then over the model
+        replica's."""
         acc = torch.promote_types(self.model.dtype, torch.float32)
         sq = torch.zeros(1, dtype=acc, device=self.ctx.device)
         topo = self.ctx.topology
         for piece in self.pieces.values():
             if piece.master is not None and not self.model.is_mirror(piece.name):
                 sq += piece.master.grad.to(acc).pow(2).sum() / self.model.specs[piece.name].replicas(topo)
-        sq = raw_all_reduce(sq, self.group)
+        if self.shards > 1:  # (with one shard every replica holds every row already)
+            sq = raw_all_reduce(sq, self.group)
         return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
 
     @torch.no_grad()
@@ -387,20 +390,28 @@ class ZeroOptimizer:
         return out
 
 
-def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int) -> dict[str, int]:
-    """Bytes of weights, gradients and AdamW moments this rank keeps between steps (`model`: its
-    shards, a meta model will do), for ZeRO `stage` 0, 1 or 2 over `dp` replicas: stage 1 keeps
-    the moments of its own rows only, stage 2 also only its reduced slice of each gradient
-    bucket. Without ZeRO, 16 bytes per fp32 parameter; with it 8 + 8/d (stage 1), 4 + 12/d
-    (stage 2), up to the rows that do not divide by d."""
+def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
+                    master_itemsize: int | None = None) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
+    its shards, a meta model will do) for ZeRO `stage` 0, 1 or 2 over `dp` replicas, with
+    `itemsize`-byte weights and, given `master_itemsize` (bf16 weights: 4), master rows, moments
+    and reduced gradients of that size. Per parameter, up to rows that do not divide by d:
+    fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2); bf16 weights with fp32 masters
+    18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d (stage 2)."""
+    state = master_itemsize or itemsize
+    mixed = master_itemsize is not None and master_itemsize != itemsize
+    shards, shard = (dp, dp_rank) if stage else (1, 0)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    owned = numel
-    if stage:
-        owned = 0
-        for p in params:
-            rows, width = rows_of(p.shape)
-            r0, r1 = owned_rows(rows, dp, dp_rank)
-            owned += (r1 - r0) * width
-    grads = numel if stage < 2 else sum(segment for _, _, segment in plan_buckets(model, dp, itemsize=itemsize))
-    return {"parameters": itemsize * numel, "gradients": itemsize * grads, "optimizer": 2 * itemsize * owned}
+    owned = 0
+    for p in params:
+        rows, width = rows_of(p.shape)
+        r0, r1 = owned_rows(rows, shards, shard)
+        owned += (r1 - r0) * width
+    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state))
+    if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
+        grads = state * reduced + (itemsize * numel if stage == 1 else 0)
+    else:  # the gradient itself, or (stage 2) only the reduced slice
+        grads = itemsize * (reduced if stage == 2 else numel)
+    return {"parameters": itemsize * numel, "gradients": grads,
+            "optimizer": (3 if mixed else 2) * state * owned}

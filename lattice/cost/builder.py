@@ -291,18 +291,24 @@ class CostBuilder:
         if c.pipeline is not None:
             pipeline_terms(self)
         dp = self.topo.size(DP)
-        if c.zero:  # the distributed optimizer: per bucket a reduce-scatter in backward, an all-gather after the update
-            for _, _, segment in plan_buckets(self.model, dp, itemsize=c.itemsize):
-                if dp > 1:
-                    self.add("backward", "reduce_scatter", (DP,), dp * segment, 1, "grads")
-                    self.add("optimizer", "all_gather", (DP,), dp * segment, 1, "grads")
+        mixed = c.precision == "bf16"  # bf16 weights: fp32 master rows, moments and gradient reduction
+        state = 4 if mixed else c.itemsize
+        if c.zero or mixed:  # lattice.zero's buckets: a reduce-scatter in backward and an all-gather after the
+            shards = dp if c.zero else 1  # update, or (one shard) an all-reduce
+            for _, _, segment in plan_buckets(self.model, shards, itemsize=state):
+                if shards > 1:
+                    self.add("backward", "reduce_scatter", (DP,), shards * segment, 1, "grads", itemsize=state)
+                    self.add("optimizer", "all_gather", (DP,), shards * segment, 1, "grads")
+                elif dp > 1:
+                    self.add("backward", "all_reduce", (DP,), segment, 1, "grads", itemsize=state)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does
             grads = c.memory["parameters"] / c.itemsize
             self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
                      "grads")
-        held = memory_per_rank(self.model, dp, c.topology.coords(c.rank).get(DP, 0), c.zero, c.itemsize)
+        held = memory_per_rank(self.model, dp, c.topology.coords(c.rank).get(DP, 0), c.zero, c.itemsize,
+                               4 if mixed else None)
         c.memory["gradients"] = held["gradients"]
-        c.memory["optimizer"] = held["optimizer"]  # AdamW's two moments (of this rank's rows under ZeRO)
+        c.memory["optimizer"] = held["optimizer"]  # AdamW's moments (and fp32 master rows), this rank's rows under ZeRO
         self._totals()
 
     def _gradient_sums(self):

@@ -66,6 +66,7 @@ class Cost:
     target_seq: int | None = None  # an encoder-decoder's target length (T5's decoder); seq is the source's
     residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks
     zero: int = 0  # the distributed optimizer's stage (lattice.zero); 0: DDP
+    precision: str = "fp32"  # "bf16": bf16 weights with fp32 master rows (lattice.zero), else `itemsize` throughout
     rank: int = 0  # the global rank whose share this is
 
     def _select(self, phase=None, op=None, site=None):
@@ -145,7 +146,8 @@ class Cost:
             return out
         # AdamW reads parameter, gradient and two moments and writes three of them back (under
         # ZeRO of this rank's rows alone, and then the all-gather of the updated weights)
-        updated = self.memory["optimizer"] / 2 if self.zero else self.memory["parameters"]
+        updated = (self.memory["optimizer"] / (3 if self.precision == "bf16" else 2) if self.zero or self.precision == "bf16"
+                   else self.memory["parameters"])
         out["update"] = (self.param_tensors * machine.update_per_tensor + 7 * updated / machine.mem_bandwidth
                          + self.comm_time(machine, "optimizer"))
         out["step"] = out["forward"] + out["backward"] + out["update"]
@@ -154,7 +156,7 @@ class Cost:
 
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
-             zero: int = 0, **layout_kwargs) -> Cost:
+             zero: int = 0, precision: str = "fp32", **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
@@ -164,7 +166,11 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     between the end stages; the activations are those of one micro-batch through its stages. An
     encoder-decoder reads `seq` source and `target_seq` target tokens (default: its config's
     target_len). `zero`: the distributed optimizer's stage (lattice.zero), whose reduce-scatter
-    and all-gather replace the data-parallel all-reduce and whose moments are this rank's rows."""
+    and all-gather replace the data-parallel all-reduce and whose moments are this rank's rows;
+    `precision` "bf16": bf16 weights and activations with fp32 master rows, moments and
+    gradient reduction (then `dtype` is bf16)."""
+    if precision == "bf16":
+        dtype = torch.bfloat16
     ctx = as_layout(layout, layout_kwargs).context(rank)
     mode = ctx.mode
     with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
@@ -172,6 +178,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     itemsize = torch.empty((), dtype=dtype).element_size()
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
                 activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,
-                target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank)
+                target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
+                precision=precision)
     CostBuilder(cost, model).build()
     return cost

@@ -21,6 +21,7 @@ from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import parallel_modes
+from lattice.train_config import PRECISIONS
 from lattice.zero import ZERO_STAGES
 
 
@@ -41,6 +42,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="bf16: bf16 weights with fp32 master weights, moments and gradient reduction (as in train)")
     p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
                    help="distributed optimizer stage over --dp (as in train): its traffic and memory per rank")
     p.add_argument("--machine", default=None, metavar="JSON",
@@ -89,7 +92,8 @@ def run_plan(args) -> int:
         print(format_pipeline(cfg, layout, batch=batch, machine=machine))
         return 0
     c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                 activation_checkpointing=args.activation_checkpointing, zero=args.zero)
+                 activation_checkpointing=args.activation_checkpointing, zero=args.zero,
+                 precision=args.precision)
     print(format_cost(c, machine))
     return 0
 
