@@ -30,8 +30,15 @@ def formula(zero: int, dp: int, precision: str = "fp32") -> float:
     return {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp}[zero]
 
 
-def megatron(zero: int, dp: int, precision: str) -> float:
-    """Megatron-LM's distributed-optimizer table (bf16 weights, fp32 gradients and master)."""
+def megatron(zero: int, dp: int, precision: str) -> str:
+    """Megatron-LM's distributed-optimizer table (bf16 weights, fp32 gradients and master; it has
+    no stage 2)."""
+    if zero == 2:
+        return "—"
+    return f"{_megatron(zero, dp, precision):.3f}"
+
+
+def _megatron(zero: int, dp: int, precision: str) -> float:
     if precision == "bf16":
         return 18.0 if zero == 0 else 6 + 12 / dp
     return 16.0 if zero == 0 else 8 + 8 / dp
@@ -124,7 +131,7 @@ def main(argv=None) -> int:
                 print(f"| {precision} | {dp} | {zero} | {worst['parameters'] / MIB:.1f} | {worst['gradients'] / MIB:.1f} | "
                       f"{worst['optimizer'] / MIB:.1f} | {total / MIB:.1f} | {total / worst['numel']:.3f} | "
                       f"{formula(zero, dp, precision):.3f} | {model_total / worst['numel']:.3f} | "
-                      f"{megatron(zero, dp, precision):.3f} |", flush=True)
+                      f"{megatron(zero, dp, precision)} |", flush=True)
 
     llama = get_arch("llama").config_class.preset("llama3-8b")
     with torch.device("meta"):

@@ -25,9 +25,15 @@ until the step. Parameters whose gradient a later sum completes (`ShardSpec.grad
 in-replica sums of sync_grads) sit in buckets that `reduce_grads` starts after those sums; under
 a pipeline schedule, which accumulates micro-batches, every bucket starts there.
 
+bf16 weights (`--precision bf16`) get fp32 master rows: gradients are reduced in fp32 (bf16 as
+an option), AdamW updates the master rows and their moments, and the updated rows are rounded
+into the bf16 weights before the all-gather. Stage 0 is that without ZeRO: one shard, every rank
+owns every row and the buckets are all-reduced.
+
 Memory per parameter with fp32 weights (4 weight + 4 gradient + 8 moments = 16 bytes without
 ZeRO): stage 1 keeps 8 + 8/d, stage 2 4 + 12/d (the gradient is also split). The fp32 weight
-is its own master copy: the piece AdamW updates is a view into the parameter.
+is its own master copy: the piece AdamW updates is a view into the parameter. With bf16 weights:
+18, 4 + 16/d, 2 + 16/d (see `memory_per_rank`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from lattice.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_red
 from lattice.context import LatticeConfigError, MeshAxis
 from lattice.sharding import GRAD_BUCKET_BYTES, byte_buckets
 
-ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state (DDP)
+ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
 
 
@@ -117,9 +123,10 @@ class _Bucket:
 
 class ZeroOptimizer:
     """AdamW (decay on matrices only, as lattice.optim.make_optimizer) with its state split over
-    the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients. `hooks`:
-    start each bucket's reduce-scatter from backward (off under a pipeline schedule, whose
-    micro-batches accumulate)."""
+    the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients, 0 nothing
+    (for the fp32 master rows of bf16 weights alone). `hooks`: start each bucket's reduction
+    from backward (off under a pipeline schedule, whose micro-batches accumulate).
+    `reduce_dtype`: of the gradient reduction (default the master rows')."""
 
     def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
                  hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None):

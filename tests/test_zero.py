@@ -253,3 +253,17 @@ def test_bf16_weights_with_fp32_master_rows_follow_the_textbook_recipe():
             assert r["masters"] < 1e-5 and r["moments"] < 1e-4, (rank, stage, r)
             assert r["weights"] <= 2 ** -8, (rank, stage, r)
             assert r["reduced"] == {("all_reduce" if stage == 0 else "reduce_scatter", 4)}, (rank, stage, r)
+
+
+@pytest.mark.parametrize("given,named", [
+    ({"precision": "bf16", "dtype": "float64"}, "--dtype float64"),
+    ({"precision": "bf16", "bf16": True}, "--bf16"),
+    ({"grad_reduce_dtype": "bf16"}, "--precision bf16"),
+    ({"zero": 3}, "zero must be one of"),
+])
+def test_refuses_what_the_optimizer_cannot_do(given, named):
+    """Catches a bf16 run silently combined with float64 weights or with autocast, a bf16
+    gradient reduction asked of fp32 gradients, and a ZeRO stage that does not exist: each is
+    one line naming the flag, before any process group."""
+    with pytest.raises(LatticeConfigError, match=named.replace("-", r"\-")):
+        TrainConfig(**given)
