@@ -105,19 +105,14 @@ def training_state(model, optimizer, *, with_moments: bool, staged: bool = False
     """The chunks this rank contributes: weights, and AdamW's moments (shaped and sharded like
     their parameters) when `with_moments`. `staged` copies them to CPU first, so that training
     may go on changing the live tensors while a background thread writes the copies."""
-    params = dict(model.named_parameters())
-    tensors = {}  # key: (name, the tensor, its first row in the local shard)
-    masters = isinstance(optimizer, ZeroOptimizer) and optimizer.separate_masters
-    for name, p in params.items():
-        if not masters:
-            tensors[f"model/{name}"] = (name, p.detach(), 0)
-        if with_moments and not isinstance(optimizer, ZeroOptimizer):
-            state = optimizer.state[p]
-            tensors.update({f"optimizer/{key}/{name}": (name, state[key], 0) for key in ("exp_avg", "exp_avg_sq")})
-    if masters:  # bf16 weights: the weights stored are the fp32 master rows, this dp rank's
-        tensors.update({f"model/{name}": (name, t, row) for name, t, row in optimizer.masters()})
-    if with_moments and isinstance(optimizer, ZeroOptimizer):  # this dp rank's rows of each moment
-        tensors.update({f"optimizer/{key}/{name}": (name, t, row) for name, key, t, row in optimizer.moments()})
+    if isinstance(optimizer, ZeroOptimizer):  # this dp rank's rows (lattice.zero)
+        tensors = {key: (name, t, row) for key, name, t, row in optimizer.checkpoint_tensors(with_moments)}
+    else:  # key: (name, the tensor, its first row in the local shard)
+        params = dict(model.named_parameters())
+        tensors = {f"model/{name}": (name, p.detach(), 0) for name, p in params.items()}
+        if with_moments:
+            tensors.update({f"optimizer/{key}/{name}": (name, optimizer.state[p][key], 0)
+                            for name, p in params.items() for key in ("exp_avg", "exp_avg_sq")})
     out = {}
     for key, (name, t, row) in tensors.items():
         chunk = chunk_of(t.detach().to("cpu", copy=True) if staged else t.detach(), model.specs[name], model.ctx, row)

@@ -279,10 +279,11 @@ class Trainer:
                 f"before updating the weights, and nothing was saved over the last checkpoint; lower --lr, or pass "
                 f"--on-nan skip to skip such steps")
         if finite:
-            if cfg.grad_clip > 0 and cfg.distributed_optimizer:
-                self.optimizer.clip(norm, cfg.grad_clip)
-            elif cfg.grad_clip > 0:
-                clip_grads(self.model, norm, cfg.grad_clip)
+            if cfg.grad_clip > 0:
+                if cfg.distributed_optimizer:
+                    self.optimizer.clip(norm, cfg.grad_clip)
+                else:
+                    clip_grads(self.model, norm, cfg.grad_clip)
             self.optimizer.step()
         else:  # --on-nan skip: the batch is consumed, the weights and moments stay as they were
             self.skipped += 1

@@ -60,9 +60,14 @@ def rows_of(shape) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
+def rows_per_shard(rows: int, dp: int) -> int:
+    """⌈rows/dp⌉: the rows every dp rank's segment reserves for a parameter."""
+    return -(-rows // dp)
+
+
 def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
     """[r0, r1): the rows of dim 0 dp rank r owns (⌈rows/dp⌉ each, the last ones fewer or none)."""
-    per = -(-rows // dp)
+    per = rows_per_shard(rows, dp)
     r0 = min(r * per, rows)
     return r0, min(r0 + per, rows)
 
@@ -86,7 +91,7 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES,
             segment = 0
             for n in names_:
                 rows, width = rows_of(params[n].shape)
-                segment += -(-rows // dp) * width
+                segment += rows_per_shard(rows, dp) * width
             out.append((is_late, names_, segment))
     return out
 
@@ -151,7 +156,7 @@ class ZeroOptimizer:
                 p = params[name]
                 rows, width = rows_of(p.shape)
                 r0, r1 = owned_rows(rows, self.shards, self.shard)
-                piece = _Piece(name, p, r0, r1, -(-rows // self.shards), width, offset)
+                piece = _Piece(name, p, r0, r1, rows_per_shard(rows, self.shards), width, offset)
                 offset += piece.per * width
                 if piece.numel:
                     piece.master = p.detach().view(rows, width)[r0:r1]
@@ -164,13 +169,12 @@ class ZeroOptimizer:
         # one group each even when empty, so that the learning rate is set alike on every rank
         self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                         {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
-        self._handles = []
         if hooks:
             for bucket in self.buckets:
                 if not bucket.late:
                     for piece in bucket.pieces:
-                        self._handles.append(piece.param.register_post_accumulate_grad_hook(
-                            lambda p, bucket=bucket: self._grad_ready(bucket, p)))
+                        piece.param.register_post_accumulate_grad_hook(
+                            lambda p, bucket=bucket: self._grad_ready(bucket, p))
         self._next = 0  # the first bucket not launched yet: buckets start in plan order on every rank
         self._arm()
 
@@ -218,10 +222,8 @@ class ZeroOptimizer:
             grad = piece.param.grad
             if grad is None:
                 continue  # a parameter this step did not use: zeros
-            rows = grad.view(-1, piece.width)
-            for r in range(self.shards):
-                r0, r1 = owned_rows(rows.shape[0], self.shards, r)
-                flat[r, piece.offset:piece.offset + (r1 - r0) * piece.width] = rows[r0:r1].reshape(-1)
+            for _, rows, segment in self._rows_by_shard(piece, grad, flat):
+                segment.copy_(rows)
             if self.stage != 1:  # stage 2 keeps the slices alone; stage 0 the reduced copy alone
                 piece.param.grad = None
         if self.dp > 1:
@@ -316,26 +318,39 @@ class ZeroOptimizer:
     def _gather_rows(self) -> None:
         if self.shards == 1:
             return
-        dtype = self.param_dtype
         for bucket in self.buckets:
-            mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
+            gathered = self._gather(bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1],
+                                    self.param_dtype, phase="optimizer")
             for piece in bucket.pieces:
-                if piece.master is not None:
-                    mine[piece.offset:piece.offset + piece.numel] = piece.param.detach().view(-1, piece.width)[
-                        piece.r0:piece.r1].reshape(-1)
-            gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
-            record("all_gather", self.group, gathered.numel(), dtype, phase="optimizer")
-            _all_gather_tensor(gathered.view(-1), mine, group=self.group)
-            self._unpack(bucket, gathered, lambda piece: piece.param.detach(), skip_own=True)
+                for r, rows, segment in self._rows_by_shard(piece, piece.param.detach(), gathered):
+                    if r != self.shard:
+                        rows.copy_(segment)
 
-    def _unpack(self, bucket: _Bucket, gathered: torch.Tensor, target, skip_own: bool = False) -> None:
-        """Every shard's rows of each parameter of the bucket, from the gathered segments into `target(piece)`."""
+    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None) -> torch.Tensor:
+        """(shards, segment): every dp rank's segment of the bucket, each holding `owned(piece)`
+        (this rank's rows of each parameter, or None for zeros); metered when `phase` is given."""
+        mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
         for piece in bucket.pieces:
-            rows = target(piece).view(-1, piece.width)
-            for r in range(self.shards):
-                r0, r1 = owned_rows(rows.shape[0], self.shards, r)
-                if r1 > r0 and not (skip_own and r == self.shard):
-                    rows[r0:r1] = gathered[r, piece.offset:piece.offset + (r1 - r0) * piece.width].view(-1, piece.width)
+            rows = owned(piece) if piece.master is not None else None
+            if rows is not None:
+                mine[piece.offset:piece.offset + piece.numel] = rows.reshape(-1)
+        if self.shards == 1:
+            return mine.view(1, -1)
+        gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
+        if phase is not None:
+            record("all_gather", self.group, gathered.numel(), dtype, phase=phase)
+        _all_gather_tensor(gathered.view(-1), mine, group=self.group)
+        return gathered
+
+    def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
+        """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching
+        (rows, width) view of segments[r]) for every shard that owns rows: the bucket layout."""
+        rows = tensor.view(-1, piece.width)
+        for r in range(self.shards):
+            r0, r1 = owned_rows(rows.shape[0], self.shards, r)
+            if r1 > r0:
+                segment = segments[r, piece.offset:piece.offset + (r1 - r0) * piece.width]
+                yield r, rows[r0:r1], segment.view(-1, piece.width)
 
     @torch.no_grad()
     def masters_from_params(self) -> None:
@@ -347,21 +362,23 @@ class ZeroOptimizer:
                     piece.master.copy_(piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1])
 
     # ---- the state, for checkpoints
-    def moments(self):
-        """(name, key, tensor, first row) of every owned piece's AdamW moments: the rows
-        [first row, first row + len) of the parameter's local shard."""
+    def checkpoint_tensors(self, with_moments: bool):
+        """(key, name, tensor, first row) of what a checkpoint keeps of this rank: the weights
+        (under bf16, its fp32 master rows instead), and its rows of both AdamW moments when
+        `with_moments`; a tensor holds the rows [first row, first row + len) of the parameter's
+        local shard, shaped like them."""
         for piece in self.pieces.values():
-            state = self.inner.state.get(piece.master) if piece.master is not None else None
-            if state:
+            if not self.separate_masters:
+                yield f"model/{piece.name}", piece.name, piece.param.detach(), 0
+            if piece.master is None:
+                continue
+            shape = (piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])
+            if self.separate_masters:
+                yield f"model/{piece.name}", piece.name, piece.master.view(shape), piece.r0
+            state = self.inner.state.get(piece.master)
+            if with_moments and state:
                 for key in ("exp_avg", "exp_avg_sq"):
-                    yield piece.name, key, state[key].view((piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])), piece.r0
-
-    def masters(self):
-        """(name, tensor, first row) of every owned piece's fp32 master rows (bf16 weights only),
-        shaped like the parameter's rows: what a checkpoint stores as the weights."""
-        for piece in self.pieces.values():
-            if piece.master is not None:
-                yield piece.name, piece.master.view((piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])), piece.r0
+                    yield f"optimizer/{key}/{piece.name}", piece.name, state[key].view(shape), piece.r0
 
     def prepare_moments(self, step: int) -> None:
         """Zero moments at optimizer step `step`, for a checkpoint to be read into."""
@@ -378,24 +395,16 @@ class ZeroOptimizer:
         collective over the dp group; None before the first step), for comparisons and export."""
         out = {"exp_avg": {}, "exp_avg_sq": {}}
         stepped = any(self.inner.state.values())
-        dtype = self.master_dtype
         for bucket in self.buckets:
             for key in out:
-                mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
+                gathered = self._gather(bucket, lambda piece: (self.inner.state.get(piece.master) or {}).get(key),
+                                        self.master_dtype)
                 for piece in bucket.pieces:
-                    state = self.inner.state.get(piece.master) if piece.master is not None else None
-                    if state:
-                        mine[piece.offset:piece.offset + piece.numel] = state[key].reshape(-1)
-                gathered = mine.view(1, -1)
-                if self.shards > 1:
-                    gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
-                    _all_gather_tensor(gathered.view(-1), mine, group=self.group)
-                full = {piece.name: torch.empty(piece.param.shape, dtype=dtype, device=self.ctx.device)
-                        for piece in bucket.pieces}
-                self._unpack(bucket, gathered, lambda piece: full[piece.name])
-                out[key].update({name: t if stepped else None for name, t in full.items()})
+                    full = torch.empty(piece.param.shape, dtype=self.master_dtype, device=self.ctx.device)
+                    for _, rows, segment in self._rows_by_shard(piece, full, gathered):
+                        rows.copy_(segment)
+                    out[key][piece.name] = full if stepped else None
         return out
-
 
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
                     master_itemsize: int | None = None) -> dict[str, int]:

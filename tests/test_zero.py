@@ -31,22 +31,31 @@ def _worst(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-300)) for k in b)
 
 
+def _gpt2_replicas(layout: dict, dtype):
+    """(ctx, the full serial weights in `dtype`, replica_step(model, step)): GPT-2's first test
+    shape, and a step's forward and backward of this replica's rows of the global batch."""
+    ctx = cached_init(**layout)
+    family = get_arch("gpt2")
+    cfg = family.config_class(**family.test_shapes[0])
+    weights = lattice.build_model(cfg, lattice.plan("serial"), dtype=dtype).full_state_dict()
+    d = ctx.coord(MeshAxis.DP)
+    mine = slice(d * REPLICA_BATCH, (d + 1) * REPLICA_BATCH)
+
+    def replica_step(model, step):
+        tokens, targets = _batch(cfg, REPLICA_BATCH * ctx.dp, step)
+        return model.forward_backward(tokens[mine], targets[mine])
+
+    return ctx, cfg, weights, replica_step
+
+
 def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
     """Three AdamW steps of the same float64 model: plain data parallelism (gradients averaged
     by hand with torch.distributed, lattice.optim's norm and clip, torch's AdamW) and the
     distributed optimizer at each stage; full weights and moments of both, and the distributed
     optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
     block in backward)."""
-    ctx = cached_init(**layout)
-    family = get_arch("gpt2")
-    cfg = family.config_class(**family.test_shapes[0])
-    weights = lattice.build_model(cfg, lattice.plan("serial"), dtype=torch.float64).full_state_dict()
+    ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float64)
     dp, d = ctx.dp, ctx.coord(MeshAxis.DP)
-    mine = slice(d * REPLICA_BATCH, (d + 1) * REPLICA_BATCH)
-
-    def replica_step(model, step):
-        tokens, targets = _batch(cfg, REPLICA_BATCH * dp, step)
-        return model.forward_backward(tokens[mine], targets[mine])
 
     ref = lattice.build_model(cfg, ctx, dtype=torch.float64)
     ref.load_full_state_dict(weights)
@@ -88,9 +97,11 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
                     measured[k] = (calls - v["calls"], elements - v["elements"])
                 measured = {k: v for k, v in measured.items() if v[0]}
         moments = checkpoint.gather_optimizer(model, opt)
-        owned = sum(t.numel() for _, key, t, _ in opt.moments() if key == "exp_avg")
+        owned = sum(t.numel() for key, _, t, _ in opt.checkpoint_tensors(True)
+                    if key.startswith("optimizer/exp_avg/"))
         analytic = lattice.cost.estimate(cfg, layout["mode"], batch=REPLICA_BATCH, seq=T, dtype=torch.float64,
-                                         rank=ctx.rank, zero=stage, activation_checkpointing=stage == 2, **{k: v for k, v in layout.items() if k != "mode"})
+                                         rank=ctx.rank, zero=stage, activation_checkpointing=stage == 2,
+                                         **{k: v for k, v in layout.items() if k != "mode"})
         modelled = {k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]}
         out[stage] = {"weights": _worst(model.full_state_dict(), ref_weights),
                       "moments": max(_worst(moments[k], ref_moments[k]) for k in ("exp_avg", "exp_avg_sq")),
@@ -136,7 +147,8 @@ def test_zero_equals_plain_data_parallelism_and_its_cost_model(layout):
             assert set(r["measured"]) == set(r["modelled"]), (rank, stage, set(r["measured"]) ^ set(r["modelled"]))
             assert r["measured"] == r["modelled"], (rank, stage)
             dp = layout["dp"]  # the gradients' reduce-scatter runs in backward, the weights' all-gather after
-            assert ("backward", "reduce_scatter", dp) in r["measured"] and ("optimizer", "all_gather", dp) in r["measured"]
+            assert ("backward", "reduce_scatter", dp) in r["measured"]
+            assert ("optimizer", "all_gather", dp) in r["measured"]
 
 
 RUN = dict(model="tiny", vocab_size=512, batch_size=8, lr=3e-3, warmup=2, grad_clip=0.3, eval_interval=100,
@@ -175,16 +187,8 @@ def _mixed_against_the_recipe(layout: dict) -> dict:
     of every weight, gradients cast to fp32 and averaged over dp with torch.distributed, torch's
     AdamW on the copies, the copies rounded into the weights) and by lattice.zero at stages 0, 1
     and 2; each rank's owned master and moment rows against the recipe's."""
-    ctx = cached_init(**layout)
-    family = get_arch("gpt2")
-    cfg = family.config_class(**family.test_shapes[0])
-    weights = lattice.build_model(cfg, lattice.plan("serial")).full_state_dict()
-    dp, d = ctx.dp, ctx.coord(MeshAxis.DP)
-    mine = slice(d * REPLICA_BATCH, (d + 1) * REPLICA_BATCH)
-
-    def replica_step(model, step):
-        tokens, targets = _batch(cfg, REPLICA_BATCH * dp, step)
-        return model.forward_backward(tokens[mine], targets[mine])
+    ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float32)
+    dp = ctx.dp
 
     ref = lattice.build_model(cfg, ctx, dtype=torch.bfloat16)
     ref.load_full_state_dict(weights)
@@ -222,6 +226,7 @@ def _mixed_against_the_recipe(layout: dict) -> dict:
             norm = opt.grad_norm()
             opt.clip(norm, CLIP)
             opt.step()
+        owned_masters = [(n, t, r) for _, n, t, r in opt.checkpoint_tensors(False)]  # (bf16: the master rows)
         rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
         state = {k: {n: opt.state[p.master][k] for n, p in opt.pieces.items() if p.master is not None}
                  for k in ("exp_avg", "exp_avg_sq")}
@@ -229,10 +234,10 @@ def _mixed_against_the_recipe(layout: dict) -> dict:
             "weights_bf16": all(p.dtype == torch.bfloat16 for p in model.parameters()),
             "weights": max(rel(p.detach().float(), ref_p.detach().float())
                            for p, ref_p in zip(model.parameters(), ref.parameters())),
-            "masters": max(rel(t, masters[n][r:r + len(t)]) for n, t, r in opt.masters()),
-            "master_dtype": {t.dtype for _, t, _ in opt.masters()},
+            "masters": max(rel(t, masters[n][r:r + len(t)]) for n, t, r in owned_masters),
+            "master_dtype": {t.dtype for _, t, _ in owned_masters},
             "moments": max(rel(state[k][n].view(-1), ref_opt.state[masters[n]][k][r:r + len(t)].reshape(-1))
-                           for n, t, r in opt.masters() for k in state),
+                           for n, t, r in owned_masters for k in state),
             "reduced": {(op, dtype_bytes) for (phase, op, n), v in meter.summary().items() if phase == "backward"
                         and n == dp and op in ("reduce_scatter", "all_reduce")
                         for dtype_bytes in [v["bytes"] // v["elements"]]},
