@@ -8,7 +8,7 @@ a step), and measures each phase in isolation: the kernel's resident-set high-wa
 the resident size at the start is reported beside the rank's own shards (weights + two moments)
 and the largest local shard. Phases:
 
-- sharded save: every rank writes its own chunks (lattice.sharded_checkpoint.write);
+- sharded save: every rank writes its own chunks (lattice.checkpoint.sharded.write);
 - sharded load: every rank reads its own regions back (DCP), into the same layout;
 - single save: one file of full tensors (weights and moments gathered, rank 0 writes it), the
   form `lattice convert` exports;
@@ -57,9 +57,8 @@ def _worker(args, out_dir: str) -> dict:
     import torch.distributed as dist
 
     import lattice
-    from lattice import checkpoint
-    from lattice import sharded_checkpoint as sharded
-    from lattice import GPTConfig
+    from lattice import GPTConfig, checkpoint
+    from lattice.checkpoint import sharded
 
     rank = dist.get_rank()
     ctx = lattice.init(args.mode, tp=args.tp)

@@ -53,7 +53,7 @@ def _workers(launcher: int) -> list[int]:
 
 def _training(out: Path, workers: list[int], nproc: int) -> bool:
     """Every worker of this job is in its training loop (its heartbeat names its pid)."""
-    from lattice.faults import HEARTBEAT_DIR
+    from lattice.checkpoint.run_dir import HEARTBEAT_DIR
 
     try:
         pids = {int((out / HEARTBEAT_DIR / f"rank{r}").read_text().split()[1]) for r in range(nproc)}
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
                     help="with --kill one-rank: a job still running this long after the kill counts as hung")
     args = ap.parse_args(argv)
     from lattice import checkpoint
-    from lattice import sharded_checkpoint as sharded
-    from lattice.context import LatticeConfigError
+    from lattice.checkpoint import sharded
+    from lattice.parallel.context import LatticeConfigError
 
     def has_checkpoint(out: Path) -> bool:
         return (out / checkpoint.FILENAME).exists() or bool(sharded.complete(out))

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from lattice.data import corpus_text, load_data_corpus
+    from lattice.data.corpus import corpus_text, load_data_corpus
 
     work = Path(tempfile.mkdtemp(prefix="lattice-own-data-"))
     path = work / "corpus.txt"

@@ -75,7 +75,7 @@ def model_config(args):
 
 def _worker(args) -> list:
     import lattice
-    from lattice.comm import raw_all_reduce
+    from lattice.parallel.comm import raw_all_reduce
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = model_config(args)
@@ -141,7 +141,7 @@ def placements() -> None:
     """SUPER Eq. 4-7 counted on the layouts of 8 GPUs on 2 nodes of 4."""
     import lattice
     from lattice.cost import count_messages, estimate, super_messages
-    from lattice.context import MeshAxis
+    from lattice.parallel.context import MeshAxis
 
     cfg = _t5_large_mod(128)
     print("\n2. placements: messages of one segmented collective (intra / inter-node, over all ranks; SUPER Eq. 3-7 "

@@ -1,5 +1,5 @@
 """Memory per rank of weights, gradients and AdamW moments with the distributed optimizer
-(lattice.zero), measured after one step, beside the formula and lattice.cost's figure.
+(lattice.parallel.zero), measured after one step, beside the formula and lattice.cost's figure.
 
     python benchmarks/zero_memory.py                      # the gpt2 preset at dp = 1, 2, 4
     python benchmarks/zero_memory.py --model tiny --dp 1 2
@@ -8,7 +8,7 @@ For each dp and ZeRO stage (0: plain data parallelism, 1: moments split, 2: grad
 starts dp gloo processes (serial tensor layout), builds the model in fp32, takes one step on one
 sequence per replica, and counts the bytes of the distinct storages the rank then holds:
 parameters, gradients (p.grad, or the reduced slices AdamW reads) and the optimizer's state.
-The formula per parameter (lattice.zero.memory_per_rank): fp32 16 bytes without ZeRO, 8 + 8/d
+The formula per parameter (lattice.parallel.zero.memory_per_rank): fp32 16 bytes without ZeRO, 8 + 8/d
 with stage 1, 4 + 12/d with stage 2; bf16 weights with fp32 master rows 18, 4 + 16/d, 2 + 16/d
 (Megatron-LM's table, which keeps a whole fp32 gradient buffer: 18 and 6 + 12/d). Then the same
 figures from the cost model (no processes) for Llama-3-8B.
@@ -24,7 +24,7 @@ MIB = 2 ** 20
 
 
 def formula(zero: int, dp: int, precision: str = "fp32") -> float:
-    """Bytes per parameter this implementation keeps (see lattice.zero.memory_per_rank)."""
+    """Bytes per parameter this implementation keeps (see lattice.parallel.zero.memory_per_rank)."""
     if precision == "bf16":
         return {0: 18.0, 1: 4 + 16 / dp, 2: 2 + 16 / dp}[zero]
     return {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp}[zero]
@@ -76,8 +76,8 @@ def _worker(preset: str, seq: int, zero: int, precision: str) -> dict:
 
     import lattice
     from lattice.models import get_arch
-    from lattice.optim import make_optimizer
-    from lattice.zero import ZeroOptimizer
+    from lattice.parallel.zero import ZeroOptimizer
+    from lattice.training.optim import make_optimizer
 
     ctx = lattice.init("serial", dp=dist.get_world_size())
     cfg = get_arch("gpt2").config_class.preset(preset, seq_len=seq)

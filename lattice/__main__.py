@@ -1,7 +1,7 @@
-"""`python -m lattice ...` is the `lattice` command (see lattice/cli.py)."""
+"""`python -m lattice ...` is the `lattice` command (see lattice/cli/main.py)."""
 
 import sys
 
-from lattice.cli import main
+from lattice.cli.main import main
 
 sys.exit(main())

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.context import LatticeConfigError
 from lattice.models import Model, ModelConfig, Parts, register
 from lattice.models.components import MLP, ReplicatedLinear, Rotary, SelfAttention
+from lattice.parallel.context import LatticeConfigError
 
 
 @dataclass

@@ -8,10 +8,10 @@ whole global batch. Tiny models keep the suite fast on 2 cores.
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
 
 import lattice
 from lattice import GPT, GPTConfig, LatticeConfigError, MeshAxis
-from multiproc import cached_init, run_distributed
 
 SIZES = dict(seq_len=8, d_model=16, n_heads=4, n_layers=2)
 BATCH = 4  # global batch; each of dp replicas takes BATCH // dp rows

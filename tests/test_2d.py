@@ -10,11 +10,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
+from numerics import random_batch as _batch
+from numerics import rel_diff as _rel
 
 import lattice
 from lattice import LatticeConfigError, MeshAxis
-from numerics import rel_diff as _rel, random_batch as _batch
-from multiproc import cached_init, run_distributed
 
 # vocabulary 29 is padded to 30 (q = 2, 3); T = 7 < seq_len exercises the position-table slice
 TINY = dict(vocab_size=29, seq_len=8, d_model=12, n_heads=6, n_layers=2)
@@ -97,7 +98,7 @@ def test_q3_loss_and_gradients_equal_serial_float64():
 
 def _check_summa_products(q: int):
     """Each SUMMA form against torch.matmul on the full matrices, forward and backward."""
-    from lattice.summa import SummaGrid, summa_ab, summa_abt, summa_atb
+    from lattice.modes.kernels.summa import SummaGrid, summa_ab, summa_abt, summa_atb
 
     ctx = cached_init(mode="2d", tp=q * q)
     grid = SummaGrid(ctx)

@@ -7,12 +7,12 @@ conformance suite's (tests/test_conformance.py), which runs 3d at q = 2 on 8 pro
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
+from numerics import random_batch as _batch
 
 import lattice
 from lattice import LatticeConfigError
 from lattice.bench.measure import saved_activation_bytes
-from numerics import random_batch as _batch
-from multiproc import cached_init, run_distributed
 
 CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 

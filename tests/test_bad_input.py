@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lattice import cli
+from lattice.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]

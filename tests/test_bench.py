@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_distributed
 
 import lattice
 from lattice import bench, cost
 from lattice.bench import measure, peers
-from multiproc import run_distributed
 
 CFG = dict(vocab_size=96, seq_len=16, d_model=24, n_heads=6, n_layers=2)
 

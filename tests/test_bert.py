@@ -11,11 +11,11 @@ ignores a constant per query), so its value in either implementation is rounding
 
 import pytest
 import torch
+from test_conformance import assert_layout_equals_serial
 
 import lattice
-from lattice import hf as lhf
+from lattice.models import hf as lhf
 from lattice.models.bert import Bert, BertConfig
-from test_conformance import assert_layout_equals_serial
 
 transformers = pytest.importorskip("transformers")
 

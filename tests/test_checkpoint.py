@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice import checkpoint, convert
-from lattice.context import LatticeConfigError
-from lattice.train import TrainConfig, Trainer
-from multiproc import cached_init, run_distributed
+from lattice import checkpoint
+from lattice.checkpoint import convert
+from lattice.parallel.context import LatticeConfigError
+from lattice.training.trainer import TrainConfig, Trainer
 
 TINY = dict(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, grad_clip=0.3,
             eval_interval=50, eval_batches=2, progress=False, steps=6)

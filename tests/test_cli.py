@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import lattice
-from lattice import cli
-from lattice.data import load_corpus
-from lattice.options import given_mode_options
+from lattice.cli import main as cli
+from lattice.data.corpus import load_corpus
+from lattice.modes.options import given_mode_options
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1",
@@ -110,8 +110,8 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     `--config` to the same Layout and TrainConfig."""
     from dataclasses import fields
 
-    from lattice.arguments import config_toml, layout_from_args, run_config, train_config, with_config_file
-    from lattice.train import TrainConfig
+    from lattice.cli.arguments import config_toml, layout_from_args, run_config, train_config, with_config_file
+    from lattice.training.trainer import TrainConfig
 
     layout = lattice.Layout("1d", tp=2, dp=2, pp=2, microbatches=4, pp_schedule="interleaved", pp_virtual=2,
                             pp_layers=(1, 2, 1, 1), pp_scatter_gather=False, options={"sequence_parallel": True},
@@ -253,11 +253,11 @@ def test_own_data_end_to_end_train_eval_generate_resume(tmp_path, capsys):
     common = ["--model", "tiny", "--vocab-size", "300", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
     assert cli.main(["train", "--data", str(data), *common, "--steps", "4", "--out-dir", str(run)]) == 0
     out = capsys.readouterr().out
-    from lattice.data import data_hash, load_corpus
+    from lattice.data.corpus import data_hash, load_corpus
     baseline = float(next(line for line in out.splitlines() if line.startswith("unigram baseline")).split()[2])
     # a unigram model of this text, counted here from its characters' tokens: the run's baseline is
     # the own data's (the built-in corpus's is far from it)
-    assert abs(baseline - lattice.data.unigram_baseline(load_corpus(300))) > 0.5
+    assert abs(baseline - lattice.data.corpus.unigram_baseline(load_corpus(300))) > 0.5
     assert baseline < 3.5  # two repeated sentences: a few dozen tokens carry the text
     assert (run / "tokenizer.json").exists() and data_hash(str(data)) in (run / "data.json").read_text()
     assert cli.main(["eval", str(run)]) == 0 and "perplexity" in capsys.readouterr().out

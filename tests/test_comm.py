@@ -2,13 +2,12 @@
 
 import torch
 import torch.distributed as dist
-
 from multiproc import run_distributed
 
 
 def _check_collectives():
     import lattice
-    from lattice import comm
+    from lattice.parallel import comm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD

@@ -29,18 +29,18 @@ import math
 import sys
 from pathlib import Path
 
+import probe_family  # noqa: F401  (registers the family "probe")
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
 
 import lattice
-import probe_family  # noqa: F401  (registers the family "probe")
 from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.bench.measure import saved_activation_bytes
-from lattice.loss import IGNORE_INDEX
 from lattice.models import get_arch
 from lattice.modes import REFERENCE_MODE, get_mode
-from multiproc import cached_init, run_distributed
+from lattice.modes.kernels.loss import IGNORE_INDEX
 
 T, REPLICA_BATCH = 8, 4  # T < every test shape's seq_len: exercises position slicing
 REFERENCE_FAMILY = "gpt2"
@@ -237,8 +237,8 @@ def _check_refusals(family: str, layout: dict, root: str, plugins=()) -> dict:
 
 
 def _check_refusals_registered(family: str, layout: dict, root: str) -> dict:
-    from lattice import hf
-    from lattice import sharded_checkpoint as sharded
+    from lattice.checkpoint import sharded
+    from lattice.models import hf
 
     ctx = cached_init(**layout)
     cls = get_arch(family)
@@ -348,7 +348,7 @@ def _adamw_trajectory(family: str, layout: dict | None):
     this rank holds, keyed by the name and the slice of the full tensor it is."""
     import hashlib
 
-    from lattice.train import TrainConfig, Trainer
+    from lattice.training.trainer import TrainConfig, Trainer
 
     ctx = cached_init(**layout) if layout else lattice.init(REFERENCE_MODE)
     trainer = Trainer(TrainConfig(arch=family, **ADAMW_RUN), ctx)

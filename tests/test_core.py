@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice.context import MeshAxis, ParallelContext, Topology
-from lattice.sharding import ShardSpec, gather_full
-from multiproc import cached_init, run_distributed
+from lattice.parallel.context import MeshAxis, ParallelContext, Topology
+from lattice.parallel.sharding import ShardSpec, gather_full
 
 
 def test_topology_coords_round_trip_with_permuted_placement():
@@ -239,7 +239,6 @@ def test_test_workers_give_back_the_groups_of_old_layouts_and_of_a_check():
 
 def _check_groups_and_gather_to_one_rank():
     import torch.distributed as dist
-
     from multiproc import cached_init
 
     ctx = cached_init(mode="2d", tp=4)

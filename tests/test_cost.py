@@ -6,12 +6,13 @@ import argparse
 
 import pytest
 import torch
+from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice import cli, cost
-from lattice.cost import plan as cost_plan
-from lattice.context import MeshAxis
-from multiproc import cached_init, run_distributed
+from lattice import cost
+from lattice.cli import main as cli
+from lattice.cli import plan as cost_plan
+from lattice.parallel.context import MeshAxis
 
 # ----------------------------------------------------------------------------- the papers
 

@@ -7,9 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from lattice.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
-from lattice.data import (corpus_text, global_batch, load_corpus, train_batch, unigram_baseline,
-                          val_batches)
+from lattice.data.corpus import corpus_text, global_batch, load_corpus, train_batch, unigram_baseline, val_batches
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 
 VOCAB = 512
 
@@ -121,7 +120,7 @@ def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path, monkey
     (seed, step) ones."""
     import numpy as np
 
-    from lattice.data import global_batch, load_data_corpus
+    from lattice.data.corpus import global_batch, load_data_corpus
 
     (tmp_path / "a.txt").write_text("Sphinx of black quartz, judge my vow. " * 200)
     (tmp_path / "b.txt").write_text("How vexingly quick daft zebras jump! " * 200)
@@ -144,7 +143,7 @@ def test_jsonl_data_takes_the_text_field_and_refuses_other_lines(tmp_path):
     line that fails deep inside the tokenizer instead of naming the file and line."""
     import json
 
-    from lattice.data import data_chunks
+    from lattice.data.corpus import data_chunks
 
     rows = [{"text": "first document", "id": 1}, {"text": "second one", "id": 2}]
     path = tmp_path / "docs.jsonl"
@@ -186,7 +185,7 @@ def test_data_and_tokenizers_that_cannot_train_are_refused_in_one_line(tmp_path,
     """Catches an empty file ending in `cannot mmap an empty file`, a binary file trained on as
     byte soup, and a tokenizer file ending in the tokenizers library's bare `Exception`: each is
     one line naming the file and the fix, exit code 2, before any process group or "config:"."""
-    from lattice import cli
+    from lattice.cli import main as cli
 
     cases = _bad_inputs(tmp_path / "in")
     for case, (flags, expect) in cases.items():

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_conformance
 
 import lattice
-import test_conformance
 from lattice.modes import get_mode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,8 +33,8 @@ def _mode_source() -> str:
     end = src.index("\n", src.index(")\n", start) + 1)
     src = src[:start] + '    test_layouts = ({"tp": 2, "dp": 2, "sequence_parallel": True},)' + src[end:]
     src = src.replace("MeshAxis.TP", "ShardAxis.SHARD")
-    src = src.replace("from lattice.context import MeshAxis\n",
-                      "import enum\n\nfrom lattice.context import MeshAxis  # noqa: F401\n\n\n"
+    src = src.replace("from lattice.parallel.context import MeshAxis\n",
+                      "import enum\n\nfrom lattice.parallel.context import MeshAxis  # noqa: F401\n\n\n"
                       "class ShardAxis(str, enum.Enum):\n    SHARD = \"shard\"\n")
     assert f'name = "{MODE}"' in src and "ShardAxis.SHARD" in src and "MeshAxis.TP" not in src
     return src

@@ -17,9 +17,12 @@ import pytest
 import torch
 
 import lattice
-from lattice import checkpoint, cli, convert, faults
-from lattice.context import LatticeConfigError
-from lattice.train import TrainConfig, Trainer
+from lattice import checkpoint
+from lattice.checkpoint import convert, run_dir
+from lattice.cli import main as cli
+from lattice.parallel.context import LatticeConfigError
+from lattice.training import faults
+from lattice.training.trainer import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
@@ -37,7 +40,7 @@ def _beats(out: Path, world: int, min_step: int = 3, timeout: float = 120) -> li
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            rows = [(out / faults.HEARTBEAT_DIR / f"rank{r}").read_text().split() for r in range(world)]
+            rows = [(out / run_dir.HEARTBEAT_DIR / f"rank{r}").read_text().split() for r in range(world)]
             if all(len(row) == 4 and int(row[0]) >= min_step for row in rows):
                 return [int(row[1]) for row in rows]
         except (OSError, ValueError):

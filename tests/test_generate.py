@@ -4,10 +4,10 @@ layout produces serial's tokens."""
 
 import pytest
 import torch
+from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice import hf
-from multiproc import cached_init, run_distributed
+from lattice.models import hf
 
 CFG = dict(vocab_size=61, seq_len=24, d_model=24, n_heads=4, n_layers=2)
 

@@ -6,12 +6,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lattice
-from lattice import hf as lhf
-from lattice.models.gpt2 import config_from_hf, config_to_hf
 from multiproc import cached_init, run_distributed
 from numerics import rel_diff
+
+import lattice
+from lattice.models import hf as lhf
+from lattice.models.gpt2 import config_from_hf, config_to_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -245,7 +245,7 @@ def test_export_carries_the_tokenizer_and_transformers_generates_lattices_text(t
     run's tokenizer and print `lattice generate --top-k 1`'s text for the same prompt."""
     from tokenizers import Tokenizer
 
-    from lattice import cli
+    from lattice.cli import main as cli
 
     run, out, prompt = tmp_path / "run", tmp_path / "hf", "import os\nimport"
     assert cli.main(["train", "--model", "tiny", "--vocab-size", "512", "--batch-size", "8", "--steps", "60",

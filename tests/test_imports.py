@@ -99,7 +99,7 @@ def test_family_modules_do_not_know_about_pipelines():
     family modules (every lattice/models/ file but the shared base, components and registry) the word
     appears only in comments and docstrings."""
     for f in sorted((ROOT / "models").glob("*.py")):
-        if f.name in ("base.py", "components.py", "registry.py", "__init__.py"):
+        if f.name in ("base.py", "components.py", "registry.py", "hf.py", "__init__.py"):
             continue
         tree = ast.parse(f.read_text())
         docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
@@ -108,3 +108,44 @@ def test_family_modules_do_not_know_about_pipelines():
         words = [getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", None)
                  or (n.value if isinstance(n.value, str) else "") for n in code]
         assert not [w for w in words if w and "pipeline" in str(w).lower()], f.name
+
+
+# The rooms, lowest first: a module may import from its own room and the rooms before it, never
+# from one after it. `lattice` is the public API (`import lattice`), which offers what the rooms
+# below it build; `lattice.__main__` is `python -m lattice`.
+LAYERS = ("lattice.parallel", "lattice.modes", "lattice.models", "lattice.checkpoint", "lattice.data",
+          "lattice.cost", "lattice.training", "lattice.bench", "lattice.cli", "lattice", "lattice.__main__")
+
+
+def room(module: str) -> str:
+    """The room of `module`: the longest entry of LAYERS that is it or contains it."""
+    rooms = [r for r in LAYERS if module == r or module.startswith(r + ".")]
+    assert rooms, f"{module} is in no room of LAYERS: add it to the order"
+    return max(rooms, key=len)
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    rank = {r: i for i, r in enumerate(LAYERS)}
+    return sorted(f"{m} -> {t}" for m, targets in edges.items() for t in targets if rank[room(t)] > rank[room(m)])
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """Catches a layer check that passes on anything: the lowest room importing the highest, inside
+    a function, is reported."""
+    pkg = tmp_path / "lattice"
+    for d in ("parallel", "cli"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parallel" / "comm.py").write_text("def f():\n    from lattice.cli import main\n")
+    (pkg / "cli" / "main.py").write_text("from lattice.parallel import comm\n")
+    assert upward_imports(import_graph(pkg)) == ["lattice.parallel.comm -> lattice.cli.main"]
+
+
+def test_imports_point_down_the_rooms():
+    """Catches a module that imports from a room above its own (data reaching into checkpoints
+    that sit above it, the cost model importing the command line, the trainer's config reading run
+    directories through the CLI): every module is in a room of LAYERS, and every import goes to
+    the same room or one below."""
+    edges = import_graph()
+    assert upward_imports(edges) == []

@@ -10,12 +10,12 @@ when that is float64 (`_reference_rms_norm`); everything else is transformers' c
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lattice
-from lattice import hf as lhf
-from lattice.models.llama import LLAMA3_SCALING, Llama, LlamaConfig
 from multiproc import cached_init, run_distributed
 from numerics import rel_diff
+
+import lattice
+from lattice.models import hf as lhf
+from lattice.models.llama import LLAMA3_SCALING, Llama, LlamaConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,7 +136,7 @@ def test_presets_build_on_meta_with_their_published_sizes():
 
 def _lattice(args, capfd) -> str:
     """`lattice ARGS` in this process (the 2d run's workers are processes; capfd sees their output)."""
-    from lattice import cli
+    from lattice.cli import main as cli
 
     assert cli.main(args) == 0, capfd.readouterr()
     return capfd.readouterr().out

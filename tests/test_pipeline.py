@@ -6,16 +6,16 @@ import math
 
 import pytest
 import torch
-
-import lattice
-from lattice import checkpoint, cli
-from lattice.cost import p2p_elements
-from lattice.comm import CommMeter
-from lattice import GPTConfig
-from lattice.context import LatticeConfigError, MeshAxis
-from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
 from numerics import random_batch, rel_diff
+
+import lattice
+from lattice import GPTConfig, checkpoint
+from lattice.cli import main as cli
+from lattice.cost import p2p_elements
+from lattice.parallel.comm import CommMeter
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.training.trainer import TrainConfig, Trainer
 
 BATCH, T = 8, 16
 
@@ -268,7 +268,7 @@ def test_train_command_with_pp_prints_serial_losses(tmp_path, capfd):
 
 def test_bubble_formula():
     """The schedule's idle fraction as papers/002 states it: (p-1)/m, interleaved (p-1)/(v m)."""
-    from lattice.pipeline import PipelineConfig
+    from lattice.parallel.pipeline import PipelineConfig
 
     assert PipelineConfig(stages=4, microbatches=8).bubble() == 3 / 8
     assert PipelineConfig(stages=4, microbatches=8, schedule="interleaved").bubble() == 3 / 16

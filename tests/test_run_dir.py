@@ -13,10 +13,11 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice import checkpoint_files, cli
-from lattice import sharded_checkpoint as sharded
-from lattice.run_dir import resume_command
-from lattice.train import TrainConfig, Trainer
+from lattice.checkpoint import files as checkpoint_files
+from lattice.checkpoint import sharded
+from lattice.checkpoint.run_dir import resume_command
+from lattice.cli import main as cli
+from lattice.training.trainer import TrainConfig, Trainer
 
 TINY = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
         "--eval-interval", "100"]

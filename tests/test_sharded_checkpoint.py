@@ -13,17 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import lattice
-from lattice import checkpoint, cli
-from lattice import sharded_checkpoint as sharded
-from lattice.checkpoint_files import crc_file
-from lattice.context import LatticeConfigError
-from lattice.dcp_io import item_name
-from lattice.data import train_batch
-from lattice.train import TrainConfig, Trainer
 from multiproc import cached_init, run_distributed
 from numerics import rel_diff
+
+import lattice
+from lattice import checkpoint
+from lattice.checkpoint import sharded
+from lattice.checkpoint.dcp_io import item_name
+from lattice.checkpoint.files import crc_file
+from lattice.cli import main as cli
+from lattice.data.corpus import train_batch
+from lattice.parallel.context import LatticeConfigError
+from lattice.training.trainer import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 # a model every mode can split: 8 heads for 1d tp=4, 2d q=2, 3d q=2 and 2 sub-grids; vocab 512 pads
@@ -119,8 +120,8 @@ _CRASH_CHILD = r"""
 import os, signal, sys
 import torch.distributed.checkpoint.filesystem as fs
 import lattice
-from lattice import sharded_checkpoint as sc
-from lattice.train import TrainConfig, Trainer
+from lattice.checkpoint import sharded as sc
+from lattice.training.trainer import TrainConfig, Trainer
 
 moment, out = sys.argv[1], sys.argv[2]
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)

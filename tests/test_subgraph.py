@@ -10,11 +10,12 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
+from numerics import random_batch as _batch
+from numerics import rel_diff as _rel
 
 import lattice
 from lattice import LatticeConfigError, MeshAxis
-from numerics import rel_diff as _rel, random_batch as _batch
-from multiproc import cached_init, run_distributed
 
 # V = 29: no mode pads here, but an odd vocabulary catches row/column mix-ups; T = 7 < seq_len
 TINY = dict(vocab_size=29, seq_len=8, d_model=16, n_heads=4, n_layers=2)
@@ -242,7 +243,7 @@ def test_info_prints_the_split_message_counts_of_both_placements(capsys):
     """Catches `lattice info` counting messages on the wrong axis or placement: for n=8, g=2 on
     nodes of 4, Eq. 4-5 give 8 intra / 8 inter-node messages for the natural placement and Eq. 6-7
     give 16 / 0 for the topology-aware one."""
-    from lattice.cli import main
+    from lattice.cli.main import main
 
     assert main(["info", "--mode", "subgraph", "--tp", "8", "--subgrids", "2", "--ranks-per-node", "4",
                  "--model", "tiny"]) == 0

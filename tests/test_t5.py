@@ -15,13 +15,13 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-
-import lattice
-from lattice import hf as lhf
-from lattice.models.components import relative_buckets
-from lattice.models.t5 import T5, T5Config
 from multiproc import cached_init, run_distributed
 from numerics import rel_diff
+
+import lattice
+from lattice.models import hf as lhf
+from lattice.models.components import relative_buckets
+from lattice.models.t5 import T5, T5Config
 
 transformers = pytest.importorskip("transformers")
 
@@ -250,7 +250,7 @@ def test_trains_evaluates_and_exports_from_the_command_line(tmp_path, capsys, mo
     gives), or a generate that prints the start or end token."""
     import re
 
-    from lattice import cli
+    from lattice.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     run = ["train", "--arch", "t5", "--model", "tiny", "--steps", "30", "--batch-size", "8", "--eval-interval", "30",

@@ -1,14 +1,14 @@
-"""The training tasks of lattice.tasks: BERT's masking, labelled JSON lines, and the encoder path
+"""The training tasks of lattice.data.tasks: BERT's masking, labelled JSON lines, and the encoder path
 through the command line (pre-train, fine-tune from its weights with --init-from, eval)."""
 
 import re
 
 import torch
 
-from lattice import cli
-from lattice.data import load_corpus
-from lattice.loss import IGNORE_INDEX
-from lattice.tasks import Classify, MaskedLM, special_id
+from lattice.cli import main as cli
+from lattice.data.corpus import load_corpus
+from lattice.data.tasks import Classify, MaskedLM, special_id
+from lattice.modes.kernels.loss import IGNORE_INDEX
 
 VOCAB = 300
 

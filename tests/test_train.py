@@ -7,13 +7,14 @@ import math
 
 import pytest
 import torch
+from multiproc import cached_init, run_distributed
 
 import lattice
-from lattice import checkpoint, convert
-from lattice.optim import grad_norm, lr_at
-from lattice.metrics import METRIC_COLUMNS
-from lattice.train import TrainConfig, Trainer
-from multiproc import cached_init, run_distributed
+from lattice import checkpoint
+from lattice.checkpoint import convert
+from lattice.training.metrics import METRIC_COLUMNS
+from lattice.training.optim import grad_norm, lr_at
+from lattice.training.trainer import TrainConfig, Trainer
 
 # tiny model, small vocabulary; grad_clip low enough that clipping is active on most steps
 TINY = dict(model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=3, grad_clip=0.3,

@@ -1,4 +1,4 @@
-"""The distributed optimizer (lattice.zero) against plain data parallelism: float64 weights and
+"""The distributed optimizer (lattice.parallel.zero) against plain data parallelism: float64 weights and
 both AdamW moments after three clipped steps, in serial, 1d, 2d, sub-graph and pipeline layouts
 at dp = 2 and 4, stages 1 and 2; its collectives against the cost model; its checkpoint resumed
 in other layouts without it; and its memory per rank against the formula."""
@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import cached_init, run_distributed
 
 import lattice
 import lattice.cost
 from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.models import get_arch
-from lattice.optim import clip_grads, grad_norm, make_optimizer
-from lattice.train import TrainConfig, Trainer
-from lattice.zero import ZeroOptimizer, memory_per_rank, owned_rows
-from multiproc import cached_init, run_distributed
+from lattice.parallel.zero import ZeroOptimizer, memory_per_rank, owned_rows
+from lattice.training.optim import clip_grads, grad_norm, make_optimizer
+from lattice.training.trainer import TrainConfig, Trainer
 
 T, REPLICA_BATCH, STEPS, CLIP = 8, 4, 3, 0.05  # CLIP: low enough that every step is clipped
 
@@ -50,7 +50,7 @@ def _gpt2_replicas(layout: dict, dtype):
 
 def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
     """Three AdamW steps of the same float64 model: plain data parallelism (gradients averaged
-    by hand with torch.distributed, lattice.optim's norm and clip, torch's AdamW) and the
+    by hand with torch.distributed, lattice.training.optim's norm and clip, torch's AdamW) and the
     distributed optimizer at each stage; full weights and moments of both, and the distributed
     optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
     block in backward)."""
@@ -185,7 +185,7 @@ def test_a_zero_checkpoint_resumes_without_zero_and_in_another_layout(tmp_path):
 def _mixed_against_the_recipe(layout: dict) -> dict:
     """bf16 weights with fp32 master rows, by the textbook recipe written out here (fp32 copies
     of every weight, gradients cast to fp32 and averaged over dp with torch.distributed, torch's
-    AdamW on the copies, the copies rounded into the weights) and by lattice.zero at stages 0, 1
+    AdamW on the copies, the copies rounded into the weights) and by lattice.parallel.zero at stages 0, 1
     and 2; each rank's owned master and moment rows against the recipe's."""
     ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float32)
     dp = ctx.dp

@@ -40,11 +40,11 @@ from lattice.bench.measure import variants
 from lattice.bench.report import (SIZES, STRONG, STRONG_BATCH, WEAK, crossovers, format_projection, format_table,
                                   machine_info, plot_single, plot_sweeps, prediction_errors, projection, weak_config)
 from lattice.bench.world import bench_size
-from lattice.context import LatticeConfigError
-from lattice.faults import check_out_dir
+from lattice.checkpoint.files import check_out_dir
 from lattice.models import DEFAULT_ARCH, available_archs
 from lattice.models.gpt2 import GPTConfig
 from lattice.modes import REFERENCE_MODE, parallel_modes
+from lattice.parallel.context import LatticeConfigError
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

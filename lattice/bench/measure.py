@@ -14,10 +14,10 @@ import torch.nn as nn
 
 from lattice import cost as costmodel
 from lattice.bench.peers import PEERS, DTensorComm, peer_backward, peer_loss
-from lattice.comm import CommMeter
-from lattice.context import LatticeConfigError
 from lattice.models import arch_of_config, build_model
 from lattice.modes import REFERENCE_MODE, parallel_modes, peer_mode
+from lattice.parallel.comm import CommMeter
+from lattice.parallel.context import LatticeConfigError
 
 
 def _local(t):
@@ -80,7 +80,7 @@ def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_
     """Collective over the world: build `mode` (or the peer, or serial on rank 0 alone), check its
     loss against serial's, meter one step, measure saved activations and parameters. Returns the
     prepared mode, or an error row."""
-    import lattice
+    from lattice.modes.layout import init, plan
 
     p, rank = dist.get_world_size(), dist.get_rank()
     ckpt = args.activation_checkpointing
@@ -92,7 +92,7 @@ def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_
         forward, backward, meter_ctx = (lambda: peer_loss(model, tokens, targets)), peer_backward, DTensorComm
         analytic = costmodel.estimate(cfg, peer_mode("dtensor"), batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
-        ctx = lattice.plan(REFERENCE_MODE) if mode == REFERENCE_MODE else lattice.init(mode, tp=p, **options)
+        ctx = plan(REFERENCE_MODE) if mode == REFERENCE_MODE else init(mode, tp=p, **options)
         model = build_model(cfg, ctx, activation_checkpointing=ckpt)
         model.load_full_state_dict(sd)
         forward = lambda: model(tokens, targets)  # noqa: E731
@@ -205,8 +205,8 @@ def variants() -> dict[str, tuple[str, dict]]:
 def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list, list]:
     """([(label, mode, options)], [(label, why not)]) for p processes: every registered mode (and
     the peer) whose layout fits p ranks and whose size checks pass this model and batch."""
-    import lattice
     from lattice.modes import get_mode
+    from lattice.modes.layout import plan
 
     labels = wanted or parallel_modes() + ["dtensor"]
     if p == 1:
@@ -230,7 +230,7 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
             continue
         options = {**get_mode(mode).fit_options(cfg, p), **options}
         try:
-            mode_obj = get_mode(mode)(cfg, lattice.plan(mode, tp=p, **options))
+            mode_obj = get_mode(mode)(cfg, plan(mode, tp=p, **options))
             mode_obj.check_batch(torch.zeros(batch, cfg.seq_len, dtype=torch.int64))
             costmodel.estimate(cfg, mode, batch=batch, tp=p, **options)
         except LatticeConfigError as e:

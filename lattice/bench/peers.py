@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.comm import CommMeter, CommRecord
-from lattice.context import LatticeConfigError
 from lattice.models import arch_of_config
+from lattice.parallel.comm import CommMeter, CommRecord
+from lattice.parallel.context import LatticeConfigError
 
 
 class _PeerAttention(nn.Module):
@@ -109,7 +109,7 @@ class PeerLlama(nn.Module):
 
     def __init__(self, cfg, sd: dict[str, torch.Tensor]):
         super().__init__()
-        from lattice import hf
+        from lattice.models import hf
 
         family = arch_of_config(cfg)
         self.hf = hf.hf_model(family, cfg, sd).train()

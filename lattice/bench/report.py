@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 from lattice import cost as costmodel
-from lattice.context import LatticeConfigError
 from lattice.models.gpt2 import GPTConfig
 from lattice.modes import REFERENCE_MODE, parallel_modes, peer_mode
-
+from lattice.parallel.context import LatticeConfigError
 
 # Scaled down from Optimus Tables 2-3 and the 3D paper's Tables 1-2 (s = 512, 24 layers there):
 # strong scaling keeps the problem; weak scaling grows h with √p (parameters per rank fixed) and

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
-from lattice.context import MeshAxis
 from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
-from lattice.sharding import grad_sum_buckets
-from lattice.zero import memory_per_rank, plan_buckets
+from lattice.parallel.context import MeshAxis
+from lattice.parallel.sharding import grad_sum_buckets
+from lattice.parallel.zero import memory_per_rank, plan_buckets
 
 DP = MeshAxis.DP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -293,7 +293,7 @@ class CostBuilder:
         dp = self.topo.size(DP)
         mixed = c.precision == "bf16"  # bf16 weights: fp32 master rows, moments and gradient reduction
         state = 4 if mixed else c.itemsize
-        if c.zero or mixed:  # lattice.zero's buckets: a reduce-scatter in backward and an all-gather after the
+        if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = dp if c.zero else 1  # update, or (one shard) an all-reduce
             for _, _, segment in plan_buckets(self.model, shards, itemsize=state):
                 if shards > 1:

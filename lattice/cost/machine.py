@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lattice.context import MeshAxis
+from lattice.parallel.context import MeshAxis
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Analytic cost of one training step, per rank: communication, computation, memory, time.
 
     cost = estimate(cfg, "2d", batch=8, tp=4)
-    cost.elements(phase="forward")            # CommMeter units (see lattice/comm.py)
+    cost.elements(phase="forward")            # CommMeter units (see lattice/parallel/comm.py)
     cost.flops, cost.memory, cost.time(machine)
 
 Every figure is derived from the papers and the layout, never from a run. The model family
@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lattice.context import Topology
 from lattice.cost.builder import DDP_BUCKET_BYTES, CostBuilder  # noqa: F401  (lattice.cost's names)
 from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
-from lattice.layout import Layout, as_layout
 from lattice.models import build_model
-
+from lattice.modes.layout import Layout, as_layout
+from lattice.parallel.context import Topology
 
 # ----------------------------------------------------------------------------- the estimate
 
@@ -61,12 +60,12 @@ class Cost:
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
-    pipeline: object = None  # lattice.pipeline.PipelineConfig with pp > 1, and this rank's stage
+    pipeline: object = None  # lattice.parallel.pipeline.PipelineConfig with pp > 1, and this rank's stage
     stage: int = 0
     target_seq: int | None = None  # an encoder-decoder's target length (T5's decoder); seq is the source's
     residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks
-    zero: int = 0  # the distributed optimizer's stage (lattice.zero); 0: DDP
-    precision: str = "fp32"  # "bf16": bf16 weights with fp32 master rows (lattice.zero), else `itemsize` throughout
+    zero: int = 0  # the distributed optimizer's stage (lattice.parallel.zero); 0: DDP
+    precision: str = "fp32"  # "bf16": bf16 weights with fp32 master rows (lattice.parallel.zero), else `itemsize` throughout
     rank: int = 0  # the global rank whose share this is
 
     def _select(self, phase=None, op=None, site=None):
@@ -165,7 +164,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     residual point-to-point (see lattice.cost.pipeline) and sums shared parameters' gradients
     between the end stages; the activations are those of one micro-batch through its stages. An
     encoder-decoder reads `seq` source and `target_seq` target tokens (default: its config's
-    target_len). `zero`: the distributed optimizer's stage (lattice.zero), whose reduce-scatter
+    target_len). `zero`: the distributed optimizer's stage (lattice.parallel.zero), whose reduce-scatter
     and all-gather replace the data-parallel all-reduce and whose moments are this rank's rows;
     `precision` "bf16": bf16 weights and activations with fp32 master rows, moments and
     gradient reduction (then `dtype` is bf16)."""

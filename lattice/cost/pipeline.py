@@ -8,9 +8,9 @@ import dataclasses
 from lattice.cost.machine import Machine
 from lattice.cost.model import estimate
 from lattice.cost.stages import stage_sends
-from lattice.layout import Layout
 from lattice.modes import get_mode
-from lattice.pipeline import PipelineConfig
+from lattice.modes.layout import Layout
+from lattice.parallel.pipeline import PipelineConfig
 
 
 def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> float:

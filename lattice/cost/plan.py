@@ -1,58 +1,21 @@
-"""`lattice plan`: the analytic model's figures for a layout, a pipeline split, every tp x pp split
-of N ranks, or Optimus Table 1, printed."""
+"""What `lattice plan` prints: the analytic model's figures for a layout, a pipeline split, every
+tp x pp split of N ranks, or Optimus Table 1, as text (the command itself is lattice.cli.plan)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 
-import torch
-
-from lattice.context import LatticeConfigError
-from lattice.data import DEFAULT_VOCAB
-from lattice.arguments import add_layout_flags, layout_from_args
-from lattice.layout import PIPELINE_SETTINGS, Layout
-from lattice.cost.machine import PAPER_CLUSTER, Machine, message_steps, wire_factor
-from lattice.cost.model import Cost, estimate
+from lattice.cost.machine import Machine, message_steps, wire_factor
+from lattice.cost.model import Cost
 from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
-from lattice.models import DEFAULT_ARCH, available_archs, get_arch
-from lattice.modes import parallel_modes
-from lattice.train_config import PRECISIONS
-from lattice.zero import ZERO_STAGES
-
-
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    add_layout_flags(p, mode=parallel_modes()[0], tp=4)
-    p.add_argument("--arch", default=DEFAULT_ARCH, choices=available_archs(), help=f"model family (default {DEFAULT_ARCH})")
-    p.add_argument("--rank", type=int, default=0, help="which rank's share to show")
-    p.add_argument("--model", default=None, metavar="PRESET",
-                   help="size preset of the family (default its default preset, e.g. small for gpt2)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help=f"default: the preset's (published models), else the built-in corpus's {DEFAULT_VOCAB}")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--n-heads", type=int, default=None)
-    p.add_argument("--n-layers", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--target-len", type=int, default=None, help="an encoder-decoder's target length (t5)")
-    p.add_argument("--batch", type=int, default=8,
-                   help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
-    p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16: bf16 weights with fp32 master weights, moments and gradient reduction (as in train)")
-    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
-                   help="distributed optimizer stage over --dp (as in train): its traffic and memory per rank")
-    p.add_argument("--machine", default=None, metavar="JSON",
-                   help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
-                        "default: the papers' 4-GPU-node cluster")
-    p.add_argument("--splits", type=int, default=None, metavar="N",
-                   help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
-    p.add_argument("--table1", action="store_true",
-                   help="print Optimus Table 1 for this b, s, h, p beside this model's rows for every mode")
+from lattice.data.corpus import DEFAULT_VOCAB
+from lattice.models import get_arch
+from lattice.modes.layout import Layout
+from lattice.parallel.context import LatticeConfigError
 
 
 def model_config(arch: str, preset: str | None, **sizes):
@@ -69,36 +32,7 @@ def model_config(arch: str, preset: str | None, **sizes):
     return config_class.preset(name, **sizes)
 
 
-def run_plan(args) -> int:
-    """Refusals (LatticeConfigError) reach `lattice.cli.main`, which prints them in one line."""
-    cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
-                       n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len, target_len=args.target_len)
-    replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
-    if args.batch < 1 or args.batch % replicas:
-        raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
-                                 f"{replicas} replicas; use a positive multiple of {replicas}")
-    batch = args.batch // replicas  # per replica, what one replica's ranks compute on
-    if args.table1:
-        print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
-        return 0
-    machine = _machine(args.machine) if args.machine else PAPER_CLUSTER
-    if args.splits:
-        print(format_splits(cfg, args.splits, batch=batch, machine=machine,
-                            layout_of=lambda tp, pp: layout_from_args(
-                                args, tp=tp, pp=pp, **({} if pp > 1 else dict.fromkeys(PIPELINE_SETTINGS)))))
-        return 0
-    layout = layout_from_args(args)
-    if args.pp > 1:
-        print(format_pipeline(cfg, layout, batch=batch, machine=machine))
-        return 0
-    c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                 activation_checkpointing=args.activation_checkpointing, zero=args.zero,
-                 precision=args.precision)
-    print(format_cost(c, machine))
-    return 0
-
-
-def _machine(spec: str) -> Machine:
+def machine_from_spec(spec: str) -> Machine:
     """A Machine from inline JSON or from a JSON file (e.g. a calibration `lattice bench` wrote)."""
     try:
         text = open(spec).read() if os.path.isfile(spec) else spec

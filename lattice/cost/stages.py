@@ -3,8 +3,8 @@ stage's chunks and the terms the pipeline adds to a stage's tensor-parallel ones
 
 from __future__ import annotations
 
-from lattice.context import MeshAxis
 from lattice.cost.machine import Term
+from lattice.parallel.context import MeshAxis
 
 
 def stage_sends(pcfg, stage: int, piece: float) -> dict[str, float]:

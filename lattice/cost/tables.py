@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 
-from lattice.context import LatticeConfigError, Topology
 from lattice.cost.model import estimate
 from lattice.models.gpt2 import GPTConfig
 from lattice.modes import available_modes, get_mode, parallel_modes
+from lattice.parallel.context import LatticeConfigError, Topology
 
 
 def optimus_table1(b: int, s: int, h: int, p: int) -> dict[str, dict[str, float]]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lattice.context import LatticeConfigError
 from lattice.models.base import DecoderLM, Model, ModelConfig, Parts
 from lattice.models.registry import DEFAULT_ARCH, arch_of_config, available_archs, build_model, get_arch, register
+from lattice.parallel.context import LatticeConfigError
 
 
 def arch_of_hf(model_type: str) -> type[Model]:
@@ -44,7 +44,7 @@ def load_hf_dir(src: Path):
     """The transformers model saved in a local directory (its config.json names the family)."""
     import json
 
-    from lattice import hf
+    from lattice.models import hf
 
     config = src / "config.json"
     if not config.is_file():

@@ -9,9 +9,9 @@ declares, as class attributes:
 | `name`          | the `--arch` name                                            | registry, CLI, run dirs |
 | `config_class`  | its config dataclass (a `ModelConfig`), with `presets`       | CLI, trainer, checkpoints |
 | `test_shapes`   | small configs the conformance suite runs in every mode       | tests/test_conformance.py |
-| `hf`            | its HuggingFace mapping (`lattice.hf.HFMapping`) or None     | lattice.hf, `convert`   |
-| `tasks`         | what it trains on (`lattice.tasks`: lm, mlm, classify, seq2seq) | trainer, CLI         |
-| `train_defaults`| its schedule where the command line gives none (steps, ...)  | lattice.train_config    |
+| `hf`            | its HuggingFace mapping (`lattice.models.hf.HFMapping`) or None     | lattice.models.hf, `convert`   |
+| `tasks`         | what it trains on (`lattice.data.tasks`: lm, mlm, classify, seq2seq) | trainer, CLI         |
+| `train_defaults`| its schedule where the command line gives none (steps, ...)  | lattice.training.config    |
 | `parts()`       | its modules in order: first part, blocks, last part          | the pipeline builder    |
 | `cost_layout()` | the operations of one step, in order, for the cost model     | lattice.cost            |
 
@@ -33,12 +33,13 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lattice.context import LatticeConfigError, ParallelContext
-from lattice.loss import IGNORE_INDEX
 from lattice.models.components import DropoutSeeds
 from lattice.models.registry import build_model
 from lattice.modes import get_mode
-from lattice.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
+from lattice.modes.kernels.loss import IGNORE_INDEX
+from lattice.parallel.context import LatticeConfigError, ParallelContext
+from lattice.parallel.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
+
 
 # ----------------------------------------------------------------------------- configs
 class ModelConfig:
@@ -99,12 +100,12 @@ class Model(nn.Module):
     #: config keyword sets the conformance suite builds this family with (each small enough for
     #: every declared layout); a family without any fails the suite
     test_shapes: ClassVar[Sequence[Mapping[str, Any]]] = ()
-    #: the HuggingFace mapping (lattice.hf.HFMapping), or None
+    #: the HuggingFace mapping (lattice.models.hf.HFMapping), or None
     hf: ClassVar[Any] = None
-    #: what `lattice train --task` can train it on (lattice.tasks), its default first
+    #: what `lattice train --task` can train it on (lattice.data.tasks), its default first
     tasks: ClassVar[tuple[str, ...]] = ("lm",)
     #: the schedule `lattice train` uses for it where the command line gives none (steps,
-    #: batch_size, warmup; lattice.train_config.RUN_DEFAULTS otherwise)
+    #: batch_size, warmup; lattice.training.config.RUN_DEFAULTS otherwise)
     train_defaults: ClassVar[Mapping[str, int]] = {}
 
     def __init__(self, cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
@@ -140,7 +141,7 @@ class Model(nn.Module):
 
     @property
     def family(self) -> type["Model"]:
-        """The family class (the same for a pipelined model: lattice.pipeline.PipelineModel)."""
+        """The family class (the same for a pipelined model: lattice.parallel.pipeline.PipelineModel)."""
         return type(self)
 
     # ---- what a family defines
@@ -308,7 +309,7 @@ class Model(nn.Module):
 
     def is_mirror(self, name: str) -> bool:
         """Whether this rank's `name` is a copy of a parameter another rank holds (it trains like
-        the original but counts once); see lattice.pipeline."""
+        the original but counts once); see lattice.parallel.pipeline."""
         return False
 
     @torch.no_grad()
@@ -378,9 +379,9 @@ class Model(nn.Module):
     def from_hf(cls, model_or_state_dict, ctx: ParallelContext, *, config=None, dtype: torch.dtype | None = None):
         """This family's model (this rank's shards, under ctx's layout; its pipeline stages with
         pp > 1) with a HuggingFace model's weights: a transformers model, or a state dict with
-        config= (see lattice.hf). dtype defaults to that of the weights. No communication: every
+        config= (see lattice.models.hf). dtype defaults to that of the weights. No communication: every
         rank passes the same weights."""
-        from lattice import hf
+        from lattice.models import hf
 
         cfg, full = hf.read_hf(cls, model_or_state_dict, config=config)
         model = build_model(cfg, ctx, dtype=dtype or next(iter(full.values())).dtype)
@@ -389,7 +390,7 @@ class Model(nn.Module):
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the HuggingFace model's names (a collective: every rank calls it)."""
-        from lattice import hf
+        from lattice.models import hf
 
         return hf.to_hf_state_dict(self.family, self.cfg, self.full_state_dict())
 

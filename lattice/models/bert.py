@@ -48,12 +48,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.context import LatticeConfigError
-from lattice.hf import HFMapping, HFTensor, transformers_module
-from lattice.layers import upcast
 from lattice.models.base import Model, ModelConfig, Parts
 from lattice.models.components import MLP, Dropout, ReplicatedLinear, SelfAttention, residual_dropout
+from lattice.models.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.registry import register
+from lattice.modes.kernels.layers import upcast
+from lattice.parallel.context import LatticeConfigError
 
 
 @dataclass

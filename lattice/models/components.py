@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.modes.base import Block, Position
-from lattice.sharding import ShardSpec, register_sharded
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
+from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
 class DropoutSeeds:

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from lattice.context import LatticeConfigError
-from lattice.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.base import DecoderLM, ModelConfig
-from lattice.models.registry import register
 from lattice.models.components import MLP, SelfAttention, residual_dropout
+from lattice.models.hf import HFMapping, HFTensor, transformers_module
+from lattice.models.registry import register
+from lattice.parallel.context import LatticeConfigError
 
 
 @dataclass

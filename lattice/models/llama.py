@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from lattice.context import LatticeConfigError
-from lattice.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.base import DecoderLM, ModelConfig
-from lattice.models.registry import register
 from lattice.models.components import MLP, Rotary, SelfAttention, residual_dropout
+from lattice.models.hf import HFMapping, HFTensor, transformers_module
+from lattice.models.registry import register
+from lattice.parallel.context import LatticeConfigError
 
 # Llama 3.1+'s rope scaling (the 8B/70B of 3.1, all of 3.2), as their config.json spells it
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

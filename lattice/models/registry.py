@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from lattice.context import LatticeConfigError, ParallelContext
+from lattice.parallel.context import LatticeConfigError, ParallelContext
 
 DEFAULT_ARCH = "gpt2"
 
@@ -27,7 +27,7 @@ def register(cls: type[nn.Module]) -> type[nn.Module]:
 def _load_builtin() -> None:
     # every module of this package but the shared ones defines and registers one family
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if info.name not in ("base", "components", "registry"):
+        if info.name not in ("base", "components", "registry", "hf"):
             importlib.import_module(f"lattice.models.{info.name}")
 
 
@@ -58,12 +58,12 @@ def build_model(cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32
                 activation_checkpointing: bool = False) -> nn.Module:
     """The model `cfg` describes, holding this rank's shards under ctx's layout: the family's
     model, or with pipeline stages in ctx (pp > 1) this rank's stages of it
-    (`lattice.pipeline.PipelineModel`). Every method a training loop or a user calls --
+    (`lattice.parallel.pipeline.PipelineModel`). Every method a training loop or a user calls --
     `model(tokens, targets)`, `forward_backward`, `full_grad_dict`, `load_full_state_dict`,
     `full_state_dict`, `to_hf_state_dict` -- means the same on both."""
     family = arch_of_config(cfg)
     if ctx.pipeline is None:
         return family(cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
-    from lattice.pipeline import PipelineModel
+    from lattice.parallel.pipeline import PipelineModel
 
     return PipelineModel(family, cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)

@@ -45,12 +45,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from lattice.context import LatticeConfigError
-from lattice.hf import HFMapping, HFTensor, transformers_module
-from lattice.loss import IGNORE_INDEX
 from lattice.models.base import Model, ModelConfig, check_ids, next_token
 from lattice.models.components import MLP, CrossAttention, SelfAttention, bucketed_bias, residual_dropout
+from lattice.models.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.registry import register
+from lattice.modes.kernels.loss import IGNORE_INDEX
+from lattice.parallel.context import LatticeConfigError
 
 # transformers' feed_forward_proj -> (lattice activation, gated); "gated-gelu" is the tanh GELU there
 FEED_FORWARD = {"relu": ("relu", False), "gated-gelu": ("gelu_tanh", True), "gelu": ("gelu", False),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from lattice.context import LatticeConfigError
 from lattice.modes.base import Block, Mode, Position
+from lattice.parallel.context import LatticeConfigError
 
 _REGISTRY: dict[str, type[Mode]] = {}
 
@@ -36,8 +36,10 @@ def _load_builtin():
     import importlib
     import pkgutil
 
+    # every module of this package but the contract, the layout request and its flags defines a
+    # mode; the kernels are a subpackage
     for info in pkgutil.iter_modules(__path__):
-        if info.name not in ("base",):
+        if not info.ispkg and info.name not in ("base", "layout", "options"):
             importlib.import_module(f"{__name__}.{info.name}")
 
 

@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from lattice.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.sharding import ShardSpec, register_sharded
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, nearest_working
+from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
 class Block(str, enum.Enum):
@@ -292,13 +292,6 @@ def _accepts(mode_cls, cfg, ctx) -> bool:
     except LatticeConfigError:
         return False
     return True
-
-
-def nearest_working(current: int, works, limit: int) -> list[int]:
-    """The accepted values nearest `current` below and above it (up to `limit`)."""
-    below = next((v for v in range(current - 1, 0, -1) if works(v)), None)
-    above = next((v for v in range(current + 1, limit + 1) if works(v)), None)
-    return [v for v in (below, above) if v is not None]
 
 
 def working_values(mode_cls, cfg, ctx) -> str:

@@ -44,16 +44,17 @@ import math
 import torch
 import torch.nn as nn
 
-from lattice import comm
-from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
-                            pool_pieces, position_rows, register_linear, register_position_tables, round_up,
-                            rows_on_every_rank, split_segments, vocab_bias_spec, vocab_table_spec)
-from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
-from lattice.sharding import ShardSpec, register_sharded
-from lattice.cube import linear_3d
+from lattice.modes.kernels.cube import linear_3d
+from lattice.modes.kernels.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params,
+                                          normalize_split_hidden, pool_pieces, position_rows, register_linear,
+                                          register_position_tables, round_up, rows_on_every_rank, split_segments,
+                                          vocab_bias_spec, vocab_table_spec)
+from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
+from lattice.parallel import comm
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.sharding import ShardSpec, register_sharded
 
 CI, CJ, CL = MeshAxis.CUBE_I, MeshAxis.CUBE_J, MeshAxis.CUBE_L
 

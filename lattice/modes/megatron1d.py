@@ -32,15 +32,16 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice import comm
-from lattice.context import MeshAxis
-from lattice.loss import labelled_count, vocab_parallel_cross_entropy
-from lattice.layers import (TiedHead, linear_params, local_linear, pool_pieces, position_rows, register_linear,
-                            register_position_tables, split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
+from lattice.modes.kernels.layers import (TiedHead, linear_params, local_linear, pool_pieces, position_rows,
+                                          register_linear, register_position_tables, split_segments, vocab_bias_spec,
+                                          vocab_table_spec)
+from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes.serial import Linear, Norm
-from lattice.sharding import ShardSpec, register_sharded
+from lattice.parallel import comm
+from lattice.parallel.context import MeshAxis
+from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
 def tp_group(ctx):

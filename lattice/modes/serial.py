@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.context import LatticeConfigError
-from lattice.layers import (TiedHead, check_norm_kind, linear_params, local_linear, normalize_split_hidden,
-                            position_rows, register_linear, register_position_tables, split_segments, upcast,
-                            vocab_bias_spec)
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
-from lattice.sharding import ShardSpec, register_sharded
+from lattice.modes.kernels.layers import (TiedHead, check_norm_kind, linear_params, local_linear,
+                                          normalize_split_hidden, position_rows, register_linear,
+                                          register_position_tables, split_segments, upcast, vocab_bias_spec)
+from lattice.parallel.context import LatticeConfigError
+from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
 class Embedding(nn.Module):

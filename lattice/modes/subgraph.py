@@ -50,14 +50,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice import comm
-from lattice.loss import labelled_count
-from lattice.context import LatticeConfigError, MeshAxis
-from lattice.layers import (TiedHead, idle_output, linear_params, local_linear, pool_pieces, register_linear,
-                            register_weight_and_bias, rows_on_every_rank, split_segments, vocab_bias_spec)
 from lattice.modes import register, serial
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
-from lattice.sharding import ShardSpec
+from lattice.modes.kernels.layers import (TiedHead, idle_output, linear_params, local_linear, pool_pieces,
+                                          register_linear, register_weight_and_bias, rows_on_every_rank, split_segments,
+                                          vocab_bias_spec)
+from lattice.modes.kernels.loss import labelled_count
+from lattice.parallel import comm
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.sharding import ShardSpec
 
 SUB, MEM = MeshAxis.SUBGRID, MeshAxis.MEMBER
 

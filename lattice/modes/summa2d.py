@@ -22,16 +22,17 @@ import math
 import torch
 import torch.nn as nn
 
-from lattice import comm
-from lattice.context import LatticeConfigError, MeshAxis, Topology
-from lattice.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
-from lattice.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params, normalize_split_hidden,
-                            pool_pieces, position_rows, register_linear, register_position_tables,
-                            register_weight_and_bias, round_up, split_segments, vocab_bias_spec, vocab_table_spec)
-from lattice.sharding import ShardSpec, register_sharded
-from lattice.summa import SummaGrid, summa_ab, summa_abt
+from lattice.modes.kernels.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params,
+                                          normalize_split_hidden, pool_pieces, position_rows, register_linear,
+                                          register_position_tables, register_weight_and_bias, round_up, split_segments,
+                                          vocab_bias_spec, vocab_table_spec)
+from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
+from lattice.modes.kernels.summa import SummaGrid, summa_ab, summa_abt
+from lattice.parallel import comm
+from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
+from lattice.parallel.sharding import ShardSpec, register_sharded
 
 ROW, COL = MeshAxis.ROW, MeshAxis.COL
 ON_ROW_0 = ((ROW, 0),)

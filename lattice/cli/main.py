@@ -1,0 +1,292 @@
+"""The `lattice` command (also `python -m lattice`).
+
+    # train the default model (preset "small", serial) on the built-in corpus, about 1 min 15 s on 2 CPU cores
+    lattice train
+    # data parallel on 2 local processes (this command starts them through torch.distributed.run)
+    lattice train --nproc 2 --dp 2 --steps 5
+    # the same layout started by torchrun itself
+    torchrun --standalone --nproc-per-node 2 -m lattice train --dp 2 --steps 5
+    # tensor parallel modes with their options, combined with data parallelism
+    lattice train --nproc 4 --mode 1d --tp 2 --dp 2 --sequence-parallel
+    lattice train --nproc 4 --mode 2d --tp 4 --bf16 --activation-checkpointing
+    # every run gets a new runs/run-N (runs/latest links to the newest); --out-dir names it
+    lattice train --out-dir runs/a --steps 400
+    # resume, in any layout, continuing in runs/a (every rank wrote its shards; DCP reshards)
+    lattice train --steps 400 --resume runs/a --nproc 2 --mode 1d --tp 2
+    # convert: sharded <-> one file of full tensors, to a HuggingFace directory, from one
+    lattice convert runs/a runs/a.pt
+    lattice convert runs/a --to hf runs/a-hf          # GPT2LMHeadModel.from_pretrained("runs/a-hf")
+    lattice convert --from hf runs/a-hf runs/b        # then: lattice train --resume runs/b ...
+    # which rank holds which slice of every parameter, and the groups of every mesh axis
+    lattice info --mode 2d --tp 4 --dp 2
+    lattice plan ...     # analytic cost model (lattice.cost)
+    lattice bench ...    # measured benchmarks (lattice.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lattice.checkpoint.files import check_out_dir
+from lattice.cli.arguments import (add_layout_arguments, add_train_arguments, config_toml, layout_from_args, run_config,
+                                   train_config, with_config_file)
+from lattice.cli.inference import add_inference_arguments, run_inference
+from lattice.cli.info import run_info
+from lattice.cli.launch import launch_local
+from lattice.models import DEFAULT_ARCH
+from lattice.modes.layout import Layout
+from lattice.parallel.context import LatticeConfigError, TrainingStopped
+
+if TYPE_CHECKING:  # (run_dir reaches torch.distributed.checkpoint: imported when training)
+    from lattice.checkpoint.run_dir import RunDir
+    from lattice.training.trainer import TrainConfig
+
+# subcommands whose arguments and implementation live in another module, imported only when used
+# (so that `lattice train` does not import the benchmark's plotting)
+DELEGATED = {
+    "bench": ("lattice.bench", "add_bench_arguments", "run_bench", "measured benchmarks"),
+    "plan": ("lattice.cli.plan", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
+    "convert": ("lattice.checkpoint.convert", "add_convert_arguments", "run_convert",
+                "convert checkpoints: sharded <-> single file, to and from a HuggingFace model directory"),
+}
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, dict | None, RunDir]:
+    """A train request checked whole without processes: the layout (and, with `nproc`, the
+    processes the launcher is about to start), the checkpoint to resume and its family, the run's
+    data, every size (lattice.training.trainer.check_run), the directory it writes into (lattice.checkpoint.run_dir).
+    Changes nothing (an explicit out-dir is created if missing); the launcher runs it before
+    starting processes and every rank before any process group exists, so a bad request fails
+    in one line, the same everywhere. Returns (layout, train config, checkpoint or None, run dir)."""
+    from lattice import checkpoint
+    from lattice.checkpoint import run_dir
+    from lattice.data.corpus import check_data
+    from lattice.training import faults
+    from lattice.training.trainer import check_run
+
+    layout = layout_from_args(args)
+    if nproc is not None and nproc != layout.world_size:
+        axes = " x ".join(f"{a.value}={s}" for a, s in layout.topology.axes)
+        raise LatticeConfigError(f"--nproc {nproc} does not match the layout: mode {layout.mode!r} with {axes} has "
+                                 f"{layout.world_size} ranks; use --nproc {layout.world_size} or change --tp/--dp/--pp")
+    ckpt = checkpoint.read(args.resume) if args.resume else None
+    where = checkpoint.resolve(args.resume) if ckpt is not None else None
+    resumed_run = checkpoint.run_of(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None
+    run = run_dir.choose(args.out_dir, resumed_run, int(ckpt["step"]) if ckpt is not None else None, args.overwrite)
+    saved = ckpt.get("train_config", {}) if ckpt is not None else {}
+    arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
+    tcfg = train_config(args, arch=arch, out_dir=str(run.out), **_recorded_data(args, saved, where))
+    cfg = tcfg.model_config()
+    check_data(tcfg.data, tcfg.tokenizer, cfg.vocab_size)
+    check_run(tcfg, cfg, layout.context())
+    if run.fresh:  # created later, by one process: here only its parent
+        check_out_dir(run.out.parent, checkpoint.FILENAME)
+    else:
+        check_out_dir(run.out, checkpoint.FILENAME)
+        faults.RunLock(run.out).probe()
+    if ckpt is not None:
+        checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
+        faults.check_schedule(saved, asdict(tcfg), args.allow_config_change, where)
+    elif tcfg.init_from:
+        from lattice.training.trainer import check_init_from
+
+        check_init_from(tcfg, cfg)
+    return layout, tcfg, ckpt, run
+
+
+def _converted_to_sharded(ckpt: dict, where: Path, out: Path, ctx) -> dict:
+    """A single-file checkpoint (`lattice convert`'s export, or OUT/ckpt.pt of runs before
+    training wrote only sharded checkpoints) converted by rank 0 into OUT/checkpoints/step-N, as
+    `lattice convert` does; every rank then resumes that."""
+    import torch.distributed as dist
+
+    from lattice import checkpoint
+    from lattice.checkpoint import sharded
+    from lattice.checkpoint.convert import import_single
+
+    target = out / sharded.SUBDIR / sharded.step_name(int(ckpt["step"]))
+    alone = dist.new_group([0]) if ctx.world_size > 1 else None  # (every rank creates every group)
+    if ctx.rank == 0:
+        import_single(ckpt, out, group=alone)
+        print(f"converted the single-file checkpoint {where} into {target} (as `lattice convert` does); resuming "
+              f"from it", flush=True)
+    if ctx.world_size > 1:
+        dist.barrier()
+    return checkpoint.read(target)
+
+
+def _recorded_data(args, saved: dict, where) -> dict:
+    """Without --data, a resumed run continues on the data it was trained on (and refuses it if
+    the files changed since): the TrainConfig fields that say so. --data given explicitly trains
+    on that instead."""
+    from lattice.data.corpus import data_hash
+
+    if args.data is not None or not saved.get("data"):
+        return {}
+    data = dict(data=saved["data"], data_format=saved.get("data_format", "text"), text_key=saved.get("text_key", "text"),
+                tokenizer=saved.get("tokenizer"))
+    now = data_hash(data["data"], data["data_format"], data["text_key"])
+    if saved.get("data_hash") and now != saved["data_hash"]:
+        raise LatticeConfigError(f"the data {data['data']} changed since {where} was saved (content hash "
+                                 f"{saved['data_hash']} then, {now} now); pass --data {data['data']} to train on it as "
+                                 f"it is, or restore the original files")
+    return data
+
+
+def cmd_train(args, argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from lattice import checkpoint
+    from lattice.checkpoint import run_dir
+    from lattice.checkpoint import sharded as sharded_checkpoint
+    from lattice.modes.layout import init
+    from lattice.training import faults
+    from lattice.training.trainer import Trainer
+
+    launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
+    if args.nproc is not None and args.nproc < 1:
+        raise LatticeConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc and args.nproc > 1 and not launched:
+        _, tcfg, _, run = check_train(args, nproc=args.nproc)
+        tcfg.corpus()  # build the tokenizer and token cache once, here, not on every rank
+        for line in run_dir.create(run):
+            print(line, flush=True)
+        # the workers write where this process chose (a fresh runs/run-N now exists, empty)
+        return launch_local(args.nproc, [*argv, "--out-dir", str(run.out)],
+                            resume_hint=run_dir.resume_command(argv, run.out))
+    if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
+        raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
+                                 f"drop --nproc when launching with torchrun")
+    if launched:
+        faults.die_with_parent()  # killing the launcher must not leave this worker training
+    layout, tcfg, ckpt, run = check_train(args)  # every rank, before any process group exists
+    ctx = init(layout, seed=tcfg.seed, timeout=tcfg.dist_timeout)
+    out, lock = run.out, None
+    try:
+        if ctx.rank == 0:
+            print("config: " + ", ".join(f"{k}={v}" for k, v in run_config(layout, tcfg).items()), flush=True)
+            for line in run_dir.create(run):  # after init: every rank chose before anything was created
+                print(line, flush=True)
+            lock = faults.RunLock(out).acquire()
+            faults.remove_stale_temps(out, checkpoint.FILENAME)
+            sharded_checkpoint.remove_partial(out)
+            (out / "config.toml").write_text(config_toml(run_config(layout, tcfg)))
+        if ctx.world_size > 1:
+            dist.barrier()  # the run directory exists before any rank writes into it
+        if ckpt is not None and not checkpoint.is_sharded(ckpt):  # training resumes the sharded form
+            ckpt = _converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx)
+        trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
+        if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
+            trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
+            (out / "data.json").write_text(_data_identity(tcfg))
+        result = trainer.fit()
+        if ctx.rank == 0:
+            if result["stopped_by"]:
+                by = "--stop-at" if result["stopped_by"] == "stop_at" else result["stopped_by"]
+                print(f"stopped by {by} at step {result['step']}; checkpoint saved in {out}; continue with: "
+                      f"{run_dir.resume_command(argv, out)}", flush=True)
+                return 0
+            print(f"final val loss: {result['val_loss']:.4f} nats/{trainer.task.loss_unit} (step {result['step']})")
+            if "metric" in result:
+                name, trivial = result["trivial"]
+                print(f"val {result['metric']}: {result['val_score']:.3f} ({name} {trivial:.3f})", flush=True)
+            else:
+                print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
+    except TrainingStopped as e:
+        then = ""
+        if isinstance(e, sharded_checkpoint.WriteFailed) and sharded_checkpoint.complete(out):
+            then = f"; then continue with: {run_dir.resume_command(argv, out)}"
+        print(f"error: {e}{then}", file=sys.stderr, flush=True)
+        return 3
+    except RuntimeError as e:  # a collective that timed out: name the rank that stopped making progress
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        from lattice.parallel.comm import last_collective
+
+        stalled = faults.stalled_ranks(out, ctx.world_size)
+        where = (f"{last_collective['op']} over {last_collective['group_size']} ranks" if last_collective
+                 else "a collective")
+        print(f"error: rank {ctx.rank}: {where} waited more than --dist-timeout {args.dist_timeout:g} s; {stalled} "
+              f"(stack dumps above)", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if lock is not None:
+            lock.release()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lattice", description="Multi-dimensional tensor parallel training of "
+                                                                 "transformer families.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_arguments(sub.add_parser("train", help="train a model (any family, any layout) on the built-in corpus "
+                                                       "or your own text"))
+    add_layout_arguments(sub.add_parser("info", help="print which rank holds which shard, and the groups"))
+    add_inference_arguments(sub.add_parser("generate", help="continue a prompt with a trained model, in any layout"),
+                             generate=True)
+    add_inference_arguments(sub.add_parser("eval", help="validation loss and perplexity of a trained model, in any "
+                                                         "layout"), generate=False)
+    for name, (module_name, add_name, _, help_text) in DELEGATED.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            getattr(importlib.import_module(module_name), add_name)(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    try:
+        if getattr(args, "config", None):
+            args = with_config_file(argv, args.config)
+            args.command = "train"
+        if args.command == "train":
+            return cmd_train(args, argv)
+        if args.command == "info":
+            return run_info(args)
+        if args.command in ("generate", "eval"):
+            return run_inference(args, argv)
+        module_name, _, run_name, _ = DELEGATED[args.command]
+        return int(getattr(importlib.import_module(module_name), run_name)(args) or 0)
+    except LatticeConfigError as e:
+        message = str(e)
+        if args.command != "train":  # a checkpoint refusal's way out names a flag only train has
+            from lattice.checkpoint.files import START_FRESH
+
+            message = message.replace(f", {START_FRESH}", "")
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except TrainingStopped as e:  # (train handles its own) a convert whose checkpoint could not be written
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except BrokenPipeError:  # `lattice info | head`: the reader left; stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _data_identity(tcfg) -> str:
+    import json
+
+    from lattice.data.corpus import data_files
+
+    files = [str(p) for p in data_files(tcfg.data)] if tcfg.data else ["built-in corpus (pydoc_data.topics)"]
+    return json.dumps({"data": tcfg.data, "files": files, "format": tcfg.data_format, "text_key": tcfg.text_key,
+                       "content_hash": tcfg.data_hash, "tokenizer": tcfg.tokenizer}, indent=1) + "\n"
+
+

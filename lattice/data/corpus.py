@@ -1,0 +1,380 @@
+"""The built-in corpus, its tokenizer, and the per-rank batches.
+
+The corpus is real English that ships with Python itself: the help topics of `pydoc_data.topics`
+(about 0.5 MB), so training needs no download. The tokenizer is a byte-level BPE trained on it
+with `tokenizers` (every byte is in the initial alphabet, so any text encodes); it and the token
+ids are cached under `$LATTICE_CACHE` (default `~/.cache/lattice`), keyed by a hash of the
+corpus and the vocabulary size.
+
+Batches: the global batch of step t is a function of (seed, t) alone, so a resumed run sees the
+same data as an uninterrupted one. Data-parallel replica r of `dp` takes rows
+[r*B/dp, (r+1)*B/dp) of it; every rank of one tensor-parallel group gets that same replica batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lattice.checkpoint.files import atomic_write
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
+
+DEFAULT_VOCAB = 2048
+VAL_FRACTION = 0.1
+
+
+def corpus_text() -> str:
+    """The built-in corpus: pydoc's help topics, in a fixed (sorted) order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k].strip() for k in sorted(topics)) + "\n"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LATTICE_CACHE") or Path.home() / ".cache" / "lattice")
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object, so numpy does not append ".npy" to the name
+        np.save(f, array)
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE trained on `text` (all 256 bytes in the initial alphabet)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    if vocab_size < 257:
+        raise LatticeConfigError(f"vocab_size = {vocab_size} is below the 256 byte symbols plus one merge; "
+                                 f"use at least 257 (default {DEFAULT_VOCAB})")
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    return tok
+
+
+@dataclass
+class Corpus:
+    """Token ids of the built-in corpus split into train and validation, plus the tokenizer."""
+
+    train: torch.Tensor  # (N_train,) int64
+    val: torch.Tensor  # (N_val,) int64
+    vocab_size: int
+    tokenizer: object
+    key: str  # cache key: hash of the corpus text and vocabulary size
+    content_hash: str | None = None  # identity of own data (`data_hash`), None for the built-in corpus
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def data_files(spec: str) -> list[Path]:
+    """The files of `--data`: one file, every file of a directory (recursively), or a glob."""
+    import glob
+
+    path = Path(spec)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    if not files:
+        raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
+                                 f"check the path")
+    return files
+
+
+def json_lines(spec: str, keys: tuple[str, ...], flags: str):
+    """(path, line number, the `keys` fields) of every JSON line of `--data`, or one line naming
+    the first that lacks them and the flags (`flags`) that name other keys."""
+    for path in data_files(spec):
+        yield from _json_rows(path, keys, flags)
+
+
+def _json_rows(path: Path, keys: tuple[str, ...], flags: str):
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                values = tuple(row[k] for k in keys)
+            except (ValueError, KeyError, TypeError):
+                named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
+                raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
+                                         f"{flags}") from None
+            yield path, n, values
+
+
+TEXT_SAMPLE = 1 << 16  # bytes of each --data file looked at before training on it
+MAX_UNDECODABLE = 0.01  # the share of a file's sample that may fail to decode as UTF-8
+
+
+def _check_texts(spec: str) -> None:
+    """Refuse `--data` without text (every file empty) or with a file that is not text; read
+    once per load, not on every pass over the files."""
+    files = data_files(spec)
+    if not any(p.stat().st_size for p in files):
+        raise LatticeConfigError(f"--data {spec} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
+                                 f"give it some text")
+    for path in files:
+        _check_text(path, spec)
+
+
+def _check_text(path: Path, spec: str) -> None:
+    """Refuse a file that is not text: a NUL byte, or more than 1% of its first 64 KiB not
+    decodable as UTF-8 (a binary, an archive, another encoding), naming the file."""
+    with open(path, "rb") as f:
+        head = f.read(TEXT_SAMPLE)
+    text = head.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - (1 if len(head) == TEXT_SAMPLE and text.endswith("\ufffd") else 0)
+    if b"\0" in head or bad > MAX_UNDECODABLE * max(1, len(text)):
+        what = "NUL bytes" if b"\0" in head else f"{bad} of its first {len(head):,} bytes not UTF-8"
+        where = f"--data {spec}" if Path(spec) == path else f"--data {spec}: {path}"
+        raise LatticeConfigError(f"{where} is not text ({what}); pass text files (UTF-8), or leave that file out "
+                                 f"of --data")
+
+
+CHUNK_CHARS = 1 << 20  # text is read, hashed, tokenized and written in pieces of about this size
+
+
+def data_chunks(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text"):
+    """The text of `--data` in pieces of about CHUNK_CHARS ending at a line break (files
+    separated by a blank line; JSON lines contribute their `text_key`, or each of several keys:
+    both sides of translation pairs), never all in memory."""
+    keys = (text_key,) if isinstance(text_key, str) else tuple(text_key)
+    flags = "--text-key" if len(keys) == 1 else "--source-key / --target-key"
+    for i, path in enumerate(data_files(spec)):
+        if i:
+            yield "\n\n"
+        if data_format == "jsonl":
+            for _, _, values in _json_rows(path, keys, flags):
+                yield "".join(str(v) + "\n\n" for v in values)
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            while True:
+                piece = f.read(CHUNK_CHARS)
+                if not piece:
+                    break
+                yield piece + f.readline()  # end at a line break, so no word is cut
+
+
+def data_hash(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text") -> str:
+    """Identity of `--data`'s content (read in pieces)."""
+    named = text_key if isinstance(text_key, str) else "\0".join(text_key)
+    h = hashlib.sha256(f"{data_format}\0{named}\0".encode())
+    for piece in data_chunks(spec, data_format, text_key):
+        h.update(piece.encode())
+    return h.hexdigest()[:16]
+
+
+def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
+                     text_key: str | tuple[str, ...] = "text", tokenizer_path: str | None = None) -> Corpus:
+    """Your own text, tokenized once (in pieces) into a memory-mapped token file (uint16, or
+    uint32 beyond 65536 tokens) cached by content hash, so that a corpus larger than memory
+    trains with bounded memory: batches read only their windows. A byte-level BPE is trained on
+    the text (streamed) unless `tokenizer_path` gives one."""
+    from tokenizers import Tokenizer
+
+    _check_texts(spec)
+    given = _given_tokenizer(tokenizer_path)
+    salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
+    content = data_hash(spec, data_format, text_key)
+    key = f"{content}-{salt}"
+    root = cache_dir() / f"data-{vocab_size}-{key}"
+    tok_path, ids_path = root / "tokenizer.json", root / "tokens.bin"
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    if not (tok_path.exists() and ids_path.exists()):
+        if given:
+            bpe = _checked_tokenizer(given, vocab_size, tokenizer_path)
+        else:
+            from tokenizers import ByteLevelBPETokenizer
+
+            train_tokenizer("", vocab_size)  # the vocabulary-size check
+            bpe = ByteLevelBPETokenizer()
+            bpe.train_from_iterator(data_chunks(spec, data_format, text_key), vocab_size=vocab_size,
+                                    min_frequency=2, show_progress=False)
+
+        def write_tokens(tmp):
+            with open(tmp, "wb") as f:
+                for piece in data_chunks(spec, data_format, text_key):
+                    f.write(np.asarray(bpe.encode(piece).ids, dtype=dtype).tobytes())
+
+        atomic_write(tok_path, lambda tmp: bpe.save(tmp))
+        atomic_write(ids_path, write_tokens)
+    ids = np.memmap(ids_path, dtype=dtype, mode="r")
+    if len(ids) < 2:
+        raise LatticeConfigError(f"--data {spec} holds {len(ids)} tokens; give it some text")
+    split = len(ids) - int(len(ids) * VAL_FRACTION)
+    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size,
+                  tokenizer=Tokenizer.from_file(str(tok_path)), key=key, content_hash=content)
+
+
+def check_data(data: str | None, tokenizer_path: str | None, vocab_size: int | None = None) -> None:
+    """`--data` and `--tokenizer` refused in one line if they cannot be trained on: no file, no
+    text, a file that is not text, a tokenizer that does not parse or whose vocabulary does not
+    fit `vocab_size` (before any process group)."""
+    if data is not None:
+        _check_texts(data)
+    given = _given_tokenizer(tokenizer_path)
+    if given is not None and vocab_size is not None:
+        _checked_tokenizer(given, vocab_size, tokenizer_path)
+
+
+def read_tokenizer(path: Path, named: str, fix: str):
+    """The tokenizer in `path`, or one line naming it (`named`: how the user knows the file) and
+    `fix`, when the tokenizers library cannot read it."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise LatticeConfigError(f"{named} {path} is not a tokenizer the tokenizers library reads ({reason}); "
+                                 f"{fix}") from None
+
+
+def _given_tokenizer(tokenizer_path: str | None) -> Path | None:
+    """The tokenizer.json `--tokenizer` names, refused in one line unless the tokenizers library
+    reads it."""
+    if not tokenizer_path:
+        return None
+    given = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
+    if not given.is_file():
+        raise LatticeConfigError(f"--tokenizer {tokenizer_path} has no tokenizer.json; pass a tokenizer.json or a "
+                                 f"directory holding one")
+    read_tokenizer(given, "--tokenizer", "pass the tokenizer.json of a lattice run or of a HuggingFace tokenizer")
+    return given
+
+
+def _checked_tokenizer(given: Path, vocab_size: int, tokenizer_path: str):
+    bpe = read_tokenizer(given, "--tokenizer", "pass the tokenizer.json of a lattice run or of a HuggingFace tokenizer")
+    if bpe.get_vocab_size() > vocab_size:
+        raise LatticeConfigError(f"--tokenizer {tokenizer_path} has {bpe.get_vocab_size()} tokens but --vocab-size is "
+                                 f"{vocab_size}; pass --vocab-size {bpe.get_vocab_size()}")
+    return bpe
+
+
+def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, tokenizer_path: str | None = None) -> Corpus:
+    """Tokenize the built-in corpus, from the cache (`cache_dir()`) when possible, with a
+    byte-level BPE trained on it or the tokenizer at `tokenizer_path` (a tokenizer.json, or a
+    directory holding one, e.g. a local HF tokenizer or a lattice run directory).
+
+    The last VAL_FRACTION of the tokens is the validation split (contiguous, so no validation
+    window overlaps training text)."""
+    from tokenizers import Tokenizer
+
+    text = corpus_text()
+    given = _given_tokenizer(tokenizer_path)
+    salt = given.read_text() if given else ""
+    key = hashlib.sha256(f"{vocab_size}\0{salt}\0{text}".encode()).hexdigest()[:16]
+    root = cache_dir() / f"bpe-{vocab_size}-{key}"
+    tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
+    if not (tok_path.exists() and ids_path.exists()):
+        bpe = _checked_tokenizer(given, vocab_size, tokenizer_path) if given else train_tokenizer(text, vocab_size)
+        atomic_write(tok_path, lambda tmp: bpe.save(tmp))
+        ids = np.asarray(bpe.encode(text).ids, dtype=np.int32)
+        atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    ids = np.load(ids_path)
+    ids = torch.from_numpy(ids.astype(np.int64))
+    split = len(ids) - int(len(ids) * VAL_FRACTION)
+    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key)
+
+
+def unigram_baseline(corpus: Corpus) -> float:
+    """Cross-entropy (nats/token) of the validation tokens under the training split's unigram
+    frequencies with add-one smoothing: what a model that ignores context can reach."""
+    counts = np.ones(corpus.vocab_size, dtype=np.float64)
+    val_total, val_count = 0.0, 0
+    for start in range(0, len(corpus.train), 1 << 22):  # in pieces: the splits may be memory-mapped
+        counts += np.bincount(np.asarray(corpus.train[start:start + (1 << 22)]), minlength=corpus.vocab_size)
+    log_p = np.log(counts) - np.log(counts.sum())
+    for start in range(0, len(corpus.val), 1 << 22):
+        piece = np.asarray(corpus.val[start:start + (1 << 22)], dtype=np.int64)
+        val_total += float(-log_p[piece].sum())
+        val_count += len(piece)
+    return val_total / val_count
+
+
+def check_batch_size(corpus: Corpus, batch_size: int, seq_len: int, dp: int) -> None:
+    """Raise a one-line LatticeConfigError unless the batch splits over dp and fits both splits."""
+    for tokens, split in ((corpus.train, "training"), (corpus.val, "validation")):
+        _check_batch(batch_size, seq_len, dp, tokens, split)
+
+
+def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, split: str):
+    if batch_size % dp:
+        lower = batch_size - batch_size % dp
+        raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of "
+                                 f"{dp} (for example {lower or dp} or {lower + dp})")
+    if len(tokens) < seq_len + 1:
+        raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
+                                 f"{seq_len + 1}; use a shorter seq_len or a larger corpus")
+
+
+def on_device(ctx: ParallelContext, *tensors) -> tuple:
+    return tuple(t.to(ctx.device) for t in tensors)
+
+
+def replica_rows(batch_size: int, ctx: ParallelContext) -> slice:
+    """Rows of the global batch that this rank's data-parallel replica trains on."""
+    per = batch_size // ctx.dp
+    r = ctx.coord(MeshAxis.DP)
+    return slice(r * per, (r + 1) * per)
+
+
+def windows(tokens, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """(n, length) int64 windows of `tokens` (a tensor, or a memory-mapped array of which only
+    these windows are read)."""
+    if isinstance(tokens, np.ndarray):
+        return torch.from_numpy(np.stack([np.asarray(tokens[s:s + length], dtype=np.int64) for s in starts.tolist()]))
+    return tokens[starts[:, None] + torch.arange(length)]
+
+
+def global_batch(tokens, step: int, *, seed: int, batch_size: int, seq_len: int,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of the batch of `step`: `batch_size` random windows, a function of (seed, step)
+    only; only the windows of those rows are read."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)[rows]
+    window = windows(tokens, starts, seq_len + 1)  # (rows, T+1)
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def train_batch(corpus: Corpus, step: int, ctx: ParallelContext, *, seed: int, batch_size: int,
+                seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's replica batch (B/dp, T) of step `step`, on ctx.device."""
+    _check_batch(batch_size, seq_len, ctx.dp, corpus.train, "training")
+    x, y = global_batch(corpus.train, step, seed=seed, batch_size=batch_size, seq_len=seq_len,
+                        rows=replica_rows(batch_size, ctx))
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def val_windows(corpus: Corpus, *, batch_size: int, seq_len: int, num_batches: int) -> torch.Tensor:
+    """(num_batches, batch_size, seq_len) windows evenly spread over the validation split: the
+    global batches every validation of every run with these sizes reads."""
+    n = batch_size * num_batches
+    starts = torch.linspace(0, len(corpus.val) - seq_len, n).long()
+    return windows(corpus.val, starts, seq_len).view(num_batches, batch_size, seq_len)
+
+
+def val_batches(corpus: Corpus, ctx: ParallelContext, *, batch_size: int, seq_len: int,
+                num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of validation batches (windows evenly spread over the split), this replica's
+    rows of each. The same for every run with the same sizes, so validation losses compare."""
+    _check_batch(batch_size, seq_len, ctx.dp, corpus.val, "validation")
+    window = val_windows(corpus, batch_size=batch_size, seq_len=seq_len + 1, num_batches=num_batches)
+    rows = replica_rows(batch_size, ctx)
+    return [(w[rows, :-1].contiguous().to(ctx.device), w[rows, 1:].contiguous().to(ctx.device))
+            for w in window]
+

@@ -1,0 +1,70 @@
+"""Cross-entropy of logits split over the vocabulary, without gathering them (shared by modes).
+
+Targets equal to IGNORE_INDEX (-100, as in PyTorch and transformers: BERT's unmasked positions)
+add nothing to the loss or its gradient, and the mean is over the labelled targets alone
+(`labelled_count`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lattice.modes.kernels.layers import upcast
+from lattice.parallel import comm
+
+IGNORE_INDEX = -100
+
+
+def labelled_count(targets: torch.Tensor) -> torch.Tensor:
+    """The targets that count towards a mean loss (those not IGNORE_INDEX), as a 0-d tensor (no
+    host sync). Every rank holds the whole replica's targets, so every rank divides alike."""
+    return (targets != IGNORE_INDEX).sum()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss log Σ_v e^{z_v} - z_target, the vocabulary split over `group`.
+
+    Forward: m = max over ranks of max_v z (all-reduce MAX of N values), then [Σ_v e^{z-m},
+    z_target - m] summed over ranks in one all-reduce (2N values); every rank returns the same
+    per-token loss. Backward: dz = (softmax(z) - onehot(target)) · dloss on this rank's slice, no
+    communication. Columns at or past `vocab_size` (padding) are masked out of the softmax; an
+    IGNORE_INDEX target has loss 0 and gradient 0.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, vocab_size):  # (N, V_local), (N,) -> (N,)
+        z = upcast(logits)
+        n_local = z.shape[1]
+        padding = torch.arange(vocab_start, vocab_start + n_local, device=z.device) >= vocab_size
+        z = z.masked_fill(padding, float("-inf"))
+        top = comm.raw_all_reduce(z.max(dim=1).values, group, op=torch.distributed.ReduceOp.MAX)  # (N,)
+        shifted = z - top.unsqueeze(1)
+        exp = shifted.exp()
+        local_target = targets - vocab_start
+        here = (local_target >= 0) & (local_target < n_local)
+        local_target = local_target.masked_fill(~here, 0)
+        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
+        target_logit = torch.where(here, target_logit, torch.zeros_like(target_logit))  # (N,)
+        sums = comm.raw_all_reduce(torch.stack([exp.sum(dim=1), target_logit]), group)  # (2, N)
+        softmax = exp.div_(sums[0].unsqueeze(1))
+        labelled = targets != IGNORE_INDEX
+        # -1 marks an ignored row, so that no further tensor is saved for backward
+        ctx.save_for_backward(softmax, local_target.masked_fill(~labelled, -1), here)
+        ctx.dtype = logits.dtype
+        return (sums[0].log() - sums[1]).masked_fill(~labelled, 0.0)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local_target, here = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target.clamp_min(0)] -= here.to(grad.dtype)
+        dloss = dloss.masked_fill(local_target < 0, 0.0)
+        return (grad * dloss.unsqueeze(1)).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token cross-entropy (N,) of logits (N, V_local) holding padded-vocabulary columns
+    vocab_start.. of the full V_padded, split over `group`; identical on every rank of it."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, vocab_size)

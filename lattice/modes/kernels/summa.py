@@ -1,0 +1,234 @@
+"""SUMMA on a q x q mesh (Optimus, papers/000 §2.4, Algorithms 1-3) as autograd operations.
+
+Rank (i, j) holds block (i, j) of every matrix: rows block i, columns block j. "Row i" is the q
+ranks (i, 0..q-1) -- the process group along `MeshAxis.COL`; "column j" is the q ranks
+(0..q-1, j) -- the group along `MeshAxis.ROW`.
+
+    form       step l = 0 .. q-1 on rank (i, j)                                 result C_ij
+    C = A B    bcast A_il along row i, B_lj along column j; C_ij += A_il B_lj     Σ_l A_il B_lj
+    C = A Bᵀ   bcast B_lj along column j; reduce A_ij B_ljᵀ along row i to (i, l)  Σ_l A_il B_jlᵀ
+    C = Aᵀ B   bcast A_il along row i; reduce A_ilᵀ B_ij along column j to (l, j)  Σ_l A_liᵀ B_lj
+
+The three forms are closed under differentiation (Eq. 1-3), so each backward is two SUMMA
+products of the other forms. Per rank and per product, C = A B with A [M, K], B [K, N] moves
+(M·K + K·N)/q elements forward and twice that backward (Table 1 counts the same, times the
+log q depth of a tree broadcast).
+
+The receive buffers of every broadcast and the partial products of every reduce come from one
+`Workspace` (§3.2.3): products run one after another, so one region sized for the largest step
+serves all of them, instead of fresh allocations at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lattice.parallel.comm import raw_broadcast, raw_reduce
+from lattice.parallel.context import MeshAxis, ParallelContext
+
+
+class Workspace:
+    """One preallocated buffer per (dtype, device): [vector receive buffers | slot 0 | slot 1].
+
+    `reserve` sets the sizes from the model's largest step before the first product; a request
+    beyond them (a plan that was too small) grows the buffer, which `allocations` counts.
+    """
+
+    def __init__(self):
+        self.recv_numel = 0
+        self.step_numel = 0
+        self.allocations = 0
+        self._flat: dict = {}
+
+    def reserve(self, recv_numel: int, step_numel: int) -> None:
+        self.recv_numel = max(self.recv_numel, recv_numel)
+        self.step_numel = max(self.step_numel, step_numel)
+
+    def _buffer(self, dtype, device) -> torch.Tensor:
+        need = self.recv_numel + self.step_numel
+        flat = self._flat.get((dtype, device))
+        if flat is None or flat.numel() < need:
+            flat = torch.empty(need, dtype=dtype, device=device)
+            self._flat[(dtype, device)] = flat
+            self.allocations += 1
+        return flat
+
+    def receive(self, shape, dtype, device) -> torch.Tensor:
+        """A receive buffer for `lattice.parallel.comm.broadcast` on a non-source rank. It requires grad so
+        that the backward reduce runs on every rank; broadcast copies it, so it is never written."""
+        numel = int(torch.Size(shape).numel())
+        self.reserve(numel, 0)
+        return self._buffer(dtype, device)[:numel].view(shape).detach().requires_grad_()
+
+    def pair(self, n0: int, n1: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two disjoint flat buffers of one SUMMA step (a broadcast block and a second block)."""
+        self.reserve(0, n0 + n1)
+        flat = self._buffer(dtype, device)
+        start = self.recv_numel
+        return flat[start:start + n0], flat[start + n0:start + n0 + n1]
+
+
+class SummaGrid:
+    """This rank's place on its replica's q x q mesh, the row / column groups, and the workspace.
+
+    Groups are looked up on first use, so a model can be built from a planning context.
+    """
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+        self.q = ctx.size(MeshAxis.ROW)
+        self.i = ctx.coord(MeshAxis.ROW)
+        self.j = ctx.coord(MeshAxis.COL)
+        self.workspace = Workspace()
+        self._groups = None
+
+    def _setup(self):
+        # group rank k is mesh coordinate k: Topology only accepts placements increasing along
+        # every axis, and torch orders group members by global rank
+        self._groups = (self.ctx.group(MeshAxis.COL), self.ctx.group(MeshAxis.ROW))
+
+    @property
+    def row(self):
+        """The group of ranks (i, 0..q-1); group rank = column coordinate."""
+        if self._groups is None:
+            self._setup()
+        return self._groups[0]
+
+    @property
+    def col(self):
+        """The group of ranks (0..q-1, j); group rank = row coordinate."""
+        if self._groups is None:
+            self._setup()
+        return self._groups[1]
+
+    def bcast_row(self, block: torch.Tensor, l: int, buf: torch.Tensor) -> torch.Tensor:
+        """Block (i, l) on every rank of row i: rank (i, l) sends its own, the others receive."""
+        return raw_broadcast(block if self.j == l else buf.view(block.shape), self.row, l)
+
+    def bcast_col(self, block: torch.Tensor, l: int, buf: torch.Tensor) -> torch.Tensor:
+        """Block (l, j) on every rank of column j."""
+        return raw_broadcast(block if self.i == l else buf.view(block.shape), self.col, l)
+
+
+# ----------------------------------------------------------------------------- Algorithms 1-3
+
+
+def summa_ab_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor:
+    """Algorithm 1. a = A_ij (m, k), b = B_ij (k, n) -> C_ij (m, n) = Σ_l A_il B_lj."""
+    a, b = a.contiguous(), b.contiguous()
+    a_buf, b_buf = g.workspace.pair(a.numel(), b.numel(), a.dtype, a.device)
+    c = None
+    for l in range(g.q):
+        a_l = g.bcast_row(a, l, a_buf)
+        b_l = g.bcast_col(b, l, b_buf)
+        c = torch.mm(a_l, b_l) if c is None else c.addmm_(a_l, b_l)
+    return c
+
+
+def summa_abt_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor:
+    """Algorithm 2. a = A_ij (m, n), b = B_ij (k, n) -> C_ij (m, k) = Σ_l A_il B_jlᵀ."""
+    a, b = a.contiguous(), b.contiguous()
+    m, k = a.shape[0], b.shape[0]
+    b_buf, t_buf = g.workspace.pair(b.numel(), m * k, a.dtype, a.device)
+    c = torch.empty(m, k, dtype=a.dtype, device=a.device)
+    for l in range(g.q):
+        b_l = g.bcast_col(b, l, b_buf)
+        part = c if g.j == l else t_buf.view(m, k)  # the destination reduces straight into C
+        torch.mm(a, b_l.t(), out=part)
+        raw_reduce(part, g.row, l)
+    return c
+
+
+def summa_atb_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor:
+    """Algorithm 3. a = A_ij (m, k), b = B_ij (m, n) -> C_ij (k, n) = Σ_l A_liᵀ B_lj."""
+    a, b = a.contiguous(), b.contiguous()
+    k, n = a.shape[1], b.shape[1]
+    a_buf, t_buf = g.workspace.pair(a.numel(), k * n, a.dtype, a.device)
+    c = torch.empty(k, n, dtype=a.dtype, device=a.device)
+    for l in range(g.q):
+        a_l = g.bcast_row(a, l, a_buf)
+        part = c if g.i == l else t_buf.view(k, n)
+        torch.mm(a_l.t(), b, out=part)
+        raw_reduce(part, g.col, l)
+    return c
+
+
+# Each form's backward is two products of the other forms (Eq. 1-3), listed as (form, first
+# operand, second operand) over the names a, b (the forward's operands) and dc (C's gradient):
+#   C = A B:   dA = dC Bᵀ,  dB = Aᵀ dC
+#   C = A Bᵀ:  dA = dC B,   dB = dCᵀ A
+#   C = Aᵀ B:  dA = B dCᵀ,  dB = A dC
+_FORWARD = {"ab": summa_ab_raw, "abt": summa_abt_raw, "atb": summa_atb_raw}
+_BACKWARD = {"ab": (("abt", "dc", "b"), ("atb", "a", "dc")),
+             "abt": (("ab", "dc", "b"), ("atb", "dc", "a")),
+             "atb": (("abt", "b", "dc"), ("ab", "a", "dc"))}
+
+
+class _Summa(torch.autograd.Function):
+    """One SUMMA product of the given form, its backward from the table above. Backward passes
+    run the same products on every rank in the same order (A's gradient first), which the
+    collectives inside them require; `needs_input_grad` is the same on every rank because every
+    rank holds a block of each operand."""
+
+    @staticmethod
+    def forward(ctx, form, a, b, grid):
+        ctx.form, ctx.grid = form, grid
+        ctx.save_for_backward(a, b)
+        return _FORWARD[form](a, b, grid)
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        operands = {"a": a, "b": b, "dc": dc}
+        grads = [_FORWARD[form](operands[x], operands[y], ctx.grid) if ctx.needs_input_grad[k + 1] else None
+                 for k, (form, x, y) in enumerate(_BACKWARD[ctx.form])]
+        return None, *grads, None
+
+
+class _SummaSegments(torch.autograd.Function):
+    """C = A [B_1 | B_2 | ...] (Alg. 1) with the segments' blocks side by side (SUMMA's columns
+    are independent), saving the segments rather than a copy of their concatenation. Backward:
+    dA = dC [B_1 | ...]ᵀ (Alg. 2), dB_i = the columns of Aᵀ dC (Alg. 3) that are segment i's."""
+
+    @staticmethod
+    def forward(ctx, a, grid, *bs):
+        ctx.grid = grid
+        ctx.save_for_backward(a, *bs)
+        return summa_ab_raw(a, torch.cat(bs, dim=-1), grid)
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, *bs = ctx.saved_tensors
+        da = summa_abt_raw(dc, torch.cat(bs, dim=-1), ctx.grid) if ctx.needs_input_grad[0] else None
+        db = summa_atb_raw(a, dc, ctx.grid)
+        return da, None, *db.split([b.shape[-1] for b in bs], dim=-1)
+
+
+def _autocast(a: torch.Tensor, b: torch.Tensor):
+    """Under autocast a product runs in the autocast dtype, as torch.mm would (the casts stay
+    outside the Function, so their backward returns gradients in the operands' dtypes)."""
+    device = a.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return a.to(dtype), b.to(dtype)
+    return a, b
+
+
+def summa_ab(a: torch.Tensor, b, grid: SummaGrid) -> torch.Tensor:
+    """C = A B (Alg. 1). Backward (Eq. 1): dA = dC Bᵀ (Alg. 2), dB = Aᵀ dC (Alg. 3). `b` may be a
+    tuple of column segments (see _SummaSegments)."""
+    if isinstance(b, tuple):
+        device = a.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
+        return _SummaSegments.apply(a.to(dtype), grid, *(x.to(dtype) for x in b))
+    return _Summa.apply("ab", *_autocast(a, b), grid)
+
+
+def summa_abt(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
+    """C = A Bᵀ (Alg. 2). Backward (Eq. 3): dA = dC B (Alg. 1), dB = dCᵀ A (Alg. 3)."""
+    return _Summa.apply("abt", *_autocast(a, b), grid)
+
+
+def summa_atb(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
+    """C = Aᵀ B (Alg. 3). Backward (Eq. 2): dA = B dCᵀ (Alg. 2), dB = A dC (Alg. 1)."""
+    return _Summa.apply("atb", *_autocast(a, b), grid)

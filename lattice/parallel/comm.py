@@ -1,0 +1,426 @@
+"""Autograd-aware collectives. Each takes its process group explicitly and reports to CommMeter.
+
+Every function here is a forward/backward pair; the docstrings give the pair in the papers'
+notation. With a group of one rank (group is None) each is the identity and sends nothing.
+
+What CommMeter counts, per call on this rank: `elements` is the size of the logical buffer the
+collective works on -- the tensor for all-reduce / broadcast / reduce / all-to-all, the gathered
+output for all-gather, the full input for reduce-scatter -- and `bytes = elements * itemsize`.
+The analytic model in `lattice.cost` counts in the same unit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- metering
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    group_size: int
+    elements: int
+    bytes: int
+    phase: str  # "forward" or "backward" (autograd backward) or "other" (outside autograd)
+
+
+_active_meters = threading.local()
+
+
+def _meters() -> list:
+    if not hasattr(_active_meters, "stack"):
+        _active_meters.stack = []
+    return _active_meters.stack
+
+
+class CommMeter:
+    """Records every collective issued through lattice.parallel.comm while active.
+
+        with lattice.CommMeter() as meter:
+            loss = model(x, y); loss.backward()
+        meter.total_bytes(), meter.summary()
+    """
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+
+    def __enter__(self):
+        _meters().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _meters().remove(self)
+        return False
+
+    def total_bytes(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.bytes for r in self.records
+                   if (op is None or r.op == op) and (phase is None or r.phase == phase))
+
+    def total_elements(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.elements for r in self.records
+                   if (op is None or r.op == op) and (phase is None or r.phase == phase))
+
+    def count(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(1 for r in self.records
+                   if (op is None or r.op == op) and (phase is None or r.phase == phase))
+
+    def summary(self) -> dict[tuple[str, str, int], dict[str, int]]:
+        """{(phase, op, group_size): {"calls", "elements", "bytes"}}"""
+        out: dict = defaultdict(Counter)
+        for r in self.records:
+            key = (r.phase, r.op, r.group_size)
+            out[key]["calls"] += 1
+            out[key]["elements"] += r.elements
+            out[key]["bytes"] += r.bytes
+        return {k: dict(v) for k, v in out.items()}
+
+    def reset(self):
+        self.records.clear()
+
+
+#: the last collective this process entered, for the message of a timed-out run (diagnostics only)
+last_collective: dict = {}
+
+
+def record(op: str, group, elements: int, dtype: torch.dtype, phase: str | None = None):
+    """Report one collective to every active CommMeter (also used by DDP's comm hook)."""
+    last_collective.update(op=op, group_size=group_size(group), elements=int(elements))
+    stack = _meters()
+    if not stack:
+        return
+    if phase is None:
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rec = CommRecord(op, group_size(group), int(elements), int(elements) * itemsize, phase)
+    for meter in stack:
+        meter.records.append(rec)
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ----------------------------------------------------------------------------- raw collectives
+
+# torch renamed the tensor forms of these collectives; use whichever this version has
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Plain (non-autograd) collectives that meter themselves; the autograd Functions below use them.
+
+
+def raw_all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, phase: str | None = None) -> torch.Tensor:
+    """`phase` overrides the meter's phase (e.g. gradient sums run after autograd's backward)."""
+    if group is None:
+        return x
+    x = x.contiguous()
+    record("all_reduce", group, x.numel(), x.dtype, phase=phase)
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def raw_all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's x along dim, in group-rank order."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
+    record("all_gather", group, out.numel(), x.dtype)
+    _all_gather_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def start_all_gather(x: torch.Tensor, group):
+    """raw_all_gather along dim 0, started asynchronously so that other work can run meanwhile;
+    returns (output, work): call `work.wait()` (work is None for one rank) before using output."""
+    n = group_size(group)
+    if n == 1:
+        return x, None
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    record("all_gather", group, out.numel(), x.dtype)
+    return out, _all_gather_tensor(out, x, group=group, async_op=True)
+
+
+def raw_reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum x over the group and keep this rank's chunk along dim."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} does not divide by {n} ranks")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n,) + moved.shape[1:], dtype=x.dtype, device=x.device)
+    record("reduce_scatter", group, moved.numel(), x.dtype)
+    _reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def raw_broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
+    """Broadcast from group rank `src` (in place on a contiguous buffer)."""
+    if group is None:
+        return x
+    x = x.contiguous()
+    record("broadcast", group, x.numel(), x.dtype)
+    dist.broadcast(x, group_src=src, group=group)
+    return x
+
+
+def raw_reduce(x: torch.Tensor, group, dst: int) -> torch.Tensor:
+    """Sum onto group rank `dst`; other ranks' results are not meaningful."""
+    if group is None:
+        return x
+    x = x.contiguous()
+    record("reduce", group, x.numel(), x.dtype)
+    dist.reduce(x, group_dst=dst, group=group)
+    return x
+
+
+def raw_all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split x into n chunks along split_dim, send chunk k to rank k, concat received along concat_dim."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[split_dim] % n:
+        raise ValueError(f"all-to-all: dim {split_dim} of size {x.shape[split_dim]} does not divide by {n}")
+    send = torch.stack(x.chunk(n, dim=split_dim), dim=0).contiguous()
+    recv = torch.empty_like(send)
+    record("all_to_all", group, send.numel(), x.dtype)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=concat_dim)
+
+
+def raw_scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, group, src: int) -> torch.Tensor:
+    """Group rank `src` sends chunks[k] to group rank k (others pass chunks=None); every rank
+    receives into `out`. Metered as the whole scattered buffer, on every rank."""
+    if group is None:
+        return out.copy_(chunks[0])
+    record("scatter", group, out.numel() * group_size(group), out.dtype)
+    dist.scatter(out, [c.contiguous() for c in chunks] if chunks is not None else None, group_src=src, group=group)
+    return out
+
+
+def raw_gather(x: torch.Tensor, group, dst: int) -> list[torch.Tensor] | None:
+    """Every rank's x to group rank `dst` (a list in group-rank order there, None elsewhere).
+    Metered as the whole gathered buffer, on every rank."""
+    n = group_size(group)
+    if n == 1:
+        return [x]
+    x = x.contiguous()
+    record("gather", group, x.numel() * n, x.dtype)
+    out = [torch.empty_like(x) for _ in range(n)] if group_rank(group) == dst else None
+    dist.gather(x, out, group_dst=dst, group=group)
+    return out
+
+
+# ----------------------------------------------------------------------------- autograd pairs
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_all_reduce(dy.clone(), ctx.group), None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return raw_all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return raw_all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_reduce_scatter(dy, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return raw_reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_all_gather(dy, ctx.group, ctx.dim), None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, src):
+        ctx.group, ctx.src = group, src
+        return raw_broadcast(x.clone(), group, src)
+
+    @staticmethod
+    def backward(ctx, dy):
+        total = raw_reduce(dy.clone(), ctx.group, ctx.src)
+        return (total if group_rank(ctx.group) == ctx.src else None), None, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dst):
+        ctx.group, ctx.dst = group, dst
+        return raw_reduce(x.clone(), group, dst)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_broadcast(dy.clone(), ctx.group, ctx.dst), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, split_dim, concat_dim):
+        ctx.group, ctx.split_dim, ctx.concat_dim = group, split_dim, concat_dim
+        return raw_all_to_all(x, group, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_all_to_all(dy, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's f. Forward: Y = X (identity). Backward: dX = Σ_ranks dY (all-reduce).
+
+    Use where a replicated input feeds rank-local computations whose gradients are partial.
+    """
+    return x if group is None else _CopyToGroup.apply(x, group)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's g. Forward: Y = Σ_ranks X (all-reduce). Backward: dX = dY (identity).
+
+    Use where partial sums become a replicated value that every rank differentiates in full.
+    """
+    return x if group is None else _AllReduce.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Forward: Y = [X_0; X_1; ...] along dim (all-gather).
+    Backward: dX_k = (Σ_ranks dY)_k (reduce-scatter), since each rank's dY is a partial gradient."""
+    return x if group is None else _AllGather.apply(x, group, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Forward: Y_k = (Σ_ranks X)_k along dim (reduce-scatter). Backward: dX = [dY_0; dY_1; ...] (all-gather)."""
+    return x if group is None else _ReduceScatter.apply(x, group, dim)
+
+
+def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
+    """Forward: Y = X_src on every rank (broadcast). Backward: dX_src = Σ_ranks dY (reduce to src).
+
+    Every rank passes a tensor of the output's shape (non-src ranks: a receive buffer). For the
+    backward reduce to run on every rank, every rank's input must require grad (non-src ranks may
+    pass a buffer with requires_grad=True; it receives no gradient).
+    """
+    return x if group is None else _Broadcast.apply(x, group, src)
+
+
+def reduce(x: torch.Tensor, group, dst: int) -> torch.Tensor:
+    """Forward: Y_dst = Σ_ranks X (reduce to dst). Backward: dX = dY_dst on every rank (broadcast)."""
+    return x if group is None else _Reduce.apply(x, group, dst)
+
+
+def all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Forward: chunk k of X along split_dim goes to rank k; received chunks concat along concat_dim.
+    Backward: the inverse all-to-all of dY (split along concat_dim, concat along split_dim)."""
+    return x if group is None else _AllToAll.apply(x, group, split_dim, concat_dim)
+
+
+# ----------------------------------------------------------------------------- segmented (SUPER's D&SP-cSub)
+# Group rank 0 holds the activation (sub-grid 0 in SUPER's D&SP-cSub); the other ranks pass and
+# receive empty (0, ...) tensors there. Inputs of idle ranks require grad so that the
+# backward collective runs on every rank.
+
+
+class SegmentedBroadcast(torch.autograd.Function):
+    """Forward: Y = X_0 on every rank of the group (broadcast). Backward: dX_0 = Σ_ranks dY
+    (reduce to rank 0); the others' (empty) inputs get empty gradients."""
+
+    @staticmethod
+    def forward(ctx, x, shape, group):
+        ctx.group, ctx.empty = group, x.shape
+        out = x.clone() if group_rank(group) == 0 else x.new_empty(shape)
+        return raw_broadcast(out, group, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        total = raw_reduce(dy.clone(), ctx.group, 0)
+        return (total if group_rank(ctx.group) == 0 else dy.new_zeros(ctx.empty)), None, None
+
+
+class SegmentedReduce(torch.autograd.Function):
+    """Forward: Y_0 = Σ_ranks X on rank 0 (reduce); the others return empty. Backward: dX = dY_0
+    on every rank (broadcast)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group, ctx.shape = group, y.shape
+        total = raw_reduce(y.clone(), group, 0)
+        return total if group_rank(group) == 0 else total[:0].clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        grad = dy.contiguous() if group_rank(ctx.group) == 0 else dy.new_empty(ctx.shape)
+        return raw_broadcast(grad, ctx.group, 0), None
+
+
+class SegmentedScatter(torch.autograd.Function):
+    """Forward: rank 0's X cut along the last dim, piece k to rank k (scatter). Backward: the
+    pieces of dY gathered back to rank 0 (gather)."""
+
+    @staticmethod
+    def forward(ctx, x, shape, group):
+        ctx.group, ctx.empty = group, x.shape
+        n = group_size(group)
+        chunks = list(x.chunk(n, dim=-1)) if group_rank(group) == 0 else None
+        return raw_scatter(chunks, x.new_empty(shape), group, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        parts = raw_gather(dy, ctx.group, 0)
+        return (torch.cat(parts, dim=-1) if parts is not None else dy.new_zeros(ctx.empty)), None, None
+
+
+class SegmentedGather(torch.autograd.Function):
+    """Forward: every rank's Y joined along the last dim on rank 0 (gather); the others return
+    empty. Backward: rank 0's dY cut along the last dim, piece k to rank k (scatter)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group, ctx.shape = group, y.shape
+        parts = raw_gather(y, group, 0)
+        if parts is None:
+            return y.new_empty((0,) + tuple(y.shape[1:-1]) + (y.shape[-1] * group_size(group),))
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        n = group_size(ctx.group)
+        chunks = list(dy.chunk(n, dim=-1)) if group_rank(ctx.group) == 0 else None
+        return raw_scatter(chunks, dy.new_empty(ctx.shape), ctx.group, 0), None

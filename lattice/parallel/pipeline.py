@@ -1,0 +1,442 @@
+"""Pipeline parallelism (Megatron-LM's PTD-P) around any model: its declared parts split into
+stages by whole blocks, run by the schedules of `torch.distributed.pipelining` (GPipe, 1F1B,
+interleaved 1F1B) on the process group of the `pp` mesh axis.
+
+    ctx = lattice.init("1d", tp=2, pp=2, microbatches=4, pp_schedule="1f1b")   # 4 processes
+    model = lattice.build_model(cfg, ctx)            # a PipelineModel: this rank's stages
+    loss = model.forward_backward(tokens, targets)   # the replica's mean loss, on every rank
+
+A model knows nothing of this: it declares its modules in order (`Model.parts()`: the first
+part, the blocks, the last part; torchtitan's model_parts), and `PipelineModel` keeps the
+parameters of this rank's stages and drops the others. A replica is tp x pp ranks. Stage s holds
+blocks [a_s, b_s) (an even split, or `pp_layers`); the first stage also the first part (the
+embedding), the last the last part (final norm and head; the loss is the schedule's loss
+function). With interleaving, the model is cut into pp x v chunks and rank s holds chunks s, s +
+pp, ... Every tensor-parallel rank sends its own piece of the residual stream to the same
+tensor position of the next stage. A parameter of the first part that the last part uses too
+(`Parts.shared`: a tied token table) is kept on the last stage as a mirror, updated like the
+original (its gradient is summed with the first stage's before the optimizer step, as
+Megatron does), so both stay equal.
+
+Bubble: a fraction (p - 1) / m of a GPipe or 1F1B step idles, (p - 1) / (v m) interleaved
+(Narayanan et al. 2021, papers/002). 1F1B keeps at most p micro-batches' activations in flight
+where GPipe keeps all m. The point-to-point traffic and the activations in flight are the cost
+model's (lattice.cost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lattice.parallel import comm
+from lattice.parallel.context import LatticeConfigError, MeshAxis, nearest_working
+from lattice.parallel.sharding import collect_specs, sum_replica_grads
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a replica's pp stages run: `microbatches` per step (default pp), the `schedule`, the
+    virtual stages per rank (`virtual`, interleaved only; default 2) and an optional explicit
+    split (`layers`: blocks per stage, or per virtual stage with interleaving)."""
+
+    stages: int
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual: int | None = None
+    layers: tuple[int, ...] | None = None
+    #: send 1/t of a residual replicated over t tensor ranks and all-gather it on arrival
+    scatter_gather: bool = True
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise LatticeConfigError(f"pp_schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        m = self.microbatches
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise LatticeConfigError(f"microbatches must be a positive integer, got {m!r}")
+        if self.virtual is not None and self.schedule != "interleaved":
+            raise LatticeConfigError(f"pp_virtual applies to the interleaved schedule; got pp_schedule "
+                                     f"{self.schedule!r}: drop pp_virtual or use pp_schedule='interleaved'")
+        if self.schedule == "1f1b" and self.m < self.stages:
+            raise LatticeConfigError(f"1F1B needs at least pp = {self.stages} micro-batches, got {self.m}: use "
+                                     f"--microbatches {self.stages} or more, or pp_schedule 'gpipe'")
+        if self.schedule == "interleaved":
+            if self.v < 2:
+                raise LatticeConfigError(f"the interleaved schedule needs pp_virtual >= 2 stages per rank, got {self.v}")
+            if self.stages < 2:
+                raise LatticeConfigError("the interleaved schedule needs pp >= 2")
+            if self.m % self.stages:
+                raise LatticeConfigError(
+                    f"the interleaved schedule needs a multiple of pp = {self.stages} micro-batches (as Megatron-LM), "
+                    f"got {self.m}: use --microbatches {max(self.stages, self.m - self.m % self.stages)} or "
+                    f"{self.m + self.stages - self.m % self.stages}, or pp_schedule '1f1b'")
+        if self.layers is not None and (len(self.layers) != self.stages * self.v or min(self.layers) < 1):
+            raise LatticeConfigError(f"pp_layers {list(self.layers)} must give {self.stages * self.v} positive block counts "
+                                     f"(one per {'virtual ' if self.v > 1 else ''}stage)")
+
+    @property
+    def m(self) -> int:
+        return self.microbatches or self.stages
+
+    @property
+    def v(self) -> int:
+        return (self.virtual or 2) if self.schedule == "interleaved" else 1
+
+    def chunks(self, n_layers: int) -> list[range]:
+        """The blocks of each (virtual) stage, in model order; chunk c runs on rank stage c % pp."""
+        n = self.stages * self.v
+        if self.layers is not None:
+            if sum(self.layers) != n_layers:
+                raise LatticeConfigError(f"pp_layers {list(self.layers)} add up to {sum(self.layers)} blocks, but the "
+                                         f"model has n_layers = {n_layers}")
+            counts = list(self.layers)
+        else:
+            if n_layers < n:
+                raise LatticeConfigError(f"n_layers = {n_layers} blocks cannot fill {n} {'virtual ' if self.v > 1 else ''}"
+                                         f"stages of at least one block each; use at most {n_layers} stages")
+            if n_layers % n:
+                raise LatticeConfigError(
+                    f"n_layers = {n_layers} blocks do not split evenly into {n} {'virtual ' if self.v > 1 else ''}"
+                    f"stages; choose n_layers divisible by {n}, or give the split with pp_layers "
+                    f"(e.g. --pp-layers {','.join(map(str, _uneven(n_layers, n)))})")
+            counts = [n_layers // n] * n
+        starts = [sum(counts[:i]) for i in range(n)]
+        return [range(a, a + c) for a, c in zip(starts, counts)]
+
+    def bubble(self) -> float:
+        """The idle fraction of a step: (p - 1) / (v m)."""
+        return (self.stages - 1) / (self.v * self.m)
+
+
+def _uneven(n_layers: int, n: int) -> list[int]:
+    base, extra = divmod(n_layers, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- scatter/gather
+class _KeepOwnSlice(torch.autograd.Function):
+    """Megatron's scatter/gather optimisation, sending side (papers/002 §4.1): the activation X,
+    replicated over the t tensor ranks, leaves the stage as X_i, this rank's 1/t of the hidden
+    dim. Forward: X -> X_i. Backward: all-gather the dX_i into dX (every rank then holds the
+    whole gradient of the replicated X)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t, i = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=-1)[i].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.raw_all_gather(g.contiguous(), ctx.group, dim=-1), None
+
+
+class _GatherSlices(torch.autograd.Function):
+    """Receiving side: X = [X_1 ... X_t] by an all-gather over the tensor ranks. Backward: keep
+    this rank's slice dX_i of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x_slice, group):
+        ctx.group = group
+        return comm.raw_all_gather(x_slice.contiguous(), group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        t, i = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(t, dim=-1)[i].contiguous(), None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the schedule sends the gradient of a
+    stage's input to the previous stage as it is, and point-to-point sends need contiguous
+    tensors (sequence parallelism's layout produces strided ones)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+# ----------------------------------------------------------------------------- stages
+class StageModule(nn.Module):
+    """One (virtual) stage of a model: its blocks, with the first part on the first stage and the
+    last part's norm on the last (the head and loss are the schedule's loss function)."""
+
+    def __init__(self, model, blocks: range, first: bool, last: bool, scatter_gather_group=None):
+        super().__init__()
+        self.model = [model]  # not a submodule: the stage registers only its own layers
+        self.first, self.last, self.block_ids = first, last, blocks
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        self.sg_group = scatter_gather_group
+
+    def forward(self, x):
+        model = self.model[0]
+        if model.training:  # a new micro-batch: new dropout masks (recomputation reuses this count)
+            model.seeds.forward_count += 1
+        if self.first:
+            x = model.embed_tokens(x)  # tokens (B_mb, T) -> residual layout
+        else:
+            x = _ContiguousGrad.apply(x)
+            if self.sg_group is not None:
+                x = _GatherSlices.apply(x, self.sg_group)
+        x = model.run_blocks(x, self.blocks)
+        if self.last:
+            return model.finish(x)
+        if self.sg_group is not None:
+            x = _KeepOwnSlice.apply(x, self.sg_group)
+        return x.contiguous()  # sent as it is to the next stage
+
+
+class _MeteredStage:
+    """Counts the point-to-point traffic the schedule issues for this stage (the tensors of its
+    send operations), as CommMeter counts collectives."""
+
+    @staticmethod
+    def wrap(stage):
+        for name, phase in (("get_fwd_send_ops", "forward"), ("get_bwd_send_ops", "backward")):
+            original = getattr(stage, name)
+
+            def metered(*args, _original=original, _phase=phase, **kwargs):
+                ops = _original(*args, **kwargs)
+                for op in ops:
+                    comm.record("send", stage.group, op.tensor.numel(), op.tensor.dtype, phase=_phase)
+                return ops
+
+            setattr(stage, name, metered)
+        return stage
+
+
+def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
+    """The torch.distributed.pipelining schedule running this rank's stages of `model`, with the
+    tensors between stages declared up front (static mode): this rank's piece of the residual
+    stream, whose shape the mode states (`Mode.residual_shape`), so nothing runs to infer it."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    pcfg = ctx.pipeline
+    group = ctx.group(MeshAxis.PP)
+    chunks = pcfg.chunks(len(model.blocks))
+    n = len(chunks)
+    shape = torch.Size(model.mode.residual_shape(microbatch.shape[0], microbatch.shape[1]))
+    dtype = model.dtype
+    sg = scatter_gather_group(model.mode, ctx)
+    sent = torch.Size((*shape[:-1], shape[-1] // dist.get_world_size(sg))) if sg is not None else shape
+    stages = []
+    for c in range(ctx.stage, n, pcfg.stages):
+        module = StageModule(model, chunks[c], first=c == 0, last=c == n - 1, scatter_gather_group=sg)
+        # a received activation requires grad: its gradient goes back to the previous stage
+        inputs = microbatch if c == 0 else torch.empty(sent, dtype=dtype, device="meta", requires_grad=True)
+        outputs = torch.empty(shape if c == n - 1 else sent, dtype=dtype, device="meta")
+        stage = PipelineStage(module, c, n, ctx.device, input_args=(inputs.to("meta"),), output_args=(outputs,),
+                              input_grads=(None if c == 0 else inputs,), output_grads=(None if c == n - 1 else outputs,),
+                              group=group)
+        stages.append(_MeteredStage.wrap(stage))
+    if pcfg.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
+    cls = ScheduleGPipe if pcfg.schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
+
+
+def scatter_gather_group(mode, ctx):
+    """The tensor ranks of this stage when its residual is replicated over them (1d without
+    sequence parallelism) and the optimisation is on; else None."""
+    if not (ctx.pipeline.scatter_gather and mode.residual_replicated and ctx.tp > 1):
+        return None
+    return ctx.tensor_group()
+
+
+def batch_problem(pcfg: PipelineConfig | None, mode, batch: int, seq: int) -> str | None:
+    """Why a replica batch of `batch` sequences does not fit: the micro-batch count (with pcfg)
+    does not divide it, or the tensor layout cannot split its micro-batches; None when it fits."""
+    m = pcfg.m if pcfg is not None else 1
+    if batch % m:
+        return f"the replica batch of {batch} sequences does not split into {m} micro-batches"
+    try:
+        mode.check_batch(torch.zeros(batch // m, seq, dtype=torch.int64))  # the layout's own constraints
+    except LatticeConfigError as e:
+        problem = str(e).split("; ")[0]
+        return f"its micro-batches of {batch // m}: {problem}" if m > 1 else problem
+    return None
+
+
+def check_batch(pcfg: PipelineConfig | None, mode, tokens: torch.Tensor) -> None:
+    """Refuse a replica batch the micro-batch count does not divide, or whose micro-batches the
+    tensor layout cannot split (every rank, before any collective), naming the replica batch
+    sizes that work with everything else as given (found by trying them)."""
+
+    b, seq = tokens.shape
+    problem = batch_problem(pcfg, mode, b, seq)
+    if problem:
+        works = nearest_working(b, lambda n: batch_problem(pcfg, mode, n, seq) is None, 4 * b + 64)
+        raise LatticeConfigError(f"{problem}; replica batches that work with everything else as given: "
+                                 f"{' or '.join(map(str, works))}")
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages of a model of `family`, with the model's interface:
+    `forward_backward(tokens, targets)` runs the schedule (the replica's mean loss on every
+    rank), `model(tokens, targets)` under torch.no_grad() evaluates through the stages, and
+    loading, gathering and exporting full tensors work as on the whole model (each rank holds the
+    parameters of its stages; `is_mirror` names the last stage's copies of shared ones)."""
+
+    def __init__(self, family, cfg, ctx, *, dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False):
+        super().__init__()
+        planning = torch.empty(()).is_meta
+        stage_ctx = dataclasses.replace(ctx, pipeline=None)  # the model sees its tensor layout only
+        with torch.device("meta"):
+            model = family(cfg, stage_ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+        parts = model.parts()
+        if parts is None:
+            raise LatticeConfigError(f"family {family.name!r} cannot be split into pipeline stages; use pp = 1 (any "
+                                     f"tensor layout, with dp for more ranks)")
+        self.ctx, self.pcfg, self.parts_ = ctx, ctx.pipeline, parts
+        object.__setattr__(self, "_model", model)  # not a submodule: parameter names stay the model's
+        self._keep_this_stage(model, parts)
+        model.specs = collect_specs(model)
+        self._schedules: dict[tuple, object] = {}
+        self._grads_pending = False
+        if not planning:
+            model.materialize()
+
+    def _keep_this_stage(self, model, parts) -> None:
+        """Give every parameter its stage (the first part: the first; blocks: by the split; the
+        last part: the last) as a holder along the pp axis, and drop the parameters of other
+        stages from this rank, but for the last stage's mirrors of `parts.shared`."""
+        ctx, pcfg = self.ctx, self.pcfg
+        blocks = getattr(model, parts.blocks)
+        chunks = pcfg.chunks(len(blocks))
+        last = (len(chunks) - 1) % pcfg.stages
+        stage_of: dict[int, int] = {}
+        owners = [(model.get_submodule(name), 0) for name in parts.first]
+        owners += [(blocks[i], c % pcfg.stages) for c, ids in enumerate(chunks) for i in ids]
+        owners += [(model.get_submodule(name), last) for name in parts.last]
+        for owner, stage in owners:
+            for module in owner.modules():
+                if id(module) in stage_of:
+                    raise ValueError(f"{model.name}.parts() names a module twice (under {type(owner).__name__})")
+                stage_of[id(module)] = stage
+        for prefix, module in model.named_modules():
+            specs = getattr(module, "_lattice_specs", None)
+            if not specs:
+                continue
+            if id(module) not in stage_of:
+                raise ValueError(f"{model.name}.parts() leaves out the module {prefix!r}, which holds parameters")
+            for name, spec in specs.items():
+                staged = dataclasses.replace(spec, holders=spec.holders + ((MeshAxis.PP, stage_of[id(module)]),))
+                specs[name] = staged
+                full = f"{prefix}.{name}" if prefix else name
+                mirror = full in parts.shared and ctx.stage == last and spec.holds(ctx.coords)
+                if not staged.holds(ctx.coords) and not mirror and module._parameters.get(name) is not None:
+                    module._parameters[name] = None
+
+    # ---- the model's interface
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
+
+    @property
+    def family(self):
+        return type(self._model)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._model.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self._model.parameters(recurse)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._model.train(mode)
+        return self
+
+    def is_mirror(self, name: str) -> bool:
+        """A parameter this rank keeps as a copy of another stage's (the tied table on the last
+        stage): it trains like the original but counts only once."""
+        return not self._model.specs[name].holds(self.ctx.coords)
+
+    def forward(self, tokens, targets=None, *, cache=None, **_):
+        if cache is not None:
+            raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
+                                     "(any tensor layout) to generate")
+        if torch.is_grad_enabled():
+            raise LatticeConfigError("with pipeline parallelism a training step is model.forward_backward(tokens, "
+                                     "targets); model(tokens, targets) evaluates, under torch.no_grad()")
+        if targets is None:
+            raise LatticeConfigError("with pipeline parallelism model(tokens, targets) returns the loss only; full "
+                                     "logits need pp = 1")
+        loss = self._run(tokens, targets, train=False)
+        return torch.tensor(loss, dtype=torch.promote_types(self._model.dtype, torch.float32))
+
+    def generate(self, *args, **kwargs):
+        raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
+                                 "(any tensor layout) to generate")
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of the replica batch through the schedule, with the in-replica
+        gradient sums; the mean loss, identical on every rank of the replica."""
+        loss = self._run(tokens, targets, train=True)
+        self._grads_pending = True
+        self.sync_grads()
+        return loss
+
+    def _run(self, tokens, targets, *, train: bool) -> float:
+        model, pcfg, ctx = self._model, self.pcfg, self.ctx
+        model.check_tokens(tokens, targets)
+        check_batch(pcfg, model.mode, tokens)
+        model.mode.begin_batch(len(tokens) // pcfg.m, tokens.shape[1])
+        key = tuple(tokens.shape)  # the stages' shapes follow the batch's
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(model, ctx, lambda x, y: model.head_loss(x, y) / pcfg.m,
+                                                  tokens[: len(tokens) // pcfg.m])
+        schedule = self._schedules[key]
+        first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        (schedule.step if train else schedule.eval)(*args, **kwargs)
+        return self._loss_to_replica(torch.stack(losses).sum() if last else None)
+
+    def _loss_to_replica(self, loss: torch.Tensor | None) -> float:
+        """The last stage's loss, broadcast to every stage of the replica."""
+        ctx, dtype = self.ctx, torch.promote_types(self._model.dtype, torch.float32)
+        buf = (loss.detach().reshape(1).to(dtype, copy=True) if loss is not None
+               else torch.zeros(1, dtype=dtype, device=ctx.device))
+        # group rank = pp coordinate (Topology keeps ranks increasing along every axis)
+        return float(comm.raw_broadcast(buf, ctx.group(MeshAxis.PP), src=self.pcfg.stages - 1))
+
+    def sync_grads(self) -> None:
+        """The model's in-replica gradient sums over its tensor axes, and the gradients of shared
+        parameters summed between the first stage and the last, so that the table and its
+        mirror take the same step."""
+        if self._grads_pending:
+            sum_replica_grads(self._model)
+            self._sum_shared_grads()
+            self._grads_pending = False
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        self.sync_grads()
+        return self._model.gather_grads()
+
+    @torch.no_grad()
+    def _sum_shared_grads(self) -> None:
+        ctx = self.ctx
+        if not self.parts_.shared or ctx.stage not in (0, self.pcfg.stages - 1):
+            return
+        params = dict(self._model.named_parameters())
+        group = ctx.group(MeshAxis.PP) if self.pcfg.stages == 2 else ctx.embedding_group
+        for name in self.parts_.shared:
+            p = params.get(name)
+            if p is None:
+                continue  # a tensor rank that holds no part of the table (never the case in the built-in modes)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = comm.raw_all_reduce(grad.contiguous(), group, phase="backward")

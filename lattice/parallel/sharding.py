@@ -1,0 +1,269 @@
+"""Shard specs: how a parameter's local shard relates to the full (serial) tensor.
+
+A `ShardSpec` says which tensor dims are split over which mesh axes (several axes on one dim
+split it mixed-radix, the first axis major), which ranks hold the parameter at all (`holders`,
+e.g. 2D biases live on row 0 only), an optional padded full shape (a vocabulary padded so
+that it divides), and the axes its gradient is summed over inside a model replica (`grad_sum`:
+ranks along them hold the same shard but each computes a partial gradient, as sub-graph
+parallelism's data-parallel common layers do; `GPT.sync_grads` sums them). Every axis not named
+in `splits` holds replicas.
+
+From the spec alone come: the local shape, the slice of the full tensor a rank holds, scattering
+a full tensor to shards without communication, and gathering shards (or their gradients) back
+to the full tensor on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lattice.parallel.comm import _all_gather_tensor, raw_all_reduce
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    full_shape: tuple[int, ...]
+    splits: tuple[tuple[int, tuple[MeshAxis, ...]], ...] = ()
+    holders: tuple[tuple[MeshAxis, int], ...] = ()
+    padded_shape: tuple[int, ...] | None = None
+    grad_sum: tuple[MeshAxis, ...] = ()
+
+    def __post_init__(self):
+        dims = [d for d, _ in self.splits]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"a tensor dim is split twice in {self.splits}")
+        split_axes = {a for _, axes in self.splits for a in axes} | {a for a, _ in self.holders}
+        if split_axes & set(self.grad_sum) or MeshAxis.DP in self.grad_sum:
+            raise ValueError(f"grad_sum {self.grad_sum} must name replicated axes of the model replica; "
+                             f"the shard is split or hosted along {sorted(a.value for a in split_axes)}")
+        if self.padded_shape is not None and len(self.padded_shape) != len(self.full_shape):
+            raise ValueError("padded_shape must have the rank of full_shape")
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        return self.padded_shape or self.full_shape
+
+    def split_sizes(self, topo: Topology) -> dict[int, int]:
+        return {d: math.prod(topo.size(a) for a in axes) for d, axes in self.splits}
+
+    def local_shape(self, topo: Topology) -> tuple[int, ...]:
+        shape = list(self.storage_shape)
+        for d, n in self.split_sizes(topo).items():
+            if shape[d] % n:
+                axes = " x ".join(a.value for dim, split in self.splits if dim == d for a in split)
+                raise LatticeConfigError(
+                    f"a parameter of shape {list(self.full_shape)} does not split over this layout: its dimension {d} "
+                    f"of size {shape[d]} does not divide into {n} shards (mesh axes {axes}); choose model sizes that "
+                    f"make it a multiple of {n} (the MLP's hidden width, the head size or the head counts)")
+            shape[d] //= n
+        return tuple(shape)
+
+    def holds(self, coords: Mapping[MeshAxis, int]) -> bool:
+        return all(coords.get(axis, 0) == c for axis, c in self.holders)
+
+    def chunk_index(self, coords: Mapping[MeshAxis, int], topo: Topology) -> tuple[int, ...]:
+        """Per split dim, which chunk this rank holds (mixed radix over the dim's axes)."""
+        out = []
+        for _, axes in self.splits:
+            k = 0
+            for a in axes:
+                k = k * topo.size(a) + coords.get(a, 0)
+            out.append(k)
+        return tuple(out)
+
+    def slices(self, coords: Mapping[MeshAxis, int], topo: Topology) -> tuple[slice, ...]:
+        """The region of the (padded) full tensor held at `coords`."""
+        local = self.local_shape(topo)
+        sl = [slice(0, n) for n in self.storage_shape]
+        for (d, _), k in zip(self.splits, self.chunk_index(coords, topo)):
+            sl[d] = slice(k * local[d], (k + 1) * local[d])
+        return tuple(sl)
+
+    def replicas(self, topo: Topology) -> int:
+        """How many ranks of one model replica (all axes but DP) hold each distinct shard."""
+        holders_in_replica = topo.replica_size
+        for axis, _ in self.holders:
+            if axis != MeshAxis.DP:
+                holders_in_replica //= topo.size(axis)
+        shards = math.prod(self.split_sizes(topo).values()) if self.splits else 1
+        return holders_in_replica // shards
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        if self.padded_shape is None or tuple(full.shape) == self.padded_shape:
+            return full
+        out = full.new_zeros(self.padded_shape)
+        out[tuple(slice(0, n) for n in full.shape)] = full
+        return out
+
+    def crop(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded[tuple(slice(0, n) for n in self.full_shape)]
+
+    def shard(self, full: torch.Tensor, coords: Mapping[MeshAxis, int], topo: Topology) -> torch.Tensor:
+        """This rank's shard of a full tensor (no communication); padding rows are zeros. Only
+        the shard is allocated (no padded copy of the full tensor)."""
+        if tuple(full.shape) != self.full_shape:
+            raise LatticeConfigError(f"expected a tensor of shape {list(self.full_shape)}, got {list(full.shape)}")
+        out = full.new_zeros(self.local_shape(topo))
+        src, dst = [], []
+        for sl, n in zip(self.slices(coords, topo), self.full_shape):
+            lo, hi = min(sl.start, n), min(sl.stop, n)  # the part of this slice inside the true size
+            src.append(slice(lo, hi))
+            dst.append(slice(0, hi - lo))
+        out[tuple(dst)] = full[tuple(src)]
+        return out
+
+    def describe(self, topo: Topology) -> str:
+        parts = [f"dim {d} over {'x'.join(a.value for a in axes)}" for d, axes in self.splits]
+        if self.holders:
+            parts.append("held where " + ", ".join(f"{a.value}={c}" for a, c in self.holders))
+        if not self.splits:
+            parts.insert(0, "replicated")
+        if self.grad_sum:
+            parts.append("gradient summed over " + " x ".join(a.value for a in self.grad_sum))
+        return "; ".join(parts)
+
+
+def register_sharded(module: nn.Module, name: str, spec: ShardSpec, ctx: ParallelContext,
+                     dtype: torch.dtype | None = None) -> nn.Parameter | None:
+    """Declare a parameter by its spec. Ranks that hold it get an (uninitialised) local shard;
+    others register None. The spec is kept either way so that every rank knows every parameter."""
+    if not hasattr(module, "_lattice_specs"):
+        module._lattice_specs = {}
+    module._lattice_specs[name] = spec
+    if spec.holds(ctx.coords):
+        param = nn.Parameter(torch.empty(spec.local_shape(ctx.topology), dtype=dtype))
+        module.register_parameter(name, param)
+        return param
+    module.register_parameter(name, None)
+    return None
+
+
+def collect_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    """Every declared parameter of the model by its serial (state-dict) name, in module order."""
+    out = {}
+    for prefix, mod in model.named_modules():
+        for name, spec in getattr(mod, "_lattice_specs", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = spec
+    return out
+
+
+def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContext, *,
+                dtype: torch.dtype, average_dp: bool = False, dst: int | None = None) -> torch.Tensor | None:
+    """Assemble the full tensor from every rank's shard (a collective over the world).
+
+    `local` is this rank's shard (None where it holds none, or a missing gradient counts as 0).
+    With average_dp, each data-parallel replica's assembly is averaged (for gradients); otherwise
+    replica 0's is returned. The result is identical on every rank, or with `dst` (a global rank)
+    built there alone while the other ranks send their shard and return None.
+    """
+    topo = ctx.topology
+    local_shape = spec.local_shape(topo)
+    numel = math.prod(local_shape)
+    if local is None:
+        local = torch.zeros(local_shape, dtype=dtype, device=ctx.device)
+    buf = local.detach().to(dtype).reshape(-1).contiguous()
+    if topo.world_size > 1:
+        everyone = None
+        if dst is None or ctx.rank == dst:
+            everyone = torch.empty(topo.world_size * numel, dtype=dtype, device=buf.device)
+        if dst is None:
+            _all_gather_tensor(everyone, buf)
+        else:
+            dist.gather(buf, list(everyone.chunk(topo.world_size)) if everyone is not None else None, dst=dst)
+            if everyone is None:
+                return None
+        chunks = everyone.view(topo.world_size, *local_shape)
+    else:
+        chunks = buf.view(1, *local_shape)
+    replicas = topo.size(MeshAxis.DP) if average_dp else 1
+    full = torch.zeros(spec.storage_shape, dtype=dtype, device=buf.device)
+    for d in range(replicas):
+        filled = set()
+        for rank in range(topo.world_size):
+            coords = topo.coords(rank)
+            if coords.get(MeshAxis.DP, 0) != d or not spec.holds(coords):
+                continue
+            key = spec.chunk_index(coords, topo)
+            if key in filled:
+                continue
+            filled.add(key)
+            full[spec.slices(coords, topo)] += chunks[rank]
+    if replicas > 1:
+        full /= replicas
+    return spec.crop(full).contiguous()
+
+
+#: gradient bytes per all-reduce of `sum_replica_grads` (DDP's default bucket)
+GRAD_BUCKET_BYTES = 25 * 2 ** 20
+
+
+def byte_buckets(items: list, nbytes, max_bytes: int = GRAD_BUCKET_BYTES) -> list[list]:
+    """Consecutive items in groups of at most max_bytes (`nbytes(item)` each; an item larger
+    than max_bytes gets a group of its own)."""
+    buckets, size = [], 0
+    for item in items:
+        n = nbytes(item)
+        if not buckets or size + n > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += n
+    return buckets
+
+
+@torch.no_grad()
+def all_reduce_grads(params: list[nn.Parameter], group, divide_by: int = 1) -> None:
+    """Sum the gradients of `params` over `group` in one flat all-reduce (metered as backward
+    traffic), divided by `divide_by` (the replica count, for an average). A missing gradient
+    joins as zeros."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = raw_all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, phase="backward")
+    if divide_by != 1:
+        flat = flat / divide_by
+    for p, part in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(p).clone()
+
+
+def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
+    """The parameters this rank holds whose spec declares `grad_sum`, as (axes, names) buckets
+    of at most GRAD_BUCKET_BYTES, in spec order (the same on every rank of a group)."""
+    topo = model.ctx.topology
+    params = dict(model.named_parameters())
+    by_axes: dict[tuple, list[str]] = {}
+    for name, spec in model.specs.items():
+        if spec.grad_sum and name in params:
+            by_axes.setdefault(topo.canonical_axes(spec.grad_sum), []).append(name)
+    return [(axes, bucket) for axes, names in by_axes.items()
+            for bucket in byte_buckets(names, lambda n: params[n].numel() * params[n].element_size())]
+
+
+@torch.no_grad()
+def sum_replica_grads(model: nn.Module) -> None:
+    """Sum each declared partial gradient over its `grad_sum` axes: one flat all-reduce per
+    bucket (metered as backward traffic). A missing gradient joins as zeros."""
+    params = dict(model.named_parameters())
+    for axes, names in grad_sum_buckets(model):
+        group = model.ctx.group(*axes)
+        if group is not None:
+            all_reduce_grads([params[n] for n in names], group)
+
+
+def check_state_dict_keys(expected: Iterable[str], given: Iterable[str], what: str = "state dict"):
+    expected, given = list(expected), set(given)
+    missing = [k for k in expected if k not in given]
+    unexpected = sorted(given - set(expected))
+    if missing or unexpected:
+        msg = [f"{what} does not match this model:"]
+        if missing:
+            msg.append(f"missing {len(missing)} keys (first: {missing[:3]})")
+        if unexpected:
+            msg.append(f"unexpected {len(unexpected)} keys (first: {unexpected[:3]})")
+        msg.append("check that the model config matches the one the weights were saved with")
+        raise LatticeConfigError(" ".join(msg))

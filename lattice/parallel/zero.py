@@ -1,0 +1,433 @@
+"""A distributed optimizer over the data-parallel axis (ZeRO stage 1 and 2; Megatron-LM's
+distributed optimizer): AdamW whose moments each dp rank keeps for its 1/d of every parameter.
+
+    optimizer = ZeroOptimizer(model, ctx, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=1)
+    loss = model(x, y); loss.backward()        # buckets reduce-scatter as their gradients are ready
+    model.sync_grads(); optimizer.reduce_grads()
+    norm = optimizer.grad_norm(); optimizer.clip(norm, 1.0); optimizer.step()   # then all-gather
+
+What a dp rank owns: of each parameter's local shard (its tensor-parallel piece), the rows
+r·⌈R/d⌉ … (r+1)·⌈R/d⌉ - 1 of dim 0 (R rows, d replicas, r this rank's dp coordinate), so its
+piece of every parameter is one rectangle of the full tensor, the same whichever tensor layout
+or bucket the parameter is in: checkpoints key the moments by serial name and offset and DCP
+reshards them like any other shard.
+
+The pair per bucket of gradients, with g_k replica k's gradient and P_r the rows rank r owns:
+    backward:  reduce-scatter  ĝ_r = (1/d) Σ_k P_r g_k            (started by the bucket's last
+                                                                   gradient hook, as DDP does)
+    step:      AdamW on (w_r, ĝ_r) with w_r = P_r w, then all-gather w = [w_0; …; w_{d-1}]
+A bucket is laid out rank-major (every parameter's rows of rank 0, padded to ⌈R/d⌉ rows, then
+rank 1's, ...), so reduce-scatter hands each rank exactly its rows; the reduce-scatter and the
+all-gather together move the words of the all-reduce they replace (2(d-1)/d per element).
+
+Stage 2 also drops each full gradient once its bucket is reduced, so only the 1/d slices stay
+until the step. Parameters whose gradient a later sum completes (`ShardSpec.grad_sum`, the
+in-replica sums of sync_grads) sit in buckets that `reduce_grads` starts after those sums; under
+a pipeline schedule, which accumulates micro-batches, every bucket starts there.
+
+bf16 weights (`--precision bf16`) get fp32 master rows: gradients are reduced in fp32 (bf16 as
+an option), AdamW updates the master rows and their moments, and the updated rows are rounded
+into the bf16 weights before the all-gather. Stage 0 is that without ZeRO: one shard, every rank
+owns every row and the buckets are all-reduced.
+
+Memory per parameter with fp32 weights (4 weight + 4 gradient + 8 moments = 16 bytes without
+ZeRO): stage 1 keeps 8 + 8/d, stage 2 4 + 12/d (the gradient is also split). The fp32 weight
+is its own master copy: the piece AdamW updates is a view into the parameter. With bf16 weights:
+18, 4 + 16/d, 2 + 16/d (see `memory_per_rank`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lattice.parallel.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_reduce, record
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.sharding import GRAD_BUCKET_BYTES, byte_buckets
+
+ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
+
+
+def rows_of(shape) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor split along dim 0."""
+    if len(shape) == 0:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def rows_per_shard(rows: int, dp: int) -> int:
+    """⌈rows/dp⌉: the rows every dp rank's segment reserves for a parameter."""
+    return -(-rows // dp)
+
+
+def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
+    """[r0, r1): the rows of dim 0 dp rank r owns (⌈rows/dp⌉ each, the last ones fewer or none)."""
+    per = rows_per_shard(rows, dp)
+    r0 = min(r * per, rows)
+    return r0, min(r0 + per, rows)
+
+
+def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES,
+                 itemsize: int | None = None) -> list[tuple[bool, list[str], int]]:
+    """The gradient buckets of this rank's parameters: (late, names, segment), where `segment` is
+    the elements each dp rank receives of the bucket (the bucket holds dp × segment) and `late`
+    marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
+    the order backward produces their gradients), at most `max_bytes` of them per bucket
+    (`itemsize` bytes per element, default the parameters'). Pure: the cost model plans a meta
+    model with it."""
+    params = dict(model.named_parameters())
+    early, late = [], []
+    for name in reversed(list(params)):
+        (late if model.specs[name].grad_sum else early).append(name)
+    out = []
+    for is_late, names in ((False, early), (True, late)):
+        for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
+                                   max_bytes):
+            segment = 0
+            for n in names_:
+                rows, width = rows_of(params[n].shape)
+                segment += rows_per_shard(rows, dp) * width
+            out.append((is_late, names_, segment))
+    return out
+
+
+@dataclass
+class _Piece:
+    """This dp rank's rows [r0, r1) of one parameter, at `offset` in its bucket's segment."""
+
+    name: str
+    param: nn.Parameter
+    r0: int
+    r1: int
+    per: int  # rows per dp rank (the bucket reserves this many for every rank)
+    width: int  # elements per row
+    offset: int
+    master: torch.Tensor | None = None  # the rows AdamW updates (a view into the parameter)
+
+    @property
+    def numel(self) -> int:
+        return (self.r1 - self.r0) * self.width
+
+
+@dataclass
+class _Bucket:
+    pieces: list[_Piece]
+    segment: int
+    late: bool
+    waiting: set = field(default_factory=set)  # parameters whose gradient is not ready yet
+    flat: torch.Tensor | None = None  # the rank-major gradients being reduced
+    reduced: torch.Tensor | None = None  # this rank's segment of their average
+    work: object = None
+    launched: bool = False
+
+
+class ZeroOptimizer:
+    """AdamW (decay on matrices only, as lattice.training.optim.make_optimizer) with its state split over
+    the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients, 0 nothing
+    (for the fp32 master rows of bf16 weights alone). `hooks`: start each bucket's reduction
+    from backward (off under a pipeline schedule, whose micro-batches accumulate).
+    `reduce_dtype`: of the gradient reduction (default the master rows')."""
+
+    def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
+                 hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None):
+        if stage not in ZERO_STAGES:
+            raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
+                                     f"got {stage}")
+        self.model, self.ctx, self.stage = model, ctx, stage
+        self.dp, self.group = ctx.dp, ctx.group(MeshAxis.DP)
+        # stage 0 (mixed precision without ZeRO): one shard, every rank owns every row
+        self.shards, self.shard = (self.dp, ctx.coord(MeshAxis.DP)) if stage else (1, 0)
+        self.param_dtype = model.dtype
+        self.master_dtype = torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
+        self.reduce_dtype = reduce_dtype or self.master_dtype
+        self.separate_masters = self.master_dtype != self.param_dtype
+        params = dict(model.named_parameters())
+        self.buckets: list[_Bucket] = []
+        decay, no_decay = [], []
+        itemsize = self.reduce_dtype.itemsize  # a bucket's bytes are those of its reduction
+        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize):
+            pieces, offset = [], 0
+            for name in names:
+                p = params[name]
+                rows, width = rows_of(p.shape)
+                r0, r1 = owned_rows(rows, self.shards, self.shard)
+                piece = _Piece(name, p, r0, r1, rows_per_shard(rows, self.shards), width, offset)
+                offset += piece.per * width
+                if piece.numel:
+                    piece.master = p.detach().view(rows, width)[r0:r1]
+                    if self.separate_masters:  # fp32 master rows of bf16 weights
+                        piece.master = piece.master.to(self.master_dtype, copy=True)
+                    (decay if len(model.specs[name].full_shape) >= 2 else no_decay).append(piece.master)
+                pieces.append(piece)
+            self.buckets.append(_Bucket(pieces, segment, late))
+        self.pieces = {piece.name: piece for b in self.buckets for piece in b.pieces}
+        # one group each even when empty, so that the learning rate is set alike on every rank
+        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+        if hooks:
+            for bucket in self.buckets:
+                if not bucket.late:
+                    for piece in bucket.pieces:
+                        piece.param.register_post_accumulate_grad_hook(
+                            lambda p, bucket=bucket: self._grad_ready(bucket, p))
+        self._next = 0  # the first bucket not launched yet: buckets start in plan order on every rank
+        self._arm()
+
+    # ---- torch.optim.Optimizer's face, for the trainer and checkpoints
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                piece.master.grad = None
+        self._arm()
+
+    def _arm(self) -> None:
+        for bucket in self.buckets:
+            bucket.waiting = {id(piece.param) for piece in bucket.pieces}
+            bucket.flat = bucket.reduced = bucket.work = None
+            bucket.launched = False
+        self._next = 0
+
+    # ---- gradients
+    def _grad_ready(self, bucket: _Bucket, param) -> None:
+        bucket.waiting.discard(id(param))
+        while self._next < len(self.buckets):  # launch in plan order, as far as the ready ones go
+            nxt = self.buckets[self._next]
+            if nxt.late or nxt.waiting:
+                break
+            self._launch(nxt)
+            self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        """Lay the bucket's gradients out rank-major, averaged, in the reduction dtype, and start
+        their reduce-scatter (an all-reduce with one shard)."""
+        dtype = self.reduce_dtype
+        flat = torch.zeros(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
+        for piece in bucket.pieces:
+            grad = piece.param.grad
+            if grad is None:
+                continue  # a parameter this step did not use: zeros
+            for _, rows, segment in self._rows_by_shard(piece, grad, flat):
+                segment.copy_(rows)
+            if self.stage != 1:  # stage 2 keeps the slices alone; stage 0 the reduced copy alone
+                piece.param.grad = None
+        if self.dp > 1:
+            flat.div_(self.dp)
+        if self.shards > 1:
+            bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
+            record("reduce_scatter", self.group, flat.numel(), dtype, phase="backward")
+            bucket.work = _reduce_scatter_tensor(bucket.reduced, flat.view(-1), group=self.group, async_op=True)
+            bucket.flat = flat  # alive until the reduction is done
+        else:
+            bucket.reduced = flat.view(-1)
+            if self.dp > 1:
+                record("all_reduce", self.group, flat.numel(), dtype, phase="backward")
+                bucket.work = dist.all_reduce(bucket.reduced, group=self.group, async_op=True)
+        bucket.launched = True
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Start the buckets backward did not (those sync_grads completes, those with a missing
+        gradient, every one under a pipeline), wait for all, and hand each owned piece its
+        averaged gradient. Call after backward and `model.sync_grads()`."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.flat = bucket.work = None
+            for piece in bucket.pieces:
+                if piece.master is None:
+                    continue
+                reduced = bucket.reduced[piece.offset:piece.offset + piece.numel].view_as(piece.master)
+                if reduced.dtype != self.master_dtype:  # a bf16 reduction for fp32 master rows
+                    reduced = reduced.to(self.master_dtype)
+                elif self.stage == 1 and not self.separate_masters:
+                    # the full gradient stays: its own rows take the average, no second copy
+                    p = piece.param
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    rows = p.grad.view(-1, piece.width)[piece.r0:piece.r1]
+                    rows.copy_(reduced)
+                    reduced = rows
+                piece.master.grad = reduced
+            if self.stage == 1 and not self.separate_masters:
+                bucket.reduced = None
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the full gradient from the owned pieces, identical on every
+        rank: each piece counts 1/(ranks of the replica holding the same shard), a pipeline
+        mirror not at all; summed over the dp group (when split over it), then over the model
+        replica's."""
+        acc = torch.promote_types(self.model.dtype, torch.float32)
+        sq = torch.zeros(1, dtype=acc, device=self.ctx.device)
+        topo = self.ctx.topology
+        for piece in self.pieces.values():
+            if piece.master is not None and not self.model.is_mirror(piece.name):
+                sq += piece.master.grad.to(acc).pow(2).sum() / self.model.specs[piece.name].replicas(topo)
+        if self.shards > 1:  # (with one shard every replica holds every row already)
+            sq = raw_all_reduce(sq, self.group)
+        return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
+
+    @torch.no_grad()
+    def clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale the owned gradients by min(1, max_norm / norm), as lattice.training.optim.clip_grads."""
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                piece.master.grad.mul_(scale)
+
+    # ---- the update
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the owned rows (fp32 master rows of bf16 weights are then rounded into the
+        weights), then every replica gathers every rank's updated rows."""
+        self.inner.step()
+        if self.separate_masters:
+            self.params_from_masters()
+        else:
+            self._gather_rows()
+
+    @torch.no_grad()
+    def params_from_masters(self) -> None:
+        """Round the master rows into the weights and gather every shard's (after an update, or
+        after a checkpoint was read into the master rows)."""
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1] = piece.master
+        self._gather_rows()
+
+    @torch.no_grad()
+    def _gather_rows(self) -> None:
+        if self.shards == 1:
+            return
+        for bucket in self.buckets:
+            gathered = self._gather(bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1],
+                                    self.param_dtype, phase="optimizer")
+            for piece in bucket.pieces:
+                for r, rows, segment in self._rows_by_shard(piece, piece.param.detach(), gathered):
+                    if r != self.shard:
+                        rows.copy_(segment)
+
+    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None) -> torch.Tensor:
+        """(shards, segment): every dp rank's segment of the bucket, each holding `owned(piece)`
+        (this rank's rows of each parameter, or None for zeros); metered when `phase` is given."""
+        mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
+        for piece in bucket.pieces:
+            rows = owned(piece) if piece.master is not None else None
+            if rows is not None:
+                mine[piece.offset:piece.offset + piece.numel] = rows.reshape(-1)
+        if self.shards == 1:
+            return mine.view(1, -1)
+        gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
+        if phase is not None:
+            record("all_gather", self.group, gathered.numel(), dtype, phase=phase)
+        _all_gather_tensor(gathered.view(-1), mine, group=self.group)
+        return gathered
+
+    def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
+        """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching
+        (rows, width) view of segments[r]) for every shard that owns rows: the bucket layout."""
+        rows = tensor.view(-1, piece.width)
+        for r in range(self.shards):
+            r0, r1 = owned_rows(rows.shape[0], self.shards, r)
+            if r1 > r0:
+                segment = segments[r, piece.offset:piece.offset + (r1 - r0) * piece.width]
+                yield r, rows[r0:r1], segment.view(-1, piece.width)
+
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """Take the weights as they are now (after weights were loaded into the model) as the
+        master rows."""
+        if self.separate_masters:
+            for piece in self.pieces.values():
+                if piece.master is not None:
+                    piece.master.copy_(piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1])
+
+    # ---- the state, for checkpoints
+    def checkpoint_tensors(self, with_moments: bool):
+        """(key, name, tensor, first row) of what a checkpoint keeps of this rank: the weights
+        (under bf16, its fp32 master rows instead), and its rows of both AdamW moments when
+        `with_moments`; a tensor holds the rows [first row, first row + len) of the parameter's
+        local shard, shaped like them."""
+        for piece in self.pieces.values():
+            if not self.separate_masters:
+                yield f"model/{piece.name}", piece.name, piece.param.detach(), 0
+            if piece.master is None:
+                continue
+            shape = (piece.r1 - piece.r0,) + tuple(piece.param.shape[1:])
+            if self.separate_masters:
+                yield f"model/{piece.name}", piece.name, piece.master.view(shape), piece.r0
+            state = self.inner.state.get(piece.master)
+            if with_moments and state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    yield f"optimizer/{key}/{piece.name}", piece.name, state[key].view(shape), piece.r0
+
+    def prepare_moments(self, step: int) -> None:
+        """Zero moments at optimizer step `step`, for a checkpoint to be read into."""
+        self.inner.state.clear()
+        for piece in self.pieces.values():
+            if piece.master is not None:
+                self.inner.state[piece.master] = {"step": torch.tensor(float(step)),
+                                                  "exp_avg": torch.zeros_like(piece.master),
+                                                  "exp_avg_sq": torch.zeros_like(piece.master)}
+
+    @torch.no_grad()
+    def full_local_moments(self) -> dict[str, dict[str, torch.Tensor | None]]:
+        """{key: {name: this rank's whole local shard of the moment}}, gathered over dp (a
+        collective over the dp group; None before the first step), for comparisons and export."""
+        out = {"exp_avg": {}, "exp_avg_sq": {}}
+        stepped = any(self.inner.state.values())
+        for bucket in self.buckets:
+            for key in out:
+                gathered = self._gather(bucket, lambda piece: (self.inner.state.get(piece.master) or {}).get(key),
+                                        self.master_dtype)
+                for piece in bucket.pieces:
+                    full = torch.empty(piece.param.shape, dtype=self.master_dtype, device=self.ctx.device)
+                    for _, rows, segment in self._rows_by_shard(piece, full, gathered):
+                        rows.copy_(segment)
+                    out[key][piece.name] = full if stepped else None
+        return out
+
+def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
+                    master_itemsize: int | None = None) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
+    its shards, a meta model will do) for ZeRO `stage` 0, 1 or 2 over `dp` replicas, with
+    `itemsize`-byte weights and, given `master_itemsize` (bf16 weights: 4), master rows, moments
+    and reduced gradients of that size. Per parameter, up to rows that do not divide by d:
+    fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2); bf16 weights with fp32 masters
+    18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d (stage 2)."""
+    state = master_itemsize or itemsize
+    mixed = master_itemsize is not None and master_itemsize != itemsize
+    shards, shard = (dp, dp_rank) if stage else (1, 0)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    owned = 0
+    for p in params:
+        rows, width = rows_of(p.shape)
+        r0, r1 = owned_rows(rows, shards, shard)
+        owned += (r1 - r0) * width
+    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state))
+    if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
+        grads = state * reduced + (itemsize * numel if stage == 1 else 0)
+    else:  # the gradient itself, or (stage 2) only the reduced slice
+        grads = itemsize * (reduced if stage == 2 else numel)
+    return {"parameters": itemsize * numel, "gradients": grads,
+            "optimizer": (3 if mixed else 2) * state * owned}

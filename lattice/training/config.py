@@ -1,0 +1,221 @@
+"""A training run's configuration: `TrainConfig`, everything about a run but its layout (which is
+the ParallelContext's). Each field with `flag` metadata is a `lattice train` flag
+(lattice.cli.arguments derives them; `--config` TOML keys and the checkpoint's recorded train_config
+use the same names); from it come the training text, the task and the model's config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from lattice import checkpoint
+from lattice.data.corpus import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
+from lattice.data.tasks import (BUILTIN_CLASSES, TASKS, check_task, make_task, model_vocab, read_labelled,
+                                task_model_fields)
+from lattice.models import DEFAULT_ARCH, available_archs, get_arch
+from lattice.modes.options import flag
+from lattice.parallel.context import LatticeConfigError
+from lattice.parallel.zero import ZERO_STAGES
+
+DATA_FORMATS = ("text", "jsonl")
+DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
+PRECISIONS = ("fp32", "bf16")  # bf16: bf16 weights with fp32 master rows in the optimizer (lattice.parallel.zero)
+REDUCE_DTYPES = ("fp32", "bf16")  # of the data-parallel gradient reduction under --precision bf16
+ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does: stop the run, or skip the step
+#: the schedule's defaults, where the family declares none of its own (`Model.train_defaults`)
+RUN_DEFAULTS = {"steps": 300, "batch_size": 16, "warmup": 30}
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a run except the layout (which is the ParallelContext's)."""
+
+    arch: str = flag(DEFAULT_ARCH, "model family (default gpt2; with --resume, the run's)", choices=available_archs,
+                     group="model")
+    model: str | None = flag(None, "size preset of the family (default its default, e.g. small for gpt2)",
+                             metavar="PRESET", group="model")
+    d_model: int | None = flag(None, "width (default: the preset's)", group="model")
+    n_layers: int | None = flag(None, "transformer blocks (default: the preset's)", group="model")
+    n_heads: int | None = flag(None, "attention heads (default: the preset's)", group="model")
+    seq_len: int | None = flag(None, "context length; an encoder-decoder's longest source (default: the preset's)",
+                               group="model")
+    target_len: int | None = flag(None, "an encoder-decoder's longest target (t5; default: the preset's)",
+                                  group="model")
+    vocab_size: int = flag(DEFAULT_VOCAB, "vocabulary of the byte-level BPE trained on the data (the built-in corpus "
+                                          "or --data)", group="model")
+    data: str | None = flag(None, "train on your own text: a file, a directory of files or a glob (default: the "
+                                  "built-in corpus)", metavar="PATH", group="data")
+    data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS, group="data")
+    text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)", group="data")
+    task: str | None = flag(None, "what to train: lm (the next token), mlm (BERT's masked LM) or classify (a class per "
+                                  "sequence: --data JSON lines with --label-key, or the built-in task), seq2seq (a "
+                                  "target per source: --data JSON lines with --source-key and --target-key, or the "
+                                  "built-in reversal task); default: the family's first (gpt2, llama: lm; bert: mlm; "
+                                  "t5: seq2seq)", choices=lambda: TASKS, group="data")
+    label_key: str = flag("label", "the class field of each JSON line (--task classify)", group="data")
+    source_key: str = flag("src", "the source field of each JSON line (--task seq2seq)", group="data")
+    target_key: str = flag("tgt", "the target field of each JSON line (--task seq2seq)", group="data")
+    tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
+                                       "trained on the data)", metavar="PATH", group="data")
+    data_hash: str | None = None  # identity of the text trained on (set by the trainer)
+    dropout: float = flag(0.0, "dropout probability", group="model")
+    init_from: str | None = flag(None, "start from the weights of a lattice checkpoint or run directory (lattice "
+                                       "convert --from hf writes one); what it lacks for this task (a new classifier) "
+                                       "starts fresh, and its tokenizer.json is the run's unless --tokenizer",
+                                 metavar="CKPT", group="checkpoints")
+    steps: int | None = flag(None, "optimizer steps (default 300; t5: 2000)", group="training")
+    stop_at: int | None = flag(None, "stop after this step with a checkpoint, to go on later with --resume (the "
+                                     "schedule still runs to --steps), as for a job in a time-limited slot",
+                                    group="training")
+    batch_size: int | None = flag(None, "global batch: sequences per optimizer step, split over --dp replicas (default "
+                                        "16; t5: 32)", alias="--batch", group="training")
+    lr: float = flag(2e-3, "peak learning rate", group="training")
+    min_lr_ratio: float = flag(0.1, "the cosine decays to lr x this", group="training")
+    warmup: int | None = flag(None, "linear warmup steps (default 30; t5: 100)", group="training")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings)", group="training")
+    beta1: float = flag(0.9, "AdamW beta1", group="training")
+    beta2: float = flag(0.95, "AdamW beta2", group="training")
+    grad_clip: float = flag(1.0, "max global gradient norm; 0 turns clipping off", group="training")
+    seed: int = flag(0, "seed of the weights, data order and dropout", group="training")
+    eval_interval: int = flag(100, "steps between validations", group="logging")
+    eval_batches: int = flag(8, "validation batches", group="logging")
+    bf16: bool = flag(False, "bf16 autocast", group="training")
+    activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
+    zero: int = flag(0, "distributed optimizer over the --dp replicas: 1 splits the AdamW moments (ZeRO-1, Megatron's "
+                        "distributed optimizer), 2 also the gradients; 0 keeps everything on every replica (DDP)",
+                     choices=lambda: ZERO_STAGES, group="training")
+    out_dir: str | None = flag(None, "where checkpoints and metrics.csv go; lattice train without it: a new runs/run-N "
+                               "(runs/latest links to the newest), or with --resume the resumed run's directory",
+                               alias="--checkpoint-dir", group="checkpoints")
+    checkpoint_interval: int = flag(100, "steps between checkpoints (0: only at the end)", group="checkpoints")
+    keep: int = flag(3, "keep K checkpoints: the one just written and the newest others (0 keeps all)", metavar="K", group="checkpoints")
+    async_checkpoint: bool = flag(False, "write sharded checkpoints on a background thread while training goes on",
+                                  group="checkpoints")
+    dtype: str = flag(DTYPES[0], "weights and optimizer state (float64 for exact comparisons; --bf16 is autocast)",
+                      choices=lambda: DTYPES, group="training")
+    precision: str = flag(PRECISIONS[0], "bf16: bf16 weights, activations and gradients, fp32 master weights and AdamW "
+                                         "moments in the optimizer, fp32 gradient reduction, loss and softmax statistics "
+                                         "in fp32 (as Megatron-LM); fp32: --dtype throughout (--bf16 is autocast over fp32 "
+                                         "weights instead)", choices=lambda: PRECISIONS, group="training")
+    grad_reduce_dtype: str = flag(REDUCE_DTYPES[0], "dtype of the data-parallel gradient reduction with --precision bf16",
+                                  choices=lambda: REDUCE_DTYPES, group="training")
+    progress: bool = flag(True, "progress: a bar on a terminal, plain lines otherwise", group="logging")
+    on_nan: str = flag(ON_NAN[0], "a non-finite loss or gradient norm stops the run or skips the step",
+                       choices=lambda: ON_NAN, group="faults")
+    dist_timeout: float = flag(300.0, "seconds a collective waits for the other ranks before the run fails and "
+                                      "names the stalled rank", group="faults")
+    peak_tflops: float | None = flag(None, "peak TFLOP/s of one device, for the model FLOP utilisation logged to "
+                                           "TensorBoard", group="logging")
+
+    def __post_init__(self):
+        for name, default in RUN_DEFAULTS.items():  # the family's schedule where none is given
+            if getattr(self, name) is None:
+                setattr(self, name, get_arch(self.arch).train_defaults.get(name, default))
+        for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise LatticeConfigError(f"stop_at must be a step of the run, 1 to steps = {self.steps}; got {self.stop_at}")
+        for name in ("warmup", "checkpoint_interval", "keep"):
+            if getattr(self, name) < 0:
+                raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise LatticeConfigError(f"lr must be positive, got {self.lr}")
+        if self.data_format not in DATA_FORMATS:
+            raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
+        if self.on_nan not in ON_NAN:
+            raise LatticeConfigError(f"on_nan must be one of {ON_NAN}, got {self.on_nan!r}")
+        if self.precision not in PRECISIONS or self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise LatticeConfigError(f"precision must be one of {PRECISIONS} and grad_reduce_dtype one of "
+                                     f"{REDUCE_DTYPES}; got {self.precision!r}, {self.grad_reduce_dtype!r}")
+        if self.precision == "bf16" and (self.bf16 or self.dtype != "float32"):
+            raise LatticeConfigError(f"--precision bf16 keeps bf16 weights with fp32 master weights; it does not combine "
+                                     f"with {'--bf16 (autocast over fp32 weights)' if self.bf16 else '--dtype ' + self.dtype}:"
+                                     f" pass one of them")
+        if self.grad_reduce_dtype != "fp32" and self.precision != "bf16":
+            raise LatticeConfigError("--grad-reduce-dtype bf16 reduces bf16 gradients; it needs --precision bf16")
+        if self.zero not in ZERO_STAGES:
+            raise LatticeConfigError(f"zero must be one of {ZERO_STAGES} (1: optimizer state split over dp, 2: and the "
+                                     f"gradients), got {self.zero!r}")
+        if self.dtype not in DTYPES:
+            raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
+        check_task(self.task_name, get_arch(self.arch))
+        if self.task_name == "classify" and self.data is not None and self.data_format != "jsonl":
+            raise LatticeConfigError("--task classify reads labelled JSON lines: pass --data-format jsonl (with "
+                                     "--text-key and --label-key)")
+        if self.task_name == "seq2seq" and self.data is not None and self.data_format != "jsonl":
+            raise LatticeConfigError("--task seq2seq reads source/target pairs from JSON lines: pass --data-format "
+                                     "jsonl (with --source-key and --target-key)")
+        config_class = get_arch(self.arch).config_class
+        if self.target_len is not None and "target_len" not in {f.name for f in fields(config_class)}:
+            raise LatticeConfigError(f"--target-len is an encoder-decoder's (t5); --arch {self.arch} reads one "
+                                     f"sequence of --seq-len tokens")
+        if self.init_from and self.tokenizer is None and Path(self.init_from).exists():
+            # the text is read as the weights were trained to read it
+            run_tokenizer = checkpoint.run_of(self.init_from) / "tokenizer.json"
+            if run_tokenizer.is_file():
+                self.tokenizer = str(run_tokenizer)
+
+    @property
+    def param_dtype(self):
+        """The weights' dtype: bf16 under --precision bf16, else --dtype."""
+        import torch
+
+        return torch.bfloat16 if self.precision == "bf16" else getattr(torch, self.dtype)
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether lattice.parallel.zero's optimizer steps this run (ZeRO, or master weights of bf16 ones)."""
+        return bool(self.zero) or self.precision == "bf16"
+
+    @property
+    def task_name(self) -> str:
+        return self.task or get_arch(self.arch).tasks[0]
+
+    def make_task(self, corpus: Corpus, model_config):
+        return make_task(self.task_name, corpus, data=self.data, text_key=self.text_key, label_key=self.label_key,
+                         source_key=self.source_key, target_key=self.target_key,
+                         target_len=getattr(model_config, "target_len", None))
+
+    def num_labels(self) -> int:
+        """The classes of a classification run (read from --data), 0 for other tasks."""
+        if self.task_name != "classify":
+            return 0
+        if self.data is None:
+            return len(BUILTIN_CLASSES)
+        labels = {label for _, label in read_labelled(self.data, self.text_key, self.label_key)}
+        if len(labels) < 2:
+            raise LatticeConfigError(f"--data {self.data} has {len(labels)} distinct label(s) under "
+                                     f"{self.label_key!r}; classification needs at least 2")
+        return len(labels)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def corpus(self) -> Corpus:
+        """The training text (own data or the built-in corpus), tokenized; records its hash."""
+        if self.data is None:
+            return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
+        # one tokenizer for both sides of pairs
+        keys = (self.source_key, self.target_key) if self.task_name == "seq2seq" else self.text_key
+        corpus = load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=keys,
+                                  tokenizer_path=self.tokenizer)
+        self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
+        return corpus
+
+    def model_config(self, vocab_size: int | None = None):
+        """The model this run trains: the family's preset with the shape overrides, its token
+        table the tokenizer's `vocab_size` plus the task's special tokens (whose ids an
+        encoder-decoder's config takes)."""
+        config_class = get_arch(self.arch).config_class
+        shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len", "target_len")
+                 if getattr(self, k)}
+        if self.task_name == "classify":
+            shape["num_labels"] = self.num_labels()
+        tokenizer_vocab = vocab_size or self.vocab_size
+        return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
+                                   vocab_size=model_vocab(self.task_name, tokenizer_vocab),
+                                   **task_model_fields(self.task_name, tokenizer_vocab), **shape)

@@ -1,0 +1,55 @@
+"""The optimizer side of a training step, for any family in any layout: AdamW with weight decay
+on matrices only, the warmup + cosine learning-rate schedule, and the global gradient norm from
+the shard specs (which clipping scales every gradient to)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lattice.parallel.comm import raw_all_reduce
+
+
+def make_optimizer(model, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
+    """Decay only matrices: a tensor decays when its FULL shape has >= 2 dims (a rank's 1-d
+    shard of a matrix still decays; a sharded bias does not)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if len(model.specs[name].full_shape) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def lr_at(step: int, *, lr: float, warmup: int, steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from lr to lr * min_lr_ratio at `steps`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    low = lr * min_lr_ratio
+    return low + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - low)
+
+
+@torch.no_grad()
+def grad_norm(model, ctx) -> torch.Tensor:
+    """Global L2 norm of the full gradient, identical on every rank.
+
+    Each rank sums its shards' squares divided by the number of ranks in its model replica that
+    hold the same shard, so replicated copies count once, and the sum is all-reduced over the
+    model replica's group. After the data-parallel sync every replica holds the same gradients,
+    so one replica's norm is the global one."""
+    acc = torch.promote_types(model.dtype, torch.float32)
+    sq = torch.zeros((), dtype=acc, device=ctx.device)
+    for name, p in model.named_parameters():
+        if p.grad is not None and not model.is_mirror(name):
+            sq += p.grad.detach().to(acc).pow(2).sum() / model.specs[name].replicas(ctx.topology)
+    return raw_all_reduce(sq.reshape(1), ctx.model_group()).reshape(()).sqrt()
+
+
+@torch.no_grad()
+def clip_grads(model, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient by min(1, max_norm / norm) (the global norm, so every rank alike)."""
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)

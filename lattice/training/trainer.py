@@ -1,0 +1,382 @@
+"""The trainer: one step (data-parallel gradient sync through DDP, or by buckets under a pipeline;
+bf16 autocast; clipping at the global norm; AdamW, warmup + cosine from lattice.training.optim), the loop
+(validation, lattice.training.metrics' reports, signals, heartbeat) and exact-resume checkpoints; and the
+free `evaluate` that `lattice eval` uses.
+
+    ctx = lattice.init("1d", tp=2, dp=2)
+    result = Trainer(TrainConfig(steps=200, out_dir="runs/x"), ctx).fit()
+
+The trainer never looks at a mode's sharding or a family's layers; it only uses each parameter's
+shard spec (for weight decay, the gradient norm and checkpoints) and the model interface every
+family (and its pipeline stages) has, so every layout and family trains through the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lattice import checkpoint
+from lattice.checkpoint.run_checkpoints import RunCheckpoints
+from lattice.data.corpus import Corpus, unigram_baseline
+from lattice.data.seq2seq import Seq2Seq
+from lattice.data.tasks import model_vocab
+from lattice.models import build_model, get_arch
+from lattice.modes import get_mode
+from lattice.parallel.comm import raw_all_reduce, record
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, TrainingStopped
+from lattice.parallel.pipeline import batch_problem
+from lattice.parallel.zero import ZeroOptimizer
+from lattice.training import faults
+from lattice.training.config import (DATA_FORMATS, DTYPES, ON_NAN,  # noqa: F401  (lattice.training.trainer's names)
+                                     TrainConfig)
+from lattice.training.metrics import Metrics, step_flops
+from lattice.training.optim import clip_grads, grad_norm, lr_at, make_optimizer
+
+
+def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ckpt: dict | None = None,
+                      where="checkpoint"):
+    """(model config, model, fixed validation batches, task) of a run on `corpus`: this rank's
+    shards of the model and every size checked against the layout before any collective; with
+    `ckpt`, a checkpoint of another model is refused."""
+    model_config = cfg.model_config(corpus.vocab_size)
+    if ckpt is not None:
+        checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
+    check_run(cfg, model_config, ctx)
+    task = cfg.make_task(corpus, model_config)
+    task.check(cfg.batch_size, model_config.seq_len, ctx.dp)
+    model = build_model(model_config, ctx, dtype=cfg.param_dtype,
+                        activation_checkpointing=cfg.activation_checkpointing)
+    val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
+                               num_batches=cfg.eval_batches)
+    return model_config, model, val_set, task
+
+
+def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
+    """Every size of a run against its layout: the model against the mode, the blocks over the
+    stages, the global batch over the replicas and the replica's batch against the pipeline and
+    the mode (a refused batch names the global batch sizes that work, found by trying them).
+    Pure (no process group, nothing allocated or changed), so that the launcher (with a planned
+    context), every rank and the trainer refuse the same request in the same words."""
+    from lattice.parallel.context import nearest_working
+
+    mode = get_mode(ctx.mode)(model_config, ctx)  # the mode's size checks
+    if ctx.pipeline is not None:
+        family = get_arch(cfg.arch)
+        with torch.device("meta"):
+            if family(model_config, dataclasses.replace(ctx, pipeline=None)).parts() is None:
+                raise LatticeConfigError(f"--arch {cfg.arch} cannot be split into pipeline stages; use --pp 1 (any "
+                                         f"tensor layout, with --dp for more ranks)")
+        ctx.pipeline.chunks(model_config.n_layers)  # the stage split
+        if cfg.task_name == "classify":
+            raise LatticeConfigError("--task classify scores the class logits of every validation, which a pipeline "
+                                     "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
+    # every length a batch has: the sequence, and an encoder-decoder's target
+    lengths = [model_config.seq_len] + [n for n in [getattr(model_config, "target_len", None)] if n]
+    if cfg.task_name == "seq2seq":
+        Seq2Seq.check_lengths(cfg.data, *lengths)
+
+    def problem(batch):
+        if batch % ctx.dp:
+            return f"batch size {batch} is not divisible by dp = {ctx.dp}"
+        return next(filter(None, (batch_problem(ctx.pipeline, mode, batch // ctx.dp, n) for n in lengths)), None)
+
+    found = problem(cfg.batch_size)
+    if found:
+        works = nearest_working(cfg.batch_size, lambda b: problem(b) is None, 4 * cfg.batch_size + 64)
+        raise LatticeConfigError(f"{found}; global batch sizes (--batch-size) that work with everything else as "
+                                 f"given: {' or '.join(map(str, works))}")
+
+
+def schedule_change(saved: dict, cfg: TrainConfig, step: int, changed: list[str]) -> str:
+    """What a resume with a changed schedule does, in one line. The warmup and cosine are those
+    of the new settings, evaluated at the resumed step (as Megatron-LM does when --train-iters
+    changes: the decay horizon follows the steps), so the learning rate can jump at the resume."""
+    def at(c):
+        return lr_at(step, lr=c["lr"], warmup=c["warmup"], steps=c["steps"], min_lr_ratio=c.get("min_lr_ratio", 0.1))
+
+    before, after = at(saved), at(asdict(cfg))
+    return (f"resuming at step {step} with a changed schedule ({'; '.join(changed)}): warmup {cfg.warmup} steps, peak "
+            f"lr {cfg.lr:g}, cosine to {cfg.lr * cfg.min_lr_ratio:g} at step {cfg.steps}; the learning rate at step "
+            f"{step} is {after:.3g} (the saved schedule's was {before:.3g})")
+
+
+def autocast(ctx: ParallelContext, bf16: bool):
+    return torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def dp_mean(value: torch.Tensor, ctx: ParallelContext) -> float:
+    """Mean over data-parallel replicas of a per-replica scalar (identical on every rank)."""
+    value = value.detach().to(torch.promote_types(value.dtype, torch.float32)).reshape(1)
+    if ctx.dp > 1:
+        value = raw_all_reduce(value.clone(), ctx.group(MeshAxis.DP)) / ctx.dp
+    return float(value)
+
+
+@torch.no_grad()
+def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
+    """Mean loss of `model` over `batches` (each this replica's (tokens, targets)), identical on
+    every rank. No optimizer, no data-parallel wrapper: `lattice eval` calls this directly."""
+    model.eval()
+    with autocast(ctx, bf16):
+        total = sum(model(x, y).float() for x, y in batches) / len(batches)
+    model.train()
+    return dp_mean(total, ctx)
+
+
+def task_score(task, model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
+    """The task's score of `batches` (this replica's) over every replica: the accuracy of a
+    classifier, the exact match of an encoder-decoder's greedy outputs."""
+    with autocast(ctx, bf16):
+        return dp_mean(task.score(model, batches), ctx)
+
+
+def check_init_from(cfg: TrainConfig, model_config) -> dict:
+    """The checkpoint `--init-from` names, read and validated (every rank, before any
+    collective): the same family and the same sizes, but for the heads (num_labels) and dropout."""
+    where = checkpoint.resolve(cfg.init_from)
+    ckpt = checkpoint.read(cfg.init_from)
+    if checkpoint.arch_of(ckpt) != cfg.arch:
+        raise LatticeConfigError(f"--init-from {where} holds a {checkpoint.arch_of(ckpt)} model, this run trains "
+                                 f"--arch {cfg.arch}; pass a checkpoint of the same family")
+    ours = model_config.to_dict()
+    theirs = {**ours, **ckpt.get("model_config", {})}
+    differ = {k: (theirs[k], ours[k]) for k in ours if k not in ("num_labels", "dropout") and theirs[k] != ours[k]}
+    if differ:
+        raise LatticeConfigError(f"--init-from {where} holds another model: {differ} (checkpoint, this run); give this "
+                                 f"run the checkpoint's sizes (--model, --d-model, ..., --vocab-size: the tokenizer's "
+                                 f"vocabulary without the {model_vocab(cfg.task_name, 0)} special tokens)")
+    return ckpt
+
+
+@torch.no_grad()
+def init_weights_from(ckpt: dict, model, ctx: ParallelContext) -> list[str]:
+    """Copy every parameter the checkpoint's model shares with `model` (same name and shape) into
+    it: the checkpoint is loaded into its own model under this layout (a collective), whose shards
+    are then this rank's. Returns the names of `model`'s parameters it did not have."""
+    donor_config = type(model.cfg).from_dict(ckpt["model_config"])
+    donor = build_model(donor_config, ctx, dtype=model.dtype)
+    checkpoint.load_into(ckpt, donor)
+    theirs = dict(donor.named_parameters())
+    for name, p in model.named_parameters():
+        if name in theirs and theirs[name].shape == p.shape:
+            p.copy_(theirs[name])
+    return [n for n, s in model.specs.items() if n not in donor.specs or donor.specs[n].full_shape != s.full_shape]
+
+
+def _metered_allreduce_hook(group, bucket):
+    """DDP's averaging all-reduce, reported to CommMeter so measured bytes include dp traffic."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buf = bucket.buffer()
+    record("all_reduce", group, buf.numel(), buf.dtype, phase="backward")
+    return allreduce_hook(group, bucket)
+
+
+class Trainer:
+    """Trains a model of any family on the built-in corpus (or a given Corpus) under any layout."""
+
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
+                 resume: str | os.PathLike | dict | None = None, allow_config_change: bool = False):
+        """`resume`: a sharded checkpoint or run directory, or one already validated with
+        `lattice.checkpoint.read` (as the CLI does before creating process groups). A resume that
+        changes the schedule (steps, lr, warmup, batch size, seed) is refused unless
+        `allow_config_change`."""
+        self.cfg, self.ctx = cfg, ctx
+        # Validate everything that can fail before the first collective (DDP's constructor is one).
+        ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
+        self.corpus = corpus or cfg.corpus()
+        where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume) if resume else None
+        changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
+                                        where) if ckpt is not None else []
+        self.model_config, self.model, self.val_set, self.task = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
+        donor = check_init_from(cfg, self.model_config) if ckpt is None and cfg.init_from else None
+        if ckpt is not None and not checkpoint.is_sharded(ckpt):
+            raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
+                                     f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
+                                     f"train --resume` convert it")
+        if cfg.distributed_optimizer:  # ZeRO over the dp replicas, or fp32 master rows of bf16 weights
+            self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None,
+                                           reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
+        else:
+            self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                            weight_decay=cfg.weight_decay)
+        self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
+        self._saved_step = None  # the step of the last checkpoint written or loaded
+        self.checkpoints = RunCheckpoints(cfg, ctx, self.model, self.optimizer, self.model_config)
+        if ckpt is not None:
+            self.step, self.elapsed = self.checkpoints.restore(ckpt)
+            self._saved_step = self.step
+            if changed and ctx.rank == 0:
+                print(schedule_change(ckpt["train_config"], cfg, self.step, changed), flush=True)
+        if donor is not None:
+            fresh = init_weights_from(donor, self.model, ctx)
+            if cfg.distributed_optimizer:
+                self.optimizer.masters_from_params()
+            if ctx.rank == 0:
+                print(f"initialised from {checkpoint.resolve(cfg.init_from)}" + (f"; starting fresh: {', '.join(fresh)}"
+                                                                                  if fresh else ""), flush=True)
+        if cfg.async_checkpoint and cfg.out_dir:
+            self.checkpoints.start_async()
+        self.engine = self.model
+        if ctx.dp > 1 and ctx.pipeline is None and not cfg.distributed_optimizer:
+            from torch.nn.parallel import DistributedDataParallel
+
+            group = ctx.group(MeshAxis.DP)
+            self.engine = DistributedDataParallel(
+                self.model, process_group=group, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+            self.engine.register_comm_hook(group, _metered_allreduce_hook)
+
+    # ------------------------------------------------------------------ pieces
+    @torch.no_grad()
+    def _average_over_replicas(self) -> None:
+        """Data-parallel gradient averaging where DDP cannot wrap the model (a pipeline schedule
+        runs the stages): one flat, metered all-reduce over the dp group per bucket."""
+        if self.ctx.dp == 1:
+            return
+        from lattice.parallel.sharding import all_reduce_grads, byte_buckets
+
+        for bucket in byte_buckets(list(self.model.parameters()), lambda p: p.numel() * p.element_size()):
+            all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        """One optimizer step on the global batch of `self.step`; returns its metrics."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.model.train()
+        x, y = self.task.train_batch(self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
+                                     seq_len=self.model_config.seq_len)
+        lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
+            with autocast(self.ctx, cfg.bf16):
+                loss = torch.tensor(self.model.forward_backward(x, y), dtype=torch.float64)
+            if not cfg.distributed_optimizer:
+                self._average_over_replicas()
+        else:
+            with autocast(self.ctx, cfg.bf16):
+                loss = self.engine(x, y)
+            loss.backward()
+            self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
+        if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
+            self.optimizer.reduce_grads()
+            norm = self.optimizer.grad_norm()
+        else:
+            norm = grad_norm(self.model, self.ctx)
+        # the norm is already identical on every rank: every rank takes the same decision
+        finite = bool(torch.isfinite(norm))
+        if not finite and cfg.on_nan == "stop":
+            raise TrainingStopped(
+                f"step {self.step + 1}: the gradient norm is {float(norm)} (a non-finite loss or gradient); stopped "
+                f"before updating the weights, and nothing was saved over the last checkpoint; lower --lr, or pass "
+                f"--on-nan skip to skip such steps")
+        if finite:
+            if cfg.grad_clip > 0:
+                if cfg.distributed_optimizer:
+                    self.optimizer.clip(norm, cfg.grad_clip)
+                else:
+                    clip_grads(self.model, norm, cfg.grad_clip)
+            self.optimizer.step()
+        else:  # --on-nan skip: the batch is consumed, the weights and moments stay as they were
+            self.skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        train_loss = dp_mean(loss, self.ctx)
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
+                "tokens_per_s": cfg.batch_size * self.model_config.seq_len / dt, "skipped": not finite}
+
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches, identical on every rank."""
+        return evaluate(self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
+
+    def val_score(self) -> float:
+        """The task's score of the validation batches (every rank): see `task_score`."""
+        return task_score(self.task, self.model, self.val_set, self.ctx, bf16=self.cfg.bf16)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train from the current step up to cfg.steps (or cfg.stop_at), evaluating every
+        eval_interval steps and at the end, checkpointing into out_dir. SIGTERM or SIGINT stops
+        at the next step boundary with a checkpoint. Returns a summary ("stopped_by" names the
+        signal, or "stop_at", when the run stopped before its last step)."""
+        cfg, is_main = self.cfg, self.ctx.rank == 0
+        until = cfg.stop_at or cfg.steps
+        out = Path(cfg.out_dir) if cfg.out_dir else None
+        tokens = cfg.batch_size * self.model_config.seq_len
+        flops = lambda: step_flops(self.model_config, self.ctx, batch_size=cfg.batch_size,  # noqa: E731
+                                   activation_checkpointing=cfg.activation_checkpointing)
+        metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
+                          tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
+        val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
+        metric = self.task.metric
+        heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
+        try:
+            with faults.StopRequest() as stop:
+                while self.step < until:
+                    heartbeat.beat(self.step)
+                    row = self.train_step()
+                    row["val_loss"] = None
+                    if self.step % cfg.eval_interval == 0 or self.step == until:
+                        row["val_loss"] = val_loss = self.evaluate()
+                        scored = ""
+                        if metric:
+                            val_score = self.val_score()
+                            scored = f", val {metric} {val_score:.3f}"
+                        if is_main:
+                            metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss "
+                                        f"{val_loss:.4f}{scored}")
+                    self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
+                    self.history.append(row)
+                    metrics.log(row)
+                    if self._stop_requested(stop):
+                        stopped_by = stop.name or "a signal on another rank"
+                        break
+                    if out and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                        self.save(out)
+        finally:
+            heartbeat.stop()
+            metrics.close()
+        if val_loss is None and stopped_by is None:
+            val_loss = self.evaluate()
+        if stopped_by is None and self.step < cfg.steps:
+            stopped_by = "stop_at"
+        if out:
+            if self._saved_step != self.step:
+                self.save(out)
+            self.checkpoints.wait()  # the last checkpoint is complete when fit returns
+        summary = {"step": self.step, "val_loss": val_loss, "history": self.history, "stopped_by": stopped_by,
+                   "skipped": self.skipped}
+        if metric:
+            if val_score is None:  # stopped before the last step's validation
+                val_score = self.val_score()
+            summary.update(metric=metric, val_score=val_score, trivial=(self.task.trivial_name, self.task.trivial()))
+        else:
+            summary["unigram_baseline"] = unigram_baseline(self.corpus)
+        return summary
+
+    def _stop_requested(self, stop: faults.StopRequest) -> bool:
+        """Whether any rank was asked to stop (one tiny all-reduce, so that all ranks stop at the
+        same step boundary even when the signal reached only some of them)."""
+        flag = torch.tensor([1.0 if stop.signal else 0.0], device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a layout-independent checkpoint of this step (a collective: every rank must call
+        it); see lattice.checkpoint.run_checkpoints. Returns where it is (being) written."""
+        where = self.checkpoints.save(path, step=self.step, elapsed=self.elapsed)
+        self._saved_step = self.step
+        return where
