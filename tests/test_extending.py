@@ -201,3 +201,20 @@ def test_the_new_mode_and_family_appear_in_the_commands_and_train(extended_copy)
     assert train.returncode == 0 and "final val loss" in train.stdout, train.stdout[-2000:] + train.stderr[-2000:]
     evaluated = _run([sys.executable, "-m", "lattice", "eval", str(root / "run")], root)  # the family read from the run
     assert evaluated.returncode == 0 and "val loss" in evaluated.stdout, evaluated.stdout + evaluated.stderr
+
+
+def test_a_family_whose_config_lacks_a_shared_field_is_refused_when_it_registers():
+    """Catches a family whose config omits a field the modes read (tie_embeddings, seq_len: the
+    embedding and the head ask for them), which would otherwise fail with an AttributeError deep
+    in a mode when the model is built."""
+    import dataclasses
+
+    from lattice.models.gpt2 import GPT, GPTConfig
+    from lattice.models.registry import register
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(GPTConfig) if f.name != "tie_embeddings"]
+    untied = dataclasses.make_dataclass("UntiedConfig", fields, bases=(lattice.models.ModelConfig,))
+    family = type("Untied", (GPT,), {"name": "untied", "config_class": untied})
+    with pytest.raises(TypeError, match="UntiedConfig does not declare tie_embeddings"):
+        register(family)
+    assert "untied" not in lattice.available_archs()

@@ -43,8 +43,12 @@ from lattice.parallel.sharding import ShardSpec, check_state_dict_keys, collect_
 
 # ----------------------------------------------------------------------------- configs
 class ModelConfig:
-    """Mixin of every family's config dataclass. Every family config has vocab_size, seq_len,
-    d_model, n_heads and n_layers (the sizes the trainer, data and CLI set), and `presets`."""
+    """Mixin of every family's config dataclass. Every family config declares the fields of
+    SHARED_FIELDS (the sizes the trainer, data and CLI set, and what the modes' embeddings and
+    heads read; `register` refuses a family whose config lacks one), and `presets`."""
+
+    SHARED_FIELDS: ClassVar[tuple[str, ...]] = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers",
+                                                "tie_embeddings", "dropout")
 
     #: size presets by name (the CLI's --model); each a dict of config fields
     presets: ClassVar[dict[str, dict]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import pkgutil
@@ -19,6 +20,13 @@ _FAMILIES: dict[str, type[nn.Module]] = {}
 
 
 def register(cls: type[nn.Module]) -> type[nn.Module]:
+    """Add a family (a lattice.models.Model subclass) under its `name`; its config must declare
+    every field the shared code reads (`ModelConfig.SHARED_FIELDS`)."""
+    declared = {f.name for f in dataclasses.fields(cls.config_class)}
+    missing = [name for name in cls.config_class.SHARED_FIELDS if name not in declared]
+    if missing:
+        raise TypeError(f"family {cls.name!r}: {cls.config_class.__name__} does not declare {', '.join(missing)}, "
+                        f"which the modes, trainer and CLI read; add them as fields")
     _FAMILIES[cls.name] = cls
     return cls
 

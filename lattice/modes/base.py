@@ -94,17 +94,23 @@ class Mode:
     def __init__(self, cfg, ctx: ParallelContext):
         self.cfg = cfg
         self.ctx = ctx
-        try:
-            self.check_config(cfg)
-            for name, count in cfg.head_counts().items():
-                self.check_heads(name, count)
-        except LatticeConfigError as e:
-            if getattr(self, "_probing", False):
-                raise
+        problem = self.size_problem(cfg, ctx)
+        if problem is not None:
             # the problem, and values found by trying each one: a hint that fixes one
             # constraint and breaks another (d_model fitting tp but not n_heads) is worse than none
-            problem = str(e).split("; ")[0]
-            raise LatticeConfigError(f"{problem}; {working_values(type(self), cfg, ctx)}") from None
+            raise LatticeConfigError(f"{problem}; {working_values(type(self), cfg, ctx)}")
+
+    @classmethod
+    def size_problem(cls, cfg, ctx: ParallelContext) -> str | None:
+        """Why this layout on `ctx` refuses the model's sizes (the first check that fails, without
+        its hint), or None when it takes them; nothing is built."""
+        try:
+            cls.check_config(cfg, ctx)
+            for name, count in cfg.head_counts().items():
+                cls.check_heads(ctx, name, count)
+        except LatticeConfigError as e:
+            return str(e).split("; ")[0]
+        return None
 
     # ---- topology (class level: no model needed)
     @classmethod
@@ -140,14 +146,16 @@ class Mode:
         """Global rank at each mesh position for placement="topology"; natural by default."""
         return tuple(range(math.prod(s for _, s in axes)))
 
-    # ---- validation (every rank, before any collective)
-    def check_config(self, cfg) -> None:
+    # ---- validation (every rank, before any collective; class level: the sizes and the layout)
+    @classmethod
+    def check_config(cls, cfg, ctx: ParallelContext) -> None:
         """Raise LatticeConfigError when the model's sizes (other than head counts) do not fit
-        this layout."""
+        this layout on `ctx`."""
 
-    def check_heads(self, name: str, count: int) -> None:
+    @classmethod
+    def check_heads(cls, ctx: ParallelContext, name: str, count: int) -> None:
         """Raise LatticeConfigError when `count` heads (n_heads, n_kv_heads, ...: the family's
-        `head_counts()`) cannot be split into whole heads per rank by this layout."""
+        `head_counts()`) cannot be split into whole heads per rank by this layout on `ctx`."""
 
     def check_batch(self, tokens: torch.Tensor) -> None:
         """Raise LatticeConfigError when a batch's shape does not fit this layout. A check only:
@@ -180,9 +188,9 @@ class Mode:
 
     def linear(self, in_features: int, out_features: int, *, block: Block, position: Position,
                stack: int | None = None, segments: tuple[tuple[str, int], ...] | None = None,
-               bias: bool | None = None) -> nn.Module:
-        """y = x W + b with full W of shape (in, out), or (in, stack, out) when stacked; `bias`
-        defaults to the config's.
+               bias: bool) -> nn.Module:
+        """y = x W + b with full W of shape (in, out), or (in, stack, out) when stacked; b (the
+        shape of the output) only with `bias`.
 
         Position.IN takes the residual layout and returns this rank's part of the features,
         (B_l, T_l, [stack,] out_l); for attention out_l must be whole heads. Position.OUT takes
@@ -283,17 +291,6 @@ class Mode:
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
 
 
-def _accepts(mode_cls, cfg, ctx) -> bool:
-    """Whether `mode_cls` takes the model `cfg` on `ctx` (its model checks, no hints sought)."""
-    probe = mode_cls.__new__(mode_cls)
-    probe._probing = True
-    try:
-        mode_cls.__init__(probe, cfg, ctx)
-    except LatticeConfigError:
-        return False
-    return True
-
-
 def working_values(mode_cls, cfg, ctx) -> str:
     """A hint for a model the layout refuses: for the tensor-parallel degree and each size of
     the model (d_model and the family's head counts), the nearest values that work when only
@@ -306,7 +303,7 @@ def working_values(mode_cls, cfg, ctx) -> str:
                 changed = dataclasses.replace(cfg, **{name: value})
             except (LatticeConfigError, ValueError):
                 return False
-            return _accepts(mode_cls, changed, ctx)
+            return mode_cls.size_problem(changed, ctx) is None
         return works
 
     def with_tp(tp):
@@ -314,7 +311,7 @@ def working_values(mode_cls, cfg, ctx) -> str:
             layout = ctx.layout.replace(tp=tp)
         except LatticeConfigError:
             return False
-        return _accepts(mode_cls, cfg, layout.context())
+        return mode_cls.size_problem(cfg, layout.context()) is None
 
     found = {}
     if ctx.layout is not None:

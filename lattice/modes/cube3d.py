@@ -303,12 +303,16 @@ class Cube3D(Mode):
         self.vocab_pad = round_up(cfg.vocab_size, self.q * self.q)
         self.cube = Cube(ctx)
 
-    def check_config(self, cfg):
-        divisible("d_model", cfg.d_model, self.q * self.q, "q² (the 3D cube side squared)")
+    @classmethod
+    def check_config(cls, cfg, ctx):
+        q = ctx.size(CI)
+        divisible("d_model", cfg.d_model, q * q, "q² (the 3D cube side squared)")
 
-    def check_heads(self, name, count):
-        divisible(name, count, self.q, "the 3D cube side q",
-                  f"use a head count that is a multiple of {self.q}, or a cube with a side dividing {count}")
+    @classmethod
+    def check_heads(cls, ctx, name, count):
+        q = ctx.size(CI)
+        divisible(name, count, q, "the 3D cube side q",
+                  f"use a head count that is a multiple of {q}, or a cube with a side dividing {count}")
 
     def check_batch(self, tokens):
         q, b = self.q, tokens.shape[0]
@@ -330,11 +334,11 @@ class Cube3D(Mode):
         return Norm(self.cfg, self, kind, eps, bias)
 
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
-               bias=None):
+               bias: bool):
         if segments and position != Position.IN:
             raise ValueError("only a Position.IN linear can be segmented")
         return Linear(self.cfg, self, in_features, out_features, position, stack, segments,
-                      self.cfg.bias if bias is None else bias)
+                      bias)
 
     def dense(self, in_features, out_features, *, bias=True):
         return GatheredLinear(self.cfg, self, in_features, out_features, bias)

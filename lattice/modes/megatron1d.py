@@ -191,11 +191,14 @@ class Megatron1D(Mode):
     def mesh_axes(cls, tp, options):
         return ((MeshAxis.TP, tp),)
 
-    def check_config(self, cfg):
-        divisible("d_model", cfg.d_model, self.p, "tp")
+    @classmethod
+    def check_config(cls, cfg, ctx):
+        divisible("d_model", cfg.d_model, ctx.size(MeshAxis.TP), "tp")
 
-    def check_heads(self, name, count):
-        divisible(name, count, self.p, "tp", f"use a tp that divides {count} or a head count that is a multiple of {self.p}")
+    @classmethod
+    def check_heads(cls, ctx, name, count):
+        p = ctx.size(MeshAxis.TP)
+        divisible(name, count, p, "tp", f"use a tp that divides {count} or a head count that is a multiple of {p}")
 
     def check_batch(self, tokens):
         if self.sp:
@@ -212,8 +215,7 @@ class Megatron1D(Mode):
         return Norm(self.cfg, self.ctx, kind, eps, bias, grad_sum=(MeshAxis.TP,) if self.sp else ())
 
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
-               bias=None):
-        bias = self.cfg.bias if bias is None else bias
+               bias: bool):
         if position == Position.IN:
             return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, segments, bias, self.sp)
         if stack or segments:

@@ -100,9 +100,9 @@ class Serial(Mode):
         return Norm(self.cfg, self.ctx, kind, eps, bias)
 
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
-               bias=None):
+               bias: bool):
         return Linear(self.cfg, self.ctx, in_features, out_features, stack, segments,
-                      self.cfg.bias if bias is None else bias)
+                      bias)
 
     def lm_head(self, embedding, *, bias=False):
         return LMHead(self.cfg, self.ctx, embedding, bias)

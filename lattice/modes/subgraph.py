@@ -317,10 +317,12 @@ class SubGraph(Mode):
         common_axes = (SUB, MEM) if self.common_all else (MEM,)
         self.common_spec = {"grad_sum": common_axes, "holders": () if self.common_all else ((SUB, 0),)}
 
-    def check_heads(self, name, count):
-        divisible(name, count, self.g, "subgrids g",
+    @classmethod
+    def check_heads(cls, ctx, name, count):
+        g = ctx.size(SUB)
+        divisible(name, count, g, "subgrids g",
                   f"use a number of sub-grids that divides {count} heads, or a head count that is a "
-                  f"multiple of {self.g}")
+                  f"multiple of {g}")
 
     def check_batch(self, tokens):
         b = tokens.shape[0]
@@ -343,8 +345,7 @@ class SubGraph(Mode):
         return Norm(self.cfg, self.ctx, self, kind, eps, bias)
 
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
-               bias=None):
-        bias = self.cfg.bias if bias is None else bias
+               bias: bool):
         if segments and position != Position.IN:
             raise ValueError("only a Position.IN linear can be segmented")
         if block == Block.MLP:

@@ -269,11 +269,13 @@ class Summa2D(Mode):
         self.products: list[tuple[int, int]] = [(self.vocab_pad, cfg.d_model)]  # the LM head: (K, N) = (V, h)
         self.vectors: list[int] = [cfg.d_model // self.q]  # norms
 
-    def check_config(self, cfg):
-        divisible("d_model", cfg.d_model, self.ctx.size(ROW), "the 2D mesh side q")
+    @classmethod
+    def check_config(cls, cfg, ctx):
+        divisible("d_model", cfg.d_model, ctx.size(ROW), "the 2D mesh side q")
 
-    def check_heads(self, name, count):
-        divisible(name, count, self.ctx.size(ROW), "the 2D mesh side q")
+    @classmethod
+    def check_heads(cls, ctx, name, count):
+        divisible(name, count, ctx.size(ROW), "the 2D mesh side q")
 
     def check_batch(self, tokens):
         q, b = self.q, tokens.shape[0]
@@ -308,10 +310,10 @@ class Summa2D(Mode):
         return Norm(self.cfg, self, kind, eps, bias)
 
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
-               bias=None):
+               bias: bool):
         if segments and position != Position.IN:
             raise ValueError("only a Position.IN linear can be segmented")
-        return Linear(self.cfg, self, in_features, out_features, stack, segments, self.cfg.bias if bias is None else bias)
+        return Linear(self.cfg, self, in_features, out_features, stack, segments, bias)
 
     def lm_head(self, embedding, *, bias=False):
         return LMHead(self.cfg, self, embedding, bias)
