@@ -26,10 +26,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +45,8 @@ from lattice.parallel.context import LatticeConfigError, TrainingStopped
 
 if TYPE_CHECKING:  # (run_dir reaches torch.distributed.checkpoint: imported when training)
     from lattice.checkpoint.run_dir import RunDir
-    from lattice.training.trainer import TrainConfig
+    from lattice.data.corpus import Corpus
+    from lattice.training.trainer import RunPlan
 
 # subcommands whose arguments and implementation live in another module, imported only when used
 # (so that `lattice train` does not import the benchmark's plotting)
@@ -60,18 +61,21 @@ DELEGATED = {
 # ----------------------------------------------------------------------------- train
 
 
-def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, dict | None, RunDir]:
-    """A train request checked whole without processes: the layout (and, with `nproc`, the
-    processes the launcher is about to start), the checkpoint to resume and its family, the run's
-    data, every size (lattice.training.trainer.check_run), the directory it writes into (lattice.checkpoint.run_dir).
-    Changes nothing (an explicit out-dir is created if missing); the launcher runs it before
-    starting processes and every rank before any process group exists, so a bad request fails
-    in one line, the same everywhere. Returns (layout, train config, checkpoint or None, run dir)."""
+def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus, RunDir]:
+    """A train request checked whole and decided without processes: the layout (and, with
+    `nproc`, the processes the launcher is about to start), the checkpoint to resume and its
+    family, the run's data and tokenizer (the corpus is built here: the model's vocabulary is the
+    tokenizer's), the run plan (lattice.training.trainer.plan_run: every size, the schedule, the
+    --init-from weights), the directory it writes into (lattice.checkpoint.run_dir). Changes
+    nothing but the token cache (an explicit out-dir is created if missing); the launcher runs it
+    before starting processes and every rank before any process group exists, so a bad request
+    fails in one line, the same everywhere, and the trainer builds from the plan without checking
+    again. Returns (layout, run plan, corpus, run dir)."""
     from lattice import checkpoint
     from lattice.checkpoint import run_dir
     from lattice.data.corpus import check_data
     from lattice.training import faults
-    from lattice.training.trainer import check_run
+    from lattice.training.trainer import plan_run
 
     layout = layout_from_args(args)
     if nproc is not None and nproc != layout.world_size:
@@ -85,22 +89,16 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, TrainConfig, di
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
     tcfg = train_config(args, arch=arch, out_dir=str(run.out), **_recorded_data(args, saved, where))
-    cfg = tcfg.model_config()
-    check_data(tcfg.data, tcfg.tokenizer, cfg.vocab_size)
-    check_run(tcfg, cfg, layout.context())
+    check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
     if run.fresh:  # created later, by one process: here only its parent
         check_out_dir(run.out.parent, checkpoint.FILENAME)
     else:
         check_out_dir(run.out, checkpoint.FILENAME)
         faults.RunLock(run.out).probe()
-    if ckpt is not None:
-        checkpoint.check_model_config(ckpt, tcfg.arch, cfg.to_dict(), where)
-        faults.check_schedule(saved, asdict(tcfg), args.allow_config_change, where)
-    elif tcfg.init_from:
-        from lattice.training.trainer import check_init_from
-
-        check_init_from(tcfg, cfg)
-    return layout, tcfg, ckpt, run
+    corpus = tcfg.corpus()
+    plan = plan_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
+                    allow_config_change=args.allow_config_change)
+    return layout, plan, corpus, run
 
 
 def _converted_to_sharded(ckpt: dict, where: Path, out: Path, ctx) -> dict:
@@ -156,8 +154,7 @@ def cmd_train(args, argv: list[str]) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise LatticeConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc and args.nproc > 1 and not launched:
-        _, tcfg, _, run = check_train(args, nproc=args.nproc)
-        tcfg.corpus()  # build the tokenizer and token cache once, here, not on every rank
+        _, _, _, run = check_train(args, nproc=args.nproc)  # builds the tokenizer and token cache once, here
         for line in run_dir.create(run):
             print(line, flush=True)
         # the workers write where this process chose (a fresh runs/run-N now exists, empty)
@@ -168,7 +165,8 @@ def cmd_train(args, argv: list[str]) -> int:
                                  f"drop --nproc when launching with torchrun")
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
-    layout, tcfg, ckpt, run = check_train(args)  # every rank, before any process group exists
+    layout, plan, corpus, run = check_train(args)  # every rank, before any process group exists
+    tcfg, ckpt = plan.cfg, plan.resume
     ctx = init(layout, seed=tcfg.seed, timeout=tcfg.dist_timeout)
     out, lock = run.out, None
     try:
@@ -183,8 +181,8 @@ def cmd_train(args, argv: list[str]) -> int:
         if ctx.world_size > 1:
             dist.barrier()  # the run directory exists before any rank writes into it
         if ckpt is not None and not checkpoint.is_sharded(ckpt):  # training resumes the sharded form
-            ckpt = _converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx)
-        trainer = Trainer(tcfg, ctx, resume=ckpt, allow_config_change=args.allow_config_change)
+            plan = dataclasses.replace(plan, resume=_converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx))
+        trainer = Trainer.from_plan(plan, ctx, corpus)
         if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
             trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
             (out / "data.json").write_text(_data_identity(tcfg))

@@ -19,6 +19,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,22 +42,63 @@ from lattice.training.metrics import Metrics, step_flops
 from lattice.training.optim import clip_grads, grad_norm, lr_at, make_optimizer
 
 
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Every decision of a training run, each taken once (`plan_run`) before any collective, and
+    what the trainer builds from without checking again: the run's config, the model it trains
+    (its token table the tokenizer's vocabulary plus the task's special tokens), the checkpoint
+    it resumes and the one whose weights it starts from, both read and validated, and the
+    schedule changes a resume was allowed to make."""
+
+    cfg: TrainConfig
+    model_config: Any
+    resume: dict | None = None
+    resume_from: str = "checkpoint"  # where `resume` was read, for messages
+    init_from: dict | None = None
+    schedule_changes: tuple[str, ...] = ()
+
+
+def plan_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: str | os.PathLike | dict | None = None,
+             allow_config_change: bool = False, resume_from: str | os.PathLike | None = None) -> RunPlan:
+    """Check a run whole and decide it (pure: no process group, nothing allocated), so that the
+    launcher, with a planned context, and every rank refuse a bad request in the same one line
+    before any collective. `resume`: a checkpoint path or run directory, or a checkpoint already
+    read (then `resume_from` says where from). A resume that changes the schedule (steps, lr,
+    warmup, batch size, seed) is refused unless `allow_config_change`."""
+    ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
+    if resume_from is None:
+        resume_from = "checkpoint" if isinstance(resume, dict) or not resume else checkpoint.resolve(resume)
+    model_config = cfg.model_config(corpus.vocab_size)
+    check_run(cfg, model_config, ctx)
+    if ckpt is not None:
+        checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), resume_from)
+    changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
+                                    resume_from) if ckpt is not None else []
+    donor = check_init_from(cfg, model_config) if ckpt is None and cfg.init_from else None
+    return RunPlan(cfg, model_config, ckpt, str(resume_from), donor, tuple(changed))
+
+
 def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ckpt: dict | None = None,
                       where="checkpoint"):
-    """(model config, model, fixed validation batches, task) of a run on `corpus`: this rank's
-    shards of the model and every size checked against the layout before any collective; with
-    `ckpt`, a checkpoint of another model is refused."""
+    """(model config, model, fixed validation batches, task) of a run on `corpus` (`lattice
+    eval`'s): every size checked against the layout before any collective; with `ckpt`, a
+    checkpoint of another model is refused."""
     model_config = cfg.model_config(corpus.vocab_size)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
     check_run(cfg, model_config, ctx)
+    return (model_config, *_model_and_batches(cfg, ctx, corpus, model_config))
+
+
+def _model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, model_config):
+    """(model, fixed validation batches, task) of a checked run: this rank's shards of the model."""
     task = cfg.make_task(corpus, model_config)
     task.check(cfg.batch_size, model_config.seq_len, ctx.dp)
     model = build_model(model_config, ctx, dtype=cfg.param_dtype,
                         activation_checkpointing=cfg.activation_checkpointing)
     val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
                                num_batches=cfg.eval_batches)
-    return model_config, model, val_set, task
+    return model, val_set, task
 
 
 def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
@@ -185,19 +227,24 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
                  resume: str | os.PathLike | dict | None = None, allow_config_change: bool = False):
-        """`resume`: a sharded checkpoint or run directory, or one already validated with
-        `lattice.checkpoint.read` (as the CLI does before creating process groups). A resume that
-        changes the schedule (steps, lr, warmup, batch size, seed) is refused unless
-        `allow_config_change`."""
-        self.cfg, self.ctx = cfg, ctx
-        # Validate everything that can fail before the first collective (DDP's constructor is one).
-        ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
-        self.corpus = corpus or cfg.corpus()
-        where = "checkpoint" if isinstance(resume, dict) else checkpoint.resolve(resume) if resume else None
-        changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
-                                        where) if ckpt is not None else []
-        self.model_config, self.model, self.val_set, self.task = model_and_batches(cfg, ctx, self.corpus, ckpt, where)
-        donor = check_init_from(cfg, self.model_config) if ckpt is None and cfg.init_from else None
+        """`resume`: a sharded checkpoint or run directory, or one already read with
+        `lattice.checkpoint.read`. The run is checked and decided (`plan_run`) before the first
+        collective (DDP's constructor is one); `Trainer.from_plan` builds from a plan made before."""
+        corpus = corpus or cfg.corpus()
+        self._build(plan_run(cfg, ctx, corpus, resume=resume, allow_config_change=allow_config_change), ctx, corpus)
+
+    @classmethod
+    def from_plan(cls, plan: RunPlan, ctx: ParallelContext, corpus: Corpus) -> "Trainer":
+        """The trainer of a run `plan_run` decided (as `lattice train` does on every rank before
+        creating its process groups), built without checking it again."""
+        trainer = cls.__new__(cls)
+        trainer._build(plan, ctx, corpus)
+        return trainer
+
+    def _build(self, plan: RunPlan, ctx: ParallelContext, corpus: Corpus) -> None:
+        cfg, ckpt, where, donor, changed = plan.cfg, plan.resume, plan.resume_from, plan.init_from, plan.schedule_changes
+        self.cfg, self.ctx, self.corpus, self.model_config = cfg, ctx, corpus, plan.model_config
+        self.model, self.val_set, self.task = _model_and_batches(cfg, ctx, corpus, plan.model_config)
         if ckpt is not None and not checkpoint.is_sharded(ckpt):
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
                                      f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
@@ -216,7 +263,7 @@ class Trainer:
             self.step, self.elapsed = self.checkpoints.restore(ckpt)
             self._saved_step = self.step
             if changed and ctx.rank == 0:
-                print(schedule_change(ckpt["train_config"], cfg, self.step, changed), flush=True)
+                print(schedule_change(ckpt["train_config"], cfg, self.step, list(changed)), flush=True)
         if donor is not None:
             fresh = init_weights_from(donor, self.model, ctx)
             if cfg.distributed_optimizer:
