@@ -1,6 +1,6 @@
 """Components the families share, written once against the mode interface: dropout with
 layout-independent masks, self-attention (causal or bidirectional; fused or grouped-query
-projections; optional rotary positions and an additive per-head bias), cross-attention from one
+projections; optional rotary positions, an additive per-head bias and a sliding window), cross-attention from one
 stream to another (an encoder-decoder's), the MLP variants and a small replicated linear for
 heads over pooled tokens.
 
@@ -124,13 +124,20 @@ class SelfAttention(nn.Module):
     them apart). `causal` masks future positions (decoders) or not (encoders); `rotary` (a Rotary)
     rotates q and k by their positions; `bias(T_q, T_k, start)` (a module returning (nh_local,
     T_q, T_k)) is added to the scores (T5's relative position bias); `scale` multiplies q·k
-    (default 1/sqrt(head_size); T5 folds it into its initialisation: 1). Dropout on the attention
+    (default 1/sqrt(head_size); T5 folds it into its initialisation: 1). `bias` is the q, k, v
+    projections' and, unless `out_bias` says otherwise, the output projection's (Qwen2: q, k, v
+    only). `window` (causal only) lets a query see itself and the window - 1 positions before it
+    (Mistral's sliding window); a KV cache then keeps only those. Dropout on the attention
     weights draws from the sharded stream, on the output from the residual's."""
 
     def __init__(self, mode, seeds: DropoutSeeds, *, d_model: int, n_heads: int, n_kv_heads: int | None = None,
                  head_size: int | None = None, dropout: float = 0.0, bias: bool = True, causal: bool = True,
-                 rotary: Rotary | None = None, segmented: bool = False, scale: float | None = None):
+                 rotary: Rotary | None = None, segmented: bool = False, scale: float | None = None,
+                 out_bias: bool | None = None, window: int | None = None):
         super().__init__()
+        if window is not None and not (causal and window >= 1):
+            raise LatticeConfigError(f"a sliding window needs causal attention and at least 1 position, got "
+                                     f"window={window} with causal={causal}")
         self.head_size = head_size or d_model // n_heads
         n_kv = n_kv_heads or n_heads
         inner, kv_inner = n_heads * self.head_size, n_kv * self.head_size
@@ -141,8 +148,9 @@ class SelfAttention(nn.Module):
             self.qkv = mode.linear(d_model, inner + 2 * kv_inner, block=Block.ATTENTION, position=Position.IN,
                                    segments=(("q", inner), ("k", kv_inner), ("v", kv_inner)), bias=bias)
             self.stacked = False
-        self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT, bias=bias)
-        self.causal, self.rotary, self.scale = causal, rotary, scale
+        self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT,
+                                bias=bias if out_bias is None else out_bias)
+        self.causal, self.rotary, self.scale, self.window = causal, rotary, scale, window
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
 
@@ -166,9 +174,11 @@ class SelfAttention(nn.Module):
                 if T != 1:
                     raise LatticeConfigError("a KV cache extends one position at a time after the prompt")
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)  # (B_l, nkv_l, T_all, hs)
-            cache["k"], cache["v"] = k, v
+            # under a window the next query sees window - 1 of these, so the cache keeps no more
+            kept = k.shape[2] - min(k.shape[2], self.window - 1) if self.window else 0
+            cache["k"], cache["v"] = k[:, :, kept:], v[:, :, kept:]
         y = attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
-                   causal=self.causal and (cache is None or T > 1), scale=self.scale,
+                   causal=self.causal and (cache is None or T > 1), scale=self.scale, window=self.window,
                    dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
@@ -190,14 +200,26 @@ class AttentionDropout:
         return self.seeds.seed("sharded", self.site)
 
 
-def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, dropout: AttentionDropout | None = None):
+def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, window: int | None = None,
+           dropout: AttentionDropout | None = None):
     """softmax(scale · q kᵀ + bias [+ causal mask]) v over this rank's heads: q (B_l, nh_l, T_q,
     hs), k and v (B_l, nkv_l, T_k, hs) (grouped-query when nkv_l < nh_l), `bias` (nh_l, T_q, T_k)
-    or None. The causal mask lets query i see keys up to i + T_k - T_q (the queries are the last
-    T_q positions). `dropout` (training only) drops attention weights."""
+    or None. The queries are the last T_q positions of the keys': the causal mask lets query i
+    see keys up to i + T_k - T_q, and a `window` only the last `window` of those (itself
+    included). `dropout` (training only) drops attention weights."""
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     mask = None
-    if bias is not None:
+    if window is not None:
+        key = torch.arange(k.shape[2], device=q.device)
+        query = key[-q.shape[2]:, None]  # (T_q, 1) key positions of the queries
+        allowed = key > query - window
+        if causal:
+            allowed = allowed & (key <= query)
+        mask, causal = allowed, False  # (T_q, T_k) bool: True attends
+        if bias is not None:
+            mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
+            v = v.contiguous()  # as below
+    elif bias is not None:
         mask = bias.to(q.dtype)
         if causal:  # the bias and the causal mask in one additive mask
             future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(k.shape[2] - q.shape[2] + 1)

@@ -105,6 +105,11 @@ class LlamaConfig(ModelConfig):
     def head_counts(self):
         return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
 
+    def attention_options(self) -> dict:
+        """SelfAttention's choices beyond the sizes (the families built on this one change them):
+        Llama's projections have no bias, and a query attends to every earlier position."""
+        return {"bias": False}
+
 
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm: x + attn(ln_1(x)), then + mlp(ln_2(x)) with a SwiGLU MLP."""
@@ -112,8 +117,10 @@ class LlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, mode, seeds, rotary: Rotary):
         super().__init__()
         self.ln_1 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
+        # q, k, v stay three segments with every head too, as the checkpoints hold them
         self.attn = SelfAttention(mode, seeds, d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                                  dropout=cfg.dropout, bias=False, causal=True, rotary=rotary)
+                                  dropout=cfg.dropout, causal=True, rotary=rotary, segmented=True,
+                                  **cfg.attention_options())
         self.ln_2 = mode.norm("rms", eps=cfg.norm_eps, bias=False)
         self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.intermediate_size, activation="silu", gated=True,
                        bias=False, dropout=cfg.dropout)
@@ -124,7 +131,12 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaHF(HFMapping):
+    """LlamaForCausalLM's names and config; the families sharing Llama's shape subclass it with
+    their own model type, config classes, extra tensors (`layer_tensors`) and config fields
+    (`fields_from_hf`, `fields_to_hf`)."""
+
     model_type, model_class, label = "llama", "LlamaForCausalLM", "Llama"
+    config_class, hf_config_class = LlamaConfig, "LlamaConfig"
     _LAYER = (("input_layernorm.weight", "ln_1.weight", False), ("self_attn.q_proj.weight", "attn.qkv.q.weight", True),
               ("self_attn.k_proj.weight", "attn.qkv.k.weight", True),
               ("self_attn.v_proj.weight", "attn.qkv.v.weight", True),
@@ -133,15 +145,34 @@ class LlamaHF(HFMapping):
               ("mlp.gate_proj.weight", "mlp.fc.gate.weight", True), ("mlp.up_proj.weight", "mlp.fc.up.weight", True),
               ("mlp.down_proj.weight", "mlp.proj.weight", True))
 
-    def config_from_hf(self, c, given=None):
-        if getattr(c, "model_type", None) != "llama":
-            raise LatticeConfigError(f"expected a Llama config (model_type 'llama'), got model_type "
-                                     f"{getattr(c, 'model_type', None)!r}")
+    def fields_from_hf(self, c) -> dict:
+        """The config fields of this family beyond Llama's, from transformers' config `c`, which
+        is refused in one line where it asks for what the family does not implement."""
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(c, flag, False):
                 raise LatticeConfigError(f"{flag}=True is not implemented; lattice's Llama has no biases")
+        return {}
+
+    def fields_to_hf(self, cfg) -> dict:
+        return {"attention_bias": False, "mlp_bias": False}
+
+    def layer_tensors(self, cfg) -> list[tuple[str, str, tuple[int, ...], bool]]:
+        """(HF name, lattice name, lattice shape, transposed) of one block's tensors."""
+        h, hs, inner = cfg.d_model, cfg.head_size, cfg.intermediate_size
+        shapes = {"ln_1.weight": (h,), "attn.qkv.q.weight": (h, cfg.n_heads * hs),
+                  "attn.qkv.k.weight": (h, cfg.n_kv_heads * hs), "attn.qkv.v.weight": (h, cfg.n_kv_heads * hs),
+                  "attn.proj.weight": (cfg.n_heads * hs, h), "ln_2.weight": (h,), "mlp.fc.gate.weight": (h, inner),
+                  "mlp.fc.up.weight": (h, inner), "mlp.proj.weight": (inner, h)}
+        return [(hf_name, name, shapes[name], transpose) for hf_name, name, transpose in self._LAYER]
+
+    def config_from_hf(self, c, given=None):
+        if getattr(c, "model_type", None) != self.model_type:
+            raise LatticeConfigError(f"expected a {self.label} config (model_type {self.model_type!r}), got model_type "
+                                     f"{getattr(c, 'model_type', None)!r}")
+        extra = self.fields_from_hf(c)
         if c.hidden_act != "silu":
-            raise LatticeConfigError(f"hidden_act={c.hidden_act!r} is not implemented; Llama's MLP is SwiGLU (silu)")
+            raise LatticeConfigError(f"hidden_act={c.hidden_act!r} is not implemented; {self.label}'s MLP is SwiGLU "
+                                     f"(silu)")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if head_dim * c.num_attention_heads != c.hidden_size:
             raise LatticeConfigError(f"head_dim={head_dim} with {c.num_attention_heads} heads != hidden_size="
@@ -154,35 +185,30 @@ class LlamaHF(HFMapping):
         if kind not in ("default", "llama3"):
             raise LatticeConfigError(f"rope scaling {kind!r} is not implemented; lattice implements none and 'llama3'")
         scaling = None if kind == "default" else {k: rope[k] for k in LLAMA3_SCALING}
-        cfg = LlamaConfig(vocab_size=c.vocab_size, seq_len=c.max_position_embeddings, d_model=c.hidden_size,
-                          n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-                          n_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
-                          rope_theta=float(theta), rope_scaling=scaling, norm_eps=c.rms_norm_eps,
-                          tie_embeddings=bool(c.tie_word_embeddings), dropout=float(c.attention_dropout),
-                          init_std=c.initializer_range)
+        cfg = self.config_class(
+            vocab_size=c.vocab_size, seq_len=c.max_position_embeddings, d_model=c.hidden_size,
+            n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+            n_layers=c.num_hidden_layers, intermediate_size=c.intermediate_size, rope_theta=float(theta),
+            rope_scaling=scaling, norm_eps=c.rms_norm_eps, tie_embeddings=bool(c.tie_word_embeddings),
+            dropout=float(c.attention_dropout), init_std=c.initializer_range, **extra)
         return self.with_given(cfg, given)
 
     def config_to_hf(self, cfg):
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_scaling is None else \
             {**cfg.rope_scaling, "rope_type": "llama3", "rope_theta": cfg.rope_theta}
-        return transformers_module().LlamaConfig(
+        return getattr(transformers_module(), self.hf_config_class)(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.seq_len, hidden_size=cfg.d_model,
             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, num_hidden_layers=cfg.n_layers,
             intermediate_size=cfg.intermediate_size, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
-            rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+            rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, **self.fields_to_hf(cfg),
             attention_dropout=cfg.dropout, initializer_range=cfg.init_std, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
 
     def tensors(self, cfg):
-        h, v, hs, inner = cfg.d_model, cfg.vocab_size, cfg.head_size, cfg.intermediate_size
-        shapes = {"ln_1.weight": (h,), "attn.qkv.q.weight": (h, cfg.n_heads * hs),
-                  "attn.qkv.k.weight": (h, cfg.n_kv_heads * hs), "attn.qkv.v.weight": (h, cfg.n_kv_heads * hs),
-                  "attn.proj.weight": (cfg.n_heads * hs, h), "ln_2.weight": (h,), "mlp.fc.gate.weight": (h, inner),
-                  "mlp.fc.up.weight": (h, inner), "mlp.proj.weight": (inner, h)}
+        h, v = cfg.d_model, cfg.vocab_size
         out = [HFTensor("model.embed_tokens.weight", "embed.wte", (v, h))]
         for i in range(cfg.n_layers):
-            for hf_name, name, transpose in self._LAYER:
-                shape = shapes[name]
+            for hf_name, name, shape, transpose in self.layer_tensors(cfg):
                 out.append(HFTensor(f"model.layers.{i}.{hf_name}", f"blocks.{i}.{name}",
                                     tuple(reversed(shape)) if transpose else shape, transpose))
         out.append(HFTensor("model.norm.weight", "ln_f.weight", (h,)))
@@ -230,12 +256,15 @@ class Llama(DecoderLM):
     def cost_layout(self, b):
         cfg = self.cfg
         hs, inner = cfg.head_size, cfg.intermediate_size
+        options = cfg.attention_options()
+        out_bias = options.get("out_bias", options["bias"])
         b.embedding(positions=False)
         with b.layer():
             b.norm("rms", bias=False)
-            b.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hs, block="attention", position="in", bias=False)
+            b.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hs, block="attention", position="in",
+                     bias=options["bias"])
             b.attention(heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_size=hs, causal=True, rotary=True)
-            b.linear(cfg.n_heads * hs, cfg.d_model, block="attention", position="out", bias=False,
+            b.linear(cfg.n_heads * hs, cfg.d_model, block="attention", position="out", bias=out_bias,
                      input_from_attention=True)
             b.norm("rms", bias=False)
             b.linear(cfg.d_model, 2 * inner, block="mlp", position="in", bias=False)
