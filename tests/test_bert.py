@@ -40,6 +40,7 @@ def _worst_grad(ours: dict, theirs: dict) -> float:
     return max(float((ours[k] - g).abs().max()) / max(float(g.abs().max()), floor) for k, g in theirs.items())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("num_labels", [0, 3])
 def test_serial_bert_equals_transformers(num_labels):
     """Catches any difference from transformers' BERT in the forward or backward of either head:

@@ -72,7 +72,29 @@ def _cases(with_pipeline: bool):
     if with_pipeline:
         cases += [(family, dict(layout)) for family in lattice.available_archs() if _pipelined(family)
                   for layout in PIPELINE_LAYOUTS]
-    return [pytest.param(family, layout, id=_label(family, layout)) for family, layout in cases]
+    fast = _fast_subset(cases) if with_pipeline else set()
+    return [pytest.param(family, layout, id=_label(family, layout),
+                         marks=[pytest.mark.fast] if _label(family, layout) in fast else [])
+            for family, layout in cases]
+
+
+def _fast_subset(cases: list[tuple[str, dict]]) -> set[str]:
+    """The cases of `pytest -m fast`: every layout once, each with the family used least so far,
+    then every family not yet chosen in its first layout (so each layout and each family runs)."""
+    families_of: dict[str, list[str]] = {}
+    for family, layout in cases:
+        families_of.setdefault(_label("", layout), []).append(family)
+    used = {family: 0 for family, _ in cases}
+    chosen = set()
+    for layout, families in families_of.items():
+        family = min(families, key=lambda f: (used[f], families.index(f)))
+        used[family] += 1
+        chosen.add(family + layout)
+    for family, layout in cases:
+        if not used[family]:
+            used[family] += 1
+            chosen.add(_label(family, layout))
+    return chosen
 
 
 def _world(layout: dict) -> int:

@@ -59,6 +59,7 @@ def assert_matches_hf(model, hf, x):
     return loss, hf_loss
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("tied", [True, False])
 def test_from_hf_model_matches_transformers(tied):
     """Catches a wrong name map, a transposed or mis-split c_attn (q/k/v or head order), a dropped

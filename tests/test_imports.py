@@ -5,6 +5,10 @@ module that knows about pipelines."""
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1] / "lattice"
 
 

@@ -78,6 +78,7 @@ LAYOUTS = [dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True),
 GENERATES = ({"mode": "1d", "tp": 2}, {"mode": "2d", "tp": 4}, {"mode": "3d", "tp": 8}, {"mode": "subgraph", "tp": 2, "subgrids": 2})
 
 
+@pytest.mark.fast
 def test_serial_equals_transformers_and_generates_its_tokens():
     """Catches a wrong name map or transpose (q/k/v, gate/up), kv heads expanded in the wrong
     order, rotary frequencies or Llama 3's scaling computed differently, or a KV cache that

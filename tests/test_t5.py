@@ -103,6 +103,7 @@ def _equals_transformers(layout: dict, generate: bool) -> dict:
     return out
 
 
+@pytest.mark.fast
 def test_serial_equals_transformers_and_generates_its_tokens():
     """Catches any difference from transformers' T5 in either variant: a 1/sqrt(d) left in the
     scores, a bucket computed otherwise (bidirectional in the decoder, the log buckets in float64),
