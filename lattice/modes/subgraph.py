@@ -310,8 +310,7 @@ class SubGraph(Mode):
     def __init__(self, cfg, ctx):
         self.g, self.n_g = ctx.size(SUB), ctx.size(MEM)
         self.common_all = ctx.options["common"] == "all"
-        self.projections = ctx.options["projections"]
-        self.slice_collective = ctx.options["slice_collective"]
+        self.projections, self.slice_collective = ctx.options["projections"], ctx.options["slice_collective"]
         super().__init__(cfg, ctx)
         self.seg = Segments(self)
         common_axes = (SUB, MEM) if self.common_all else (MEM,)
@@ -320,9 +319,8 @@ class SubGraph(Mode):
     @classmethod
     def check_heads(cls, ctx, name, count):
         g = ctx.size(SUB)
-        divisible(name, count, g, "subgrids g",
-                  f"use a number of sub-grids that divides {count} heads, or a head count that is a "
-                  f"multiple of {g}")
+        divisible(name, count, g, "subgrids g", f"use a number of sub-grids that divides {count} heads, or a head "
+                                                f"count that is a multiple of {g}")
 
     def check_batch(self, tokens):
         b = tokens.shape[0]
