@@ -175,7 +175,7 @@ class CostBuilder:
         self.previous, self.current, self.output_saved = self.current, out, False
 
     def attention(self, *, heads: int, kv_heads: int, head_size: int, causal: bool = True, rotary: bool = False,
-                  bias: bool = False, shared_bias: bool = False) -> None:
+                  bias: bool = False, shared_bias: bool = False, window: bool = False) -> None:
         """Scaled dot-product attention of q (heads), k and v (kv_heads) of `head_size`, which
         the preceding IN linear produced in one storage (`current`). Without an additive bias the
         fused kernel runs: it saves q, k, v (views of that storage, or rotated copies of q and k
@@ -184,7 +184,9 @@ class CostBuilder:
         the math kernel runs: it saves q, k and v expanded to every head and the attention
         weights, and the bias's distance indices (and the causal mask); its output is not saved,
         so the next linear saves its own copy. `shared_bias`: the bias is the stack's, computed
-        once (`position_bias`), so its indices are not this layer's."""
+        once (`position_bias`), so its indices are not this layer's. A sliding `window` is a
+        boolean mask that needs no gradient: the fused kernel still runs, and saves the mask as a
+        (T, T) tensor of the activations' dtype, whole on every rank."""
         self._next()
         share = self.share.get("attention", self.share["split"])
         q = self.M * heads * head_size * share
@@ -197,7 +199,8 @@ class CostBuilder:
             self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
             self.output_saved = False
         else:
-            self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share)
+            self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share
+                      + (T * T if window else 0))
             self.output_saved = True
         self._score_work(self.B * heads * T * T * share, head_size)
         self.current = q

@@ -263,7 +263,8 @@ class Llama(DecoderLM):
             b.norm("rms", bias=False)
             b.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hs, block="attention", position="in",
                      bias=options["bias"])
-            b.attention(heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_size=hs, causal=True, rotary=True)
+            b.attention(heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_size=hs, causal=True, rotary=True,
+                        window=options.get("window") is not None)
             b.linear(cfg.n_heads * hs, cfg.d_model, block="attention", position="out", bias=out_bias,
                      input_from_attention=True)
             b.norm("rms", bias=False)
