@@ -133,11 +133,30 @@ def test_the_window_changes_what_mistral_computes():
         assert abs(windowed(x, y).item() - full(x, y).item()) > 1e-3
 
 
+@pytest.mark.fast
+@torch.no_grad()
+def test_mistrals_kv_cache_keeps_only_what_the_window_reaches():
+    """Catches a KV cache that keeps keys the window no longer reaches (memory that grows with
+    the text; attention would still mask them) or drops ones it does (wrong logits): after a
+    prompt longer than the window and after each new token, every layer holds window - 1
+    positions, and the last position's logits equal a full forward's without a cache."""
+    model = lattice.from_hf(random_hf("mistral", seed=5), lattice.plan("serial"))
+    window = model.cfg.sliding_window
+    tokens = _tokens(9, batch=2, length=12)
+    cache = [{} for _ in model.blocks]
+    model(tokens[:, :8], cache=cache, start=0, last_only=True)
+    for position in range(8, 12):
+        assert {layer["k"].shape[2] for layer in cache} == {window - 1}  # (B, nkv, positions, hs)
+        cached = model(tokens[:, position:position + 1], cache=cache, start=position, last_only=True)[:, -1]
+        full = model(tokens[:, :position + 1])[:, -1]
+        assert rel_diff(cached, full) < 1e-12
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("family, change, match", [
     (Mistral, dict(sliding_window=0), "sliding_window must be a positive integer"),
     (Qwen2, dict(n_kv_heads=3), "n_kv_heads = 3 does not divide n_heads = 8"),
 ])
-@pytest.mark.fast
 def test_bad_sizes_are_refused_in_one_line(family, change, match):
     """Catches a window or head count that fails deep in attention instead of one line naming it."""
     sizes = CONFIGS["mistral" if family is Mistral else "qwen2-gqa"][2]
