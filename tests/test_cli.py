@@ -304,3 +304,23 @@ def test_a_missing_run_is_refused_naming_only_flags_the_command_has(command, tmp
     assert cli.main([command[0], str(tmp_path / "missing"), *extra, *command[1:]]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err and "--resume" not in err, err
+
+
+def test_a_run_reads_each_checkpoint_once(tmp_path, capsys, monkeypatch):
+    """Catches a run that decides things twice: the request's checks and the trainer each reading
+    the --init-from checkpoint (a single file is loaded whole) or the one it resumes. The run
+    plan reads each once, and the trainer builds from it."""
+    assert cli.main(["train", *TINY_ARGS, "--steps", "2", "--out-dir", str(tmp_path / "a")]) == 0
+    # one file of full tensors
+    assert cli.main(["convert", str(tmp_path / "a"), str(tmp_path / "single.pt")]) == 0
+    reads = []
+    real_read = lattice.checkpoint.read
+    monkeypatch.setattr(lattice.checkpoint, "read", lambda path: reads.append(str(path)) or real_read(path))
+    assert cli.main(["train", *TINY_ARGS, "--steps", "1", "--init-from", str(tmp_path / "single.pt"),
+                     "--out-dir", str(tmp_path / "b")]) == 0
+    assert reads == [str(tmp_path / "single.pt")]
+    reads.clear()
+    assert cli.main(["train", *TINY_ARGS, "--steps", "3", "--resume", str(tmp_path / "a"),
+                     "--allow-config-change"]) == 0
+    assert reads == [str(tmp_path / "a")]
+    assert "initialised from" in capsys.readouterr().out
