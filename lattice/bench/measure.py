@@ -230,8 +230,9 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
             continue
         options = {**get_mode(mode).fit_options(cfg, p), **options}
         try:
-            mode_obj = get_mode(mode)(cfg, plan(mode, tp=p, **options))
-            mode_obj.check_batch(torch.zeros(batch, cfg.seq_len, dtype=torch.int64))
+            ctx = plan(mode, tp=p, **options)
+            get_mode(mode).check_model(cfg, ctx)
+            get_mode(mode).check_batch(ctx, torch.zeros(batch, cfg.seq_len, dtype=torch.int64))
             costmodel.estimate(cfg, mode, batch=batch, tp=p, **options)
         except LatticeConfigError as e:
             skipped.append((label, str(e)))

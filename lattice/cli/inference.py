@@ -73,7 +73,7 @@ def load_for_inference(args, plan_only: bool = False):
         if saved_tokenizer.is_file():  # the tokenizer the run was trained with
             tokenizer = read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
     layout = layout_from_args(args)
-    get_mode(layout.mode)(cfg, layout.context())  # the mode's size checks
+    get_mode(layout.mode).check_model(cfg, layout.context())  # the layout's size checks
     if plan_only and args.nproc != layout.world_size:
         raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {layout.world_size} ranks; "
                                  f"use --nproc {layout.world_size}")
@@ -86,7 +86,7 @@ def smallest_batch(model) -> int:
 
     for b in range(1, 513):
         try:
-            model.mode.check_batch(torch.zeros(b, 1, dtype=torch.int64))
+            model.mode.check_batch(model.mode.ctx, torch.zeros(b, 1, dtype=torch.int64))
             return b
         except LatticeConfigError:
             continue

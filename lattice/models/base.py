@@ -229,7 +229,7 @@ class Model(nn.Module):
         """Refuse tokens, targets or a start position this model and layout cannot take (every
         rank, before any collective)."""
         self.check_tokens(tokens, targets, start)
-        self.mode.check_batch(tokens)
+        self.mode.check_batch(self.ctx, tokens)
 
     def check_tokens(self, tokens, targets, start=0):
         if tokens.dim() != 2 or tokens.dtype != torch.int64:

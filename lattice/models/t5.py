@@ -314,8 +314,8 @@ class T5(Model):
             self.check_targets(tokens, decoder_tokens, name="decoder_tokens", labels=False)
         for second in (targets, decoder_tokens):
             if second is not None:
-                self.mode.check_batch(second)
-        self.mode.check_batch(tokens)
+                self.mode.check_batch(self.ctx, second)
+        self.mode.check_batch(self.ctx, tokens)
 
     # ---- forward
     def position_bias(self, table: nn.Module, t_q: int, t_k: int, start: int, bidirectional: bool) -> torch.Tensor:

@@ -94,11 +94,17 @@ class Mode:
     def __init__(self, cfg, ctx: ParallelContext):
         self.cfg = cfg
         self.ctx = ctx
-        problem = self.size_problem(cfg, ctx)
+        self.check_model(cfg, ctx)
+
+    @classmethod
+    def check_model(cls, cfg, ctx: ParallelContext) -> None:
+        """Refuse, in one line, a model whose sizes this layout on `ctx` cannot split, naming the
+        values that work (every rank, before any collective; nothing is built)."""
+        problem = cls.size_problem(cfg, ctx)
         if problem is not None:
             # the problem, and values found by trying each one: a hint that fixes one
             # constraint and breaks another (d_model fitting tp but not n_heads) is worse than none
-            raise LatticeConfigError(f"{problem}; {working_values(type(self), cfg, ctx)}")
+            raise LatticeConfigError(f"{problem}; {working_values(cls, cfg, ctx)}")
 
     @classmethod
     def size_problem(cls, cfg, ctx: ParallelContext) -> str | None:
@@ -157,9 +163,10 @@ class Mode:
         """Raise LatticeConfigError when `count` heads (n_heads, n_kv_heads, ...: the family's
         `head_counts()`) cannot be split into whole heads per rank by this layout on `ctx`."""
 
-    def check_batch(self, tokens: torch.Tensor) -> None:
-        """Raise LatticeConfigError when a batch's shape does not fit this layout. A check only:
-        it changes nothing (launcher, planner and every rank call it alike)."""
+    @classmethod
+    def check_batch(cls, ctx: ParallelContext, tokens: torch.Tensor) -> None:
+        """Raise LatticeConfigError when a batch's shape does not fit this layout on `ctx`. A
+        check only: it changes nothing (launcher, planner and every rank call it alike)."""
 
     def begin_batch(self, batch: int, seq: int) -> None:
         """What a (batch, seq) replica batch (a micro-batch under pipelining) sets up before its

@@ -314,8 +314,9 @@ class Cube3D(Mode):
         divisible(name, count, q, "the 3D cube side q",
                   f"use a head count that is a multiple of {q}, or a cube with a side dividing {count}")
 
-    def check_batch(self, tokens):
-        q, b = self.q, tokens.shape[0]
+    @classmethod
+    def check_batch(cls, ctx, tokens):
+        q, b = ctx.size(CI), tokens.shape[0]
         divisible("batch size", b, q * q, "q² (the 3D cube side squared)",
                   f"give each replica a multiple of {q * q} sequences (for example {nearby_multiples(b, q * q)})")
 

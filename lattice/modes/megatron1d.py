@@ -200,10 +200,12 @@ class Megatron1D(Mode):
         p = ctx.size(MeshAxis.TP)
         divisible(name, count, p, "tp", f"use a tp that divides {count} or a head count that is a multiple of {p}")
 
-    def check_batch(self, tokens):
-        if self.sp:
-            divisible("sequence length", tokens.shape[1], self.p, "tp",
-                      f"with sequence_parallel=True use sequences whose length is a multiple of {self.p}, "
+    @classmethod
+    def check_batch(cls, ctx, tokens):
+        if ctx.options.get("sequence_parallel", False):
+            p = ctx.size(MeshAxis.TP)
+            divisible("sequence length", tokens.shape[1], p, "tp",
+                      f"with sequence_parallel=True use sequences whose length is a multiple of {p}, "
                       f"or turn sequence_parallel off")
 
     head_axes = (MeshAxis.TP,)

@@ -318,14 +318,14 @@ class SubGraph(Mode):
 
     @classmethod
     def check_heads(cls, ctx, name, count):
-        g = ctx.size(SUB)
-        divisible(name, count, g, "subgrids g", f"use a number of sub-grids that divides {count} heads, or a head "
-                                                f"count that is a multiple of {g}")
+        divisible(name, count, ctx.size(SUB), "subgrids g", f"use a number of sub-grids that divides {count} heads, "
+                                                            f"or a head count that is a multiple of {ctx.size(SUB)}")
 
-    def check_batch(self, tokens):
-        b = tokens.shape[0]
-        per = self.g * self.n_g if self.common_all else self.n_g
-        what = "all p ranks (D&SP)" if self.common_all else "the n_g ranks of sub-grid 0 (D&SP-cSub)"
+    @classmethod
+    def check_batch(cls, ctx, tokens):
+        b, common_all = tokens.shape[0], ctx.options["common"] == "all"
+        per, what = ((ctx.size(SUB) * ctx.size(MEM), "all p ranks (D&SP)") if common_all
+                     else (ctx.size(MEM), "the n_g ranks of sub-grid 0 (D&SP-cSub)"))
         divisible("batch size", b, per, "the ranks running the common layers",
                   f"the common layers split each replica's batch over {what}: give each replica a multiple "
                   f"of {per} sequences (for example {nearby_multiples(b, per)})")

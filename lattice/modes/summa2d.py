@@ -277,8 +277,9 @@ class Summa2D(Mode):
     def check_heads(cls, ctx, name, count):
         divisible(name, count, ctx.size(ROW), "the 2D mesh side q")
 
-    def check_batch(self, tokens):
-        q, b = self.q, tokens.shape[0]
+    @classmethod
+    def check_batch(cls, ctx, tokens):
+        q, b = ctx.size(ROW), tokens.shape[0]
         divisible("batch size", b, q, "the 2D mesh side q",
                   f"give each replica a multiple of {q} sequences (for example {nearby_multiples(b, q)})")
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lattice.parallel import comm
-from lattice.parallel.context import LatticeConfigError, MeshAxis, nearest_working
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, nearest_working
 from lattice.parallel.sharding import collect_specs, sum_replica_grads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -253,29 +253,30 @@ def scatter_gather_group(mode, ctx):
     return ctx.tensor_group()
 
 
-def batch_problem(pcfg: PipelineConfig | None, mode, batch: int, seq: int) -> str | None:
+def batch_problem(pcfg: PipelineConfig | None, mode, ctx: ParallelContext, batch: int, seq: int) -> str | None:
     """Why a replica batch of `batch` sequences does not fit: the micro-batch count (with pcfg)
-    does not divide it, or the tensor layout cannot split its micro-batches; None when it fits."""
+    does not divide it, or the tensor layout (`mode`, a Mode class, on `ctx`) cannot split its
+    micro-batches; None when it fits."""
     m = pcfg.m if pcfg is not None else 1
     if batch % m:
         return f"the replica batch of {batch} sequences does not split into {m} micro-batches"
     try:
-        mode.check_batch(torch.zeros(batch // m, seq, dtype=torch.int64))  # the layout's own constraints
+        mode.check_batch(ctx, torch.zeros(batch // m, seq, dtype=torch.int64))  # the layout's own constraints
     except LatticeConfigError as e:
         problem = str(e).split("; ")[0]
         return f"its micro-batches of {batch // m}: {problem}" if m > 1 else problem
     return None
 
 
-def check_batch(pcfg: PipelineConfig | None, mode, tokens: torch.Tensor) -> None:
+def check_batch(pcfg: PipelineConfig | None, mode, ctx: ParallelContext, tokens: torch.Tensor) -> None:
     """Refuse a replica batch the micro-batch count does not divide, or whose micro-batches the
     tensor layout cannot split (every rank, before any collective), naming the replica batch
     sizes that work with everything else as given (found by trying them)."""
 
     b, seq = tokens.shape
-    problem = batch_problem(pcfg, mode, b, seq)
+    problem = batch_problem(pcfg, mode, ctx, b, seq)
     if problem:
-        works = nearest_working(b, lambda n: batch_problem(pcfg, mode, n, seq) is None, 4 * b + 64)
+        works = nearest_working(b, lambda n: batch_problem(pcfg, mode, ctx, n, seq) is None, 4 * b + 64)
         raise LatticeConfigError(f"{problem}; replica batches that work with everything else as given: "
                                  f"{' or '.join(map(str, works))}")
 
@@ -392,7 +393,7 @@ class PipelineModel(nn.Module):
     def _run(self, tokens, targets, *, train: bool) -> float:
         model, pcfg, ctx = self._model, self.pcfg, self.ctx
         model.check_tokens(tokens, targets)
-        check_batch(pcfg, model.mode, tokens)
+        check_batch(pcfg, model.mode, model.mode.ctx, tokens)
         model.mode.begin_batch(len(tokens) // pcfg.m, tokens.shape[1])
         key = tuple(tokens.shape)  # the stages' shapes follow the batch's
         if key not in self._schedules:

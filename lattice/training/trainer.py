@@ -109,7 +109,8 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
     context), every rank and the trainer refuse the same request in the same words."""
     from lattice.parallel.context import nearest_working
 
-    mode = get_mode(ctx.mode)(model_config, ctx)  # the mode's size checks
+    mode = get_mode(ctx.mode)
+    mode.check_model(model_config, ctx)  # the layout's size checks, nothing built
     if ctx.pipeline is not None:
         family = get_arch(cfg.arch)
         with torch.device("meta"):
@@ -128,7 +129,7 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
     def problem(batch):
         if batch % ctx.dp:
             return f"batch size {batch} is not divisible by dp = {ctx.dp}"
-        return next(filter(None, (batch_problem(ctx.pipeline, mode, batch // ctx.dp, n) for n in lengths)), None)
+        return next(filter(None, (batch_problem(ctx.pipeline, mode, ctx, batch // ctx.dp, n) for n in lengths)), None)
 
     found = problem(cfg.batch_size)
     if found:
@@ -242,7 +243,7 @@ class Trainer:
         return trainer
 
     def _build(self, plan: RunPlan, ctx: ParallelContext, corpus: Corpus) -> None:
-        cfg, ckpt, where, donor, changed = plan.cfg, plan.resume, plan.resume_from, plan.init_from, plan.schedule_changes
+        cfg, ckpt, where, donor = plan.cfg, plan.resume, plan.resume_from, plan.init_from
         self.cfg, self.ctx, self.corpus, self.model_config = cfg, ctx, corpus, plan.model_config
         self.model, self.val_set, self.task = _model_and_batches(cfg, ctx, corpus, plan.model_config)
         if ckpt is not None and not checkpoint.is_sharded(ckpt):
@@ -262,8 +263,8 @@ class Trainer:
         if ckpt is not None:
             self.step, self.elapsed = self.checkpoints.restore(ckpt)
             self._saved_step = self.step
-            if changed and ctx.rank == 0:
-                print(schedule_change(ckpt["train_config"], cfg, self.step, list(changed)), flush=True)
+            if plan.schedule_changes and ctx.rank == 0:
+                print(schedule_change(ckpt["train_config"], cfg, self.step, list(plan.schedule_changes)), flush=True)
         if donor is not None:
             fresh = init_weights_from(donor, self.model, ctx)
             if cfg.distributed_optimizer:
