@@ -166,6 +166,8 @@ def _bad_inputs(root) -> dict[str, tuple[list[str], str]]:
     (root / "good.txt").write_text("some text to train on\n" * 50)
     (root / "notes.json").write_text("step=10 loss=3.2\n")
     (root / "tok_dir").mkdir()
+    (root / "binaries").mkdir()
+    (root / "binaries" / "lib.so").write_bytes(bytes(range(256)) * 64)
     good = ["--data", str(root / "good.txt")]
     return {
         "empty file": (["--data", str(root / "empty.txt")], "holds no text (1 empty file)"),
@@ -173,7 +175,7 @@ def _bad_inputs(root) -> dict[str, tuple[list[str], str]]:
         "directory without files": (["--data", str(root / "nothing")], "names no file"),
         "binary file": (["--data", str(root / "binary.bin")], "is not text (NUL bytes)"),
         "other encoding": (["--data", str(root / "latin1.txt")], "not UTF-8"),
-        "binary in a directory": (["--data", str(root)], f"{root / 'binary.bin'} is not text"),
+        "directory of binaries only": (["--data", str(root / "binaries")], "holds no text file (1 file, none UTF-8"),
         "tokenizer that does not parse": (good + ["--tokenizer", str(root / "notes.json")],
                                           "is not a tokenizer the tokenizers library reads"),
         "binary tokenizer": (good + ["--tokenizer", str(root / "binary.bin")], "is not a tokenizer"),
@@ -194,3 +196,31 @@ def test_data_and_tokenizers_that_cannot_train_are_refused_in_one_line(tmp_path,
         assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expect in err, (case, err)
         assert "config:" not in out, case
     assert len(cases) == 9
+
+
+def test_a_source_tree_trains_on_its_text_and_says_what_it_skipped(tmp_path, capsys):
+    """Catches `--data DIR` refusing a source tree because of its __pycache__/*.pyc (or training
+    on them as byte soup, or skipping them without a word): the run trains on the text files, one
+    line names how many files were skipped and of which kinds, and the run's data.json lists only
+    the text files. A binary named explicitly is still refused."""
+    import json
+
+    from lattice.cli import main as cli
+
+    tree = tmp_path / "src"
+    (tree / "pkg" / "__pycache__").mkdir(parents=True)
+    (tree / "pkg" / "mod.py").write_text("def f(x):\n    return x + 1\n" * 400)
+    (tree / "README.md").write_text("A small package that adds one.\n" * 200)
+    for name in ("mod.cpython-312.pyc", "other.cpython-312.pyc"):
+        (tree / "pkg" / "__pycache__" / name).write_bytes(b"\xcb\r\r\n\0\0\0\0" + bytes(range(256)) * 8)
+    (tree / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(200))
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--vocab-size", "300", "--batch-size", "4", "--eval-batches", "1",
+                     "--steps", "1", "--no-progress", "--data", str(tree), "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"--data {tree}: skipped 3 files that are not text (.pyc x2, .png x1)" in printed
+    assert sorted(json.loads((out / "data.json").read_text())["files"]) == [str(tree / "README.md"),
+                                                                           str(tree / "pkg" / "mod.py")]
+    named = ["train", "--model", "tiny", "--data", str(tree / "logo.png"), "--out-dir", str(tmp_path / "b")]
+    assert cli.main(named) == 2
+    assert "logo.png is not text (NUL bytes)" in capsys.readouterr().err

@@ -146,6 +146,7 @@ def cmd_train(args, argv: list[str]) -> int:
     from lattice import checkpoint
     from lattice.checkpoint import run_dir
     from lattice.checkpoint import sharded as sharded_checkpoint
+    from lattice.data.corpus import skipped_files
     from lattice.modes.layout import init
     from lattice.training import faults
     from lattice.training.trainer import Trainer
@@ -172,6 +173,9 @@ def cmd_train(args, argv: list[str]) -> int:
     try:
         if ctx.rank == 0:
             print("config: " + ", ".join(f"{k}={v}" for k, v in run_config(layout, tcfg).items()), flush=True)
+            skipped = skipped_files(tcfg.data) if tcfg.data else None
+            if skipped:
+                print(skipped, flush=True)
             for line in run_dir.create(run):  # after init: every rank chose before anything was created
                 print(line, flush=True)
             lock = faults.RunLock(out).acquire()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,20 +76,41 @@ class Corpus:
 
 
 def data_files(spec: str) -> list[Path]:
-    """The files of `--data`: one file, every file of a directory (recursively), or a glob."""
+    """The text files of `--data`: one file (refused later if it is not text), or every text file
+    of a directory (recursively) or a glob; the others are skipped (`skipped_files`)."""
+    return _data_files(spec)[0]
+
+
+def skipped_files(spec: str) -> str | None:
+    """One line on the files of a `--data` directory or glob that are not text and so are not
+    trained on (how many, which kinds), or None when there are none."""
+    skipped = _data_files(spec)[1]
+    if not skipped:
+        return None
+    kinds = Counter(p.suffix or p.name for p in skipped)
+    shown = ", ".join(f"{kind} x{n}" for kind, n in kinds.most_common(6)) + (", ..." if len(kinds) > 6 else "")
+    return f"--data {spec}: skipped {len(skipped)} file{'s' * (len(skipped) > 1)} that are not text ({shown})"
+
+
+def _data_files(spec: str) -> tuple[list[Path], list[Path]]:
+    """(text files, files that are not text) of `--data`."""
     import glob
 
     path = Path(spec)
     if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return [path], []
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file())
     else:
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-    if not files:
+        found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    if not found:
         raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
                                  f"check the path")
-    return files
+    text = [p for p in found if _text_problem(p) is None]
+    if not text:
+        raise LatticeConfigError(f"--data {spec} holds no text file ({len(found)} file{'s' * (len(found) > 1)}, none "
+                                 f"UTF-8 text); point it at text files")
+    return text, [p for p in found if p not in set(text)]
 
 
 def json_lines(spec: str, keys: tuple[str, ...], flags: str):
@@ -131,17 +153,26 @@ def _check_texts(spec: str) -> None:
 
 
 def _check_text(path: Path, spec: str) -> None:
-    """Refuse a file that is not text: a NUL byte, or more than 1% of its first 64 KiB not
-    decodable as UTF-8 (a binary, an archive, another encoding), naming the file."""
+    """Refuse a file that is not text (`_text_problem`), naming the file."""
+    what = _text_problem(path)
+    if what is not None:
+        where = f"--data {spec}" if Path(spec) == path else f"--data {spec}: {path}"
+        raise LatticeConfigError(f"{where} is not text ({what}); pass text files (UTF-8), or leave that file out "
+                                 f"of --data")
+
+
+def _text_problem(path: Path) -> str | None:
+    """Why a file is not text: a NUL byte, or more than 1% of its first 64 KiB not decodable as
+    UTF-8 (a binary, an archive, another encoding); None for text."""
     with open(path, "rb") as f:
         head = f.read(TEXT_SAMPLE)
     text = head.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - (1 if len(head) == TEXT_SAMPLE and text.endswith("\ufffd") else 0)
-    if b"\0" in head or bad > MAX_UNDECODABLE * max(1, len(text)):
-        what = "NUL bytes" if b"\0" in head else f"{bad} of its first {len(head):,} bytes not UTF-8"
-        where = f"--data {spec}" if Path(spec) == path else f"--data {spec}: {path}"
-        raise LatticeConfigError(f"{where} is not text ({what}); pass text files (UTF-8), or leave that file out "
-                                 f"of --data")
+    if b"\0" in head:
+        return "NUL bytes"
+    if bad > MAX_UNDECODABLE * max(1, len(text)):
+        return f"{bad} of its first {len(head):,} bytes not UTF-8"
+    return None
 
 
 CHUNK_CHARS = 1 << 20  # text is read, hashed, tokenized and written in pieces of about this size
