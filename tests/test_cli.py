@@ -324,3 +324,36 @@ def test_a_run_reads_each_checkpoint_once(tmp_path, capsys, monkeypatch):
                      "--allow-config-change"]) == 0
     assert reads == [str(tmp_path / "a")]
     assert "initialised from" in capsys.readouterr().out
+
+
+def test_a_resume_continues_the_run_as_it_was_and_keeps_its_tokenizer(tmp_path, capsys):
+    """Catches `--resume` reading the family but not the preset or vocabulary ("saved for a
+    different model (d_model 48 vs 192)" for a run of --model tiny resumed as its hint says), and a
+    resume on new --data training a new BPE over the run's tokenizer.json (the weights' ids would
+    no longer mean their tokens): the run's model and tokenizer are kept, byte for byte, and a
+    --tokenizer with other ids is refused in one line."""
+    import hashlib
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    run = tmp_path / "a"
+    common = ["--batch-size", "4", "--eval-batches", "1", "--no-progress", "--allow-config-change"]
+    assert cli.main(["train", "--arch", "llama", "--model", "tiny", "--vocab-size", "512", "--steps", "2",
+                     "--batch-size", "4", "--eval-batches", "1", "--no-progress", "--out-dir", str(run)]) == 0
+    before = hashlib.sha256((run / "tokenizer.json").read_bytes()).hexdigest()
+    assert cli.main(["train", "--resume", str(run), "--steps", "3", *common]) == 0  # no model flag
+    other = tmp_path / "other.txt"
+    other.write_text("Completely different words for a second corpus, read with the run's tokenizer.\n" * 300)
+    assert cli.main(["train", "--resume", str(run), "--data", str(other), "--steps", "4", *common]) == 0
+    assert hashlib.sha256((run / "tokenizer.json").read_bytes()).hexdigest() == before
+    saved = lattice.checkpoint.read(run)
+    assert saved["step"] == 4 and saved["arch"] == "llama" and saved["model_config"]["d_model"] == 64
+    assert saved["model_config"]["vocab_size"] == 512  # the tokenizer's 512, unchanged
+    capsys.readouterr()
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([other.read_text()], vocab_size=400, min_frequency=2, show_progress=False)
+    bpe.save(str(tmp_path / "new.json"))
+    assert cli.main(["train", "--resume", str(run), "--tokenizer", str(tmp_path / "new.json"), "--steps", "5",
+                     *common]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "other ids, and the resumed weights were trained on those ids" in err

@@ -80,8 +80,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     for title in HELP_GROUPS:  # in the order users scan them
         group(p, title)
     add_layout_flags(p)
-    # the family defaults to a resumed run's; the run directory is chosen by lattice.checkpoint.run_dir
-    add_flags(p, TrainConfig, arch=None)
+    # the model defaults to a resumed run's (RESUMED_FIELDS); the run directory is chosen by
+    # lattice.checkpoint.run_dir
+    add_flags(p, TrainConfig, **dict.fromkeys(RESUMED_FIELDS))
     group(p, "layout").add_argument("--nproc", type=int, default=None,
                                     help="start this many local processes through torch.distributed.run (default: "
                                          "none, one process or those torchrun started)")
@@ -100,11 +101,22 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "writes; flags given here override it (default: none)")
 
 
-def train_config(args, **changes):
-    """The TrainConfig the flags ask for (the family: --arch, else `changes`'s, else the default)."""
+#: what a resumed run keeps unless its flag is given: the model (family, preset, sizes, the
+#: tokenizer's vocabulary) and the task it was trained on
+RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task")
+
+
+def train_config(args, resumed: dict | None = None, **changes):
+    """The TrainConfig the flags ask for: a RESUMED_FIELDS flag not given takes the resumed
+    run's recorded value (`resumed`: its train_config), else TrainConfig's default; `changes`
+    replace fields."""
     from lattice.training.trainer import TrainConfig
 
     given = {f.name: getattr(args, f.name) for f in flag_fields(TrainConfig)}
+    defaults = {f.name: f.default for f in flag_fields(TrainConfig)}
+    for name in RESUMED_FIELDS:
+        if given[name] is None:
+            given[name] = (resumed or {}).get(name, defaults[name])
     given["arch"] = given["arch"] or DEFAULT_ARCH
     return TrainConfig(**{**given, **changes})
 

@@ -88,7 +88,8 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     run = run_dir.choose(args.out_dir, resumed_run, int(ckpt["step"]) if ckpt is not None else None, args.overwrite)
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
-    tcfg = train_config(args, arch=arch, out_dir=str(run.out), **_recorded_data(args, saved, where))
+    recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where)} if ckpt is not None else {}
+    tcfg = train_config(args, saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
     if run.fresh:  # created later, by one process: here only its parent
         check_out_dir(run.out.parent, checkpoint.FILENAME)
@@ -140,6 +141,30 @@ def _recorded_data(args, saved: dict, where) -> dict:
     return data
 
 
+def _resumed_tokenizer(args, where: Path) -> dict:
+    """A resumed run reads text with the tokenizer its weights were trained with, the run's
+    tokenizer.json, on its recorded data or on new --data alike: the TrainConfig field that says
+    so. An explicit --tokenizer is refused when its ids differ from that one's."""
+    from lattice import checkpoint
+    from lattice.data.corpus import read_tokenizer
+
+    run_tokenizer = checkpoint.run_of(where) / "tokenizer.json"
+    if not run_tokenizer.is_file():  # a single file exported elsewhere: the data decide, as before
+        return {}
+    if args.tokenizer is None:
+        return {"tokenizer": str(run_tokenizer)}
+    given = Path(args.tokenizer) / "tokenizer.json" if Path(args.tokenizer).is_dir() else Path(args.tokenizer)
+    if given.is_file() and given.resolve() != run_tokenizer.resolve():
+        theirs = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab()
+        ours = read_tokenizer(given, "--tokenizer", "pass a tokenizer.json, or drop --tokenizer").get_vocab()
+        if theirs != ours:
+            moved = sum(ours.get(token) != i for token, i in theirs.items())
+            raise LatticeConfigError(f"--tokenizer {args.tokenizer} gives {moved} of the {len(theirs)} tokens of "
+                                     f"{run_tokenizer} other ids, and the resumed weights were trained on those ids; "
+                                     f"drop --tokenizer to keep the run's, or start a new run (--init-from {where})")
+    return {}
+
+
 def cmd_train(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
@@ -188,7 +213,9 @@ def cmd_train(args, argv: list[str]) -> int:
             plan = dataclasses.replace(plan, resume=_converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx))
         trainer = Trainer.from_plan(plan, ctx, corpus)
         if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
-            trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
+            kept = tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()
+            if not kept:  # a resumed run's own file stays as it is, byte for byte
+                trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
             (out / "data.json").write_text(_data_identity(tcfg))
         result = trainer.fit()
         if ctx.rank == 0:
