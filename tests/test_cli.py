@@ -116,7 +116,7 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     layout = lattice.Layout("1d", tp=2, dp=2, pp=2, microbatches=4, pp_schedule="interleaved", pp_virtual=2,
                             pp_layers=(1, 2, 1, 1), pp_scatter_gather=False, options={"sequence_parallel": True},
                             ranks_per_node=2)
-    set_by_the_trainer = {"data_hash"}
+    set_by_the_trainer = {"data_hash", "model_from"}  # (model_from: by --resume)
     changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_by_the_trainer}
     changed.update(arch="llama", model="tiny", batch_size=8, target_len=None)  # an encoder-decoder's: below
     # bf16 weights exclude autocast and float64 weights: the second run has those, the first the others

@@ -160,3 +160,36 @@ def test_hf_directory_trains_in_2d_like_serial_and_exports_what_transformers_loa
         ours, theirs = model.eval()(x), loaded.eval()(input_ids=x).logits
     assert rel_diff(ours, theirs) < 1e-6
     print(losses[0][0], f"exported logits rel diff {rel_diff(ours, theirs):.1e}")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_an_hf_llama_of_sizes_no_preset_has_continues_with_no_size_flag(kv_heads, tmp_path, capfd, monkeypatch):
+    """Catches an import of a multi-head Llama (kv heads = heads) failing with KeyError
+    'blocks.0.attn.qkv.q.weight' (the model stacked q, k, v), and a resume that asks for sizes
+    the import already holds ("saved for a different model"): an HF Llama of d 64, 4 heads,
+    d_ff 172, eps 1e-6 and its own 1000-token BPE -> convert -> train --resume with no size flag
+    -> convert --to hf, whose greedy tokens transformers generates as `lattice generate` does."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from lattice.data.corpus import corpus_text
+
+    monkeypatch.chdir(tmp_path)
+    hf_config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=kv_heads, intermediate_size=172, num_hidden_layers=2,
+                                         rms_norm_eps=1e-6, max_position_embeddings=96, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([corpus_text()[:200_000]], vocab_size=1000, min_frequency=2, show_progress=False)
+    bpe.save(str(tmp_path / "hf" / "tokenizer.json"))
+    _lattice(["convert", "--from", "hf", "hf", "run"], capfd)
+    _lattice(["train", "--resume", "run", "--steps", "2", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
+              "--allow-config-change"], capfd)
+    _lattice(["convert", "run", "--to", "hf", "exported"], capfd)
+    printed = _lattice(["generate", "run", "--prompt", "def main(", "--max-new-tokens", "10"], capfd)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
+    prompt = torch.tensor([bpe.encode("def main(").ids])
+    expected = loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                               pad_token_id=0)
+    assert loaded.config.num_key_value_heads == kv_heads and loaded.config.intermediate_size == 172
+    assert printed.splitlines()[0] == bpe.decode(expected[0].tolist())

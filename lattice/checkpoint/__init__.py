@@ -190,8 +190,10 @@ def check_model_config(ckpt: dict, arch: str, model_config: dict, path: str | os
     keys = sorted((set(saved) | set(model_config)) - {"dropout"})
     diff = [f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}" for k in keys if saved.get(k) != model_config.get(k)]
     if diff:
+        flags = [f"--{k.replace('_', '-')}" for k in keys if saved.get(k) != model_config.get(k)]
         raise LatticeConfigError(f"{path} was saved for a different model (saved vs this run: {'; '.join(diff)}); "
-                                 f"use the same --model and --vocab-size as the saved run, or start without --resume")
+                                 f"drop the flags that change it ({', '.join(flags)}, or --model) to continue the "
+                                 f"saved model, or start without --resume")
 
 
 def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:

@@ -103,7 +103,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 #: what a resumed run keeps unless its flag is given: the model (family, preset, sizes, the
 #: tokenizer's vocabulary) and the task it was trained on
-RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task")
+RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task",
+                  "dropout")
 
 
 def train_config(args, resumed: dict | None = None, **changes):

@@ -88,7 +88,10 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     run = run_dir.choose(args.out_dir, resumed_run, int(ckpt["step"]) if ckpt is not None else None, args.overwrite)
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
-    recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where)} if ckpt is not None else {}
+    recorded = {}
+    if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
+        recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where),
+                    "model_from": _resumed_model(args, ckpt, arch)}
     tcfg = train_config(args, saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
     if run.fresh:  # created later, by one process: here only its parent
@@ -141,6 +144,21 @@ def _recorded_data(args, saved: dict, where) -> dict:
     return data
 
 
+def _resumed_model(args, ckpt: dict, arch: str) -> dict:
+    """The model a resumed run continues: its checkpoint's whole config (an imported HF model's
+    sizes included), with the fields of a --model preset given on this command line (a
+    mismatch is then refused by name, as for any size flag)."""
+    from lattice.models import get_arch
+
+    model = dict(ckpt["model_config"])
+    if args.model is not None:
+        config_class = get_arch(arch).config_class
+        if args.model not in config_class.presets:
+            config_class.preset(args.model)  # refuses the unknown name, listing the family's presets
+        model.update(config_class.presets[args.model])
+    return model
+
+
 def _resumed_tokenizer(args, where: Path) -> dict:
     """A resumed run reads text with the tokenizer its weights were trained with, the run's
     tokenizer.json, on its recorded data or on new --data alike: the TrainConfig field that says
@@ -152,6 +170,12 @@ def _resumed_tokenizer(args, where: Path) -> dict:
     if not run_tokenizer.is_file():  # a single file exported elsewhere: the data decide, as before
         return {}
     if args.tokenizer is None:
+        size = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab_size()
+        if args.vocab_size is not None and args.vocab_size != size:
+            raise LatticeConfigError(f"--vocab-size {args.vocab_size} asks for a new BPE, and {where} reads its text "
+                                     f"with its own tokenizer.json of {size} tokens (vocab_size {size} vs "
+                                     f"{args.vocab_size}); drop --vocab-size to continue the run, or start a new "
+                                     f"one with --init-from {where}")
         return {"tokenizer": str(run_tokenizer)}
     given = Path(args.tokenizer) / "tokenizer.json" if Path(args.tokenizer).is_dir() else Path(args.tokenizer)
     if given.is_file() and given.resolve() != run_tokenizer.resolve():

@@ -59,6 +59,9 @@ class TrainConfig:
     tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
                                        "trained on the data)", metavar="PATH", group="data")
     data_hash: str | None = None  # identity of the text trained on (set by the trainer)
+    #: the model a resumed run continues (its checkpoint's config; `lattice train --resume` sets
+    #: it): the shape flags given replace its fields, the preset is not consulted
+    model_from: dict | None = None
     dropout: float = flag(0.0, "dropout probability", group="model")
     init_from: str | None = flag(None, "start from the weights of a lattice checkpoint or run directory (lattice "
                                        "convert --from hf writes one); what it lacks for this task (a new classifier) "
@@ -207,14 +210,17 @@ class TrainConfig:
         return corpus
 
     def model_config(self, vocab_size: int | None = None):
-        """The model this run trains: the family's preset with the shape overrides, its token
-        table the tokenizer's `vocab_size` plus the task's special tokens (whose ids an
-        encoder-decoder's config takes)."""
+        """The model this run trains: the family's preset (or `model_from`, a resumed run's
+        model) with the shape overrides, its token table the tokenizer's `vocab_size` plus the
+        task's special tokens (whose ids an encoder-decoder's config takes; a resumed model keeps
+        its own)."""
         config_class = get_arch(self.arch).config_class
         shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len", "target_len")
                  if getattr(self, k)}
         if self.task_name == "classify":
             shape["num_labels"] = self.num_labels()
+        if self.model_from is not None:
+            return config_class.from_dict({**self.model_from, "dropout": self.dropout, **shape})
         tokenizer_vocab = vocab_size or self.vocab_size
         return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
                                    vocab_size=model_vocab(self.task_name, tokenizer_vocab),
