@@ -265,3 +265,19 @@ def test_export_carries_the_tokenizer_and_transformers_generates_lattices_text(t
                                    pad_token_id=0)
     theirs = prompt + tokenizer.decode(generated[0, ids.shape[1]:])
     assert ours == theirs and len(theirs) > len(prompt), (ours, theirs)
+
+
+@pytest.mark.parametrize("direction", [["--from", "hf", "hf_dir", "out"], ["run", "--to", "hf", "out"]],
+                         ids=["from-hf", "to-hf"])
+def test_hf_conversion_without_its_packages_names_the_extra_and_writes_nothing(direction, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Catches `lattice convert --to hf` without safetensors ending in ModuleNotFoundError after
+    creating an empty destination: one line naming the extra, nothing written."""
+    from lattice.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    assert cli.main(["convert", *direction]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs safetensors" in err and "pip install 'lattice[hf]'" in err
+    assert not (tmp_path / "out").exists()

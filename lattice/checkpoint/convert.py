@@ -47,6 +47,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args) -> int:
+    if args.source == "hf" or args.to == "hf":
+        hf.require_hf_packages("lattice convert --from hf" if args.source == "hf" else "lattice convert --to hf")
     if args.source == "hf":
         meta, tensors = _from_hf(Path(args.src))
         to = args.to or "sharded"

@@ -32,6 +32,17 @@ from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.sharding import check_state_dict_keys
 
 
+def require_hf_packages(what: str) -> None:
+    """Refuse, in one line naming the extra to install, HF import or export (`what`) without
+    transformers and safetensors: before anything is read or written."""
+    import importlib.util
+
+    missing = [name for name in ("transformers", "safetensors") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise LatticeConfigError(f"{what} needs {' and '.join(missing)}, which are not installed; pip install "
+                                 f"'lattice[hf]' (or pip install {' '.join(missing)})")
+
+
 def transformers_module():
     try:
         import transformers
