@@ -170,3 +170,17 @@ def test_a_write_failing_on_one_rank_stops_every_rank_alike(tmp_path, async_chec
     assert messages[0].startswith("step 4: writing the checkpoint into") and "(no space left on the device;" in messages[0]
     assert "last intact checkpoint is" in messages[0] and messages[0].endswith("step-00000002")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_a_refused_run_leaves_no_directory_behind(tmp_path, capsys, monkeypatch):
+    """Catches a run refused for its data or sizes that still creates its --out-dir (or runs/)
+    first, leaving an empty run that `lattice eval runs/latest` then says holds no checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "binary.so").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "one.txt").write_text("a")  # text, but a single token: refused once tokenized
+    refused = (["--data", "binary.so"], ["--data", "one.txt"], ["--n-heads", "5"], ["--batch-size", "3", "--dp", "2"])
+    for flags in refused:
+        for out in (["--out-dir", "new"], []):
+            assert cli.main(["train", "--model", "tiny", "--vocab-size", "512", *flags, *out]) == 2, flags
+            assert capsys.readouterr().err.startswith("error: ")
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.so", "one.txt"], (flags, out)

@@ -67,7 +67,8 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     family, the run's data and tokenizer (the corpus is built here: the model's vocabulary is the
     tokenizer's), the run plan (lattice.training.trainer.plan_run: every size, the schedule, the
     --init-from weights), the directory it writes into (lattice.checkpoint.run_dir). Changes
-    nothing but the token cache (an explicit out-dir is created if missing); the launcher runs it
+    nothing but the token cache (an explicit out-dir is created if missing, once everything else
+    passed, so a refused request leaves no directory behind); the launcher runs it
     before starting processes and every rank before any process group exists, so a bad request
     fails in one line, the same everywhere, and the trainer builds from the plan without checking
     again. Returns (layout, run plan, corpus, run dir)."""
@@ -94,14 +95,15 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
                     "model_from": _resumed_model(args, ckpt, arch)}
     tcfg = train_config(args, saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
+    corpus = tcfg.corpus()
+    plan = plan_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
+                    allow_config_change=args.allow_config_change)
+    # last, as these create directories: a request refused above leaves none behind
     if run.fresh:  # created later, by one process: here only its parent
         check_out_dir(run.out.parent, checkpoint.FILENAME)
     else:
         check_out_dir(run.out, checkpoint.FILENAME)
         faults.RunLock(run.out).probe()
-    corpus = tcfg.corpus()
-    plan = plan_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
-                    allow_config_change=args.allow_config_change)
     return layout, plan, corpus, run
 
 
