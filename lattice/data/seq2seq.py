@@ -30,7 +30,7 @@ from functools import cached_property
 
 import torch
 
-from lattice.data.corpus import Corpus, global_batch, json_lines, on_device, replica_rows, val_windows
+from lattice.data.corpus import Corpus, global_batch, json_lines, on_device, replica_rows, truncated, val_windows
 from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError
 
@@ -90,6 +90,16 @@ class Seq2Seq:
             raise LatticeConfigError(f"--data {self.data} has {len(self.pairs[1])} validation pairs (every "
                                      f"{VAL_EVERY}th line), fewer than one batch of {batch_size}; give more pairs or "
                                      f"a smaller --batch-size")
+
+    def truncation(self, seq_len: int) -> str | None:
+        """How many sources of --data are longer than seq_len, and targets than target_len - 1
+        (with [EOS]), which the batches cut; None when none is."""
+        if self.data is None:
+            return None
+        train, val = self.pairs
+        notes = [truncated("sources", [len(s) for s, _ in train + val], seq_len, "--seq-len"),
+                 truncated("targets", [len(t) for _, t in train + val], self.target_len - 1, "--target-len")]
+        return "; ".join(filter(None, notes)) or None
 
     def _batch(self, sources: list, targets: list, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.full((len(sources), seq_len), self.pad, dtype=torch.int64)

@@ -36,7 +36,7 @@ from functools import cached_property
 import torch
 
 from lattice.data.corpus import (VAL_FRACTION, Corpus, check_batch_size, global_batch, json_lines, on_device,
-                                 replica_rows, train_batch, unigram_baseline, val_batches, val_windows)
+                                 replica_rows, train_batch, truncated, unigram_baseline, val_batches, val_windows)
 from lattice.data.seq2seq import PAIR_TOKENS, Seq2Seq
 from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError
@@ -100,6 +100,10 @@ class NextToken:
 
     def baseline(self) -> str:
         return f"unigram baseline: {unigram_baseline(self.corpus):.4f} nats/token"
+
+    def truncation(self, seq_len: int) -> str | None:
+        """What the batches cut off of the examples, in one line, or None (windows cut nothing)."""
+        return None
 
 
 class MaskedLM(NextToken):
@@ -230,6 +234,14 @@ class Classify:
 
     def score(self, model, batches) -> torch.Tensor:
         return accuracy(model, batches)
+
+    def truncation(self, seq_len: int) -> str | None:
+        """How many texts of --data are longer than a sequence holds after [CLS] (and the longest),
+        which the batches cut to their first seq_len - 1 tokens; None when none is."""
+        if self.data is None:
+            return None
+        lengths = [len(ids) for split in self.examples[:2] for ids, _ in split]
+        return truncated("texts", lengths, seq_len - 1, "--seq-len")
 
     def trivial(self) -> float:
         """The accuracy of always answering the most frequent class of the validation batches."""
