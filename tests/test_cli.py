@@ -106,8 +106,9 @@ def _other_value(f, default):
 def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     """Catches a Layout or TrainConfig field that the flags, the run's config.toml or `--config`
     drop or rename (a field read back at its default instead of the run's value): a run with
-    every field away from its default is written as config.toml and read back through
-    `--config` to the same Layout and TrainConfig."""
+    every field away from its default, and family sizes given (a bool set to False among them),
+    is written as config.toml and read back through `--config` to the same Layout and
+    TrainConfig."""
     from dataclasses import fields
 
     from lattice.cli.arguments import config_toml, layout_from_args, run_config, train_config, with_config_file
@@ -116,13 +117,15 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     layout = lattice.Layout("1d", tp=2, dp=2, pp=2, microbatches=4, pp_schedule="interleaved", pp_virtual=2,
                             pp_layers=(1, 2, 1, 1), pp_scatter_gather=False, options={"sequence_parallel": True},
                             ranks_per_node=2)
-    set_by_the_trainer = {"data_hash", "model_from"}  # (model_from: by --resume)
-    changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_by_the_trainer}
-    changed.update(arch="llama", model="tiny", batch_size=8, target_len=None)  # an encoder-decoder's: below
+    set_elsewhere = {"data_hash", "model_from", "model_sizes"}  # by the trainer, by --resume, by the size flags
+    changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_elsewhere}
+    changed.update(arch="llama", model="tiny", batch_size=8, target_len=None,  # an encoder-decoder's: below
+                   model_sizes={"n_kv_heads": 2, "norm_eps": 1e-6, "tie_embeddings": True})
     # bf16 weights exclude autocast and float64 weights: the second run has those, the first the others
     mixed = {"precision": changed.pop("precision"), "grad_reduce_dtype": changed.pop("grad_reduce_dtype")}
     for tcfg in (TrainConfig(**changed), TrainConfig(**{**changed, "arch": "t5", "task": "seq2seq", "target_len": 12,
-                                                        **mixed, "bf16": False, "dtype": "float32"})):
+                                                        **mixed, "bf16": False, "dtype": "float32",
+                                                        "model_sizes": {"d_ff": 40, "tie_embeddings": False}})):
         (tmp_path / "run.toml").write_text(config_toml(run_config(layout, tcfg)))
         args = with_config_file(["train", "--config", str(tmp_path / "run.toml")], str(tmp_path / "run.toml"))
         assert layout_from_args(args) == layout
@@ -357,3 +360,33 @@ def test_a_resume_continues_the_run_as_it_was_and_keeps_its_tokenizer(tmp_path, 
                      *common]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "other ids, and the resumed weights were trained on those ids" in err
+
+
+def test_every_size_of_every_family_is_a_flag_and_reaches_the_model(tmp_path, capsys):
+    """Catches a family config field the command line cannot set (a Llama of 2 kv heads, a
+    Mistral window, an untied Qwen2 needed a preset), a size flag read but dropped on the way to
+    the model, and a size of another family accepted silently: each family's sizes, given as
+    flags, are in the trained checkpoint's model config; another family's is refused in one line."""
+    from dataclasses import fields
+
+    from lattice.models import family_sizes
+
+    declared = {f.name for arch in lattice.available_archs() for f in fields(lattice.get_arch(arch).config_class)}
+    set_elsewhere = {"vocab_size", "num_labels", "pad_token_id", "eos_token_id", "decoder_start_token_id",
+                     "rope_scaling"}  # the tokenizer, the data, the task; a dict (the preset's or an HF config's)
+    assert set(family_sizes()) == declared - set_elsewhere
+    runs = {"llama": ["--n-kv-heads", "2", "--intermediate-size", "96", "--norm-eps", "1e-6", "--rope-theta", "5e4"],
+            "mistral": ["--sliding-window", "7", "--n-kv-heads", "8"],
+            "qwen2": ["--tie-embeddings", "--init-std", "0.01"]}
+    for arch, flags in runs.items():
+        out = tmp_path / arch
+        assert cli.main(["train", "--arch", arch, *TINY_ARGS, "--steps", "1", *flags, "--out-dir", str(out)]) == 0
+        saved = lattice.checkpoint.read(out)["model_config"]
+        given = dict(zip(flags[::2], flags[1::2])) if arch != "qwen2" else {"--init-std": "0.01"}
+        for flag, value in given.items():
+            assert saved[flag[2:].replace("-", "_")] == type(saved[flag[2:].replace("-", "_")])(value), (arch, flag)
+        assert arch != "qwen2" or saved["tie_embeddings"] is True
+    capsys.readouterr()
+    assert cli.main(["train", *TINY_ARGS, "--sliding-window", "4", "--out-dir", str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--arch gpt2 has no --sliding-window" in err

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from lattice.models import DEFAULT_ARCH, available_archs, get_arch
+from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
 from lattice.modes.layout import Layout
 from lattice.modes.options import add_mode_option_flags, flag_fields, given_mode_options
 from lattice.parallel.context import LatticeConfigError
@@ -62,10 +62,36 @@ def add_model_flags(p: argparse.ArgumentParser, arch_from_run: bool = False) -> 
     p.add_argument("--model", default=None, metavar="PRESET",
                    help="size preset of the family (default its default, e.g. small for gpt2; " +
                         "; ".join(f"{a}: {', '.join(get_arch(a).config_class.presets)}" for a in available_archs()) + ")")
-    for flag, what in (("--d-model", "width"), ("--n-layers", "transformer blocks"), ("--n-heads", "attention heads"),
-                       ("--seq-len", "context length")):
-        p.add_argument(flag, type=int, default=None, help=f"{what} (default: the preset's)")
+    if arch_from_run:  # the run's model: its sizes are the run's
+        for flag, what in (("--d-model", "width"), ("--n-layers", "transformer blocks"),
+                           ("--n-heads", "attention heads"), ("--seq-len", "context length")):
+            p.add_argument(flag, type=int, default=None, help=f"{what} (default: the preset's)")
+    else:
+        add_size_flags(p)
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary of the built-in corpus")
+
+
+def add_size_flags(p: argparse.ArgumentParser, skip=()) -> None:
+    """One flag per size field of the families' configs (lattice.models.family_sizes: --d-model,
+    --n-kv-heads, --sliding-window, ...; a bool is a --name / --no-name switch) but those in
+    `skip`, each defaulting to the preset's, in the "model" help group."""
+    where, every = group(p, "model"), len(available_archs())
+    for name, (kind, families) in family_sizes().items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        owners = "" if len(families) == every else f" ({', '.join(families)})"
+        text = f"the model config's {name}{owners} (default: the preset's)"
+        if kind is bool:
+            where.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            where.add_argument(flag, dest=name, type=kind, default=None, help=text)
+
+
+def given_sizes(args, skip=()) -> dict:
+    """The size flags of `add_size_flags` given on the command line (or in --config)."""
+    return {name: getattr(args, name) for name in family_sizes()
+            if name not in skip and getattr(args, name, None) is not None}
 
 
 def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False) -> None:
@@ -83,6 +109,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     # the model defaults to a resumed run's (RESUMED_FIELDS); the run directory is chosen by
     # lattice.checkpoint.run_dir
     add_flags(p, TrainConfig, **dict.fromkeys(RESUMED_FIELDS))
+    add_size_flags(p, skip={f.name for f in flag_fields(TrainConfig)})  # the family-specific sizes
     group(p, "layout").add_argument("--nproc", type=int, default=None,
                                     help="start this many local processes through torch.distributed.run (default: "
                                          "none, one process or those torchrun started)")
@@ -119,6 +146,7 @@ def train_config(args, resumed: dict | None = None, **changes):
         if given[name] is None:
             given[name] = (resumed or {}).get(name, defaults[name])
     given["arch"] = given["arch"] or DEFAULT_ARCH
+    given["model_sizes"] = given_sizes(args, skip=set(given))
     return TrainConfig(**{**given, **changes})
 
 
@@ -131,6 +159,7 @@ def run_config(layout: Layout, tcfg) -> dict:
     out = {f.name: getattr(layout, f.name) for f in flag_fields(Layout)}
     out.update(layout.options)
     out.update({f.name: getattr(tcfg, f.name) for f in flag_fields(TrainConfig)})
+    out.update(tcfg.model_sizes)
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(out.items()) if v is not None}
 
 

@@ -7,7 +7,7 @@ SUPER's message counts.
 
 from __future__ import annotations
 
-from lattice.cli.arguments import layout_from_args
+from lattice.cli.arguments import given_sizes, layout_from_args
 from lattice.models import DEFAULT_ARCH
 from lattice.modes.layout import PLACEMENTS
 from lattice.parallel.context import MeshAxis
@@ -28,8 +28,7 @@ def run_info(args) -> int:
     ctx = layout_from_args(args).context()
     topo = ctx.topology
     arch = args.arch or DEFAULT_ARCH
-    cfg = model_config(arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
-                       n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len)
+    cfg = model_config(arch, args.model, vocab_size=args.vocab_size, **given_sizes(args))
     with torch.device("meta"):
         model = build_model(cfg, ctx)
     axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from lattice.cli.arguments import add_layout_flags, layout_from_args
+from lattice.cli.arguments import add_layout_flags, add_size_flags, given_sizes, layout_from_args
 from lattice.cost.machine import PAPER_CLUSTER
 from lattice.cost.model import estimate
 from lattice.cost.plan import (format_cost, format_pipeline, format_splits, format_table1, machine_from_spec,
@@ -32,11 +32,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="size preset of the family (default its default preset, e.g. small for gpt2)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help=f"default: the preset's (published models), else the built-in corpus's {DEFAULT_VOCAB}")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--n-heads", type=int, default=None)
-    p.add_argument("--n-layers", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--target-len", type=int, default=None, help="an encoder-decoder's target length (t5)")
+    add_size_flags(p)
     p.add_argument("--batch", type=int, default=8,
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
@@ -56,8 +52,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_plan(args) -> int:
     """Refusals (LatticeConfigError) reach `lattice.cli.main.main`, which prints them in one line."""
-    cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, d_model=args.d_model,
-                       n_heads=args.n_heads, n_layers=args.n_layers, seq_len=args.seq_len, target_len=args.target_len)
+    cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, **given_sizes(args))
     replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
     if args.batch < 1 or args.batch % replicas:
         raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "

@@ -22,7 +22,7 @@ def model_config(arch: str, preset: str | None, **sizes):
     """The config of `arch`'s preset (its default one without a name) with the sizes given (None: the preset's)."""
     config_class = get_arch(arch).config_class
     name = preset or config_class.default_preset
-    sizes = {k: v for k, v in sizes.items() if v}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
     unknown = sorted(set(sizes) - {f.name for f in dataclass_fields(config_class)})
     if unknown:
         raise LatticeConfigError(f"--arch {arch} has no {', '.join(unknown)} (its sizes: "

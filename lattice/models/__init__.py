@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lattice.models.base import DecoderLM, Model, ModelConfig, Parts
-from lattice.models.registry import DEFAULT_ARCH, arch_of_config, available_archs, build_model, get_arch, register
+from lattice.models.registry import (DEFAULT_ARCH, arch_of_config, available_archs, build_model, family_sizes, get_arch,
+                                     register)
 from lattice.parallel.context import LatticeConfigError
 
 
@@ -67,4 +68,4 @@ def load_hf_dir(src: Path):
 
 
 __all__ = ["DEFAULT_ARCH", "DecoderLM", "Model", "ModelConfig", "Parts", "arch_of_config", "arch_of_hf", "available_archs",
-           "build_model", "from_hf", "get_arch", "load_hf_dir", "register"]
+           "build_model", "family_sizes", "from_hf", "get_arch", "load_hf_dir", "register"]

@@ -52,6 +52,27 @@ def get_arch(name: str) -> type[nn.Module]:
     return _FAMILIES[name]
 
 
+#: config fields a run sets from elsewhere than a size flag: the tokenizer's vocabulary, the
+#: data's classes, the task's special-token ids
+NOT_SIZES = ("vocab_size", "num_labels", "pad_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def family_sizes() -> dict[str, tuple[type, tuple[str, ...]]]:
+    """Every scalar field (int, float, bool, str) of the registered families' configs but
+    NOT_SIZES, with its type and the families that declare it: what the command line offers as
+    size flags (`--n-kv-heads`, `--sliding-window`, ...), derived here once."""
+    _load_builtin()
+    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    found: dict[str, tuple[type, tuple[str, ...]]] = {}
+    for name in sorted(_FAMILIES):
+        for f in dataclasses.fields(_FAMILIES[name].config_class):
+            kind = kinds.get(str(f.type).split(" |")[0])
+            if kind is None or f.name in NOT_SIZES:
+                continue
+            found[f.name] = (found.get(f.name, (kind, ()))[0], found.get(f.name, (kind, ()))[1] + (name,))
+    return found
+
+
 def arch_of_config(cfg) -> type[nn.Module]:
     """The family whose config class `cfg` is."""
     _load_builtin()

@@ -6,14 +6,14 @@ use the same names); from it come the training text, the task and the model's co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lattice import checkpoint
 from lattice.data.corpus import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
 from lattice.data.tasks import (BUILTIN_CLASSES, TASKS, check_task, make_task, model_vocab, read_labelled,
                                 task_model_fields)
-from lattice.models import DEFAULT_ARCH, available_archs, get_arch
+from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
 from lattice.modes.options import flag
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.zero import ZERO_STAGES
@@ -59,6 +59,9 @@ class TrainConfig:
     tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
                                        "trained on the data)", metavar="PATH", group="data")
     data_hash: str | None = None  # identity of the text trained on (set by the trainer)
+    #: the family-specific sizes given as flags (--n-kv-heads, --sliding-window, ...: those of
+    #: lattice.models.family_sizes that are not fields here), replacing the preset's
+    model_sizes: dict = field(default_factory=dict)
     #: the model a resumed run continues (its checkpoint's config; `lattice train --resume` sets
     #: it): the shape flags given replace its fields, the preset is not consulted
     model_from: dict | None = None
@@ -151,7 +154,12 @@ class TrainConfig:
             raise LatticeConfigError("--task seq2seq reads source/target pairs from JSON lines: pass --data-format "
                                      "jsonl (with --source-key and --target-key)")
         config_class = get_arch(self.arch).config_class
-        if self.target_len is not None and "target_len" not in {f.name for f in fields(config_class)}:
+        declared = {f.name for f in fields(config_class)}
+        if set(self.model_sizes) - declared:
+            flags = ", ".join("--" + n.replace("_", "-") for n in sorted(set(self.model_sizes) - declared))
+            raise LatticeConfigError(f"--arch {self.arch} has no {flags} (its sizes: "
+                                     f"{', '.join(sorted(declared & set(family_sizes())))}); drop it")
+        if self.target_len is not None and "target_len" not in declared:
             raise LatticeConfigError(f"--target-len is an encoder-decoder's (t5); --arch {self.arch} reads one "
                                      f"sequence of --seq-len tokens")
         if self.init_from and self.tokenizer is None and Path(self.init_from).exists():
@@ -220,8 +228,8 @@ class TrainConfig:
         if self.task_name == "classify":
             shape["num_labels"] = self.num_labels()
         if self.model_from is not None:
-            return config_class.from_dict({**self.model_from, "dropout": self.dropout, **shape})
+            return config_class.from_dict({**self.model_from, "dropout": self.dropout, **self.model_sizes, **shape})
         tokenizer_vocab = vocab_size or self.vocab_size
         return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
                                    vocab_size=model_vocab(self.task_name, tokenizer_vocab),
-                                   **task_model_fields(self.task_name, tokenizer_vocab), **shape)
+                                   **task_model_fields(self.task_name, tokenizer_vocab), **self.model_sizes, **shape)
