@@ -331,3 +331,24 @@ def _mixed_radix(ctx, axes) -> int:
     for axis in axes:
         k = k * ctx.topology.size(axis) + ctx.coords.get(axis, 0)
     return k
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("mode", lattice.available_modes())
+def test_building_a_model_leaves_its_mode_unchanged(mode):
+    """Catches a mode whose factories record what they build (the 2D mode appended every
+    linear's product to lists its workspace was sized from): every attribute of the mode is the
+    same before and after a whole model's pieces are built from it, in its first test layout."""
+    from lattice.modes import get_mode
+
+    layout = get_mode(mode).test_layouts[0] if get_mode(mode).test_layouts else {}
+    cfg = lattice.GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    ctx = lattice.plan(mode, **layout)
+    built = get_mode(mode)(cfg, ctx)
+    before = {name: repr(value) for name, value in vars(built).items()}
+    with torch.device("meta"):
+        model = lattice.GPT(cfg, ctx)
+    model.mode = built  # (the model built its own; build the same pieces from this one)
+    with torch.device("meta"):
+        type(model).build(model)
+    assert {name: repr(value) for name, value in vars(built).items()} == before

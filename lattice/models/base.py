@@ -189,7 +189,7 @@ class Model(nn.Module):
         position alone with last_only). Inference: `cache` holds one dict per block (see
         generate) and `start` is the position of tokens[:, 0]."""
         self.check_inputs(tokens, targets, start)
-        self.mode.begin_batch(*tokens.shape)
+        self.mode.begin_batch(self, *tokens.shape)
         if self.training:
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():

@@ -355,7 +355,7 @@ class T5(Model):
         self.check_inputs(tokens, targets, decoder_tokens)
         if targets is not None:
             decoder_tokens = self.shift_right(targets)
-        self.mode.begin_batch(tokens.shape[0], max(tokens.shape[1], decoder_tokens.shape[1]))
+        self.mode.begin_batch(self, tokens.shape[0], max(tokens.shape[1], decoder_tokens.shape[1]))
         if self.training:
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():
@@ -381,7 +381,7 @@ class T5(Model):
         was_training = self.training
         self.eval()
         B = prompt.shape[0]
-        self.mode.begin_batch(B, max(prompt.shape[1], max_new_tokens))
+        self.mode.begin_batch(self, B, max(prompt.shape[1], max_new_tokens))
         gen = torch.Generator().manual_seed(seed)
         memory = self.encode(prompt)
         out = self.start_tokens(B, prompt.device)

@@ -168,9 +168,10 @@ class Mode:
         """Raise LatticeConfigError when a batch's shape does not fit this layout on `ctx`. A
         check only: it changes nothing (launcher, planner and every rank call it alike)."""
 
-    def begin_batch(self, batch: int, seq: int) -> None:
-        """What a (batch, seq) replica batch (a micro-batch under pipelining) sets up before its
-        forward runs, after `check_batch` passed: none by default."""
+    def begin_batch(self, model: nn.Module, batch: int, seq: int) -> None:
+        """What a (batch, seq) replica batch (a micro-batch under pipelining) sets up before
+        `model` (the module about to run, made of the pieces this mode built; building them
+        changes nothing in the mode) runs it, after `check_batch` passed: none by default."""
 
     # ---- building blocks
     #: mesh axes the attention heads are split over (each rank holding whole heads), and the

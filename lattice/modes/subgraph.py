@@ -330,7 +330,7 @@ class SubGraph(Mode):
                   f"the common layers split each replica's batch over {what}: give each replica a multiple "
                   f"of {per} sequences (for example {nearby_multiples(b, per)})")
 
-    def begin_batch(self, batch, seq):  # the idle ranks of D&SP-cSub size what they receive by it
+    def begin_batch(self, model, batch, seq):  # the idle ranks of D&SP-cSub size what they receive by it
         self.seg.batch = batch
 
     # heads: sub-grid k's block; the members of a sub-grid run other sequences

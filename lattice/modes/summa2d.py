@@ -146,9 +146,8 @@ class Linear(nn.Module):
         self.has_bias = bias
         self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
         total = math.prod(out_shape)
-        mode.products.append((in_features, total))  # for the workspace plan
-        if bias:
-            mode.vectors.append(total // mode.q)
+        # what the workspace plan (Summa2D.begin_batch) reads: the product's (K, N), the bias's length
+        self.product, self.vector = (in_features, total), total // mode.q if bias else 0
 
     def forward(self, x):
         weight, bias = linear_params(self)
@@ -264,10 +263,6 @@ class Summa2D(Mode):
         self.q = ctx.size(ROW)
         self.vocab_pad = round_up(cfg.vocab_size, self.q)
         self.grid = SummaGrid(ctx)
-        # (K, N) of every linear's product and the local length of every row-0 vector the model
-        # builds, recorded as its modules are made: the workspace is sized from them
-        self.products: list[tuple[int, int]] = [(self.vocab_pad, cfg.d_model)]  # the LM head: (K, N) = (V, h)
-        self.vectors: list[int] = [cfg.d_model // self.q]  # norms
 
     @classmethod
     def check_config(cls, cfg, ctx):
@@ -283,22 +278,25 @@ class Summa2D(Mode):
         divisible("batch size", b, q, "the 2D mesh side q",
                   f"give each replica a multiple of {q} sequences (for example {nearby_multiples(b, q)})")
 
-    def begin_batch(self, batch, seq):
-        self.grid.workspace.reserve(*self.workspace_plan(batch, seq))
+    def begin_batch(self, model, batch, seq):
+        self.grid.workspace.reserve(*self.workspace_plan(model, batch, seq))
 
     def table_spec(self) -> ShardSpec:
         """(V, h) in q x q blocks, V padded with zero rows to a multiple of q."""
         return vocab_table_spec(self.cfg, ((0, (ROW,)), (1, (COL,))), self.q)
 
-    def workspace_plan(self, batch: int, seq: int) -> tuple[int, int]:
+    def workspace_plan(self, model, batch: int, seq: int) -> tuple[int, int]:
         """(receive-buffer, step) sizes in elements: the largest of any SUMMA step (two blocks,
-        §3.2.3) and of any row-0 parameter broadcast, for a (batch, seq) replica batch."""
+        §3.2.3) and of any row-0 parameter broadcast, for a (batch, seq) replica batch through
+        `model`'s linears, the LM head and the norms."""
         cfg, q = self.cfg, self.q
         h, m = cfg.d_model, batch // q * seq
+        linears = [module for module in model.modules() if isinstance(module, Linear)]
+        products = [(self.vocab_pad, h)] + [linear.product for linear in linears]  # the LM head: (K, N) = (V, h)
         # a product of A [M, K] and B [K, N]: blocks of (M/q)·(K/q) and (K/q)·(N/q) in every form
-        step = max(m * k // q + k * n // (q * q) for k, n in self.products)
+        step = max(m * k // q + k * n // (q * q) for k, n in products)
         step = max(step, self.vocab_pad * h // (q * q))  # embedding: one table block
-        recv = max([seq * h // q] + self.vectors)  # the position rows, biases and norm weights
+        recv = max([seq * h // q, h // q] + [linear.vector for linear in linears])  # positions, norms, biases
         return recv, step
 
     # heads by column j, sequences by row i

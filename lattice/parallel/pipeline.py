@@ -394,7 +394,7 @@ class PipelineModel(nn.Module):
         model, pcfg, ctx = self._model, self.pcfg, self.ctx
         model.check_tokens(tokens, targets)
         check_batch(pcfg, model.mode, model.mode.ctx, tokens)
-        model.mode.begin_batch(len(tokens) // pcfg.m, tokens.shape[1])
+        model.mode.begin_batch(model, len(tokens) // pcfg.m, tokens.shape[1])
         key = tuple(tokens.shape)  # the stages' shapes follow the batch's
         if key not in self._schedules:
             self._schedules[key] = build_schedule(model, ctx, lambda x, y: model.head_loss(x, y) / pcfg.m,
