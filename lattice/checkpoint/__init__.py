@@ -188,9 +188,10 @@ def check_model_config(ckpt: dict, arch: str, model_config: dict, path: str | os
                                  f"leave --arch out to use the run's), or start without --resume")
     saved = ckpt["model_config"]
     keys = sorted((set(saved) | set(model_config)) - {"dropout"})
-    diff = [f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}" for k in keys if saved.get(k) != model_config.get(k)]
-    if diff:
-        flags = [f"--{k.replace('_', '-')}" for k in keys if saved.get(k) != model_config.get(k)]
+    differ = [k for k in keys if saved.get(k) != model_config.get(k)]
+    if differ:
+        diff = [f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}" for k in differ]
+        flags = [f"--{k.replace('_', '-')}" for k in differ]
         raise LatticeConfigError(f"{path} was saved for a different model (saved vs this run: {'; '.join(diff)}); "
                                  f"drop the flags that change it ({', '.join(flags)}, or --model) to continue the "
                                  f"saved model, or start without --resume")

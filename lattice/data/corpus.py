@@ -13,6 +13,7 @@ same data as an uninterrupted one. Data-parallel replica r of `dp` takes rows
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections import Counter
@@ -106,11 +107,13 @@ def _data_files(spec: str) -> tuple[list[Path], list[Path]]:
     if not found:
         raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
                                  f"check the path")
-    text = [p for p in found if _text_problem(p) is None]
+    text, other = [], []
+    for p in found:
+        (text if _text_problem(p) is None else other).append(p)
     if not text:
         raise LatticeConfigError(f"--data {spec} holds no text file ({len(found)} file{'s' * (len(found) > 1)}, none "
                                  f"UTF-8 text); point it at text files")
-    return text, [p for p in found if p not in set(text)]
+    return text, other
 
 
 def json_lines(spec: str, keys: tuple[str, ...], flags: str):
@@ -164,6 +167,12 @@ def _check_text(path: Path, spec: str) -> None:
 def _text_problem(path: Path) -> str | None:
     """Why a file is not text: a NUL byte, or more than 1% of its first 64 KiB not decodable as
     UTF-8 (a binary, an archive, another encoding); None for text."""
+    stat = path.stat()
+    return _sampled_text_problem(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a load lists --data's files several times: each file is sampled once
+def _sampled_text_problem(path: Path, mtime_ns: int, size: int) -> str | None:
     with open(path, "rb") as f:
         head = f.read(TEXT_SAMPLE)
     text = head.decode("utf-8", errors="replace")

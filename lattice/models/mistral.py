@@ -40,10 +40,8 @@ class MistralConfig(LlamaConfig):
 
     # tiny and small as Llama's with a window shorter than their sequences; mistral-7b: v0.1's shape
     presets = {
-        "tiny": dict(seq_len=64, d_model=64, n_heads=8, n_kv_heads=4, n_layers=2, intermediate_size=160,
-                     rope_theta=10000.0, sliding_window=32),
-        "small": dict(seq_len=128, d_model=192, n_heads=12, n_kv_heads=4, n_layers=4, intermediate_size=512,
-                      rope_theta=10000.0, sliding_window=64),
+        "tiny": dict(LlamaConfig.presets["tiny"], sliding_window=32),
+        "small": dict(LlamaConfig.presets["small"], sliding_window=64),
         "mistral-7b": dict(vocab_size=32000, seq_len=32768, d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32,
                            intermediate_size=14336, rope_theta=10000.0, sliding_window=4096),
     }

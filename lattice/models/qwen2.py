@@ -38,12 +38,10 @@ class Qwen2Config(LlamaConfig):
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
 
-    # tiny and small as Llama's (the tests' and the CLI's); the rest: the published shapes
+    # tiny and small: Llama's, untied (the tests' and the CLI's); the rest: the published shapes
     presets = {
-        "tiny": dict(seq_len=64, d_model=64, n_heads=8, n_kv_heads=4, n_layers=2, intermediate_size=160,
-                     rope_theta=10000.0, tie_embeddings=False),
-        "small": dict(seq_len=128, d_model=192, n_heads=12, n_kv_heads=4, n_layers=4, intermediate_size=512,
-                      rope_theta=10000.0, tie_embeddings=False),
+        "tiny": dict(LlamaConfig.presets["tiny"], tie_embeddings=False),
+        "small": dict(LlamaConfig.presets["small"], tie_embeddings=False),
         "qwen2-0.5b": dict(vocab_size=151936, seq_len=32768, d_model=896, n_heads=14, n_kv_heads=2, n_layers=24,
                            intermediate_size=4864, rope_theta=1000000.0, tie_embeddings=True),
         "qwen2-7b": dict(vocab_size=152064, seq_len=32768, d_model=3584, n_heads=28, n_kv_heads=4, n_layers=28,

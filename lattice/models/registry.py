@@ -69,7 +69,8 @@ def family_sizes() -> dict[str, tuple[type, tuple[str, ...]]]:
             kind = kinds.get(str(f.type).split(" |")[0])
             if kind is None or f.name in NOT_SIZES:
                 continue
-            found[f.name] = (found.get(f.name, (kind, ()))[0], found.get(f.name, (kind, ()))[1] + (name,))
+            kind, families = found.get(f.name, (kind, ()))
+            found[f.name] = (kind, families + (name,))
     return found
 
 
