@@ -92,9 +92,10 @@ class CostBuilder:
         self.work["layer" if self.region == "layer" else "other"][kind] += amount
 
     # ---- for the families: the operations of one step, in order
-    def embedding(self, *, positions: bool = True) -> None:
+    def embedding(self, *, positions: bool = True, types: int = 0) -> None:
+        """The token table, with a position table (and a token-type table of `types` rows)."""
         self.region = "embedding"
-        self.mode.cost_embedding(self, positions)
+        self.mode.cost_embedding(self, positions, types)
         self.current = self.residual
 
     @contextmanager

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from lattice.models.components import DropoutSeeds
 from lattice.models.registry import build_model
 from lattice.modes import get_mode
-from lattice.modes.kernels.loss import IGNORE_INDEX
+from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError, ParallelContext
 from lattice.parallel.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
 
@@ -153,9 +153,15 @@ class Model(nn.Module):
         """Create the layers (on the meta device; the base allocates them)."""
         raise NotImplementedError
 
-    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """The first part: tokens (B, T) at positions start.. -> the residual stream."""
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0, token_types: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """The first part: tokens (B, T) at positions start.. (of segments `token_types`, in a
+        family that has them) -> the residual stream."""
         raise NotImplementedError
+
+    def type_count(self) -> int:
+        """How many token types (segments) the family's inputs can have; 0: none."""
+        return 0
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """The last part before the head (a final norm)."""
@@ -184,26 +190,60 @@ class Model(nn.Module):
 
     # ---- forward
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                attention_mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
                 cache: list[dict] | None = None, start: int = 0, last_only: bool = False) -> torch.Tensor:
-        """The mean loss over this replica's batch, or full logits without targets (of the last
-        position alone with last_only). Inference: `cache` holds one dict per block (see
-        generate) and `start` is the position of tokens[:, 0]."""
+        """The mean loss over this replica's labelled targets, or full logits without targets
+        (of the last position alone with last_only). `attention_mask` (B, start + T), as in
+        transformers: 1 where a position holds a token, 0 where it holds padding, which no query
+        attends to and whose targets count as ignored (-100). `token_types` (B, T): each token's
+        segment, in a family that has them (BERT's sentence A = 0, B = 1). Inference: `cache`
+        holds one dict per block (see generate) and `start` is the position of tokens[:, 0]."""
         self.check_inputs(tokens, targets, start)
+        self.check_padding(tokens, start, attention_mask, token_types)
         self.mode.begin_batch(self, *tokens.shape)
         if self.training:
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():
             self._grads_pending = True  # a backward may follow: sync_grads has work again
-        x = self.embed_tokens(tokens, start)  # residual layout, e.g. (B, T, h) in serial
+        padding = self.padding_input(attention_mask)
+        x = self.embed_input(tokens, start, token_types)  # residual layout, e.g. (B, T, h) in serial
         if cache is not None:
             for i, block in enumerate(self.blocks):
-                x = block(x, cache=cache[i], start=start)
+                x = block(x, cache=cache[i], start=start, **padding)
         else:
-            x = self.run_blocks(x, self.blocks)
+            x = self.run_blocks(x, self.blocks, **padding)
         x = self.finish(x)
         if targets is None:
             return self.head_logits(x[:, -1:] if last_only else x)
-        return self.head_loss(x, targets)
+        return self.head_loss(x, self.unpadded_targets(targets, attention_mask))
+
+    @staticmethod
+    def unpadded_targets(targets: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Targets with those at padding (attention_mask 0) ignored (-100); targets of another
+        shape than the mask (one class per sequence) as they are."""
+        if attention_mask is None or targets.shape != attention_mask.shape:
+            return targets
+        return targets.masked_fill(~attention_mask.bool(), IGNORE_INDEX)
+
+    labelled_count = staticmethod(labelled_count)
+
+    def embed_input(self, tokens, start: int = 0, token_types=None) -> torch.Tensor:
+        """`embed_tokens`, given token types only where there are some (a family without them
+        may define embed_tokens(tokens, start))."""
+        if token_types is None:
+            return self.embed_tokens(tokens, start)
+        return self.embed_tokens(tokens, start, token_types)
+
+    def padding_input(self, attention_mask: torch.Tensor | None) -> dict:
+        """What a block takes of the padding: {"keep": attention_keep(mask)}, or nothing without
+        a mask (a family's blocks need not take `keep` until they are given padded batches)."""
+        return {} if attention_mask is None else {"keep": self.attention_keep(attention_mask)}
+
+    def attention_keep(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of a replica's padding mask that this rank's attention reads, as bool."""
+        if attention_mask is None:
+            return None
+        return attention_mask[self.mode.attention_rows(attention_mask.shape[0])].bool()
 
     def run_blocks(self, x: torch.Tensor, blocks, **inputs) -> torch.Tensor:
         """x through `blocks` (residual layout in and out; `inputs`: what every block takes
@@ -230,6 +270,25 @@ class Model(nn.Module):
         rank, before any collective)."""
         self.check_tokens(tokens, targets, start)
         self.mode.check_batch(self.ctx, tokens)
+
+    def check_padding(self, tokens, start: int, attention_mask, token_types) -> None:
+        """One line unless the padding mask and token types fit the tokens (every rank, before
+        any collective)."""
+        B, T = tokens.shape
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, start + T):
+                raise LatticeConfigError(f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens need "
+                                         f"{(B, start + T)} (batch, positions so far): 1 for a token, 0 for padding")
+            if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+                raise LatticeConfigError("attention_mask holds values other than 0 and 1: give 1 for a token and 0 for "
+                                         "padding, as transformers does")
+        if token_types is not None:
+            if not self.type_count():
+                raise LatticeConfigError(f"{self.family.name} has no token types: leave token_types out")
+            if token_types.shape != tokens.shape:
+                raise LatticeConfigError(f"token_types has shape {tuple(token_types.shape)}, the tokens "
+                                         f"{tuple(tokens.shape)}: give one segment id per token")
+            check_ids("token_types", token_types, self.type_count())
 
     def check_tokens(self, tokens, targets, start=0):
         if tokens.dim() != 2 or tokens.dtype != torch.int64:
@@ -370,10 +429,11 @@ class Model(nn.Module):
             sum_replica_grads(self)
             self._grads_pending = False
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward and backward of this replica's batch, with the in-replica gradient sums; the
-        replica's mean loss as a float, identical on every rank of the replica."""
-        loss = self(tokens, targets)
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> float:
+        """Forward and backward of this replica's batch (`inputs`: attention_mask, token_types,
+        as `forward` takes them), with the in-replica gradient sums; the replica's mean loss as
+        a float, identical on every rank of the replica."""
+        loss = self(tokens, targets, **inputs)
         loss.backward()
         self.sync_grads()
         return float(loss.detach())
@@ -431,7 +491,7 @@ class DecoderLM(Model):
     norm `ln_f` and the LM head `head` (tied to `embed.wte` when cfg.tie_embeddings). A family of
     this shape builds those modules in `build()` and inherits the forward pieces and its parts."""
 
-    def embed_tokens(self, tokens, start=0):
+    def embed_tokens(self, tokens, start=0, token_types=None):
         return self.drop(self.embed(tokens, start))
 
     def finish(self, x):

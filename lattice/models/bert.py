@@ -117,10 +117,10 @@ class BertLayer(nn.Module):
                        dropout=cfg.dropout)
         self.ln_2 = mode.norm("layer", **norm)
 
-    def forward(self, x, cache: dict | None = None, start: int = 0):
+    def forward(self, x, cache: dict | None = None, start: int = 0, keep=None):
         if cache is not None:
             raise LatticeConfigError("BERT is an encoder: it has no generation cache")
-        x = self.ln_1(x + self.attn(x))
+        x = self.ln_1(x + self.attn(x, keep=keep))
         return self.ln_2(x + self.mlp(x))
 
 
@@ -268,8 +268,11 @@ class Bert(Model):
     def init_std(self, name):
         return self.cfg.init_std  # transformers' BertPreTrainedModel: one std for every matrix
 
-    def embed_tokens(self, tokens, start=0):
-        return self.drop(self.embed_norm(self.embed(tokens, start)))
+    def type_count(self):
+        return self.cfg.type_vocab_size
+
+    def embed_tokens(self, tokens, start=0, token_types=None):
+        return self.drop(self.embed_norm(self.embed(tokens, start, token_types)))
 
     def _transform(self, x):  # the MLM transform, residual layout in and out
         return self.mlm_norm(F.gelu(self.mlm_dense(x)))
@@ -304,7 +307,7 @@ class Bert(Model):
     def cost_layout(self, b):
         cfg = self.cfg
         h, inner = cfg.d_model, cfg.intermediate_size
-        b.embedding(positions=True)
+        b.embedding(positions=True, types=cfg.type_vocab_size)
         b.norm("layer", bias=True)
         with b.layer():
             b.linear(h, 3 * h, block="attention", position="in", bias=True)

@@ -154,10 +154,12 @@ class SelfAttention(nn.Module):
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
 
-    def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None):
+    def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None, keep=None):
         """`cache` (inference): this layer's keys and values so far, in this rank's layout (its
         heads of its sequences); the new positions' are appended, and a query attends to every
-        cached key (one new position) or causally (a prompt, into an empty cache)."""
+        cached key (one new position) or causally (a prompt, into an empty cache). `keep`: the
+        padding mask of this rank's sequences (`Mode.attention_rows`), (B_l, positions so far),
+        True where a key is a token, False where it is padding."""
         hs = self.head_size
         if self.stacked:
             qkv = self.qkv(x)  # (B_l, T, 3, h_l): this rank's heads
@@ -179,6 +181,7 @@ class SelfAttention(nn.Module):
             cache["k"], cache["v"] = k[:, :, kept:], v[:, :, kept:]
         y = attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
                    causal=self.causal and (cache is None or T > 1), scale=self.scale, window=self.window,
+                   keep=None if keep is None else keep[:, -k.shape[2]:],
                    dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
@@ -201,30 +204,35 @@ class AttentionDropout:
 
 
 def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, window: int | None = None,
-           dropout: AttentionDropout | None = None):
-    """softmax(scale · q kᵀ + bias [+ causal mask]) v over this rank's heads: q (B_l, nh_l, T_q,
-    hs), k and v (B_l, nkv_l, T_k, hs) (grouped-query when nkv_l < nh_l), `bias` (nh_l, T_q, T_k)
-    or None. The queries are the last T_q positions of the keys': the causal mask lets query i
-    see keys up to i + T_k - T_q, and a `window` only the last `window` of those (itself
-    included). `dropout` (training only) drops attention weights."""
+           keep: torch.Tensor | None = None, dropout: AttentionDropout | None = None):
+    """softmax(scale · q kᵀ + bias [+ masks]) v over this rank's heads: q (B_l, nh_l, T_q, hs), k
+    and v (B_l, nkv_l, T_k, hs) (grouped-query when nkv_l < nh_l), `bias` (nh_l, T_q, T_k) or
+    None. The queries are the last T_q positions of the keys': the causal mask lets query i see
+    keys up to i + T_k - T_q, and a `window` only the last `window` of those (itself included).
+    `keep` (B_l, T_k) bool hides the keys where it is False (padding); a query left with no key
+    to see (a left pad under the causal mask) sees every key instead, so that its output, which
+    nothing reads, stays finite (transformers does the same). `dropout` (training only) drops
+    attention weights."""
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    mask = None
-    if window is not None:
-        key = torch.arange(k.shape[2], device=q.device)
-        query = key[-q.shape[2]:, None]  # (T_q, 1) key positions of the queries
-        allowed = key > query - window
+    t_q, t_k = q.shape[2], k.shape[2]
+    allowed = None  # bool (.., T_q, T_k), True attends; None: no mask beyond `causal`
+    if window is not None or keep is not None or (causal and bias is not None):
+        key = torch.arange(t_k, device=q.device)
+        query = key[t_k - t_q:, None]  # (T_q, 1) key positions of the queries
+        allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device)
         if causal:
             allowed = allowed & (key <= query)
-        mask, causal = allowed, False  # (T_q, T_k) bool: True attends
-        if bias is not None:
-            mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
-            v = v.contiguous()  # as below
-    elif bias is not None:
-        mask = bias.to(q.dtype)
-        if causal:  # the bias and the causal mask in one additive mask
-            future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(k.shape[2] - q.shape[2] + 1)
-            mask = mask.masked_fill(future, float("-inf"))
+        if window is not None:
+            allowed = allowed & (key > query - window)
+        if keep is not None:
+            allowed = allowed & keep[:, None, None, :]  # (B_l, 1, T_q, T_k)
+            allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
         causal = False
+    mask = allowed
+    if bias is not None:
+        mask = bias.to(q.dtype)
+        if allowed is not None:
+            mask = mask.masked_fill(~allowed, float("-inf"))
         # with a mask that requires grad the math kernel saves v as a (B·nh, T, hs) copy, except
         # for one local sequence, where its view would keep the whole fused q/k/v output alive
         v = v.contiguous()
@@ -256,9 +264,10 @@ class CrossAttention(nn.Module):
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
 
-    def forward(self, x, memory, *, cache: dict | None = None):
+    def forward(self, x, memory, *, cache: dict | None = None, keep=None):
         """`cache` (inference): the memory's keys and values in this rank's layout, computed at
-        the first call and read at every later one (the memory does not change while decoding)."""
+        the first call and read at every later one (the memory does not change while decoding).
+        `keep`: the memory's padding mask of this rank's sequences, (B_l, S), False at padding."""
         hs = self.head_size
         q = split_heads(self.q(x), hs)  # (B_l, nh_l, T, hs)
         if cache is not None and "k" in cache:
@@ -267,7 +276,8 @@ class CrossAttention(nn.Module):
             k, v = (split_heads(t, hs) for t in self.kv(memory))  # (B_l, nh_l, S, hs)
             if cache is not None:
                 cache["k"], cache["v"] = k, v
-        y = attend(q, k, v, causal=False, scale=self.scale, dropout=self.weights_drop if self.training else None)
+        y = attend(q, k, v, causal=False, scale=self.scale, keep=keep,
+                   dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
 

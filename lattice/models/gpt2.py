@@ -80,8 +80,8 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=4 * cfg.d_model, activation="gelu_tanh",
                        bias=cfg.bias, dropout=cfg.dropout)
 
-    def forward(self, x, cache: dict | None = None, start: int = 0):
-        x = x + self.attn(self.ln_1(x), cache=cache, start=start)
+    def forward(self, x, cache: dict | None = None, start: int = 0, keep=None):
+        x = x + self.attn(self.ln_1(x), cache=cache, start=start, keep=keep)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -141,12 +141,15 @@ class T5Block(nn.Module):
         self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.d_ff, activation=activation, gated=gated,
                        bias=False, dropout=cfg.dropout, hidden_dropout=True)
 
-    def forward(self, x, position_bias, memory=None, cache: dict | None = None, start: int = 0):
-        """`cache` (the decoder's generation): {"self": .., "cross": ..}, this layer's keys and values."""
+    def forward(self, x, position_bias, memory=None, cache: dict | None = None, start: int = 0, keep=None,
+                memory_keep=None):
+        """`cache` (the decoder's generation): {"self": .., "cross": ..}, this layer's keys and
+        values. `keep`, `memory_keep`: this rank's padding masks of x and of the memory."""
         x = x + self.attn(self.ln_1(x), cache=None if cache is None else cache["self"], start=start,
-                          bias=lambda *_: position_bias)
+                          bias=lambda *_: position_bias, keep=keep)
         if memory is not None:
-            x = x + self.cross(self.ln_cross(x), memory, cache=None if cache is None else cache["cross"])
+            x = x + self.cross(self.ln_cross(x), memory, cache=None if cache is None else cache["cross"],
+                               keep=memory_keep)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -323,36 +326,42 @@ class T5(Model):
         return bucketed_bias(table.weight, t_q, t_k, start, bidirectional=bidirectional,
                              buckets=self.cfg.relative_buckets, max_distance=self.cfg.relative_max_distance)
 
-    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The encoder's output (the memory), in the residual layout."""
+    def encode(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder's output (the memory), in the residual layout; `keep`: this rank's
+        padding mask of the sources (Model.attention_keep)."""
         S = tokens.shape[1]
         x = self.encoder_drop(self.embed(tokens))
-        x = self.run_blocks(x, self.encoder, position_bias=self.position_bias(self.encoder_bias, S, S, 0, True))
+        x = self.run_blocks(x, self.encoder, position_bias=self.position_bias(self.encoder_bias, S, S, 0, True),
+                            keep=keep)
         return self.encoder_out_drop(self.encoder_norm(x))
 
     def decode(self, decoder_tokens: torch.Tensor, memory: torch.Tensor, *, cache: list[dict] | None = None,
-               start: int = 0) -> torch.Tensor:
-        """The decoder's output for its input at positions start.. (after `start` cached ones)."""
+               start: int = 0, memory_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's output for its input at positions start.. (after `start` cached ones);
+        `memory_keep`: the sources' padding mask, which cross-attention never reads past."""
         T = decoder_tokens.shape[1]
         x = self.decoder_drop(self.embed(decoder_tokens))
         bias = self.position_bias(self.decoder_bias, T, start + T, start, False)
         if cache is None:
-            x = self.run_blocks(x, self.decoder, memory=memory, position_bias=bias)
+            x = self.run_blocks(x, self.decoder, memory=memory, position_bias=bias, memory_keep=memory_keep)
         else:
             for block, layer_cache in zip(self.decoder, cache):
-                x = block(x, bias, memory, cache=layer_cache, start=start)
+                x = block(x, bias, memory, cache=layer_cache, start=start, memory_keep=memory_keep)
         return self.decoder_out_drop(self.decoder_norm(x))
 
     def _head_input(self, x):
         return x * self.cfg.d_model ** -0.5 if self.cfg.tie_embeddings else x
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                decoder_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean loss over this replica's labelled targets, or without targets the (B, T, V)
-        logits of `decoder_tokens` (default: the start token alone)."""
+                decoder_tokens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over this replica's labelled targets (-100 marks a padded target), or
+        without targets the (B, T, V) logits of `decoder_tokens` (default: the start token
+        alone). `attention_mask` (B, S): the sources' padding (1 token, 0 padding), as
+        transformers' T5 takes it."""
         if targets is None and decoder_tokens is None:
             decoder_tokens = self.start_tokens(tokens.shape[0], tokens.device)
         self.check_inputs(tokens, targets, decoder_tokens)
+        self.check_padding(tokens, 0, attention_mask, None)
         if targets is not None:
             decoder_tokens = self.shift_right(targets)
         self.mode.begin_batch(self, tokens.shape[0], max(tokens.shape[1], decoder_tokens.shape[1]))
@@ -360,12 +369,14 @@ class T5(Model):
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():
             self._grads_pending = True  # a backward may follow: sync_grads has work again
-        x = self._head_input(self.decode(decoder_tokens, self.encode(tokens)))
+        keep = self.attention_keep(attention_mask)
+        x = self._head_input(self.decode(decoder_tokens, self.encode(tokens, keep), memory_keep=keep))
         return self.head.logits(x) if targets is None else self.head.loss(x, targets)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> torch.Tensor:
+                 top_k: int | None = None, seed: int = 0, use_cache: bool = True,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's tokens for (B, S) sources, identical on every rank of the replica: the
         start token, then up to `max_new_tokens` tokens, greedy at temperature 0 or sampled (as
         `Model.generate`). A sequence that emits eos_token_id continues with the pad token, and
@@ -378,18 +389,20 @@ class T5(Model):
             raise LatticeConfigError(f"{max_new_tokens} new tokens exceed target_len = {cfg.target_len}; ask for at "
                                      f"most {cfg.target_len}")
         self.check_inputs(prompt)
+        self.check_padding(prompt, 0, attention_mask, None)
         was_training = self.training
         self.eval()
         B = prompt.shape[0]
         self.mode.begin_batch(self, B, max(prompt.shape[1], max_new_tokens))
         gen = torch.Generator().manual_seed(seed)
-        memory = self.encode(prompt)
+        keep = self.attention_keep(attention_mask)
+        memory = self.encode(prompt, keep)
         out = self.start_tokens(B, prompt.device)
         cache = [{"self": {}, "cross": {}} for _ in self.decoder] if use_cache else None
         done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
         for _ in range(max_new_tokens):
             start = out.shape[1] - 1 if use_cache else 0
-            x = self.decode(out[:, start:], memory, cache=cache, start=start)
+            x = self.decode(out[:, start:], memory, cache=cache, start=start, memory_keep=keep)
             logits = self.head.logits(self._head_input(x[:, -1:]))[:, -1].float()  # (B, V)
             nxt = next_token(logits, temperature, top_k, gen).to(out.device)
             if cfg.eos_token_id is not None:

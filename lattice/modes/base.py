@@ -238,6 +238,11 @@ class Mode:
         """This rank's piece of the residual stream (batch, seq, d_model) of a replica batch."""
         raise NotImplementedError
 
+    def attention_rows(self, batch: int) -> slice:
+        """The sequences of a replica batch of `batch` whose heads this rank's attention computes
+        (the rows of a padding mask that attention reads)."""
+        raise NotImplementedError
+
     def pool(self, x: torch.Tensor, index: int, batch: int) -> torch.Tensor:
         """The residual stream at position `index` of every sequence of the replica batch, (batch,
         d_model), identical on every rank of the replica (for a head over pooled tokens, run
@@ -264,8 +269,9 @@ class Mode:
         elementwise work on the residual stream; "split": the default), where not 1/p."""
         return {}
 
-    def cost_embedding(self, b, positions: bool) -> None:
-        """The embedding (and position table): collectives and the index bytes saved."""
+    def cost_embedding(self, b, positions: bool, types: int) -> None:
+        """The embedding (and position table, with a token-type table of `types` rows, which move
+        together): collectives and the index bytes saved."""
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
 
     def cost_norm(self, b, kind: str, bias: bool) -> float:

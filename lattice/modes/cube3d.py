@@ -47,7 +47,7 @@ import torch.nn as nn
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.modes.kernels.cube import linear_3d
-from lattice.modes.kernels.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params,
+from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, compute_dtype, linear_params,
                                           normalize_split_hidden, pool_pieces, position_rows, register_linear,
                                           register_position_tables, round_up, rows_on_every_rank, split_segments,
                                           vocab_bias_spec, vocab_table_spec)
@@ -137,7 +137,7 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         register_position_tables(self, cfg, mode.ctx, positions, types, lambda shape: vector_spec(shape, 1, CL))
 
-    def forward(self, tokens, start: int = 0):
+    def forward(self, tokens, start: int = 0, token_types=None):
         c, q = self.cube, self.q
         B, T = tokens.shape
         rows = tokens[c.i * (B // q):(c.i + 1) * (B // q)].reshape(-1)  # row block i: (B/q · T,)
@@ -146,8 +146,9 @@ class Embedding(nn.Module):
         x = x.view(B // (q * q), T, -1)
         if not self.positions:
             return x
-        pos = hosted(position_rows(self, start, T), (T, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
-        return x + pos
+        pos = hosted(position_rows(self, start, T), (T + self.types, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
+        piece = slice((c.i * q + c.j) * x.shape[0], (c.i * q + c.j + 1) * x.shape[0])  # the residual's batch piece (i, j)
+        return add_position_rows(x, pos, T, None if token_types is None else token_types[piece])
 
 
 class Norm(nn.Module):
@@ -350,6 +351,11 @@ class Cube3D(Mode):
     def residual_shape(self, batch, seq):
         return (batch // self.q ** 2, seq, self.cfg.d_model // self.q)
 
+    def attention_rows(self, batch):
+        rows = batch // self.q ** 2  # batch piece (i, l), heads of block j
+        start = self.cube.i * self.q * rows + self.cube.l * rows
+        return slice(start, start + rows)
+
     def pool(self, x, index, batch):
         """(B/q², T, h/q) batch pieces (i, j), hidden block l -> the (batch, h) position `index`."""
         c, (rows, h_local) = self.cube, (x.shape[0], x.shape[-1])
@@ -381,7 +387,7 @@ class Cube3D(Mode):
         b.add("forward", "broadcast", plane, elements, calls, site)
         b.add("backward", "reduce", plane, elements, calls, site)
 
-    def cost_embedding(self, b, positions):
+    def cost_embedding(self, b, positions, types):
         """onehot(tokens) E with the swapped roles (table pieces gathered along i, rows
         reduce-scattered along j); wpe[:T] broadcast over its plane. Saves the token ids."""
         q, h = self.q, b.h
@@ -390,7 +396,7 @@ class Cube3D(Mode):
         b.add("backward", "all_gather", (CJ,), b.M * h / q ** 2)
         b.add("backward", "reduce_scatter", (CI,), b.vocab_padded * h / q ** 2)
         if positions:
-            self._vectors(b, b.T * h / q, 1, PLANE[CL], "embedding")
+            self._vectors(b, (b.T + types) * h / q, 1, PLANE[CL], "embedding")
         b.save_ints(8 * b.M)
 
     def cost_norm(self, b, kind, bias):

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
-from lattice.modes.kernels.layers import (TiedHead, linear_params, local_linear, pool_pieces, position_rows,
-                                          register_linear, register_position_tables, split_segments, vocab_bias_spec,
-                                          vocab_table_spec)
+from lattice.modes.kernels.layers import (TiedHead, add_position_rows, linear_params, local_linear, pool_pieces,
+                                          position_rows, register_linear, register_position_tables, split_segments,
+                                          vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes.serial import Linear, Norm
 from lattice.parallel import comm
@@ -74,7 +74,7 @@ class VocabParallelEmbedding(nn.Module):
         register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
         register_position_tables(self, cfg, ctx, positions, types, ShardSpec)
 
-    def forward(self, tokens, start: int = 0):
+    def forward(self, tokens, start: int = 0, token_types=None):
         group = tp_group(self.ctx)
         T = tokens.shape[1]
         local = tokens - self.vocab_start
@@ -83,14 +83,14 @@ class VocabParallelEmbedding(nn.Module):
         part = part.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         if not self.sp:
             x = comm.all_reduce(part, group)
-            return x + position_rows(self, start, T) if self.positions else x
+            return add_position_rows(x, position_rows(self, start, T), T, token_types) if self.positions else x
         x_seq = comm.reduce_scatter(part, group, 1)  # (B, T/p, h)
         if not self.positions:
             return x_seq
         t_local = x_seq.shape[1]
-        wpe = comm.copy_to_group(position_rows(self, start, T), group)  # each rank's rows are a partial gradient
-        first = comm.group_rank(group) * t_local
-        return x_seq + wpe[first:first + t_local]
+        rows = comm.copy_to_group(position_rows(self, start, T), group)  # each rank's rows are a partial gradient
+        chunk = slice(comm.group_rank(group) * t_local, (comm.group_rank(group) + 1) * t_local)
+        return add_position_rows(x_seq, rows, T, None if token_types is None else token_types[:, chunk], chunk)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -236,6 +236,9 @@ class Megatron1D(Mode):
     def residual_shape(self, batch, seq):
         return (batch, seq // self.p if self.sp else seq, self.cfg.d_model)
 
+    def attention_rows(self, batch):
+        return slice(0, batch)  # every sequence, this rank's heads
+
     def pool(self, x, index, batch):
         if not self.sp:
             return x[:, index]  # replicated on every rank already
@@ -266,7 +269,7 @@ class Megatron1D(Mode):
         """Replicated: no collectives (the sequence-parallel gradient sums follow from the specs)."""
         return b.residual, b.residual
 
-    def cost_embedding(self, b, positions):
+    def cost_embedding(self, b, positions, types):
         """Vocab-parallel rows summed (all-reduce; reduce-scatter over T with sequence parallelism,
         whose wpe rows in use are all-reduced in backward). Saves the token ids and the mask."""
         act, TP = b.M * b.h, MeshAxis.TP
@@ -276,7 +279,7 @@ class Megatron1D(Mode):
             b.add("forward", "reduce_scatter", (TP,), act)
             b.add("backward", "all_gather", (TP,), act)
             if positions:
-                b.add("backward", "all_reduce", (TP,), b.T * b.h)  # wpe over the chunks
+                b.add("backward", "all_reduce", (TP,), (b.T + types) * b.h)  # wpe (and wtype) over the chunks
         b.save_ints(b.M * (8 + 1))
 
     def cost_norm(self, b, kind, bias):

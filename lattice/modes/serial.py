@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
-from lattice.modes.kernels.layers import (TiedHead, check_norm_kind, linear_params, local_linear,
+from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, linear_params, local_linear,
                                           normalize_split_hidden, position_rows, register_linear,
                                           register_position_tables, split_segments, upcast, vocab_bias_spec)
 from lattice.parallel.context import LatticeConfigError
@@ -27,9 +27,10 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
         register_position_tables(self, cfg, ctx, positions, types, lambda shape: ShardSpec(shape, **whole))
 
-    def forward(self, tokens, start: int = 0):  # (B, T) at positions start.. -> (B, T, h)
+    def forward(self, tokens, start: int = 0, token_types=None):  # (B, T) at positions start.. -> (B, T, h)
         x = F.embedding(tokens, self.wte)
-        return x + position_rows(self, start, tokens.shape[1]) if self.positions else x
+        T = tokens.shape[1]
+        return add_position_rows(x, position_rows(self, start, T), T, token_types) if self.positions else x
 
 
 class Norm(nn.Module):
@@ -110,11 +111,14 @@ class Serial(Mode):
     def residual_shape(self, batch, seq):
         return (batch, seq, self.cfg.d_model)
 
+    def attention_rows(self, batch):
+        return slice(0, batch)
+
     def pool(self, x, index, batch):
         return x[:, index]
 
     # ---- cost: the whole model on one rank, no communication
-    def cost_embedding(self, b, positions):
+    def cost_embedding(self, b, positions, types):
         b.save_ints(8 * b.M)  # the token ids
 
     def cost_norm(self, b, kind, bias):

@@ -148,12 +148,12 @@ class Embedding(serial.Embedding):
         # carries the model's dtype and device to the idle ranks' empty residual (GPT.to moves it)
         self.register_buffer("idle_residual", torch.zeros(0), persistent=False)
 
-    def forward(self, tokens, start: int = 0):
-        rows = tokens[self.seg.common_rows(tokens.shape[0])]
+    def forward(self, tokens, start: int = 0, token_types=None):
+        mine = self.seg.common_rows(tokens.shape[0])
         if not self.seg.runs_common:  # idle: an empty residual that requires grad (see layers.idle_output)
             empty = self.idle_residual.new_zeros(0, tokens.shape[1], self.d_model)
             return empty.requires_grad_(torch.is_grad_enabled())
-        return super().forward(rows, start)
+        return super().forward(tokens[mine], start, None if token_types is None else token_types[mine])
 
 
 class Norm(serial.Norm):
@@ -358,6 +358,10 @@ class SubGraph(Mode):
         rows = self.seg.common_rows(batch)
         return (rows.stop - rows.start, seq, self.cfg.d_model)
 
+    def attention_rows(self, batch):
+        rows = self.seg.branch_rows(batch)  # member m's sequences, its sub-grid's heads
+        return slice(self.seg.m * rows, (self.seg.m + 1) * rows)
+
     def pool(self, x, index, batch):
         """This rank's common rows (none on an idle rank of D&SP-cSub) of the position `index`."""
         rows = self.seg.common_rows(batch)
@@ -382,7 +386,7 @@ class SubGraph(Mode):
         b.add("forward", forward, (SUB,), elements, 1, "branch")
         b.add("backward", backward, (SUB,), elements, 1, "branch")
 
-    def cost_embedding(self, b, positions):
+    def cost_embedding(self, b, positions, types):
         """Common rows only; no communication. Saves the token ids (a view of the whole batch)."""
         b.save_ints(8 * b.M if self.seg.runs_common else 0)
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
-from lattice.modes.kernels.layers import (TiedHead, check_norm_kind, compute_dtype, linear_params,
+from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, compute_dtype, linear_params,
                                           normalize_split_hidden, pool_pieces, position_rows, register_linear,
                                           register_position_tables, register_weight_and_bias, round_up, split_segments,
                                           vocab_bias_spec, vocab_table_spec)
@@ -98,15 +98,15 @@ class Embedding(nn.Module):
         register_position_tables(self, cfg, mode.ctx, positions, types,
                                  lambda shape: ShardSpec(shape, ((1, (COL,)),), ON_ROW_0))
 
-    def forward(self, tokens, start: int = 0):
+    def forward(self, tokens, start: int = 0, token_types=None):
         g = self.grid
         B, T = tokens.shape
-        rows = tokens[g.i * (B // g.q):(g.i + 1) * (B // g.q)]  # (B/q, T)
-        x = _Embed2D.apply(self.wte, rows.reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
+        mine = slice(g.i * (B // g.q), (g.i + 1) * (B // g.q))
+        x = _Embed2D.apply(self.wte, tokens[mine].reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
         if not self.positions:
             return x
-        pos = hosted(position_rows(self, start, T), (T, x.shape[-1]), g, x.dtype, x.device)
-        return x + pos
+        pos = hosted(position_rows(self, start, T), (T + self.types, x.shape[-1]), g, x.dtype, x.device)
+        return add_position_rows(x, pos, T, None if token_types is None else token_types[mine])
 
 
 class Norm(nn.Module):
@@ -320,6 +320,10 @@ class Summa2D(Mode):
     def residual_shape(self, batch, seq):
         return (batch // self.q, seq, self.cfg.d_model // self.q)
 
+    def attention_rows(self, batch):
+        rows = batch // self.q  # row block i, heads of column j
+        return slice(self.grid.i * rows, (self.grid.i + 1) * rows)
+
     def pool(self, x, index, batch):
         """(B/q, T, h/q) -> rows i, columns j of the (batch, h) position `index`."""
         g, (rows, h_local) = self.grid, (x.shape[0], x.shape[-1])
@@ -341,7 +345,7 @@ class Summa2D(Mode):
     # Activations [B/q, T, h/q], weights in q x q blocks; SUMMA for every linear; bias, norm and
     # wpe vectors on row 0, broadcast down the column forward and reduced back in backward
     # (Fig. 5); norm and cross-entropy sums all-reduced along the row (§3.2.2).
-    def cost_embedding(self, b, positions):
+    def cost_embedding(self, b, positions, types):
         """SUMMA with the one-hot token matrix local to the row: q table-block (V'/q, h/q)
         broadcasts down the column, and the gradient's q reduces (Alg. 3); wpe hosted on row 0.
         Saves the token ids (a view of the whole batch)."""
@@ -349,8 +353,8 @@ class Summa2D(Mode):
         b.add("forward", "broadcast", (ROW,), b.vocab_padded * h / q, q)
         b.add("backward", "reduce", (ROW,), b.vocab_padded * h / q, q)
         if positions:
-            b.add("forward", "broadcast", (ROW,), b.T * h / q)
-            b.add("backward", "reduce", (ROW,), b.T * h / q)
+            b.add("forward", "broadcast", (ROW,), (b.T + types) * h / q)
+            b.add("backward", "reduce", (ROW,), (b.T + types) * h / q)
         b.save_ints(8 * b.M)
 
     def cost_norm(self, b, kind, bias):

@@ -177,18 +177,28 @@ class StageModule(nn.Module):
         self.first, self.last, self.block_ids = first, last, blocks
         self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
         self.sg_group = scatter_gather_group
+        self.begin_step([])
+
+    def begin_step(self, inputs: list[dict]) -> None:
+        """What each micro-batch of the coming step takes beside its activation (its padding
+        mask as attention reads it, its token types), in micro-batch order: every rank holds the
+        replica's whole batch, and every schedule runs a stage's forwards in micro-batch order,
+        so nothing of it travels between stages."""
+        self.inputs, self.calls = inputs, 0
 
     def forward(self, x):
         model = self.model[0]
         if model.training:  # a new micro-batch: new dropout masks (recomputation reuses this count)
             model.seeds.forward_count += 1
+        inputs = self.inputs[self.calls] if self.inputs else {}
+        self.calls += 1
         if self.first:
-            x = model.embed_tokens(x)  # tokens (B_mb, T) -> residual layout
+            x = model.embed_input(x, 0, inputs.get("token_types"))  # tokens (B_mb, T) -> residual layout
         else:
             x = _ContiguousGrad.apply(x)
             if self.sg_group is not None:
                 x = _GatherSlices.apply(x, self.sg_group)
-        x = model.run_blocks(x, self.blocks)
+        x = model.run_blocks(x, self.blocks, **inputs.get("padding", {}))
         if self.last:
             return model.finish(x)
         if self.sg_group is not None:
@@ -218,7 +228,8 @@ class _MeteredStage:
 def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
     """The torch.distributed.pipelining schedule running this rank's stages of `model`, with the
     tensors between stages declared up front (static mode): this rank's piece of the residual
-    stream, whose shape the mode states (`Mode.residual_shape`), so nothing runs to infer it."""
+    stream, whose shape the mode states (`Mode.residual_shape`), so nothing runs to infer it;
+    and this rank's StageModules."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     pcfg = ctx.pipeline
@@ -229,7 +240,7 @@ def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
     dtype = model.dtype
     sg = scatter_gather_group(model.mode, ctx)
     sent = torch.Size((*shape[:-1], shape[-1] // dist.get_world_size(sg))) if sg is not None else shape
-    stages = []
+    stages, modules = [], []
     for c in range(ctx.stage, n, pcfg.stages):
         module = StageModule(model, chunks[c], first=c == 0, last=c == n - 1, scatter_gather_group=sg)
         # a received activation requires grad: its gradient goes back to the previous stage
@@ -239,10 +250,12 @@ def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
                               input_grads=(None if c == 0 else inputs,), output_grads=(None if c == n - 1 else outputs,),
                               group=group)
         stages.append(_MeteredStage.wrap(stage))
+        modules.append(module)
     if pcfg.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
+        return schedule, modules
     cls = ScheduleGPipe if pcfg.schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False)
+    return cls(stages[0], n_microbatches=pcfg.m, loss_fn=microbatch_loss, scale_grads=False), modules
 
 
 def scatter_gather_group(mode, ctx):
@@ -365,7 +378,7 @@ class PipelineModel(nn.Module):
         stage): it trains like the original but counts only once."""
         return not self._model.specs[name].holds(self.ctx.coords)
 
-    def forward(self, tokens, targets=None, *, cache=None, **_):
+    def forward(self, tokens, targets=None, *, attention_mask=None, token_types=None, cache=None, **_):
         if cache is not None:
             raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
                                      "(any tensor layout) to generate")
@@ -375,37 +388,52 @@ class PipelineModel(nn.Module):
         if targets is None:
             raise LatticeConfigError("with pipeline parallelism model(tokens, targets) returns the loss only; full "
                                      "logits need pp = 1")
-        loss = self._run(tokens, targets, train=False)
+        loss = self._run(tokens, targets, train=False, attention_mask=attention_mask, token_types=token_types)
         return torch.tensor(loss, dtype=torch.promote_types(self._model.dtype, torch.float32))
 
     def generate(self, *args, **kwargs):
         raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
                                  "(any tensor layout) to generate")
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, *, attention_mask=None,
+                         token_types=None) -> float:
         """Forward and backward of the replica batch through the schedule, with the in-replica
-        gradient sums; the mean loss, identical on every rank of the replica."""
-        loss = self._run(tokens, targets, train=True)
+        gradient sums; the mean loss over its labelled targets, identical on every rank of the
+        replica (`attention_mask`, `token_types`: as Model.forward takes them)."""
+        loss = self._run(tokens, targets, train=True, attention_mask=attention_mask, token_types=token_types)
         self._grads_pending = True
         self.sync_grads()
         return loss
 
-    def _run(self, tokens, targets, *, train: bool) -> float:
+    def _run(self, tokens, targets, *, train: bool, attention_mask=None, token_types=None) -> float:
         model, pcfg, ctx = self._model, self.pcfg, self.ctx
         model.check_tokens(tokens, targets)
+        model.check_padding(tokens, 0, attention_mask, token_types)
         check_batch(pcfg, model.mode, model.mode.ctx, tokens)
-        model.mode.begin_batch(model, len(tokens) // pcfg.m, tokens.shape[1])
+        size = len(tokens) // pcfg.m
+        model.mode.begin_batch(model, size, tokens.shape[1])
         key = tuple(tokens.shape)  # the stages' shapes follow the batch's
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(model, ctx, lambda x, y: model.head_loss(x, y) / pcfg.m,
-                                                  tokens[: len(tokens) // pcfg.m])
-        schedule = self._schedules[key]
+            self._schedules[key] = build_schedule(model, ctx, self._microbatch_loss, tokens[:size])
+        schedule, modules = self._schedules[key]
+        targets = model.unpadded_targets(targets, attention_mask)
+        # each micro-batch's mean weighted by its share of the labelled targets: the replica's mean
+        self._labelled = int(model.labelled_count(targets))
+        rows = [slice(i * size, (i + 1) * size) for i in range(pcfg.m)]
+        inputs = [{"padding": model.padding_input(None if attention_mask is None else attention_mask[r]),
+                   "token_types": None if token_types is None else token_types[r]} for r in rows]
+        for module in modules:
+            module.begin_step(inputs)
         first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
         (schedule.step if train else schedule.eval)(*args, **kwargs)
         return self._loss_to_replica(torch.stack(losses).sum() if last else None)
+
+    def _microbatch_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self._model.head_loss(x, targets)
+        return loss * (self._model.labelled_count(targets).to(loss.dtype) / self._labelled)
 
     def _loss_to_replica(self, loss: torch.Tensor | None) -> float:
         """The last stage's loss, broadcast to every stage of the replica."""

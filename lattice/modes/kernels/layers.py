@@ -38,12 +38,24 @@ def vocab_table_spec(cfg, splits, multiple: int) -> ShardSpec:
 
 def position_rows(embedding: nn.Module, start: int, length: int) -> torch.Tensor | None:
     """The rows an embedding adds to its tokens at positions start..: its position table's
-    (`wpe`), plus row 0 of its token-type table (`wtype`, BERT's: every token is of type 0) when
-    it has one; None on a rank that does not hold the tables (they are hosted elsewhere)."""
+    (`wpe`, `length` rows) followed by its whole token-type table (`wtype`, BERT's) when it has
+    one, (length [+ types], h_local); None on a rank that does not hold the tables (they are
+    hosted elsewhere). A mode moves them as one tensor and `add_position_rows` adds them."""
     if embedding.wpe is None:
         return None
     rows = embedding.wpe[start:start + length]
-    return rows + embedding.wtype[0] if embedding.types else rows
+    return torch.cat([rows, embedding.wtype]) if embedding.types else rows
+
+
+def add_position_rows(x: torch.Tensor, rows: torch.Tensor, length: int, token_types: torch.Tensor | None,
+                      chunk: slice = slice(None)) -> torch.Tensor:
+    """x (B_l, T_l, h_l) plus the type row of each token (`token_types` (B_l, T_l) of x's tokens;
+    None: every token of type 0), then its position's row: `rows` are position_rows' for
+    `length` positions, of which x holds `chunk`."""
+    types = rows[length:]
+    if types.shape[0]:
+        x = x + (types[0] if token_types is None else F.embedding(token_types, types))
+    return x + rows[:length][chunk]
 
 
 def register_position_tables(embedding: nn.Module, cfg, ctx, positions: bool, types: int, spec) -> None:

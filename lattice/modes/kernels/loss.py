@@ -18,7 +18,7 @@ IGNORE_INDEX = -100
 def labelled_count(targets: torch.Tensor) -> torch.Tensor:
     """The targets that count towards a mean loss (those not IGNORE_INDEX), as a 0-d tensor (no
     host sync). Every rank holds the whole replica's targets, so every rank divides alike."""
-    return (targets != IGNORE_INDEX).sum()
+    return (targets != IGNORE_INDEX).sum().clamp_min(1)  # none labelled: a loss of 0, not 0/0
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
