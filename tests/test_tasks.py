@@ -32,16 +32,19 @@ def test_masking_predicts_a_fixed_count_per_sequence_with_bert_proportions():
 
 def test_json_lines_classification_numbers_labels_and_builds_cls_sequences(tmp_path):
     """Catches labels numbered in file order instead of sorted, validation examples that also
-    train, and sequences without [CLS] first or [PAD] after the text."""
+    train, and sequences without [CLS] first, [SEP] after the text or [PAD] after that, or an
+    attention mask that does not end where the padding starts."""
     lines = [f'{{"text": "example {i}", "label": "{"cab"[i % 3]}"}}' for i in range(30)]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     task = Classify(load_corpus(VOCAB), data=str(tmp_path / "d.jsonl"), text_key="text", label_key="label")
     train, val, names = task.examples
     assert names == ["a", "b", "c"] and len(val) == 3 and len(train) == 27
     assert [label for _, label in val] == [2, 0, 1]  # lines 10, 20, 30: labels c, a, b
-    seq = task._sequences([val[0][0]], 16)[0]
-    n = len(val[0][0])
-    assert seq[0] == special_id("[CLS]", VOCAB) and (seq[1 + n:] == special_id("[PAD]", VOCAB)).all()
+    tokens, inputs = task._sequences([val[0][0]], 16)
+    seq, n = tokens[0], len(val[0][0])
+    assert seq[0] == special_id("[CLS]", VOCAB) and seq[1 + n] == special_id("[SEP]", VOCAB)
+    assert (seq[2 + n:] == special_id("[PAD]", VOCAB)).all() and seq[1:1 + n].tolist() == val[0][0]
+    assert inputs["attention_mask"][0].tolist() == [1] * (2 + n) + [0] * (14 - n) and inputs["token_types"] is None
 
 
 def test_pretrain_then_fine_tune_from_its_weights_and_eval(tmp_path, capsys):
@@ -65,7 +68,7 @@ def test_pretrain_then_fine_tune_from_its_weights_and_eval(tmp_path, capsys):
 
 def test_a_classification_run_says_how_many_texts_it_cut(tmp_path, capsys):
     """Catches long texts cut to seq_len without a word (188 of a user's 360 texts were): the run
-    prints how many texts are longer than a sequence holds after [CLS] and the longest, counted
+    prints how many texts are longer than a sequence holds besides [CLS] and [SEP] and the longest, counted
     here with the run's own tokenizer; a file of short texts prints nothing of the kind."""
     from tokenizers import Tokenizer
 
@@ -78,9 +81,9 @@ def test_a_classification_run_says_how_many_texts_it_cut(tmp_path, capsys):
     out = capsys.readouterr().out
     tokenizer = Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json"))
     lengths = [len(tokenizer.encode(t).ids) for t, _ in texts]
-    over = [n for n in lengths if n > 23]
+    over = [n for n in lengths if n > 22]  # 24 positions less [CLS] and [SEP]
     assert 0 < len(over) < len(texts)
-    assert f"{len(over)} of {len(texts)} texts are longer than the 23 tokens a batch holds (the longest " \
+    assert f"{len(over)} of {len(texts)} texts are longer than the 22 tokens a batch holds (the longest " \
            f"{max(over)})" in out
     (tmp_path / "short.jsonl").write_text("".join(f'{{"text": "{t[:24]}", "label": "{y}"}}\n' for t, y in texts))
     assert cli.main(["train", *common, "--data", str(tmp_path / "short.jsonl"), "--out-dir", str(tmp_path / "b")]) == 0

@@ -100,7 +100,7 @@ def test_tensor_parallel_mode_follows_serial_trajectory(mode, tp):
 def test_grad_norm_and_clipping_match_plain_pytorch():
     """Catches a norm over the wrong set of tensors or a clip that scales by the wrong factor."""
     trainer = Trainer(TrainConfig(**TINY, steps=5), serial())
-    x, y = trainer.val_set[0]
+    x, y, _, _ = trainer.val_set[0]
     trainer.model(x, y).backward()
     grads = [p.grad for p in trainer.model.parameters()]
     assert float(grad_norm(trainer.model, trainer.ctx)) == pytest.approx(float(torch.cat([g.flatten() for g in grads]).norm()), rel=1e-6)

@@ -30,6 +30,7 @@ from lattice.models import arch_of_hf, available_archs, get_arch, hf
 from lattice.parallel.context import LatticeConfigError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+TOKENIZER_ROLE_FILES = ("special_tokens_map.json", "tokenizer_config.json")
 _NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "model", "optimizer", "rng",
                 "optimizer_step"}
 
@@ -99,6 +100,9 @@ def _carry_tokenizer(args, to: str, dst: Path) -> None:
         if source.is_file():
             shutil.copyfile(source, dst / "tokenizer.json")
             print(f"tokenizer: {source} -> {dst}/tokenizer.json")
+            for name in TOKENIZER_ROLE_FILES:  # which of its tokens are [CLS], <pad>, ...
+                if (Path(args.src) / name).is_file():
+                    shutil.copyfile(Path(args.src) / name, dst / name)
 
 
 def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -34,8 +34,8 @@ HEARTBEAT_DIR = ".heartbeat"  # one file per rank: its step and pid (lattice.tra
 RUNS = Path("runs")
 LATEST = "latest"
 # what a run writes into its directory (--overwrite removes these and nothing else)
-RUN_FILES = ("config.toml", METRICS_FILE, "tokenizer.json", "data.json", SINGLE_FILE, "tensorboard", sharded.SUBDIR,
-             HEARTBEAT_DIR)
+RUN_FILES = ("config.toml", METRICS_FILE, "tokenizer.json", "special_tokens_map.json", "tokenizer_config.json",
+             "data.json", SINGLE_FILE, "tensorboard", sharded.SUBDIR, HEARTBEAT_DIR)
 
 
 def next_numbered(runs: Path = RUNS) -> Path:

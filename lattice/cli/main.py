@@ -93,6 +93,8 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
         recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where),
                     "model_from": _resumed_model(args, ckpt, arch)}
+    elif args.init_from and Path(args.init_from).exists():
+        recorded = _init_from_model(args, arch)
     tcfg = train_config(args, saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
     corpus = tcfg.corpus()
@@ -133,12 +135,13 @@ def _recorded_data(args, saved: dict, where) -> dict:
     the files changed since): the TrainConfig fields that say so. --data given explicitly trains
     on that instead."""
     from lattice.data.corpus import data_hash
+    from lattice.training.config import TrainConfig
 
     if args.data is not None or not saved.get("data"):
         return {}
-    data = dict(data=saved["data"], data_format=saved.get("data_format", "text"), text_key=saved.get("text_key", "text"),
-                tokenizer=saved.get("tokenizer"))
-    now = data_hash(data["data"], data["data_format"], data["text_key"])
+    fields = ("data", "data_format", "text_key", "pair_key", "source_key", "target_key", "tokenizer")
+    data = {k: saved[k] for k in fields if k in saved}
+    now = data_hash(data["data"], saved.get("data_format", "text"), TrainConfig.from_dict(saved).data_keys())
     if saved.get("data_hash") and now != saved["data_hash"]:
         raise LatticeConfigError(f"the data {data['data']} changed since {where} was saved (content hash "
                                  f"{saved['data_hash']} then, {now} now); pass --data {data['data']} to train on it as "
@@ -159,6 +162,28 @@ def _resumed_model(args, ckpt: dict, arch: str) -> dict:
             config_class.preset(args.model)  # refuses the unknown name, listing the family's presets
         model.update(config_class.presets[args.model])
     return model
+
+
+def _init_from_model(args, arch: str) -> dict:
+    """A run started --init-from a checkpoint of its family trains the checkpoint's model (its
+    whole config, an imported HF model's sizes included; a --model preset or size flags replace
+    their fields, and the task sets the heads it adds), reading text as those weights were
+    trained to: with the checkpoint run's tokenizer (TrainConfig takes it) and its vocabulary
+    size, unless --tokenizer or --vocab-size say otherwise."""
+    from lattice import checkpoint
+    from lattice.data.corpus import read_tokenizer
+
+    init = checkpoint.read(args.init_from)
+    if checkpoint.arch_of(init) != arch or "model_config" not in init:
+        return {}  # refused with its reason when the run is planned
+    model = {k: v for k, v in _resumed_model(args, init, arch).items() if k not in ("num_labels", "dropout")}
+    out = {"model_from": model}
+    run_tokenizer = checkpoint.run_of(checkpoint.resolve(args.init_from)) / "tokenizer.json"
+    if args.vocab_size is None and args.tokenizer is None and run_tokenizer.is_file():
+        saved = init.get("train_config", {}).get("vocab_size")
+        out["vocab_size"] = saved or read_tokenizer(run_tokenizer, "the checkpoint's tokenizer",
+                                                    "restore its file or pass --tokenizer").get_vocab_size()
+    return out
 
 
 def _resumed_tokenizer(args, where: Path) -> dict:
@@ -197,7 +222,7 @@ def cmd_train(args, argv: list[str]) -> int:
     from lattice import checkpoint
     from lattice.checkpoint import run_dir
     from lattice.checkpoint import sharded as sharded_checkpoint
-    from lattice.data.corpus import skipped_files
+    from lattice.data.corpus import skipped_files, write_specials
     from lattice.modes.layout import init
     from lattice.training import faults
     from lattice.training.trainer import Trainer
@@ -241,10 +266,14 @@ def cmd_train(args, argv: list[str]) -> int:
         cut = trainer.task.truncation(plan.model_config.seq_len)
         if cut and ctx.rank == 0:
             print(f"--data {tcfg.data}: {cut}", flush=True)
+        specials = trainer.task.tokens.describe(trainer.corpus.tokenizer)
+        if specials and ctx.rank == 0:
+            print(specials, flush=True)
         if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
             kept = tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()
             if not kept:  # a resumed run's own file stays as it is, byte for byte
                 trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
+                write_specials(trainer.corpus, out)
             (out / "data.json").write_text(_data_identity(tcfg))
         result = trainer.fit()
         if ctx.rank == 0:

@@ -17,13 +17,16 @@ import functools
 import hashlib
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from lattice.checkpoint.files import atomic_write
+from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
 
 DEFAULT_VOCAB = 2048
@@ -58,6 +61,51 @@ def train_tokenizer(text: str, vocab_size: int):
     return tok
 
 
+# the usual spellings of each role of a special token, where no tokenizer_config.json names it
+SPECIAL_SPELLINGS = {"cls": ("[CLS]",), "sep": ("[SEP]",), "pad": ("[PAD]", "<pad>"), "mask": ("[MASK]", "<mask>"),
+                     "bos": ("<s>", "<|begin_of_text|>"), "eos": ("</s>", "<|endoftext|>", "<|end_of_text|>"),
+                     "unk": ("[UNK]", "<unk>")}
+SPECIALS_FILE = "special_tokens_map.json"  # transformers' name; a run writes it beside its tokenizer.json
+
+
+def tokenizer_specials(tokenizer, directory: Path | None = None) -> dict[str, int]:
+    """The id of each role (cls, sep, pad, mask, bos, eos, unk) a tokenizer has a token for: those
+    its special_tokens_map.json or tokenizer_config.json in `directory` name (`cls_token`, ...),
+    else the usual spellings among its special tokens. {} for lattice's own BPE (it has none)."""
+    import json
+
+    found: dict[str, int] = {}
+    for name in (SPECIALS_FILE, "tokenizer_config.json"):
+        path = directory / name if directory is not None else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            named = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LatticeConfigError(f"{path} is not a JSON file ({e}); repair it or remove it") from None
+        for role in SPECIAL_SPELLINGS:
+            token = named.get(f"{role}_token") if isinstance(named, dict) else None
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+                found.setdefault(role, tokenizer.token_to_id(token))
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    for role, spellings in SPECIAL_SPELLINGS.items():
+        spelled = next((s for s in spellings if s in special), None)
+        if role not in found and spelled is not None:
+            found[role] = tokenizer.token_to_id(spelled)
+    return found
+
+
+def write_specials(corpus: "Corpus", directory: Path) -> None:
+    """The corpus tokenizer's special tokens as special_tokens_map.json in `directory` (beside the
+    tokenizer.json a run keeps), so that the run, its exports and transformers read the same."""
+    import json
+
+    if corpus.specials:
+        named = {f"{role}_token": corpus.tokenizer.id_to_token(i) for role, i in corpus.specials.items()}
+        atomic_write(directory / SPECIALS_FILE, lambda tmp: Path(tmp).write_text(json.dumps(named, indent=1)))
+
+
 @dataclass
 class Corpus:
     """Token ids of the built-in corpus split into train and validation, plus the tokenizer."""
@@ -68,9 +116,12 @@ class Corpus:
     tokenizer: object
     key: str  # cache key: hash of the corpus text and vocabulary size
     content_hash: str | None = None  # identity of own data (`data_hash`), None for the built-in corpus
+    specials: dict = field(default_factory=dict)  # role -> id of the tokenizer's own special tokens
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        """The text's token ids, without the special tokens a pretrained tokenizer's post-processor
+        adds ([CLS] .. [SEP]): the tasks place their own."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
@@ -255,8 +306,9 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
     if len(ids) < 2:
         raise LatticeConfigError(f"--data {spec} holds {len(ids)} tokens; give it some text")
     split = len(ids) - int(len(ids) * VAL_FRACTION)
-    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size,
-                  tokenizer=Tokenizer.from_file(str(tok_path)), key=key, content_hash=content)
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key,
+                  content_hash=content, specials=tokenizer_specials(tokenizer, given.parent) if given else {})
 
 
 def check_data(data: str | None, tokenizer_path: str | None, vocab_size: int | None = None) -> None:
@@ -328,7 +380,8 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, tokenizer_path: str | None =
     ids = np.load(ids_path)
     ids = torch.from_numpy(ids.astype(np.int64))
     split = len(ids) - int(len(ids) * VAL_FRACTION)
-    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key)
+    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key,
+                  specials=tokenizer_specials(tokenizer, given.parent) if given else {})
 
 
 def unigram_baseline(corpus: Corpus) -> float:
@@ -369,6 +422,30 @@ def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, s
     if len(tokens) < seq_len + 1:
         raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
                                  f"{seq_len + 1}; use a shorter seq_len or a larger corpus")
+
+
+class Batch(NamedTuple):
+    """A replica's batch: its tokens and targets, what the model takes beside them (`inputs`:
+    attention_mask, token_types) and how many targets of the whole global batch are labelled
+    (`labelled`), by which the replicas' mean losses are weighed into the global mean."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    inputs: dict
+    labelled: int
+
+
+def replica_batch(ctx: ParallelContext, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> Batch:
+    """This replica's rows of a global batch (tokens, targets and the `inputs` given, None
+    dropped) on ctx.device; targets at padding (attention_mask 0) count as unlabelled."""
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    mask = inputs.get("attention_mask")
+    labelled = targets != IGNORE_INDEX
+    if mask is not None and mask.shape == targets.shape:
+        labelled = labelled & mask.bool()
+    rows = replica_rows(tokens.shape[0], ctx)
+    tokens, targets = on_device(ctx, tokens[rows], targets[rows])
+    return Batch(tokens, targets, {k: v[rows].to(ctx.device) for k, v in inputs.items()}, int(labelled.sum()))
 
 
 def on_device(ctx: ParallelContext, *tensors) -> tuple:

@@ -8,11 +8,12 @@ the built-in pair task.
 | built-in (no --data) | a window of seq_len tokens of the built-in corpus | the window reversed   |
 
 One tokenizer reads both sides (trained on both fields of the JSON lines, or the built-in
-corpus's). Two tokens follow its vocabulary: [PAD] (id V: pads a short source, and is the
-decoder's start token, as T5 starts from its pad token) and [EOS] (V + 1: ends every target);
-the model's config takes their ids. A source is cut to seq_len tokens and padded with [PAD] to
-seq_len (attended to: lattice has no attention mask); a target is cut to target_len - 1 tokens,
-[EOS] appended, and its labels padded with -100 (ignored) to target_len, so that every batch has
+corpus's). It gives the pad token (which pads a short source, and is the decoder's start token,
+as T5 starts from its pad token) and the end token (which ends every target) where it has them
+(a pretrained T5's <pad> and </s>); else two tokens follow its vocabulary: [PAD] (id V) and [EOS]
+(V + 1). The model's config takes their ids. A source is cut to seq_len tokens and padded to
+seq_len, its attention mask 0 at the padding; a target is cut to target_len - 1 tokens, the end
+token appended, and its labels padded with -100 (ignored) to target_len, so that every batch has
 the lengths the layout was checked for. Validation: every tenth pair of the JSON lines; the
 built-in task's windows come from the corpus's validation split, evenly spread.
 
@@ -30,16 +31,12 @@ from functools import cached_property
 
 import torch
 
-from lattice.data.corpus import Corpus, global_batch, json_lines, on_device, replica_rows, truncated, val_windows
+from lattice.data.corpus import Corpus, global_batch, json_lines, replica_batch, truncated, val_windows
 from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError
 
-PAIR_TOKENS = ("[PAD]", "[EOS]")
+PAIR_TOKENS = ("[PAD]", "[EOS]")  # lattice's, appended where the tokenizer has no pad or end token
 VAL_EVERY = 10  # every tenth JSON line is a validation pair
-
-
-def pair_token(token: str, tokenizer_vocab: int) -> int:
-    return tokenizer_vocab + PAIR_TOKENS.index(token)
 
 
 def read_pairs(spec: str, source_key: str, target_key: str) -> list[tuple[str, str]]:
@@ -56,10 +53,11 @@ class Seq2Seq:
     metric, loss_unit = "exact match", "token"
     trivial_name = "copying the source"
 
-    def __init__(self, corpus: Corpus, *, data: str | None, source_key: str, target_key: str, target_len: int):
+    def __init__(self, corpus: Corpus, *, data: str | None, source_key: str, target_key: str, target_len: int,
+                 tokens):
         self.corpus, self.data, self.source_key, self.target_key = corpus, data, source_key, target_key
-        self.target_len = target_len
-        self.pad, self.eos = pair_token("[PAD]", corpus.vocab_size), pair_token("[EOS]", corpus.vocab_size)
+        self.target_len, self.tokens = target_len, tokens  # tokens: the task's TaskTokens
+        self.pad, self.eos = tokens.ids["pad"], tokens.ids["eos"]
 
     @cached_property
     def pairs(self) -> tuple[list, list]:
@@ -101,14 +99,17 @@ class Seq2Seq:
                  truncated("targets", [len(t) for _, t in train + val], self.target_len - 1, "--target-len")]
         return "; ".join(filter(None, notes)) or None
 
-    def _batch(self, sources: list, targets: list, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, sources: list, targets: list, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sources, labels, the sources' attention mask)."""
         x = torch.full((len(sources), seq_len), self.pad, dtype=torch.int64)
+        mask = torch.zeros(len(sources), seq_len, dtype=torch.int64)
         y = torch.full((len(targets), self.target_len), IGNORE_INDEX, dtype=torch.int64)
         for row, (s, t) in enumerate(zip(sources, targets)):
             s, t = list(s[:seq_len]), list(t[:self.target_len - 1]) + [self.eos]
             x[row, :len(s)] = torch.as_tensor(s, dtype=torch.int64)
+            mask[row, :len(s)] = 1
             y[row, :len(t)] = torch.as_tensor(t, dtype=torch.int64)
-        return x, y
+        return x, y, mask
 
     def _reversals(self, windows: torch.Tensor, seq_len: int):
         return self._batch(windows.tolist(), windows.flip(1).tolist(), seq_len)
@@ -116,14 +117,13 @@ class Seq2Seq:
     def train_batch(self, step, ctx, *, seed, batch_size, seq_len):
         if self.data is None:
             windows, _ = global_batch(self.corpus.train, step, seed=seed, batch_size=batch_size, seq_len=seq_len)
-            x, y = self._reversals(windows, seq_len)
+            x, y, mask = self._reversals(windows, seq_len)
         else:
             train, _ = self.pairs
             pick = torch.randint(0, len(train), (batch_size,), generator=torch.Generator().manual_seed(
                 seed * 1_000_003 + step)).tolist()
-            x, y = self._batch([train[i][0] for i in pick], [train[i][1] for i in pick], seq_len)
-        rows = replica_rows(batch_size, ctx)
-        return on_device(ctx, x[rows], y[rows])
+            x, y, mask = self._batch([train[i][0] for i in pick], [train[i][1] for i in pick], seq_len)
+        return replica_batch(ctx, x, y, attention_mask=mask)
 
     def val_batches(self, ctx, *, batch_size, seq_len, num_batches):
         self.check(batch_size, seq_len, ctx.dp)
@@ -136,14 +136,13 @@ class Seq2Seq:
             batches = [self._batch([s for s, _ in val[i:i + batch_size]], [t for _, t in val[i:i + batch_size]],
                                    seq_len) for i in range(0, n, batch_size)]
         self.val_pairs = batches  # every replica's
-        rows = replica_rows(batch_size, ctx)
-        return [on_device(ctx, x[rows], y[rows]) for x, y in batches]
+        return [replica_batch(ctx, x, y, attention_mask=mask) for x, y, mask in batches]
 
     def score(self, model, batches) -> torch.Tensor:
         """Exact match of greedy outputs over `batches` (this replica's)."""
         hits = total = 0
-        for x, y in batches:
-            out = model.generate(x, min(y.shape[1], model.cfg.target_len))[:, 1:]
+        for x, y, inputs, _ in batches:
+            out = model.generate(x, min(y.shape[1], model.cfg.target_len), **inputs)[:, 1:]
             for row in range(y.shape[0]):
                 hits += _answer(out[row].tolist(), self.eos) == _labelled(y[row])
                 total += 1
@@ -151,8 +150,8 @@ class Seq2Seq:
 
     def trivial(self) -> float:
         """Exact match of copying: the source (without padding), then [EOS], as the answer."""
-        pairs = [(x[r], y[r]) for x, y in self.val_pairs for r in range(x.shape[0])]
-        copies = [[t for t in x.tolist() if t != self.pad] + [self.eos] for x, _ in pairs]
+        pairs = [(x[r][mask[r].bool()], y[r]) for x, y, mask in self.val_pairs for r in range(x.shape[0])]
+        copies = [x.tolist() + [self.eos] for x, _ in pairs]
         return sum(c == _labelled(y) for c, (_, y) in zip(copies, pairs)) / len(pairs)
 
     def baseline(self) -> str:

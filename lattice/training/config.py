@@ -11,8 +11,7 @@ from pathlib import Path
 
 from lattice import checkpoint
 from lattice.data.corpus import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
-from lattice.data.tasks import (BUILTIN_CLASSES, TASKS, check_task, make_task, model_vocab, read_labelled,
-                                task_model_fields)
+from lattice.data.tasks import APPENDED, BUILTIN_CLASSES, TASKS, TaskTokens, check_task, make_task, read_labelled
 from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
 from lattice.modes.options import flag
 from lattice.parallel.context import LatticeConfigError
@@ -54,6 +53,8 @@ class TrainConfig:
                                   "built-in reversal task); default: the family's first (gpt2, llama: lm; bert: mlm; "
                                   "t5: seq2seq)", choices=lambda: TASKS, group="data")
     label_key: str = flag("label", "the class field of each JSON line (--task classify)", group="data")
+    pair_key: str | None = flag(None, "the second text of a sentence pair in each JSON line (--task classify: [CLS] "
+                                      "text [SEP] pair [SEP], the pair of token type 1)", group="data")
     source_key: str = flag("src", "the source field of each JSON line (--task seq2seq)", group="data")
     target_key: str = flag("tgt", "the target field of each JSON line (--task seq2seq)", group="data")
     tokenizer: str | None = flag(None, "a tokenizer.json or a directory holding one (default: a byte-level BPE "
@@ -187,7 +188,7 @@ class TrainConfig:
     def make_task(self, corpus: Corpus, model_config):
         return make_task(self.task_name, corpus, data=self.data, text_key=self.text_key, label_key=self.label_key,
                          source_key=self.source_key, target_key=self.target_key,
-                         target_len=getattr(model_config, "target_len", None))
+                         target_len=getattr(model_config, "target_len", None), pair_key=self.pair_key)
 
     def num_labels(self) -> int:
         """The classes of a classification run (read from --data), 0 for other tasks."""
@@ -195,7 +196,7 @@ class TrainConfig:
             return 0
         if self.data is None:
             return len(BUILTIN_CLASSES)
-        labels = {label for _, label in read_labelled(self.data, self.text_key, self.label_key)}
+        labels = {row[-1] for row in read_labelled(self.data, self.text_key, self.label_key, self.pair_key)}
         if len(labels) < 2:
             raise LatticeConfigError(f"--data {self.data} has {len(labels)} distinct label(s) under "
                                      f"{self.label_key!r}; classification needs at least 2")
@@ -211,25 +212,35 @@ class TrainConfig:
         if self.data is None:
             return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
         # one tokenizer for both sides of pairs
-        keys = (self.source_key, self.target_key) if self.task_name == "seq2seq" else self.text_key
-        corpus = load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=keys,
+        corpus = load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=self.data_keys(),
                                   tokenizer_path=self.tokenizer)
         self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
         return corpus
 
-    def model_config(self, vocab_size: int | None = None):
+    def data_keys(self) -> str | tuple[str, ...]:
+        """The fields of --data's JSON lines the tokenizer reads (both sides of a pair)."""
+        if self.task_name == "seq2seq":
+            return self.source_key, self.target_key
+        return (self.text_key, self.pair_key) if self.pair_key else self.text_key
+
+    def model_config(self, vocab_size: int | None = None, specials: dict | None = None):
         """The model this run trains: the family's preset (or `model_from`, a resumed run's
         model) with the shape overrides, its token table the tokenizer's `vocab_size` plus the
-        task's special tokens (whose ids an encoder-decoder's config takes; a resumed model keeps
-        its own)."""
+        special tokens lattice appends for the task (those of roles the tokenizer's `specials`
+        lack; an encoder-decoder's config takes their ids; a resumed model keeps its own)."""
         config_class = get_arch(self.arch).config_class
         shape = {k: getattr(self, k) for k in ("d_model", "n_layers", "n_heads", "seq_len", "target_len")
                  if getattr(self, k)}
         if self.task_name == "classify":
             shape["num_labels"] = self.num_labels()
+        tokens = TaskTokens.of(self.task_name, vocab_size or self.vocab_size, specials)
         if self.model_from is not None:
-            return config_class.from_dict({**self.model_from, "dropout": self.dropout, **self.model_sizes, **shape})
-        tokenizer_vocab = vocab_size or self.vocab_size
+            cfg = config_class.from_dict({**self.model_from, "dropout": self.dropout, **self.model_sizes, **shape})
+            if cfg.vocab_size < tokens.model_vocab:
+                missing = ", ".join(APPENDED[r] for r in tokens.appended)
+                raise LatticeConfigError(f"the checkpoint's model has {cfg.vocab_size} token rows, and --task "
+                                         f"{self.task_name} needs {tokens.model_vocab}: the tokenizer has no {missing}; "
+                                         f"pass the tokenizer the checkpoint was trained with (--tokenizer DIR)")
+            return cfg
         return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
-                                   vocab_size=model_vocab(self.task_name, tokenizer_vocab),
-                                   **task_model_fields(self.task_name, tokenizer_vocab), **self.model_sizes, **shape)
+                                   vocab_size=tokens.model_vocab, **tokens.model_fields(), **self.model_sizes, **shape)

@@ -28,7 +28,7 @@ from lattice import checkpoint
 from lattice.checkpoint.run_checkpoints import RunCheckpoints
 from lattice.data.corpus import Corpus, unigram_baseline
 from lattice.data.seq2seq import Seq2Seq
-from lattice.data.tasks import model_vocab
+from lattice.data.tasks import TaskTokens
 from lattice.models import build_model, get_arch
 from lattice.modes import get_mode
 from lattice.parallel.comm import raw_all_reduce, record
@@ -68,7 +68,7 @@ def plan_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: 
     ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
     if resume_from is None:
         resume_from = "checkpoint" if isinstance(resume, dict) or not resume else checkpoint.resolve(resume)
-    model_config = cfg.model_config(corpus.vocab_size)
+    model_config = cfg.model_config(corpus.vocab_size, corpus.specials)
     check_run(cfg, model_config, ctx)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), resume_from)
@@ -83,7 +83,7 @@ def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ck
     """(model config, model, fixed validation batches, task) of a run on `corpus` (`lattice
     eval`'s): every size checked against the layout before any collective; with `ckpt`, a
     checkpoint of another model is refused."""
-    model_config = cfg.model_config(corpus.vocab_size)
+    model_config = cfg.model_config(corpus.vocab_size, corpus.specials)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), where)
     check_run(cfg, model_config, ctx)
@@ -163,13 +163,25 @@ def dp_mean(value: torch.Tensor, ctx: ParallelContext) -> float:
     return float(value)
 
 
+def replica_weight(model, batch, ctx: ParallelContext) -> float:
+    """dp x this replica's labelled targets / the global batch's (lattice.data.corpus.Batch): the
+    weight of the replica's mean loss by which the replicas' average is the global batch's mean
+    (1 with equal counts, as without padding)."""
+    if ctx.dp == 1:
+        return 1.0
+    mine = model.labelled_count(model.unpadded_targets(batch.targets, batch.inputs.get("attention_mask")))
+    return ctx.dp * int(mine) / max(batch.labelled, 1)
+
+
 @torch.no_grad()
 def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
-    """Mean loss of `model` over `batches` (each this replica's (tokens, targets)), identical on
-    every rank. No optimizer, no data-parallel wrapper: `lattice eval` calls this directly."""
+    """Mean loss of `model` over `batches` (each this replica's lattice.data.corpus.Batch), each
+    batch's the mean over its labelled targets, identical on every rank. No optimizer, no
+    data-parallel wrapper: `lattice eval` calls this directly."""
     model.eval()
     with autocast(ctx, bf16):
-        total = sum(model(x, y).float() for x, y in batches) / len(batches)
+        total = sum(model(b.tokens, b.targets, **b.inputs).float() * replica_weight(model, b, ctx)
+                    for b in batches) / len(batches)
     model.train()
     return dp_mean(total, ctx)
 
@@ -195,7 +207,8 @@ def check_init_from(cfg: TrainConfig, model_config) -> dict:
     if differ:
         raise LatticeConfigError(f"--init-from {where} holds another model: {differ} (checkpoint, this run); give this "
                                  f"run the checkpoint's sizes (--model, --d-model, ..., --vocab-size: the tokenizer's "
-                                 f"vocabulary without the {model_vocab(cfg.task_name, 0)} special tokens)")
+                                 f"vocabulary without the {TaskTokens.of(cfg.task_name, 0).model_vocab} special tokens "
+                                 f"lattice appends when the tokenizer has none)")
     return ckpt
 
 
@@ -300,20 +313,29 @@ class Trainer:
         """One optimizer step on the global batch of `self.step`; returns its metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
         self.model.train()
-        x, y = self.task.train_batch(self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
-                                     seq_len=self.model_config.seq_len)
+        batch = self.task.train_batch(self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
+                                      seq_len=self.model_config.seq_len)
+        x, y, inputs = batch.tokens, batch.targets, batch.inputs
+        weight = replica_weight(self.model, batch, self.ctx)
         lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
             with autocast(self.ctx, cfg.bf16):
-                loss = torch.tensor(self.model.forward_backward(x, y), dtype=torch.float64)
+                loss = torch.tensor(self.model.forward_backward(x, y, **inputs), dtype=torch.float64)
+            if weight != 1.0:
+                loss = loss * weight
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(weight)
             if not cfg.distributed_optimizer:
                 self._average_over_replicas()
         else:
             with autocast(self.ctx, cfg.bf16):
-                loss = self.engine(x, y)
+                loss = self.engine(x, y, **inputs)
+                if weight != 1.0:  # DDP averages the gradients of the weighted loss
+                    loss = loss * weight
             loss.backward()
             self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
         if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
