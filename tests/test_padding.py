@@ -100,8 +100,20 @@ def _padded_equals_transformers(layout: dict, families: list[str]) -> dict:
         theirs = {name: p.grad for name, p in hf.named_parameters()}
         worst = (_worst_grad(ours, theirs) if family.startswith("bert")
                  else max(rel_diff(ours[name], g) for name, g in theirs.items()))
-        out[family] = (abs(loss - reference) / reference, worst)
+        same = None
+        if family in ("gpt2", "llama") and ctx.pipeline is None and not layout.get("sequence_parallel"):
+            prompt, mask = left_padded_prompts(hf.config.vocab_size)
+            expected = hf.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            same = torch.equal(model.generate(prompt, 6, attention_mask=mask), expected)
+        out[family] = (abs(loss - reference) / reference, worst, same)
     return out
+
+
+def left_padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(4, 6) prompts of 6, 4, 2 and 5 tokens, left-padded with token 0, and their mask."""
+    prompt = torch.randint(1, vocab, (4, 6), generator=torch.Generator().manual_seed(3))
+    mask = (torch.arange(6)[None] >= torch.tensor([[0], [2], [4], [1]])).long()
+    return prompt.masked_fill(mask == 0, 0), mask
 
 
 ALL = ["gpt2", "llama", "bert-mlm", "bert-classify", "t5"]
@@ -125,10 +137,14 @@ def test_padded_batches_equal_transformers(layout, families):
     rows only: a mask sliced for the residual's rows instead of attention's), targets at padding
     counted, token types dropped or split unlike the tokens, a micro-batch's or a replica's mean
     weighed by its size instead of its labelled targets, and a query with nothing to see (NaN):
-    the loss and every gradient within 1e-10 of transformers' with the same attention_mask."""
+    the loss and every gradient within 1e-10 of transformers' with the same attention_mask; and
+    left-padded prompts generated with positions that count the padding (GPT-2's table rows,
+    Llama's rotary angles) or attending to it: greedy tokens equal to transformers' generate."""
     world = lattice.plan(**layout).world_size
     results = run_distributed(world, _padded_equals_transformers, layout, families)
     for rank_result in results:
-        for family, (loss, grads) in rank_result.items():
+        for family, (loss, grads, same_tokens) in rank_result.items():
             assert loss < 1e-10 and grads < 1e-10, (family, loss, grads)
-    print(layout, {f: f"loss {loss:.1e}, grad {g:.1e}" for f, (loss, g) in results[0].items()})
+            assert same_tokens in (None, True), family
+    print(layout, {f: f"loss {loss:.1e}, grad {g:.1e}" + ("" if same is None else f", generate equal {same}")
+                   for f, (loss, g, same) in results[0].items()})

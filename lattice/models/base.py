@@ -191,22 +191,25 @@ class Model(nn.Module):
     # ---- forward
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 attention_mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
-                cache: list[dict] | None = None, start: int = 0, last_only: bool = False) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, cache: list[dict] | None = None, start: int = 0,
+                last_only: bool = False) -> torch.Tensor:
         """The mean loss over this replica's labelled targets, or full logits without targets
         (of the last position alone with last_only). `attention_mask` (B, start + T), as in
         transformers: 1 where a position holds a token, 0 where it holds padding, which no query
         attends to and whose targets count as ignored (-100). `token_types` (B, T): each token's
-        segment, in a family that has them (BERT's sentence A = 0, B = 1). Inference: `cache`
-        holds one dict per block (see generate) and `start` is the position of tokens[:, 0]."""
+        segment, in a family that has them (BERT's sentence A = 0, B = 1). `position_ids` (B, T):
+        each token's own position (a left-padded batch's), else start.. in every sequence.
+        Inference: `cache` holds one dict per block (see generate) and `start` is the position of
+        tokens[:, 0]."""
         self.check_inputs(tokens, targets, start)
-        self.check_padding(tokens, start, attention_mask, token_types)
+        self.check_padding(tokens, start, attention_mask, token_types, position_ids)
         self.mode.begin_batch(self, *tokens.shape)
         if self.training:
             self.seeds.forward_count += 1
         if torch.is_grad_enabled():
             self._grads_pending = True  # a backward may follow: sync_grads has work again
-        padding = self.padding_input(attention_mask)
-        x = self.embed_input(tokens, start, token_types)  # residual layout, e.g. (B, T, h) in serial
+        padding = self.block_inputs(attention_mask, position_ids)
+        x = self.embed_input(tokens, start, token_types, position_ids)  # residual layout, e.g. (B, T, h) in serial
         if cache is not None:
             for i, block in enumerate(self.blocks):
                 x = block(x, cache=cache[i], start=start, **padding)
@@ -227,17 +230,24 @@ class Model(nn.Module):
 
     labelled_count = staticmethod(labelled_count)
 
-    def embed_input(self, tokens, start: int = 0, token_types=None) -> torch.Tensor:
-        """`embed_tokens`, given token types only where there are some (a family without them
-        may define embed_tokens(tokens, start))."""
-        if token_types is None:
-            return self.embed_tokens(tokens, start)
-        return self.embed_tokens(tokens, start, token_types)
+    def embed_input(self, tokens, start: int = 0, token_types=None, positions=None) -> torch.Tensor:
+        """`embed_tokens`, given token types and per-sequence positions only where there are some
+        (a family without them may define embed_tokens(tokens, start))."""
+        given = {k: v for k, v in (("token_types", token_types), ("positions", positions)) if v is not None}
+        return self.embed_tokens(tokens, start, **given)
 
-    def padding_input(self, attention_mask: torch.Tensor | None) -> dict:
-        """What a block takes of the padding: {"keep": attention_keep(mask)}, or nothing without
-        a mask (a family's blocks need not take `keep` until they are given padded batches)."""
-        return {} if attention_mask is None else {"keep": self.attention_keep(attention_mask)}
+    #: whether the blocks take each token's position (rotary angles, in attention); else the
+    #: embedding adds a position's row, if any
+    rotary_positions: ClassVar[bool] = False
+
+    def block_inputs(self, attention_mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> dict:
+        """What a block takes beside x: this rank's rows of the padding mask (`keep`) and, in a
+        family with rotary positions, of each token's position (`positions`); nothing for a
+        batch without either (a family's blocks need not take them until given such batches)."""
+        out = {} if attention_mask is None else {"keep": self.attention_keep(attention_mask)}
+        if positions is not None and self.rotary_positions:
+            out["positions"] = positions[self.mode.attention_rows(positions.shape[0])]
+        return out
 
     def attention_keep(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """The rows of a replica's padding mask that this rank's attention reads, as bool."""
@@ -271,10 +281,15 @@ class Model(nn.Module):
         self.check_tokens(tokens, targets, start)
         self.mode.check_batch(self.ctx, tokens)
 
-    def check_padding(self, tokens, start: int, attention_mask, token_types) -> None:
-        """One line unless the padding mask and token types fit the tokens (every rank, before
-        any collective)."""
+    def check_padding(self, tokens, start: int, attention_mask, token_types, position_ids=None) -> None:
+        """One line unless the padding mask, token types and positions fit the tokens (every
+        rank, before any collective)."""
         B, T = tokens.shape
+        if position_ids is not None:
+            if position_ids.shape != tokens.shape:
+                raise LatticeConfigError(f"position_ids has shape {tuple(position_ids.shape)}, the tokens "
+                                         f"{tuple(tokens.shape)}: give one position per token")
+            check_ids("position_ids", position_ids, self.cfg.seq_len)
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, start + T):
                 raise LatticeConfigError(f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens need "
@@ -314,12 +329,16 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> torch.Tensor:
+                 top_k: int | None = None, seed: int = 0, use_cache: bool = True,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Continue (B, T0) prompts, identical on every rank of the replica, by `max_new_tokens`
         tokens: greedy at temperature 0, else sampled from softmax(logits / temperature) over the
         top_k, with a generator seeded alike on every rank (so every rank draws the same tokens).
         With `use_cache` each block keeps its keys and values in the mode's layout and every step
-        runs the newest position alone; only the last position's logits are computed."""
+        runs the newest position alone; only the last position's logits are computed. Prompts of
+        different lengths are left-padded with an `attention_mask` (B, T0) that is 0 at the
+        padding, as for transformers' generate: a token's position counts its sequence's tokens
+        before it, and no position attends to padding."""
         if prompt.shape[1] + max_new_tokens > self.cfg.seq_len:
             raise LatticeConfigError(f"prompt length {prompt.shape[1]} + {max_new_tokens} new tokens exceeds seq_len = "
                                      f"{self.cfg.seq_len}; shorten the prompt or ask for fewer tokens")
@@ -329,10 +348,17 @@ class Model(nn.Module):
         tokens = prompt
         cache = [{} for _ in self.blocks] if use_cache else None
         step_input, start = tokens, 0
+        padded = {} if attention_mask is None else {"attention_mask": attention_mask,
+                                                    "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp_min(0)}
         for _ in range(max_new_tokens):
-            logits = self(step_input, cache=cache, start=start, last_only=True)[:, -1].float()  # (B, V)
+            logits = self(step_input, cache=cache, start=start, last_only=True, **padded)[:, -1].float()  # (B, V)
             nxt = next_token(logits, temperature, top_k, gen).to(tokens.device)
             tokens = torch.cat([tokens, nxt], dim=1)
+            if padded:  # the new token is a token, one position after its sequence's last
+                mask = torch.cat([padded["attention_mask"], torch.ones_like(nxt)], dim=1)
+                after = padded["position_ids"][:, -1:] + 1
+                positions = after if use_cache else torch.cat([padded["position_ids"], after], dim=1)
+                padded = {"attention_mask": mask, "position_ids": positions}
             if use_cache:
                 step_input, start = nxt, tokens.shape[1] - 1
             else:
@@ -491,8 +517,8 @@ class DecoderLM(Model):
     norm `ln_f` and the LM head `head` (tied to `embed.wte` when cfg.tie_embeddings). A family of
     this shape builds those modules in `build()` and inherits the forward pieces and its parts."""
 
-    def embed_tokens(self, tokens, start=0, token_types=None):
-        return self.drop(self.embed(tokens, start))
+    def embed_tokens(self, tokens, start=0, token_types=None, positions=None):
+        return self.drop(self.embed(tokens, start, positions=positions))
 
     def finish(self, x):
         return self.ln_f(x)

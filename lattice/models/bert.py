@@ -271,8 +271,8 @@ class Bert(Model):
     def type_count(self):
         return self.cfg.type_vocab_size
 
-    def embed_tokens(self, tokens, start=0, token_types=None):
-        return self.drop(self.embed_norm(self.embed(tokens, start, token_types)))
+    def embed_tokens(self, tokens, start=0, token_types=None, positions=None):
+        return self.drop(self.embed_norm(self.embed(tokens, start, token_types, positions)))
 
     def _transform(self, x):  # the MLM transform, residual layout in and out
         return self.mlm_norm(F.gelu(self.mlm_dense(x)))

@@ -106,10 +106,16 @@ class Rotary:
     def __init__(self, head_size: int, theta: float, scaling: dict | None = None):
         self.inv_freq = rotary_frequencies(head_size, theta, scaling)
 
-    def __call__(self, start: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + length, device="cpu").float()
-        angles = positions[:, None] * self.inv_freq  # (T, hs/2)
+    def __call__(self, start: int, length: int, like: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, hs) for positions start.., or (B_l, 1, T, hs) for each sequence's own `positions`
+        (B_l, T) (a left-padded batch's)."""
+        if positions is None:
+            positions = torch.arange(start, start + length, device="cpu")
+        angles = positions.cpu().float()[..., None] * self.inv_freq  # (.., T, hs/2)
         angles = torch.cat([angles, angles], dim=-1)
+        if angles.dim() == 3:
+            angles = angles.unsqueeze(1)  # (B_l, 1, T, hs): the same angles for every head
         return angles.cos().to(like.device, like.dtype), angles.sin().to(like.device, like.dtype)
 
 
@@ -154,12 +160,14 @@ class SelfAttention(nn.Module):
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
 
-    def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None, keep=None):
+    def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None, keep=None, positions=None):
         """`cache` (inference): this layer's keys and values so far, in this rank's layout (its
         heads of its sequences); the new positions' are appended, and a query attends to every
         cached key (one new position) or causally (a prompt, into an empty cache). `keep`: the
         padding mask of this rank's sequences (`Mode.attention_rows`), (B_l, positions so far),
-        True where a key is a token, False where it is padding."""
+        True where a key is a token, False where it is padding; `positions` (B_l, T): each
+        sequence's own positions of x's tokens for the rotary angles (a left-padded batch's),
+        else start.. for every sequence."""
         hs = self.head_size
         if self.stacked:
             qkv = self.qkv(x)  # (B_l, T, 3, h_l): this rank's heads
@@ -169,7 +177,7 @@ class SelfAttention(nn.Module):
             q, k, v = (split_heads(t, hs) for t in self.qkv(x))  # (B_l, nh_l | nkv_l, T, hs)
             B, T = q.shape[0], q.shape[2]
         if self.rotary is not None:
-            cos, sin = self.rotary(start, T, q)
+            cos, sin = self.rotary(start, T, q, positions)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             if "k" in cache:

@@ -125,8 +125,8 @@ class LlamaBlock(nn.Module):
         self.mlp = MLP(mode, seeds, d_model=cfg.d_model, hidden=cfg.intermediate_size, activation="silu", gated=True,
                        bias=False, dropout=cfg.dropout)
 
-    def forward(self, x, cache: dict | None = None, start: int = 0, keep=None):
-        x = x + self.attn(self.ln_1(x), cache=cache, start=start, keep=keep)
+    def forward(self, x, cache: dict | None = None, start: int = 0, keep=None, positions=None):
+        x = x + self.attn(self.ln_1(x), cache=cache, start=start, keep=keep, positions=positions)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -235,6 +235,7 @@ class Llama(DecoderLM):
     name = "llama"
     config_class = LlamaConfig
     hf = LLAMA_HF
+    rotary_positions = True
     # grouped-query (n_kv 2 < n_heads 4), a non-default theta with Llama 3's scaling, untied; heads
     # and kv heads split by every degree the test layouts use; V = 61 is padded where a mode splits it
     test_shapes = (dict(vocab_size=61, seq_len=12, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,

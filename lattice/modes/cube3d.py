@@ -48,9 +48,9 @@ from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.modes.kernels.cube import linear_3d
 from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, compute_dtype, linear_params,
-                                          normalize_split_hidden, pool_pieces, position_rows, register_linear,
-                                          register_position_tables, round_up, rows_on_every_rank, split_segments,
-                                          vocab_bias_spec, vocab_table_spec)
+                                          normalize_split_hidden, pool_pieces, position_rows, position_span,
+                                          register_linear, register_position_tables, round_up, rows_on_every_rank,
+                                          split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis
@@ -137,7 +137,7 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         register_position_tables(self, cfg, mode.ctx, positions, types, lambda shape: vector_spec(shape, 1, CL))
 
-    def forward(self, tokens, start: int = 0, token_types=None):
+    def forward(self, tokens, start: int = 0, token_types=None, positions=None):
         c, q = self.cube, self.q
         B, T = tokens.shape
         rows = tokens[c.i * (B // q):(c.i + 1) * (B // q)].reshape(-1)  # row block i: (B/q · T,)
@@ -146,9 +146,12 @@ class Embedding(nn.Module):
         x = x.view(B // (q * q), T, -1)
         if not self.positions:
             return x
-        pos = hosted(position_rows(self, start, T), (T + self.types, x.shape[-1]), c, PLANE[CL], x.dtype, x.device)
+        first, count, index = position_span(start, T, positions)
+        pos = hosted(position_rows(self, first, count), (count + self.types, x.shape[-1]), c, PLANE[CL], x.dtype,
+                     x.device)
         piece = slice((c.i * q + c.j) * x.shape[0], (c.i * q + c.j + 1) * x.shape[0])  # the residual's batch piece (i, j)
-        return add_position_rows(x, pos, T, None if token_types is None else token_types[piece])
+        return add_position_rows(x, pos, count, None if token_types is None else token_types[piece],
+                                 slice(None) if index is None else index[piece])
 
 
 class Norm(nn.Module):

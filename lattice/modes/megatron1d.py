@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
 from lattice.modes.kernels.layers import (TiedHead, add_position_rows, linear_params, local_linear, pool_pieces,
-                                          position_rows, register_linear, register_position_tables, split_segments,
-                                          vocab_bias_spec, vocab_table_spec)
+                                          position_rows, position_span, register_linear, register_position_tables,
+                                          split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes.serial import Linear, Norm
 from lattice.parallel import comm
@@ -74,23 +74,27 @@ class VocabParallelEmbedding(nn.Module):
         register_sharded(self, "wte", vocab_spec(cfg, ctx), ctx)
         register_position_tables(self, cfg, ctx, positions, types, ShardSpec)
 
-    def forward(self, tokens, start: int = 0, token_types=None):
+    def forward(self, tokens, start: int = 0, token_types=None, positions=None):
         group = tp_group(self.ctx)
-        T = tokens.shape[1]
+        first, count, index = position_span(start, tokens.shape[1], positions)
         local = tokens - self.vocab_start
         elsewhere = (local < 0) | (local >= self.vocab_local)  # another rank owns these rows
         part = F.embedding(local.masked_fill(elsewhere, 0), self.wte)  # (B, T, h), zero-filled below
         part = part.masked_fill(elsewhere.unsqueeze(-1), 0.0)
         if not self.sp:
             x = comm.all_reduce(part, group)
-            return add_position_rows(x, position_rows(self, start, T), T, token_types) if self.positions else x
+            if not self.positions:
+                return x
+            return add_position_rows(x, position_rows(self, first, count), count, token_types,
+                                     slice(None) if index is None else index)
         x_seq = comm.reduce_scatter(part, group, 1)  # (B, T/p, h)
         if not self.positions:
             return x_seq
         t_local = x_seq.shape[1]
-        rows = comm.copy_to_group(position_rows(self, start, T), group)  # each rank's rows are a partial gradient
+        rows = comm.copy_to_group(position_rows(self, first, count), group)  # each rank's rows are a partial gradient
         chunk = slice(comm.group_rank(group) * t_local, (comm.group_rank(group) + 1) * t_local)
-        return add_position_rows(x_seq, rows, T, None if token_types is None else token_types[:, chunk], chunk)
+        return add_position_rows(x_seq, rows, count, None if token_types is None else token_types[:, chunk],
+                                 chunk if index is None else index[:, chunk])
 
 
 class ColumnParallelLinear(nn.Module):

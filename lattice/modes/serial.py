@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position
 from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, linear_params, local_linear,
-                                          normalize_split_hidden, position_rows, register_linear,
+                                          normalize_split_hidden, position_rows, position_span, register_linear,
                                           register_position_tables, split_segments, upcast, vocab_bias_spec)
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -27,10 +27,13 @@ class Embedding(nn.Module):
         register_sharded(self, "wte", ShardSpec((cfg.vocab_size, cfg.d_model), **whole), ctx)
         register_position_tables(self, cfg, ctx, positions, types, lambda shape: ShardSpec(shape, **whole))
 
-    def forward(self, tokens, start: int = 0, token_types=None):  # (B, T) at positions start.. -> (B, T, h)
+    def forward(self, tokens, start: int = 0, token_types=None, positions=None):  # (B, T) at start.. -> (B, T, h)
         x = F.embedding(tokens, self.wte)
-        T = tokens.shape[1]
-        return add_position_rows(x, position_rows(self, start, T), T, token_types) if self.positions else x
+        if not self.positions:
+            return x
+        first, count, index = position_span(start, tokens.shape[1], positions)
+        return add_position_rows(x, position_rows(self, first, count), count, token_types,
+                                 slice(None) if index is None else index)
 
 
 class Norm(nn.Module):

@@ -148,12 +148,12 @@ class Embedding(serial.Embedding):
         # carries the model's dtype and device to the idle ranks' empty residual (GPT.to moves it)
         self.register_buffer("idle_residual", torch.zeros(0), persistent=False)
 
-    def forward(self, tokens, start: int = 0, token_types=None):
+    def forward(self, tokens, start: int = 0, token_types=None, positions=None):
         mine = self.seg.common_rows(tokens.shape[0])
         if not self.seg.runs_common:  # idle: an empty residual that requires grad (see layers.idle_output)
             empty = self.idle_residual.new_zeros(0, tokens.shape[1], self.d_model)
             return empty.requires_grad_(torch.is_grad_enabled())
-        return super().forward(tokens[mine], start, None if token_types is None else token_types[mine])
+        return super().forward(tokens[mine], start, *(None if t is None else t[mine] for t in (token_types, positions)))
 
 
 class Norm(serial.Norm):

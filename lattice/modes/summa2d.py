@@ -25,9 +25,9 @@ import torch.nn as nn
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
 from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, compute_dtype, linear_params,
-                                          normalize_split_hidden, pool_pieces, position_rows, register_linear,
-                                          register_position_tables, register_weight_and_bias, round_up, split_segments,
-                                          vocab_bias_spec, vocab_table_spec)
+                                          normalize_split_hidden, pool_pieces, position_rows, position_span,
+                                          register_linear, register_position_tables, register_weight_and_bias, round_up,
+                                          split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes.kernels.summa import SummaGrid, summa_ab, summa_abt
 from lattice.parallel import comm
@@ -98,15 +98,17 @@ class Embedding(nn.Module):
         register_position_tables(self, cfg, mode.ctx, positions, types,
                                  lambda shape: ShardSpec(shape, ((1, (COL,)),), ON_ROW_0))
 
-    def forward(self, tokens, start: int = 0, token_types=None):
+    def forward(self, tokens, start: int = 0, token_types=None, positions=None):
         g = self.grid
         B, T = tokens.shape
         mine = slice(g.i * (B // g.q), (g.i + 1) * (B // g.q))
         x = _Embed2D.apply(self.wte, tokens[mine].reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
         if not self.positions:
             return x
-        pos = hosted(position_rows(self, start, T), (T + self.types, x.shape[-1]), g, x.dtype, x.device)
-        return add_position_rows(x, pos, T, None if token_types is None else token_types[mine])
+        first, count, index = position_span(start, T, positions)
+        pos = hosted(position_rows(self, first, count), (count + self.types, x.shape[-1]), g, x.dtype, x.device)
+        return add_position_rows(x, pos, count, None if token_types is None else token_types[mine],
+                                 slice(None) if index is None else index[mine])
 
 
 class Norm(nn.Module):

@@ -420,7 +420,7 @@ class PipelineModel(nn.Module):
         # each micro-batch's mean weighted by its share of the labelled targets: the replica's mean
         self._labelled = int(model.labelled_count(targets))
         rows = [slice(i * size, (i + 1) * size) for i in range(pcfg.m)]
-        inputs = [{"padding": model.padding_input(None if attention_mask is None else attention_mask[r]),
+        inputs = [{"padding": model.block_inputs(None if attention_mask is None else attention_mask[r]),
                    "token_types": None if token_types is None else token_types[r]} for r in rows]
         for module in modules:
             module.begin_step(inputs)

@@ -47,15 +47,27 @@ def position_rows(embedding: nn.Module, start: int, length: int) -> torch.Tensor
     return torch.cat([rows, embedding.wtype]) if embedding.types else rows
 
 
-def add_position_rows(x: torch.Tensor, rows: torch.Tensor, length: int, token_types: torch.Tensor | None,
-                      chunk: slice = slice(None)) -> torch.Tensor:
+def position_span(start: int, length: int, positions: torch.Tensor | None) -> tuple[int, int, torch.Tensor | None]:
+    """(first row, rows, each token's row among them or None) of the position table a batch
+    reads: positions start.. for every sequence, or each token's own `positions` (B, T) (a
+    left-padded batch's; the replica's whole batch, so that every rank reads the same rows)."""
+    if positions is None:
+        return start, length, None
+    first = int(positions.min())
+    return first, int(positions.max()) + 1 - first, positions - first
+
+
+def add_position_rows(x: torch.Tensor, rows: torch.Tensor, count: int, token_types: torch.Tensor | None,
+                      where: slice | torch.Tensor = slice(None)) -> torch.Tensor:
     """x (B_l, T_l, h_l) plus the type row of each token (`token_types` (B_l, T_l) of x's tokens;
-    None: every token of type 0), then its position's row: `rows` are position_rows' for
-    `length` positions, of which x holds `chunk`."""
-    types = rows[length:]
+    None: every token of type 0), then its position's row: `rows` are position_rows' for `count`
+    positions, of which x's tokens read `where`: a slice (the same positions in every sequence),
+    or each token's row (B_l, T_l) (`position_span`'s index, x's part of it)."""
+    types = rows[count:]
     if types.shape[0]:
         x = x + (types[0] if token_types is None else F.embedding(token_types, types))
-    return x + rows[:length][chunk]
+    table = rows[:count]
+    return x + (table[where] if isinstance(where, slice) else F.embedding(where, table))
 
 
 def register_position_tables(embedding: nn.Module, cfg, ctx, positions: bool, types: int, spec) -> None:
