@@ -93,13 +93,15 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
         recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where),
                     "model_from": _resumed_model(args, ckpt, arch)}
-    elif args.init_from and Path(args.init_from).exists():
-        recorded = _init_from_model(args, arch)
+    init = None
+    if ckpt is None and args.init_from and Path(args.init_from).exists():
+        init = checkpoint.read(args.init_from)  # read once: the plan takes it as it is
+        recorded = _init_from_model(args, init, arch)
     tcfg = train_config(args, saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
     corpus = tcfg.corpus()
     plan = plan_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
-                    allow_config_change=args.allow_config_change)
+                    allow_config_change=args.allow_config_change, init_from=init)
     # last, as these create directories: a request refused above leaves none behind
     if run.fresh:  # created later, by one process: here only its parent
         check_out_dir(run.out.parent, checkpoint.FILENAME)
@@ -164,7 +166,7 @@ def _resumed_model(args, ckpt: dict, arch: str) -> dict:
     return model
 
 
-def _init_from_model(args, arch: str) -> dict:
+def _init_from_model(args, init: dict, arch: str) -> dict:
     """A run started --init-from a checkpoint of its family trains the checkpoint's model (its
     whole config, an imported HF model's sizes included; a --model preset or size flags replace
     their fields, and the task sets the heads it adds), reading text as those weights were
@@ -173,7 +175,6 @@ def _init_from_model(args, arch: str) -> dict:
     from lattice import checkpoint
     from lattice.data.corpus import read_tokenizer
 
-    init = checkpoint.read(args.init_from)
     if checkpoint.arch_of(init) != arch or "model_config" not in init:
         return {}  # refused with its reason when the run is planned
     model = {k: v for k, v in _resumed_model(args, init, arch).items() if k not in ("num_labels", "dropout")}

@@ -236,7 +236,7 @@ class TrainConfig:
         tokens = TaskTokens.of(self.task_name, vocab_size or self.vocab_size, specials)
         if self.model_from is not None:
             cfg = config_class.from_dict({**self.model_from, "dropout": self.dropout, **self.model_sizes, **shape})
-            if cfg.vocab_size < tokens.model_vocab:
+            if tokens.appended and cfg.vocab_size < tokens.model_vocab:
                 missing = ", ".join(APPENDED[r] for r in tokens.appended)
                 raise LatticeConfigError(f"the checkpoint's model has {cfg.vocab_size} token rows, and --task "
                                          f"{self.task_name} needs {tokens.model_vocab}: the tokenizer has no {missing}; "

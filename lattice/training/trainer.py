@@ -59,12 +59,14 @@ class RunPlan:
 
 
 def plan_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: str | os.PathLike | dict | None = None,
-             allow_config_change: bool = False, resume_from: str | os.PathLike | None = None) -> RunPlan:
+             allow_config_change: bool = False, resume_from: str | os.PathLike | None = None,
+             init_from: dict | None = None) -> RunPlan:
     """Check a run whole and decide it (pure: no process group, nothing allocated), so that the
     launcher, with a planned context, and every rank refuse a bad request in the same one line
     before any collective. `resume`: a checkpoint path or run directory, or a checkpoint already
     read (then `resume_from` says where from). A resume that changes the schedule (steps, lr,
-    warmup, batch size, seed) is refused unless `allow_config_change`."""
+    warmup, batch size, seed) is refused unless `allow_config_change`. `init_from`: the
+    checkpoint cfg.init_from names, already read."""
     ckpt = resume if isinstance(resume, dict) else checkpoint.read(resume) if resume else None
     if resume_from is None:
         resume_from = "checkpoint" if isinstance(resume, dict) or not resume else checkpoint.resolve(resume)
@@ -74,7 +76,7 @@ def plan_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: 
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), resume_from)
     changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
                                     resume_from) if ckpt is not None else []
-    donor = check_init_from(cfg, model_config) if ckpt is None and cfg.init_from else None
+    donor = check_init_from(cfg, model_config, init_from) if ckpt is None and cfg.init_from else None
     return RunPlan(cfg, model_config, ckpt, str(resume_from), donor, tuple(changed))
 
 
@@ -193,11 +195,11 @@ def task_score(task, model, batches, ctx: ParallelContext, *, bf16: bool = False
         return dp_mean(task.score(model, batches), ctx)
 
 
-def check_init_from(cfg: TrainConfig, model_config) -> dict:
+def check_init_from(cfg: TrainConfig, model_config, ckpt: dict | None = None) -> dict:
     """The checkpoint `--init-from` names, read and validated (every rank, before any
     collective): the same family and the same sizes, but for the heads (num_labels) and dropout."""
     where = checkpoint.resolve(cfg.init_from)
-    ckpt = checkpoint.read(cfg.init_from)
+    ckpt = ckpt if ckpt is not None else checkpoint.read(cfg.init_from)
     if checkpoint.arch_of(ckpt) != cfg.arch:
         raise LatticeConfigError(f"--init-from {where} holds a {checkpoint.arch_of(ckpt)} model, this run trains "
                                  f"--arch {cfg.arch}; pass a checkpoint of the same family")
