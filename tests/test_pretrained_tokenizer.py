@@ -133,3 +133,40 @@ def test_an_hf_bert_with_its_own_wordpiece_fine_tunes_on_texts_and_pairs_in_1d(t
                                                   out).groups())
         print(f"{data.stem}: val accuracy {accuracy:.3f}, baseline {baseline:.3f}")
         assert accuracy > baseline + 0.2, out
+
+
+def test_an_exported_bert_tokenizer_builds_the_inputs_lattice_trained_on(tmp_path, capsys):
+    """Catches an HF export of a BERT trained with lattice's own BPE whose tokenizer lacks the
+    [CLS], [SEP], [PAD] lattice appended (or has them at other ids), or lacks BERT's
+    post-processor: transformers' AutoTokenizer on the export must build exactly the sentence-
+    pair batch lattice trained on (ids, mask, token types), and the exported model's logits on it
+    equal lattice's."""
+    from lattice import checkpoint
+    from lattice.models import build_model
+    from lattice.models.bert import BertConfig
+
+    data, run, out, T = tmp_path / "d.jsonl", tmp_path / "run", tmp_path / "hf", 48
+    write_examples(data, pairs=True, n=60)
+    assert cli.main(["train", "--arch", "bert", "--model", "tiny", "--task", "classify", "--data", str(data),
+                     "--data-format", "jsonl", "--pair-key", "other", "--vocab-size", "300", "--steps", "1",
+                     "--batch-size", "4", "--eval-batches", "1", "--seq-len", str(T), "--d-model", "32",
+                     "--n-layers", "1", "--no-progress", "--out-dir", str(run)]) == 0
+    assert "[MASK] 300, [CLS] 301, [PAD] 302, [SEP] 303 (appended by lattice" in capsys.readouterr().out
+    assert cli.main(["convert", str(run), "--to", "hf", str(out)]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    corpus = load_data_corpus(str(data), 300, data_format="jsonl", text_key=("text", "other"),
+                              tokenizer_path=str(run))
+    task = Classify(corpus, data=str(data), text_key="text", label_key="label", pair_key="other")
+    rows = [json.loads(line) for line in data.read_text().splitlines()][:6]
+    tokens, inputs = task._sequences([(corpus.encode(r["text"]), corpus.encode(r["other"])) for r in rows], T)
+    encoded = theirs([r["text"] for r in rows], [r["other"] for r in rows], padding="max_length",
+                     truncation="longest_first", max_length=T, return_token_type_ids=True, return_tensors="pt")
+    assert torch.equal(tokens, encoded["input_ids"])
+    assert torch.equal(inputs["attention_mask"], encoded["attention_mask"])
+    assert torch.equal(inputs["token_types"], encoded["token_type_ids"])
+    ckpt = checkpoint.read(run)
+    model = build_model(BertConfig.from_dict(ckpt["model_config"]), lattice.plan("serial"))
+    checkpoint.load_into(ckpt, model)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert rel_diff(model.eval()(tokens, **inputs), hf(**encoded).logits) < 1e-5

@@ -17,7 +17,6 @@ resharding needs no conversion (every layout loads every sharded checkpoint).
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
@@ -30,7 +29,6 @@ from lattice.models import arch_of_hf, available_archs, get_arch, hf
 from lattice.parallel.context import LatticeConfigError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-TOKENIZER_ROLE_FILES = ("special_tokens_map.json", "tokenizer_config.json")
 _NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "model", "optimizer", "rng",
                 "optimizer_step"}
 
@@ -47,7 +45,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model family SRC must hold (default: whatever it holds)")
 
 
-def run_convert(args) -> int:
+def convert(args) -> dict:
+    """Write args.src's checkpoint in the form asked for at args.dst; returns its metadata."""
     if args.source == "hf" or args.to == "hf":
         hf.require_hf_packages("lattice convert --from hf" if args.source == "hf" else "lattice convert --to hf")
     if args.source == "hf":
@@ -67,8 +66,7 @@ def run_convert(args) -> int:
     print(f"wrote {to} checkpoint {where} (step {meta['step']}, "
           f"{sum(t.numel() for k, t in tensors.items() if k.startswith('model/')):,} parameters"
           f"{', with AdamW moments' if meta['optimizer_step'] and to != 'hf' else ''})")
-    _carry_tokenizer(args, to, Path(args.dst))
-    return 0
+    return {**meta, "to": to}
 
 
 def _check_destination(dst: Path, to: str) -> None:
@@ -82,27 +80,6 @@ def _check_destination(dst: Path, to: str) -> None:
                                  f"mixes two runs in one)")
     if dst.suffix != ".pt":
         check_out_dir(dst, flag="destination")
-
-
-def _carry_tokenizer(args, to: str, dst: Path) -> None:
-    """The tokenizer goes with the weights: a run's tokenizer.json into an HF export (loadable by
-    AutoTokenizer), an HF directory's tokenizer.json into the run directory an import writes
-    (which generate, eval and train --resume then use)."""
-    if to == "hf":
-        source = checkpoint.run_of(args.src) / "tokenizer.json"
-        if source.is_file():
-            hf.write_hf_tokenizer(source, dst)
-            print(f"tokenizer: {source} -> {dst}/tokenizer.json (AutoTokenizer.from_pretrained loads it)")
-        else:
-            print(f"tokenizer: none beside {args.src}; the export holds the model only")
-    elif args.source == "hf" and to == "sharded":
-        source = Path(args.src) / "tokenizer.json"
-        if source.is_file():
-            shutil.copyfile(source, dst / "tokenizer.json")
-            print(f"tokenizer: {source} -> {dst}/tokenizer.json")
-            for name in TOKENIZER_ROLE_FILES:  # which of its tokens are [CLS], <pad>, ...
-                if (Path(args.src) / name).is_file():
-                    shutil.copyfile(Path(args.src) / name, dst / name)
 
 
 def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:

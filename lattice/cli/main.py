@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # (run_dir reaches torch.distributed.checkpoint: imported whe
 DELEGATED = {
     "bench": ("lattice.bench", "add_bench_arguments", "run_bench", "measured benchmarks"),
     "plan": ("lattice.cli.plan", "add_plan_arguments", "run_plan", "analytic communication/compute/memory model"),
-    "convert": ("lattice.checkpoint.convert", "add_convert_arguments", "run_convert",
+    "convert": ("lattice.cli.convert", "add_convert_arguments", "run_convert",
                 "convert checkpoints: sharded <-> single file, to and from a HuggingFace model directory"),
 }
 

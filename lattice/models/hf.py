@@ -371,13 +371,3 @@ def write_hf_dir(family, cfg, tensors: dict, dst: Path, *, max_shard_bytes: int 
     if len(written) > 1:
         (dst / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return paths
-
-
-def write_hf_tokenizer(tokenizer_file: Path, dst: Path) -> None:
-    """A run's tokenizer.json beside an exported model, with the tokenizer_config.json that
-    `AutoTokenizer.from_pretrained(dst)` needs to load it as the same tokenizer (a
-    PreTrainedTokenizerFast; lattice's BPE has no special tokens, and decoding does not rewrite
-    spaces, as `lattice generate` does not)."""
-    fast = transformers_module().PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file),
-                                                          clean_up_tokenization_spaces=False)
-    fast.save_pretrained(dst)
