@@ -113,10 +113,11 @@ def test_batches_equal_transformers_tokenizer_and_logits_equal_transformers_bert
 
 def test_an_hf_bert_with_its_own_wordpiece_fine_tunes_on_texts_and_pairs_in_1d(tmp_path, capfd):
     """Catches an imported BERT that cannot be fine-tuned without size flags (--init-from must
-    adopt its config and its tokenizer's vocabulary), a run that appends its own special tokens
-    though the tokenizer has them (the printed line names the tokenizer's ids 0-4), and a
-    classifier that does not learn from padded, masked batches in 1d tp=2: the accuracy on texts
-    and on sentence pairs ends above the majority baseline the run prints."""
+    adopt its config and its tokenizer's vocabulary) or not on batches shorter than its 256
+    positions, a run that appends its own special tokens though the tokenizer has them (the
+    printed line names the tokenizer's ids 0-4), and a classifier that does not learn from
+    padded, masked batches in 1d tp=2: the accuracy on texts and on sentence pairs ends above the
+    majority baseline the run prints, and `lattice eval` of the run reproduces it."""
     make_hf_bert(tmp_path / "hf")
     assert cli.main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     for pairs in (False, True):
@@ -124,7 +125,7 @@ def test_an_hf_bert_with_its_own_wordpiece_fine_tunes_on_texts_and_pairs_in_1d(t
         write_examples(data, pairs)
         args = ["train", "--arch", "bert", "--task", "classify", "--init-from", str(tmp_path / "imported"),
                 "--data", str(data), "--data-format", "jsonl", "--mode", "1d", "--tp", "2", "--nproc", "2",
-                "--steps", "80", "--batch-size", "8", "--seq-len", "256", "--lr", "2e-3", "--warmup", "10",
+                "--steps", "80", "--batch-size", "8", "--seq-len", "128", "--lr", "2e-3", "--warmup", "10",
                 "--eval-interval", "80", "--eval-batches", "3", "--no-progress", "--out-dir", str(tmp_path / data.stem)]
         assert cli.main(args + (["--pair-key", "other"] if pairs else [])) == 0
         out = capfd.readouterr().out
@@ -133,6 +134,14 @@ def test_an_hf_bert_with_its_own_wordpiece_fine_tunes_on_texts_and_pairs_in_1d(t
                                                   out).groups())
         print(f"{data.stem}: val accuracy {accuracy:.3f}, baseline {baseline:.3f}")
         assert accuracy > baseline + 0.2, out
+        assert cli.main(["eval", str(tmp_path / data.stem)]) == 0  # the 256-position model on its 128-token batches
+        assert f"accuracy {accuracy:.3f} (majority-class baseline {baseline:.3f}) (3 batches of 8 x 128" in \
+            capfd.readouterr().out
+    args[args.index("--seq-len") + 1] = "300"
+    args[args.index("--out-dir") + 1] = str(tmp_path / "longer")
+    assert cli.main(args) == 2
+    assert "--seq-len 300 exceeds the checkpoint model's seq_len = 256 (the longest sequence it takes); pass at " \
+           "most 256" in capfd.readouterr().err
 
 
 def test_an_exported_bert_tokenizer_builds_the_inputs_lattice_trained_on(tmp_path, capsys):

@@ -122,7 +122,9 @@ def run_inference(args, argv: list[str]) -> int:
                 other = {"data": args.data, "data_format": args.data_format, "text_key": args.text_key,
                          "tokenizer": str(run_dir / "tokenizer.json") if (run_dir / "tokenizer.json").exists()
                          else saved.get("tokenizer")}
+            # the checkpoint's model as it is, on batches of the lengths its run trained on
             tcfg = TrainConfig.from_dict({**saved, "arch": checkpoint.arch_of(ckpt), "out_dir": None, "progress": False,
+                                          "model_from": ckpt["model_config"],
                                           **other,
                                           **({"eval_batches": args.eval_batches} if args.eval_batches else {})})
             _, model, batches, task = model_and_batches(tcfg, ctx, tcfg.corpus(), ckpt, checkpoint.resolve(args.run))
@@ -135,7 +137,7 @@ def run_inference(args, argv: list[str]) -> int:
             if ctx.rank == 0:
                 data = tcfg.data or ("the built-in task" if task.metric else "the built-in corpus")
                 print(f"val loss {loss:.4f} nats/{task.loss_unit}, perplexity {math.exp(loss):.2f}{scored} "
-                      f"({len(batches)} batches of {tcfg.batch_size} x {cfg.seq_len} tokens of {data}, "
+                      f"({len(batches)} batches of {tcfg.batch_size} x {tcfg.batch_lengths(cfg)[0]} tokens of {data}, "
                       f"{tcfg.task_name}, step {ckpt['step']})")
             return 0
         if tokenizer is not None:

@@ -264,7 +264,7 @@ def cmd_train(args, argv: list[str]) -> int:
         if ckpt is not None and not checkpoint.is_sharded(ckpt):  # training resumes the sharded form
             plan = dataclasses.replace(plan, resume=_converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx))
         trainer = Trainer.from_plan(plan, ctx, corpus)
-        cut = trainer.task.truncation(plan.model_config.seq_len)
+        cut = trainer.task.truncation(trainer.seq_len)
         if cut and ctx.rank == 0:
             print(f"--data {tcfg.data}: {cut}", flush=True)
         specials = trainer.task.tokens.describe(trainer.corpus.tokenizer)

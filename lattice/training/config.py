@@ -188,7 +188,7 @@ class TrainConfig:
     def make_task(self, corpus: Corpus, model_config):
         return make_task(self.task_name, corpus, data=self.data, text_key=self.text_key, label_key=self.label_key,
                          source_key=self.source_key, target_key=self.target_key,
-                         target_len=getattr(model_config, "target_len", None), pair_key=self.pair_key)
+                         target_len=self.batch_lengths(model_config)[1], pair_key=self.pair_key)
 
     def num_labels(self) -> int:
         """The classes of a classification run (read from --data), 0 for other tasks."""
@@ -217,6 +217,15 @@ class TrainConfig:
         self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
         return corpus
 
+    def batch_lengths(self, model_config) -> tuple[int, int | None]:
+        """(sequence length, an encoder-decoder's target length or None) of the run's batches: the
+        model's, or for a model adopted from a checkpoint (`model_from`, which keeps its maximum)
+        the --seq-len and --target-len given."""
+        target = getattr(model_config, "target_len", None)
+        if self.model_from is None:
+            return model_config.seq_len, target
+        return self.seq_len or model_config.seq_len, (self.target_len or target) if target is not None else None
+
     def data_keys(self) -> str | tuple[str, ...]:
         """The fields of --data's JSON lines the tokenizer reads (both sides of a pair)."""
         if self.task_name == "seq2seq":
@@ -235,6 +244,13 @@ class TrainConfig:
             shape["num_labels"] = self.num_labels()
         tokens = TaskTokens.of(self.task_name, vocab_size or self.vocab_size, specials)
         if self.model_from is not None:
+            # the checkpoint's lengths are its maximum (a position table, rotary's range): the
+            # run's batches may be shorter (`batch_lengths`), never longer
+            for name in ("seq_len", "target_len"):
+                given, most = shape.pop(name, None), self.model_from.get(name)
+                if given is not None and most is not None and given > most:
+                    raise LatticeConfigError(f"--{name.replace('_', '-')} {given} exceeds the checkpoint model's "
+                                             f"{name} = {most} (the longest sequence it takes); pass at most {most}")
             cfg = config_class.from_dict({**self.model_from, "dropout": self.dropout, **self.model_sizes, **shape})
             if tokens.appended and cfg.vocab_size < tokens.model_vocab:
                 missing = ", ".join(APPENDED[r] for r in tokens.appended)

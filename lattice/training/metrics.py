@@ -16,13 +16,15 @@ from lattice.training import faults
 METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "elapsed_s")
 
 
-def step_flops(model_config, ctx, *, batch_size: int, activation_checkpointing: bool) -> float:
+def step_flops(model_config, ctx, *, batch_size: int, activation_checkpointing: bool,
+               lengths: tuple[int, int | None] = (None, None)) -> float:
     """Matrix-product FLOPs of one training step on this rank (its stages with pp > 1) of the
-    global batch `batch_size`, from the cost model."""
+    global batch `batch_size` (of `lengths`: sequence and target; default the model's), from
+    the cost model."""
     from lattice.cost import estimate
 
-    c = estimate(model_config, ctx.layout, batch=batch_size // ctx.dp, rank=ctx.rank,
-                 activation_checkpointing=activation_checkpointing)
+    c = estimate(model_config, ctx.layout, batch=batch_size // ctx.dp, rank=ctx.rank, seq=lengths[0],
+                 target_seq=lengths[1], activation_checkpointing=activation_checkpointing)
     return c.flops["forward"] + c.flops["backward"]
 
 

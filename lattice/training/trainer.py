@@ -95,10 +95,10 @@ def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ck
 def _model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, model_config):
     """(model, fixed validation batches, task) of a checked run: this rank's shards of the model."""
     task = cfg.make_task(corpus, model_config)
-    task.check(cfg.batch_size, model_config.seq_len, ctx.dp)
+    task.check(cfg.batch_size, cfg.batch_lengths(model_config)[0], ctx.dp)
     model = build_model(model_config, ctx, dtype=cfg.param_dtype,
                         activation_checkpointing=cfg.activation_checkpointing)
-    val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=model_config.seq_len,
+    val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=cfg.batch_lengths(model_config)[0],
                                num_batches=cfg.eval_batches)
     return model, val_set, task
 
@@ -124,7 +124,7 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
             raise LatticeConfigError("--task classify scores the class logits of every validation, which a pipeline "
                                      "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
     # every length a batch has: the sequence, and an encoder-decoder's target
-    lengths = [model_config.seq_len] + [n for n in [getattr(model_config, "target_len", None)] if n]
+    lengths = [n for n in cfg.batch_lengths(model_config) if n]
     if cfg.task_name == "seq2seq":
         Seq2Seq.check_lengths(cfg.data, *lengths)
 
@@ -260,6 +260,7 @@ class Trainer:
     def _build(self, plan: RunPlan, ctx: ParallelContext, corpus: Corpus) -> None:
         cfg, ckpt, where, donor = plan.cfg, plan.resume, plan.resume_from, plan.init_from
         self.cfg, self.ctx, self.corpus, self.model_config = cfg, ctx, corpus, plan.model_config
+        self.seq_len = cfg.batch_lengths(plan.model_config)[0]  # the batches' (a checkpoint's model may take longer)
         self.model, self.val_set, self.task = _model_and_batches(cfg, ctx, corpus, plan.model_config)
         if ckpt is not None and not checkpoint.is_sharded(ckpt):
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
@@ -316,7 +317,7 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         self.model.train()
         batch = self.task.train_batch(self.step, self.ctx, seed=cfg.seed, batch_size=cfg.batch_size,
-                                      seq_len=self.model_config.seq_len)
+                                      seq_len=self.seq_len)
         x, y, inputs = batch.tokens, batch.targets, batch.inputs
         weight = replica_weight(self.model, batch, self.ctx)
         lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
@@ -366,7 +367,7 @@ class Trainer:
         train_loss = dp_mean(loss, self.ctx)
         dt = time.perf_counter() - t0
         return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
-                "tokens_per_s": cfg.batch_size * self.model_config.seq_len / dt, "skipped": not finite}
+                "tokens_per_s": cfg.batch_size * self.seq_len / dt, "skipped": not finite}
 
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches, identical on every rank."""
@@ -385,9 +386,10 @@ class Trainer:
         cfg, is_main = self.cfg, self.ctx.rank == 0
         until = cfg.stop_at or cfg.steps
         out = Path(cfg.out_dir) if cfg.out_dir else None
-        tokens = cfg.batch_size * self.model_config.seq_len
+        tokens = cfg.batch_size * self.seq_len
         flops = lambda: step_flops(self.model_config, self.ctx, batch_size=cfg.batch_size,  # noqa: E731
-                                   activation_checkpointing=cfg.activation_checkpointing)
+                                   activation_checkpointing=cfg.activation_checkpointing,
+                                   lengths=cfg.batch_lengths(self.model_config))
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
                           tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
         val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
