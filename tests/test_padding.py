@@ -117,14 +117,15 @@ def left_padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 ALL = ["gpt2", "llama", "bert-mlm", "bert-classify", "t5"]
-NO_PIPELINE = ["gpt2", "llama", "bert-mlm", "bert-classify"]  # T5 has no pipeline stages
+NO_T5 = ["gpt2", "llama", "bert-mlm", "bert-classify"]
 LAYOUTS = [(dict(mode="serial"), ALL),
            (dict(mode="1d", tp=2, sequence_parallel=True), ALL),
            (dict(mode="2d", tp=4), ALL),
            (dict(mode="3d", tp=8), ALL),
            (dict(mode="subgraph", tp=2, subgrids=2), ALL),
            (dict(mode="subgraph", tp=4, subgrids=2, common="subgrid"), ALL),
-           (dict(mode="1d", tp=2, pp=2, microbatches=2), NO_PIPELINE),
+           (dict(mode="1d", tp=2, pp=2, microbatches=2), NO_T5),
+           (dict(mode="1d", tp=2, pp=2, microbatches=2, pp_layers=(3, 2)), ["t5"]),  # its 2 + 3 blocks
            (dict(mode="serial", dp=2), ALL)]
 
 

@@ -37,12 +37,16 @@ class CostBuilder:
         self.B, self.T, self.h, self.L = c.batch, c.seq, cfg.d_model, cfg.n_layers
         self.target_T = c.target_seq or c.seq
         self.repeat, self.first, self.last = 1, True, True  # micro-batches; the stage holds the first / last part
+        self.forced = False  # inside `on_this_stage`
         pcfg = c.pipeline
-        if pcfg is not None:  # one micro-batch through this rank's chunks, m times
-            chunks = pcfg.chunks(len(model.blocks))
+        if pcfg is None:
+            self.blocks_here = range(len(model.pipeline_blocks()) if model.parts() else self.L)
+        else:  # one micro-batch through this rank's chunks, m times
+            chunks = pcfg.chunks(len(model.pipeline_blocks()))
             mine = range(c.stage, len(chunks), pcfg.stages)
             self.B, self.repeat = c.batch // pcfg.m, pcfg.m
-            self.L = sum(len(chunks[k]) for k in mine)
+            self.blocks_here = sorted(i for k in mine for i in chunks[k])  # pipeline order (Model.pipeline_blocks)
+            self.L = len(self.blocks_here)
             self.first, self.last = 0 in mine, len(chunks) - 1 in mine
         self.M = self.B * self.T
         self.V = cfg.vocab_size
@@ -70,7 +74,7 @@ class CostBuilder:
         checkpointing, which stops after the layer's last saved tensor, may not repeat it."""
         in_layer = self.region == "layer"
         where = "loss" if site == "loss" else (f"layer.{site}" if in_layer else self.region)
-        if (where == "embedding" and not self.first) or (where in ("head", "loss") and not self.last):
+        if not self.forced and ((where == "embedding" and not self.first) or (where in ("head", "loss") and not self.last)):
             return  # a pipeline stage without that part
         if where != "grads":
             calls, elements = calls * self.repeat, elements * self.repeat
@@ -90,6 +94,16 @@ class CostBuilder:
 
     def _work(self, kind: str, amount: float) -> None:
         self.work["layer" if self.region == "layer" else "other"][kind] += amount
+
+    @contextmanager
+    def on_this_stage(self):
+        """Operations of a part that a pipeline stage other than the first or the last holds (an
+        encoder-decoder's modules between its stacks): their terms count here."""
+        self.forced = True
+        try:
+            yield
+        finally:
+            self.forced = False
 
     # ---- for the families: the operations of one step, in order
     def embedding(self, *, positions: bool = True, types: int = 0) -> None:

@@ -10,6 +10,7 @@ from lattice.cost.model import estimate
 from lattice.cost.stages import stage_sends
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
+from lattice.parallel.context import MeshAxis
 from lattice.parallel.pipeline import PipelineConfig
 
 
@@ -26,6 +27,16 @@ def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> flo
 def p2p_elements(cfg, layout: Layout, *, batch: int, stage: int, seq: int | None = None) -> dict[str, float]:
     """What one rank of `stage` sends point-to-point in one step (see p2p_piece, stage_sends)."""
     return stage_sends(layout.pipeline, stage, p2p_piece(cfg, layout, batch=batch, seq=seq))
+
+
+def _stage_p2p(cfg, layout: Layout, batch: int, stage: int) -> dict[str, float]:
+    """What a rank of `stage` sends point-to-point in one step, from the cost model of that rank
+    (every tensor crossing its boundaries: an encoder-decoder's decoder stages send the memory
+    beside their stream)."""
+    coords = {axis: 0 for axis, _ in layout.topology.axes} | {MeshAxis.PP: stage}
+    terms = estimate(cfg, layout, batch=batch, rank=layout.topology.rank_at(coords)).terms
+    return {phase: sum(t.elements for t in terms if t.op == "send" and t.phase == phase)
+            for phase in ("forward", "backward")}
 
 
 def in_flight(pcfg: PipelineConfig, stage: int) -> int:
@@ -52,14 +63,14 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) ->
         c = estimate(cfg, stage, batch=batch)
         return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": c.time(machine)["step"]}
     pcfg = layout.pipeline
-    chunks = pcfg.chunks(cfg.n_layers)
+    chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))  # an encoder-decoder's two stacks
     blocks = max(len(c) for c in chunks)
     stage_cfg = dataclasses.replace(cfg, n_layers=blocks)
     c = estimate(stage_cfg, stage, batch=batch // pcfg.m)
     t = c.time(machine)
     slot = t["forward"] + t["backward"]  # one micro-batch through the slowest chunk (head included: an upper bound)
     piece = p2p_piece(cfg, layout, batch=batch)
-    stage_p2p = [stage_sends(pcfg, s, piece) for s in range(pp)]
+    stage_p2p = [_stage_p2p(cfg, layout, batch, s) for s in range(pp)]
     inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
     alpha, beta = (machine.alpha_inter, machine.beta_inter) if inter else (machine.alpha_intra, machine.beta_intra)
     hop = 2 * (alpha + piece * c.itemsize * beta)  # activation forward, gradient backward

@@ -3,6 +3,8 @@ stage's chunks and the terms the pipeline adds to a stage's tensor-parallel ones
 
 from __future__ import annotations
 
+import math
+
 from lattice.cost.machine import Term
 from lattice.parallel.context import MeshAxis
 
@@ -17,27 +19,47 @@ def stage_sends(pcfg, stage: int, piece: float) -> dict[str, float]:
             "backward": pcfg.m * piece * sum(1 for k in mine if k > 0)}
 
 
+def boundary_sends(b) -> dict[str, list[float]]:
+    """The elements of each tensor one rank of this stage sends point-to-point for one
+    micro-batch: forward, what crosses the boundary after each of its chunks but the last;
+    backward, the gradients of what crosses the boundary before each but the first (the residual
+    stream, and an encoder-decoder's memory beside the decoder's: Model.boundary_shapes)."""
+    pcfg, stage = b.c.pipeline, b.c.stage
+    chunks = pcfg.chunks(len(b.model.pipeline_blocks()))
+    n, mine = len(chunks), range(stage, len(chunks), pcfg.stages)
+
+    def pieces(after):
+        return [math.prod(s) for s in b.model.boundary_shapes(after, b.B, b.c.seq, b.target_T)]
+
+    return {"forward": [e for k in mine if k < n - 1 for e in pieces(chunks[k][-1])],
+            "backward": [e for k in mine if k > 0 for e in pieces(chunks[k][0] - 1)]}
+
+
 def pipeline_terms(b) -> None:
-    """What the pipeline adds to a stage's terms (b: the CostBuilder): the residual sent
-    point-to-point (`stage_sends`), its all-gather on arrival under the scatter/gather
-    optimisation (and in backward on the sending side), the gradients of shared parameters summed
-    between the first and the last stage, and the loss broadcast from the last stage."""
+    """What the pipeline adds to a stage's terms (b: the CostBuilder): the tensors sent
+    point-to-point (`boundary_sends`, once per micro-batch), their all-gather on arrival under the
+    scatter/gather optimisation (and in backward on the sending side), the gradients of shared
+    parameters summed between the first and the last stage (those every stage holds: over the
+    pipeline), and the loss broadcast from the last stage."""
     c, pcfg, PP = b.c, b.c.pipeline, MeshAxis.PP
-    piece, tensor_axes = b.residual, b.topo.tensor_axes
+    tensor_axes, m = b.topo.tensor_axes, pcfg.m
     scatter = pcfg.scatter_gather and b.mode.residual_replicated and b.p > 1
-    calls = stage_sends(pcfg, c.stage, 1)  # one send per micro-batch and chunk boundary
-    for phase in ("forward", "backward"):
-        if calls[phase]:
-            sent = calls[phase] * (piece / b.p if scatter else piece)
-            c.terms.append(Term(phase, "send", (PP,), calls[phase], sent, "pipeline", c.itemsize))
+    sends = boundary_sends(b)
+    for phase, tensors in sends.items():
+        if tensors:
+            sent = m * sum(tensors) / (b.p if scatter else 1)
+            c.terms.append(Term(phase, "send", (PP,), m * len(tensors), sent, "pipeline", c.itemsize))
     if scatter:  # gathered where a piece arrives: forward into every chunk but the first, backward the reverse
-        for phase, arrivals in (("forward", calls["backward"]), ("backward", calls["forward"])):
+        for phase, arrivals in (("forward", sends["backward"]), ("backward", sends["forward"])):
             if arrivals:
-                c.terms.append(Term(phase, "all_gather", tensor_axes, arrivals, arrivals * piece, "pipeline",
+                c.terms.append(Term(phase, "all_gather", tensor_axes, m * len(arrivals), m * sum(arrivals), "pipeline",
                                     c.itemsize))
+    params = dict(b.model.named_parameters())
+    for name in b.model.parts_.everywhere:
+        if name in params:
+            c.terms.append(Term("backward", "all_reduce", (PP,), 1, params[name].numel(), "grads", c.itemsize))
     shared = b.model.parts_.shared
     if shared and (b.first or b.last) and not (b.first and b.last):
-        params = dict(b.model.named_parameters())
         for name in shared:
             if name in params:  # over the pp group (two stages) or the first and last stage's pair
                 c.terms.append(Term("backward", "all_reduce", (PP,), 1, params[name].numel(), "grads", c.itemsize,

@@ -87,12 +87,21 @@ class Parts:
     stages: `first` (tokens -> the residual stream, on the first stage), the blocks (the
     nn.ModuleList named `blocks`, cut between stages), `last` (after the blocks: final norm and
     head, on the last stage). `shared` names parameters of the first part that the last part
-    uses too (a tied token table), which the last stage keeps a copy of."""
+    uses too (a tied token table), which the last stage keeps a copy of.
+
+    An encoder-decoder names its decoder's blocks too (`decoder`), which follow the encoder's
+    (`blocks`) in the stage split; `middle` are the modules between the stacks (the encoder's
+    final norm, the decoder's embedding), on the stage of the encoder's last block; `everywhere`
+    names parameters that stages of several parts read (the token table, each stack's position
+    bias), of which every stage keeps a copy, their gradients summed over the pipeline."""
 
     first: tuple[str, ...]
     blocks: str
     last: tuple[str, ...]
     shared: tuple[str, ...] = ()
+    decoder: str | None = None
+    middle: tuple[str, ...] = ()
+    everywhere: tuple[str, ...] = ()
 
 
 class Model(nn.Module):
@@ -182,6 +191,35 @@ class Model(nn.Module):
     def cost_layout(self, b) -> None:
         """Describe one training step, operation by operation, to a lattice.cost.CostBuilder."""
         raise NotImplementedError(f"family {self.name!r} describes no cost layout")
+
+    # ---- pipeline stages (lattice.parallel.pipeline)
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """The blocks a pipeline splits into stages, in the order they run (an encoder-decoder's
+        encoder blocks, then its decoder's)."""
+        parts = self.parts()
+        return list(getattr(self, parts.blocks)) + (list(getattr(self, parts.decoder)) if parts.decoder else [])
+
+    def boundary_shapes(self, after: int, batch: int, seq: int, target_seq: int) -> tuple[tuple[int, ...], ...]:
+        """This rank's pieces of what a stage ending with block `after` (pipeline order) sends the
+        next for a micro-batch of `batch` sequences: the residual stream."""
+        return (tuple(self.mode.residual_shape(batch, seq)),)
+
+    def microbatch_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None,
+                          token_types: torch.Tensor | None) -> dict:
+        """What every stage takes beside the activation it receives, for one micro-batch (its
+        rows of the replica's tokens, targets, mask and token types; every rank holds them)."""
+        return {"padding": self.block_inputs(attention_mask), "token_types": token_types}
+
+    def run_stage(self, values: tuple, block_ids: range, first: bool, last: bool, inputs: dict) -> tuple:
+        """One pipeline stage of a micro-batch: `values` its received tensors (the first stage's:
+        the tokens), the blocks `block_ids`, with the first part on the first stage and the last
+        part but the head on the last; returns what it sends on (the last: the finished stream)."""
+        x = values[0]
+        if first:
+            x = self.embed_input(x, 0, inputs.get("token_types"))  # tokens (B_mb, T) -> residual layout
+        blocks = self.pipeline_blocks()
+        x = self.run_blocks(x, [blocks[i] for i in block_ids], **inputs.get("padding", {}))
+        return (self.finish(x),) if last else (x,)
 
     def init_std(self, name: str) -> float:
         """Standard deviation of a random initial matrix (GPT-2's: 0.02, output projections

@@ -22,13 +22,18 @@ too. One token table feeds both stacks; the LM head is that table scaled by d_mo
 labels=targets).loss`: the decoder reads the labels shifted right behind the decoder start token
 (-100 read as the pad token) and the loss is the mean cross-entropy over the labels that are not
 -100. Without targets, `model(tokens, decoder_tokens=d)` returns the (B, T, V) logits of
-decoder input d (default: the start token alone). The sequences are unpadded: lattice has no
-attention mask, so a padded source is attended to as it is.
+decoder input d (default: the start token alone). `attention_mask` (B, S) is the sources'
+padding, as transformers' T5 takes it: neither the encoder nor the decoder's cross-attention
+reads a padded source position (padded labels are -100).
 
 Every mode splits the heads of self- and cross-attention alike (sub-graph parallelism enters a
 branch from the decoder's stream for q, from the encoder's output for k and v). Pipeline stages
-are refused (`parts()` is None): each decoder stage needs the encoder's output, which lattice's
-stages (one stream of blocks in order) do not carry; use pp = 1 with any tensor layout and dp.
+cut the encoder's blocks, then the decoder's (`parts`): the stage that runs the encoder's last
+block finishes it (its norm: the memory) and embeds the decoder's tokens, and from there every
+stage sends the decoder's stream and the memory on, the memory's gradient flowing back through
+every decoder stage to the encoder's; the token table and each stack's position bias have a copy
+on every stage, their gradients summed over the pipeline (GPipe and 1F1B; the cost model counts
+both streams' traffic).
 
 HuggingFace (T5ForConditionalGeneration): nn.Linear keeps W[out, in], lattice W[in, out], so
 every projection is transposed; q, k, v are the self-attention IN linear's segments, k and v the
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from lattice.models.base import Model, ModelConfig, check_ids, next_token
+from lattice.models.base import Model, ModelConfig, Parts, check_ids, next_token
 from lattice.models.components import MLP, CrossAttention, SelfAttention, bucketed_bias, residual_dropout
 from lattice.models.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.registry import register
@@ -243,7 +248,7 @@ class T5(Model):
     # with shorter targets (the conformance batch: cross-attention between lengths); V = 61 padded
     # where a mode splits the vocabulary; 8 buckets with a maximum distance inside the sequence
     test_shapes = (dict(vocab_size=61, seq_len=12, target_len=10, d_model=24, n_heads=4, head_size=6, n_layers=1,
-                        n_decoder_layers=2, d_ff=40, relative_buckets=8, relative_max_distance=6),
+                        n_decoder_layers=3, d_ff=40, relative_buckets=8, relative_max_distance=6),
                    dict(vocab_size=64, seq_len=12, target_len=10, d_model=24, n_heads=4, head_size=8, n_layers=2,
                         d_ff=32, feed_forward_proj="gated-gelu", tie_embeddings=False, relative_buckets=8,
                         relative_max_distance=6))
@@ -414,8 +419,51 @@ class T5(Model):
         self.train(was_training)
         return out
 
+    # ---- pipeline stages: the encoder's blocks, then the decoder's, each stage carrying the
+    # encoder's output (the memory) on from the stage that finishes the encoder
     def parts(self):
-        return None  # see the module docstring: pipeline stages are refused
+        return Parts(first=("embed", "encoder_drop", "encoder_bias"), blocks="encoder", decoder="decoder",
+                     middle=("encoder_norm", "encoder_out_drop", "decoder_drop", "decoder_bias"),
+                     last=("decoder_norm", "decoder_out_drop", "head"),
+                     everywhere=("embed.wte", "encoder_bias.weight", "decoder_bias.weight"))
+
+    def boundary_shapes(self, after, batch, seq, target_seq):
+        """The source's stream inside the encoder; after its last block, the target's stream and
+        the memory (the source's length)."""
+        source = tuple(self.mode.residual_shape(batch, seq))
+        return (source,) if after < self.cfg.n_layers - 1 else (tuple(self.mode.residual_shape(batch, target_seq)),
+                                                                 source)
+
+    def microbatch_inputs(self, tokens, targets, attention_mask, token_types):
+        return {"keep": None if attention_mask is None else self.attention_keep(attention_mask),
+                "decoder_tokens": self.shift_right(targets), "source_len": tokens.shape[1]}
+
+    def run_stage(self, values, block_ids, first, last, inputs):
+        L, keep, decoder_tokens = self.cfg.n_layers, inputs["keep"], inputs["decoder_tokens"]
+        if first:
+            x, memory = self.encoder_drop(self.embed(values[0])), None
+        else:
+            x, memory = values[0], (values[1] if len(values) > 1 else None)
+        encoder = [i for i in block_ids if i < L]
+        decoder = [i - L for i in block_ids if i >= L]
+        if encoder:
+            S = inputs["source_len"]
+            bias = self.position_bias(self.encoder_bias, S, S, 0, True)
+            x = self.run_blocks(x, [self.encoder[i] for i in encoder], position_bias=bias, keep=keep)
+            if encoder[-1] == L - 1:  # the memory, and the decoder's stream starts
+                memory = self.encoder_out_drop(self.encoder_norm(x))
+                x = self.decoder_drop(self.embed(decoder_tokens))
+        if decoder:
+            T = decoder_tokens.shape[1]
+            bias = self.position_bias(self.decoder_bias, T, T, 0, False)
+            x = self.run_blocks(x, [self.decoder[j] for j in decoder], memory=memory, position_bias=bias,
+                                memory_keep=keep)
+        if last:
+            return (self._head_input(self.decoder_out_drop(self.decoder_norm(x))),)
+        return (x,) if memory is None else (x, memory)
+
+    def head_loss(self, x, targets):
+        return self.head.loss(x, targets)
 
     def cost_layout(self, b):
         """The encoder over the source's b.T tokens, the decoder over the targets' (b.target_T):
@@ -438,18 +486,31 @@ class T5(Model):
             b.attention(heads=n, kv_heads=n, head_size=hs, causal=causal, bias=True, shared_bias=True)
             b.linear(inner, h, block="attention", position="out", bias=False, input_from_attention=True)
 
+        # under a pipeline, this stage's blocks (the encoder's, then the decoder's) and parts
+        encoder = sum(1 for i in b.blocks_here if i < cfg.n_layers)
+        decoder = sum(1 for i in b.blocks_here if i >= cfg.n_layers)
+        middle = cfg.n_layers - 1 in b.blocks_here  # finishes the encoder, embeds the decoder's tokens
         with b.sequence(source):
-            b.embedding(positions=False)
-            b.position_bias()
-            with b.layer(count=cfg.n_layers):
-                self_attention(causal=False)
-                feed_forward()
-            b.norm("rms", bias=False)
-            b.memory()
+            if b.first:
+                b.embedding(positions=False)
+            if encoder:
+                b.position_bias()
+                with b.layer(count=encoder):
+                    self_attention(causal=False)
+                    feed_forward()
+            if middle:
+                with b.on_this_stage():
+                    b.norm("rms", bias=False)
+            if middle or decoder:
+                b.memory()  # computed here, or received with the decoder's stream
         with b.sequence(target):
-            b.embedding(positions=False)
+            if middle:
+                with b.on_this_stage():
+                    b.embedding(positions=False)
+            if not decoder:
+                return
             b.position_bias()
-            with b.layer(count=cfg.n_decoder_layers):
+            with b.layer(count=decoder):
                 self_attention(causal=True)
                 b.norm("rms", bias=False)
                 b.linear(h, inner, block="attention", position="in", bias=False)
@@ -457,5 +518,6 @@ class T5(Model):
                 b.cross_attention(heads=n, head_size=hs)
                 b.linear(inner, h, block="attention", position="out", bias=False, input_from_attention=True)
                 feed_forward()
-            b.norm("rms", bias=False)
-            b.lm_head()
+            if b.last:
+                b.norm("rms", bias=False)
+                b.lm_head()

@@ -175,7 +175,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.model = [model]  # not a submodule: the stage registers only its own layers
         self.first, self.last, self.block_ids = first, last, blocks
-        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        every = model.pipeline_blocks()
+        self.blocks = nn.ModuleList(every[i] for i in blocks)
         self.sg_group = scatter_gather_group
         self.begin_step([])
 
@@ -186,24 +187,23 @@ class StageModule(nn.Module):
         so nothing of it travels between stages."""
         self.inputs, self.calls = inputs, 0
 
-    def forward(self, x):
+    def forward(self, *values):
         model = self.model[0]
         if model.training:  # a new micro-batch: new dropout masks (recomputation reuses this count)
             model.seeds.forward_count += 1
         inputs = self.inputs[self.calls] if self.inputs else {}
         self.calls += 1
-        if self.first:
-            x = model.embed_input(x, 0, inputs.get("token_types"))  # tokens (B_mb, T) -> residual layout
-        else:
-            x = _ContiguousGrad.apply(x)
+        if not self.first:  # received activations (an encoder-decoder's decoder stages: and the memory)
+            values = tuple(_ContiguousGrad.apply(v) for v in values)
             if self.sg_group is not None:
-                x = _GatherSlices.apply(x, self.sg_group)
-        x = model.run_blocks(x, self.blocks, **inputs.get("padding", {}))
+                values = tuple(_GatherSlices.apply(v, self.sg_group) for v in values)
+        out = model.run_stage(values, self.block_ids, self.first, self.last, inputs)
         if self.last:
-            return model.finish(x)
+            return out[0]
         if self.sg_group is not None:
-            x = _KeepOwnSlice.apply(x, self.sg_group)
-        return x.contiguous()  # sent as it is to the next stage
+            out = tuple(_KeepOwnSlice.apply(v, self.sg_group) for v in out)
+        out = tuple(v.contiguous() for v in out)  # sent as they are to the next stage
+        return out[0] if len(out) == 1 else out
 
 
 class _MeteredStage:
@@ -225,7 +225,7 @@ class _MeteredStage:
         return stage
 
 
-def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
+def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor, target_len: int):
     """The torch.distributed.pipelining schedule running this rank's stages of `model`, with the
     tensors between stages declared up front (static mode): this rank's piece of the residual
     stream, whose shape the mode states (`Mode.residual_shape`), so nothing runs to infer it;
@@ -234,20 +234,27 @@ def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor):
 
     pcfg = ctx.pipeline
     group = ctx.group(MeshAxis.PP)
-    chunks = pcfg.chunks(len(model.blocks))
+    chunks = pcfg.chunks(len(model.pipeline_blocks()))
     n = len(chunks)
-    shape = torch.Size(model.mode.residual_shape(microbatch.shape[0], microbatch.shape[1]))
     dtype = model.dtype
     sg = scatter_gather_group(model.mode, ctx)
-    sent = torch.Size((*shape[:-1], shape[-1] // dist.get_world_size(sg))) if sg is not None else shape
+    parts = 1 if sg is None else dist.get_world_size(sg)
+
+    def boundary(after: int, sent: bool) -> tuple[torch.Tensor, ...]:
+        """The tensors crossing the stage boundary after block `after` (as sent: the scatter/
+        gather slices), on the meta device; received ones require grad (their gradients go back)."""
+        shapes = model.boundary_shapes(after, microbatch.shape[0], microbatch.shape[1], target_len)
+        return tuple(torch.empty((*s[:-1], s[-1] // parts) if sent else s, dtype=dtype, device="meta",
+                                 requires_grad=True) for s in shapes)
+
     stages, modules = [], []
     for c in range(ctx.stage, n, pcfg.stages):
         module = StageModule(model, chunks[c], first=c == 0, last=c == n - 1, scatter_gather_group=sg)
-        # a received activation requires grad: its gradient goes back to the previous stage
-        inputs = microbatch if c == 0 else torch.empty(sent, dtype=dtype, device="meta", requires_grad=True)
-        outputs = torch.empty(shape if c == n - 1 else sent, dtype=dtype, device="meta")
-        stage = PipelineStage(module, c, n, ctx.device, input_args=(inputs.to("meta"),), output_args=(outputs,),
-                              input_grads=(None if c == 0 else inputs,), output_grads=(None if c == n - 1 else outputs,),
+        inputs = (microbatch.to("meta"),) if c == 0 else boundary(chunks[c][0] - 1, True)
+        outputs = boundary(chunks[c][-1], c < n - 1)
+        outputs = tuple(t.detach() for t in (outputs[:1] if c == n - 1 else outputs))  # the last: the finished stream
+        stage = PipelineStage(module, c, n, ctx.device, input_args=inputs, output_args=outputs,
+                              input_grads=(None,) if c == 0 else inputs, output_grads=(None,) if c == n - 1 else outputs,
                               group=group)
         stages.append(_MeteredStage.wrap(stage))
         modules.append(module)
@@ -325,12 +332,16 @@ class PipelineModel(nn.Module):
         last part: the last) as a holder along the pp axis, and drop the parameters of other
         stages from this rank, but for the last stage's mirrors of `parts.shared`."""
         ctx, pcfg = self.ctx, self.pcfg
-        blocks = getattr(model, parts.blocks)
+        blocks = model.pipeline_blocks()
         chunks = pcfg.chunks(len(blocks))
         last = (len(chunks) - 1) % pcfg.stages
         stage_of: dict[int, int] = {}
         owners = [(model.get_submodule(name), 0) for name in parts.first]
         owners += [(blocks[i], c % pcfg.stages) for c, ids in enumerate(chunks) for i in ids]
+        # an encoder-decoder's modules between the stacks: on the stage of the encoder's last block
+        encoder_end = len(getattr(model, parts.blocks)) - 1
+        middle = next(c for c, ids in enumerate(chunks) if encoder_end in ids) % pcfg.stages
+        owners += [(model.get_submodule(name), middle) for name in parts.middle]
         owners += [(model.get_submodule(name), last) for name in parts.last]
         for owner, stage in owners:
             for module in owner.modules():
@@ -347,7 +358,8 @@ class PipelineModel(nn.Module):
                 staged = dataclasses.replace(spec, holders=spec.holders + ((MeshAxis.PP, stage_of[id(module)]),))
                 specs[name] = staged
                 full = f"{prefix}.{name}" if prefix else name
-                mirror = full in parts.shared and ctx.stage == last and spec.holds(ctx.coords)
+                mirror = spec.holds(ctx.coords) and ((full in parts.shared and ctx.stage == last) or
+                                                     full in parts.everywhere)
                 if not staged.holds(ctx.coords) and not mirror and module._parameters.get(name) is not None:
                     module._parameters[name] = None
 
@@ -407,21 +419,23 @@ class PipelineModel(nn.Module):
 
     def _run(self, tokens, targets, *, train: bool, attention_mask=None, token_types=None) -> float:
         model, pcfg, ctx = self._model, self.pcfg, self.ctx
-        model.check_tokens(tokens, targets)
+        model.check_inputs(tokens, targets)
         model.check_padding(tokens, 0, attention_mask, token_types)
         check_batch(pcfg, model.mode, model.mode.ctx, tokens)
         size = len(tokens) // pcfg.m
-        model.mode.begin_batch(model, size, tokens.shape[1])
-        key = tuple(tokens.shape)  # the stages' shapes follow the batch's
+        target_len = targets.shape[1] if targets.dim() == 2 else tokens.shape[1]  # an encoder-decoder's differs
+        model.mode.begin_batch(model, size, max(tokens.shape[1], target_len))
+        key = (*tokens.shape, target_len)  # the stages' shapes follow the batch's
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(model, ctx, self._microbatch_loss, tokens[:size])
+            self._schedules[key] = build_schedule(model, ctx, self._microbatch_loss, tokens[:size], target_len)
         schedule, modules = self._schedules[key]
         targets = model.unpadded_targets(targets, attention_mask)
         # each micro-batch's mean weighted by its share of the labelled targets: the replica's mean
         self._labelled = int(model.labelled_count(targets))
         rows = [slice(i * size, (i + 1) * size) for i in range(pcfg.m)]
-        inputs = [{"padding": model.block_inputs(None if attention_mask is None else attention_mask[r]),
-                   "token_types": None if token_types is None else token_types[r]} for r in rows]
+        inputs = [model.microbatch_inputs(tokens[r], targets[r],
+                                          *(None if t is None else t[r] for t in (attention_mask, token_types)))
+                  for r in rows]
         for module in modules:
             module.begin_step(inputs)
         first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
@@ -459,9 +473,14 @@ class PipelineModel(nn.Module):
     @torch.no_grad()
     def _sum_shared_grads(self) -> None:
         ctx = self.ctx
+        params = dict(self._model.named_parameters())
+        for name in self.parts_.everywhere:  # a copy on every stage: the sum over the pipeline
+            p = params.get(name)
+            if p is not None:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                p.grad = comm.raw_all_reduce(grad.contiguous(), ctx.group(MeshAxis.PP), phase="backward")
         if not self.parts_.shared or ctx.stage not in (0, self.pcfg.stages - 1):
             return
-        params = dict(self._model.named_parameters())
         group = ctx.group(MeshAxis.PP) if self.pcfg.stages == 2 else ctx.embedding_group
         for name in self.parts_.shared:
             p = params.get(name)

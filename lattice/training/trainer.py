@@ -116,10 +116,11 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
     if ctx.pipeline is not None:
         family = get_arch(cfg.arch)
         with torch.device("meta"):
-            if family(model_config, dataclasses.replace(ctx, pipeline=None)).parts() is None:
+            planned = family(model_config, dataclasses.replace(ctx, pipeline=None))
+            if planned.parts() is None:
                 raise LatticeConfigError(f"--arch {cfg.arch} cannot be split into pipeline stages; use --pp 1 (any "
                                          f"tensor layout, with --dp for more ranks)")
-        ctx.pipeline.chunks(model_config.n_layers)  # the stage split
+            ctx.pipeline.chunks(len(planned.pipeline_blocks()))  # the stage split
         if cfg.task_name == "classify":
             raise LatticeConfigError("--task classify scores the class logits of every validation, which a pipeline "
                                      "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
