@@ -61,7 +61,7 @@ def _label(family, layout):
 
 
 def _pipelined(family: str) -> bool:
-    """Whether the family declares parts for pipeline stages (T5 refuses pp > 1: test_t5)."""
+    """Whether the family declares parts for pipeline stages."""
     cls = get_arch(family)
     with torch.device("meta"):
         return cls(cls.config_class(**cls.test_shapes[0]), lattice.plan(REFERENCE_MODE)).parts() is not None

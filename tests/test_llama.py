@@ -167,8 +167,9 @@ def test_an_hf_llama_of_sizes_no_preset_has_continues_with_no_size_flag(kv_heads
     """Catches an import of a multi-head Llama (kv heads = heads) failing with KeyError
     'blocks.0.attn.qkv.q.weight' (the model stacked q, k, v), and a resume that asks for sizes
     the import already holds ("saved for a different model"): an HF Llama of d 64, 4 heads,
-    d_ff 172, eps 1e-6 and its own 1000-token BPE -> convert -> train --resume with no size flag
-    -> convert --to hf, whose greedy tokens transformers generates as `lattice generate` does."""
+    d_ff 172, eps 1e-6 and its own 1000-token BPE -> convert -> train --resume in 2d q = 2 with no
+    size flag -> convert --to hf, whose greedy tokens transformers generates as `lattice generate`
+    does."""
     from tokenizers import ByteLevelBPETokenizer
 
     from lattice.data.corpus import corpus_text
@@ -184,7 +185,7 @@ def test_an_hf_llama_of_sizes_no_preset_has_continues_with_no_size_flag(kv_heads
     bpe.save(str(tmp_path / "hf" / "tokenizer.json"))
     _lattice(["convert", "--from", "hf", "hf", "run"], capfd)
     _lattice(["train", "--resume", "run", "--steps", "2", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
-              "--allow-config-change"], capfd)
+              "--allow-config-change", "--mode", "2d", "--tp", "4", "--nproc", "4"], capfd)  # 2d q = 2
     _lattice(["convert", "run", "--to", "hf", "exported"], capfd)
     printed = _lattice(["generate", "run", "--prompt", "def main(", "--max-new-tokens", "10"], capfd)
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()

@@ -89,6 +89,33 @@ def test_the_printed_resume_command_continues_the_stopped_run_and_only_it(tmp_pa
     assert _steps(tmp_path / "runs" / "run-1")[-1] == 4 and _metric_steps(tmp_path / "runs" / "run-1") == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("arch", lattice.available_archs())
+def test_ctrl_c_then_the_printed_command_continues_a_run_of_a_non_default_preset(arch, tmp_path, capsys, monkeypatch):
+    """Catches a Ctrl-C hint that does not continue a run of a preset other than the family's
+    default (a resume that read the family but not the preset or the vocabulary refused it as
+    "saved for a different model"): SIGINT after the first step saves, prints the command, and
+    the command as printed continues the run to its last step, in every family."""
+    import signal
+
+    monkeypatch.chdir(tmp_path)
+    step = Trainer.train_step
+
+    def step_then_ctrl_c(self):
+        row = step(self)
+        if self.step == 1:
+            signal.raise_signal(signal.SIGINT)  # the handler lattice installs: stop at this step's end
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_ctrl_c)
+    assert cli.main(["train", "--arch", arch, "--model", "tiny", "--vocab-size", "300", "--batch-size", "4",
+                     "--eval-batches", "1", "--no-progress", "--steps", "3", "--warmup", "1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stopped by SIGINT at step 1"))
+    monkeypatch.setattr(Trainer, "train_step", step)
+    command = shlex.split(line.split("continue with: ", 1)[1])
+    assert cli.main(command[1:]) == 0, capsys.readouterr().err
+    assert _steps(tmp_path / "runs" / "run-1")[-1] == 3 and _metric_steps(tmp_path / "runs" / "run-1") == [1, 2, 3]
+
+
 def test_resume_command_drops_every_spelling_of_the_run_flags():
     """Catches abbreviated or --flag=value spellings of --out-dir/--stop-at surviving into the
     hint (the printed command would write elsewhere or stop again at once)."""

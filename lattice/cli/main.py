@@ -91,7 +91,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
     recorded = {}
     if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
-        recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where),
+        recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where, saved),
                     "model_from": _resumed_model(args, ckpt, arch)}
     init = None
     if ckpt is None and args.init_from and Path(args.init_from).exists():
@@ -187,7 +187,7 @@ def _init_from_model(args, init: dict, arch: str) -> dict:
     return out
 
 
-def _resumed_tokenizer(args, where: Path) -> dict:
+def _resumed_tokenizer(args, where: Path, saved: dict) -> dict:
     """A resumed run reads text with the tokenizer its weights were trained with, the run's
     tokenizer.json, on its recorded data or on new --data alike: the TrainConfig field that says
     so. An explicit --tokenizer is refused when its ids differ from that one's."""
@@ -204,7 +204,8 @@ def _resumed_tokenizer(args, where: Path) -> dict:
                                      f"with its own tokenizer.json of {size} tokens (vocab_size {size} vs "
                                      f"{args.vocab_size}); drop --vocab-size to continue the run, or start a new "
                                      f"one with --init-from {where}")
-        return {"tokenizer": str(run_tokenizer)}
+        # the vocabulary the run counted from (an import records none: its tokenizer's)
+        return {"tokenizer": str(run_tokenizer), "vocab_size": saved.get("vocab_size") or size}
     given = Path(args.tokenizer) / "tokenizer.json" if Path(args.tokenizer).is_dir() else Path(args.tokenizer)
     if given.is_file() and given.resolve() != run_tokenizer.resolve():
         theirs = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab()

@@ -10,9 +10,9 @@ pre-training and the sequence-classification branch of Optimus's Figure 1.
 
 Token, position and token-type tables summed, then LayerNorm and dropout; post-LayerNorm blocks
 (x = LN(x + attn(x)), then x = LN(x + mlp(x))) of bidirectional self-attention and an MLP with
-the exact (erf) GELU. Every input is one segment: token type 0 for every token, as transformers
-computes with token_type_ids=None (pair inputs would need the type ids passed through every
-layout; not implemented). No padding mask: every sequence of a batch is attended to in full.
+the exact (erf) GELU. `token_types` (transformers' token_type_ids) give each token its segment
+(a sentence pair's second text: 1); without them every token is of type 0, as transformers
+computes with token_type_ids=None. `attention_mask` hides padding from every query.
 
 Heads (`num_labels`):
 - 0, masked LM: a transform (dense h -> h, GELU, LayerNorm) on every token, then logits against

@@ -88,22 +88,23 @@ class PipelineConfig:
     def v(self) -> int:
         return (self.virtual or 2) if self.schedule == "interleaved" else 1
 
-    def chunks(self, n_layers: int) -> list[range]:
-        """The blocks of each (virtual) stage, in model order; chunk c runs on rank stage c % pp."""
+    def chunks(self, n_layers: int, counted: str = "n_layers") -> list[range]:
+        """The blocks of each (virtual) stage, in model order; chunk c runs on rank stage c % pp.
+        `counted`: the config fields whose sum n_layers is (for messages)."""
         n = self.stages * self.v
         if self.layers is not None:
             if sum(self.layers) != n_layers:
                 raise LatticeConfigError(f"pp_layers {list(self.layers)} add up to {sum(self.layers)} blocks, but the "
-                                         f"model has n_layers = {n_layers}")
+                                         f"model has {counted} = {n_layers}")
             counts = list(self.layers)
         else:
             if n_layers < n:
-                raise LatticeConfigError(f"n_layers = {n_layers} blocks cannot fill {n} {'virtual ' if self.v > 1 else ''}"
+                raise LatticeConfigError(f"{counted} = {n_layers} blocks cannot fill {n} {'virtual ' if self.v > 1 else ''}"
                                          f"stages of at least one block each; use at most {n_layers} stages")
             if n_layers % n:
                 raise LatticeConfigError(
-                    f"n_layers = {n_layers} blocks do not split evenly into {n} {'virtual ' if self.v > 1 else ''}"
-                    f"stages; choose n_layers divisible by {n}, or give the split with pp_layers "
+                    f"{counted} = {n_layers} blocks do not split evenly into {n} {'virtual ' if self.v > 1 else ''}"
+                    f"stages; choose {counted} divisible by {n}, or give the split with pp_layers "
                     f"(e.g. --pp-layers {','.join(map(str, _uneven(n_layers, n)))})")
             counts = [n_layers // n] * n
         starts = [sum(counts[:i]) for i in range(n)]

@@ -120,7 +120,8 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
             if planned.parts() is None:
                 raise LatticeConfigError(f"--arch {cfg.arch} cannot be split into pipeline stages; use --pp 1 (any "
                                          f"tensor layout, with --dp for more ranks)")
-            ctx.pipeline.chunks(len(planned.pipeline_blocks()))  # the stage split
+            counted = "n_layers + n_decoder_layers" if planned.parts().decoder else "n_layers"
+            ctx.pipeline.chunks(len(planned.pipeline_blocks()), counted)  # the stage split
         if cfg.task_name == "classify":
             raise LatticeConfigError("--task classify scores the class logits of every validation, which a pipeline "
                                      "does not gather (pp > 1 evaluates losses only); fine-tune with --pp 1")
