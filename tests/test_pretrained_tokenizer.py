@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from multiproc import cached_init, run_distributed
 from numerics import rel_diff
 
 import lattice
@@ -81,7 +82,7 @@ def test_batches_equal_transformers_tokenizer_and_logits_equal_transformers_bert
     tokenizer's [CLS] doubled by its post-processor), a pair without its [SEP]s or token types,
     the longer text of a pair not the one cut, padding without its mask, and logits that differ
     from transformers' BERT fed by its own tokenizer: every id, mask and type equal, the logits
-    within 1e-10 (float64)."""
+    in 1d tp=2 within 1e-10 (float64)."""
     hf = make_hf_bert(tmp_path / "hf", num_labels=2)
     write_examples(tmp_path / "d.jsonl", pairs)
     corpus = load_data_corpus(str(tmp_path / "d.jsonl"), hf.config.vocab_size, data_format="jsonl",
@@ -104,11 +105,18 @@ def test_batches_equal_transformers_tokenizer_and_logits_equal_transformers_bert
     assert torch.equal(inputs.get("token_types", torch.zeros_like(tokens)), encoded["token_type_ids"])
     lengths = inputs["attention_mask"].sum(1)
     assert (lengths < T).any() and (lengths == T).any()  # some rows padded, some cut
-    model = lattice.from_hf(hf, ctx).eval()  # no dropout, as the reference
     with torch.no_grad():
-        ours = model(tokens, **inputs)
         reference = hf(**encoded).logits
-    assert rel_diff(ours, reference) < 1e-10
+    for ours in run_distributed(2, _logits_in_1d, str(tmp_path / "hf"), tokens, inputs):  # each rank's
+        assert rel_diff(ours, reference) < 1e-10
+
+
+def _logits_in_1d(hf_dir: str, tokens, inputs) -> torch.Tensor:
+    """The class logits of the HF BERT in `hf_dir` imported under 1d tp=2 (float64, no dropout)."""
+    hf = transformers.BertForSequenceClassification.from_pretrained(hf_dir).double().eval()
+    model = lattice.from_hf(hf, cached_init(mode="1d", tp=2)).eval()
+    with torch.no_grad():
+        return model(tokens, **inputs)
 
 
 def test_an_hf_bert_with_its_own_wordpiece_fine_tunes_on_texts_and_pairs_in_1d(tmp_path, capfd):

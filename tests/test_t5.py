@@ -292,3 +292,45 @@ def test_t5_layouts_beyond_the_suite_equal_serial_and_their_cost_model(layout):
     from test_conformance import assert_layout_equals_serial
 
     assert_layout_equals_serial("t5", layout)
+
+
+def test_an_hf_t5_with_transformers_default_ids_continues_on_pairs_and_data_parallel_weighs_its_replicas(
+        tmp_path, capfd, monkeypatch):
+    """Catches an imported T5 with transformers' ids (pad 0, eos 1) that --resume refused
+    ("pad_token_id 0 vs 2048": the task appended its own [PAD] and [EOS] though the tokenizer has
+    <pad> and </s>), the import's 512-token sources refused by the task (a resume trains on
+    --seq-len batches up to the model's), and data parallelism averaging the replicas' means of
+    padded targets (replicas with more padding would count as much): the same run on dp = 2
+    prints dp = 1's losses."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from lattice.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    rng, words = random.Random(0), [f"w{i}" for i in range(40)]
+    rows = [[rng.choice(words) for _ in range(rng.randint(2, 12))] for _ in range(200)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"src": " ".join(r), "tgt": " ".join(r[::-1])}) + "\n"
+                                                  for r in rows))
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"]))
+    (tmp_path / "hf").mkdir()
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    config = transformers.T5Config(vocab_size=tok.get_vocab_size(), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_heads=4, relative_attention_num_buckets=8)  # pad 0, eos 1, start 0
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    losses = []
+    for dp in (1, 2):
+        assert cli.main(["convert", "--from", "hf", "hf", f"run{dp}"]) == 0
+        assert cli.main(["train", "--resume", f"run{dp}", "--data", "pairs.jsonl", "--data-format", "jsonl",
+                         "--seq-len", "16", "--target-len", "16", "--steps", "2", "--batch-size", "8", "--eval-interval", "1",
+                         "--eval-batches", "2", "--no-progress", "--allow-config-change", "--dtype", "float64", "--dp", str(dp), "--nproc",
+                         str(dp)]) == 0
+        out = capfd.readouterr().out
+        assert "special tokens: <pad> 0, </s> 1 (the tokenizer's)" in out
+        losses.append(re.findall(r"train loss ([\d.]+), val loss ([\d.]+)", out))
+    assert losses[0] and losses[0] == losses[1], losses

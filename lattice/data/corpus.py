@@ -437,12 +437,10 @@ class Batch(NamedTuple):
 
 def replica_batch(ctx: ParallelContext, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> Batch:
     """This replica's rows of a global batch (tokens, targets and the `inputs` given, None
-    dropped) on ctx.device; targets at padding (attention_mask 0) count as unlabelled."""
+    dropped) on ctx.device. The tasks mark every target they do not score -100 (a padded
+    target too), so the labelled count is theirs."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
-    mask = inputs.get("attention_mask")
     labelled = targets != IGNORE_INDEX
-    if mask is not None and mask.shape == targets.shape:
-        labelled = labelled & mask.bool()
     rows = replica_rows(tokens.shape[0], ctx)
     tokens, targets = on_device(ctx, tokens[rows], targets[rows])
     return Batch(tokens, targets, {k: v[rows].to(ctx.device) for k, v in inputs.items()}, int(labelled.sum()))

@@ -465,6 +465,11 @@ class T5(Model):
     def head_loss(self, x, targets):
         return self.head.loss(x, targets)
 
+    @staticmethod
+    def unpadded_targets(targets, attention_mask):
+        """The labels as they are: the mask is the sources', and padded labels are -100 already."""
+        return targets
+
     def cost_layout(self, b):
         """The encoder over the source's b.T tokens, the decoder over the targets' (b.target_T):
         each stack's embedding and position bias, its layers, its final norm; the decoder's

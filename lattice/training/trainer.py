@@ -184,8 +184,8 @@ def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> flo
     data-parallel wrapper: `lattice eval` calls this directly."""
     model.eval()
     with autocast(ctx, bf16):
-        total = sum(model(b.tokens, b.targets, **b.inputs).float() * replica_weight(model, b, ctx)
-                    for b in batches) / len(batches)
+        total = sum(model(b.tokens, b.targets, **b.inputs).double() * replica_weight(model, b, ctx)
+                    for b in batches) / len(batches)  # summed in float64, as the train loss is
     model.train()
     return dp_mean(total, ctx)
 
