@@ -225,8 +225,9 @@ def test_bad_sizes_are_refused_in_one_line_before_anything_is_allocated(change, 
 
 
 @pytest.mark.parametrize("layout", [dict(mode="1d", tp=2, pp=4, microbatches=4, pp_schedule="1f1b"),
-                                    dict(mode="serial", pp=4, microbatches=4, pp_schedule="gpipe")],
-                         ids=["1d-tp2-pp4-1f1b", "serial-pp4-gpipe"])
+                                    dict(mode="serial", pp=4, microbatches=4, pp_schedule="gpipe"),
+                                    dict(mode="serial", pp=2, microbatches=2, pp_schedule="interleaved")],
+                         ids=["1d-tp2-pp4-1f1b", "serial-pp4-gpipe", "serial-pp2-interleaved"])
 def test_pipeline_stages_equal_serial_and_the_cost_model(layout):
     """Catches decoder stages without the encoder's output (or its gradient not carried back
     through every decoder stage to the encoder's), a stack's position bias or the token table
@@ -334,3 +335,21 @@ def test_an_hf_t5_with_transformers_default_ids_continues_on_pairs_and_data_para
         assert "special tokens: <pad> 0, </s> 1 (the tokenizer's)" in out
         losses.append(re.findall(r"train loss ([\d.]+), val loss ([\d.]+)", out))
     assert losses[0] and losses[0] == losses[1], losses
+
+
+def test_the_train_command_with_pipeline_stages_prints_serial_losses(tmp_path, capfd, monkeypatch):
+    """Catches a T5 run with pp > 1 that fails at its first validation (the exact match generates,
+    which needs every stage) or trains other weights than serial: losses printed equal to the
+    serial run's, the score left to `lattice eval`, which the run names."""
+    from lattice.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    common = ["train", "--arch", "t5", "--model", "tiny", "--steps", "2", "--batch-size", "8", "--eval-batches", "1",
+              "--eval-interval", "1", "--no-progress", "--dtype", "float64"]
+    printed = []
+    for name, extra in (("serial", []), ("stages", ["--pp", "2", "--nproc", "2"])):
+        assert cli.main(common + extra + ["--out-dir", name]) == 0
+        out = capfd.readouterr().out
+        printed.append(re.findall(r"train loss ([\d.]+), val loss ([\d.]+)", out))
+    assert printed[0] and printed[0] == printed[1], printed
+    assert "with --pp 2 validation reports the loss only; `lattice eval stages`" in out

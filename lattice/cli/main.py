@@ -271,6 +271,9 @@ def cmd_train(args, argv: list[str]) -> int:
         specials = trainer.task.tokens.describe(trainer.corpus.tokenizer)
         if specials and ctx.rank == 0:
             print(specials, flush=True)
+        if trainer.task.metric and ctx.pipeline is not None and ctx.rank == 0:
+            print(f"with --pp {ctx.pp} validation reports the loss only; `lattice eval {out}` (pp = 1, any tensor "
+                  f"layout) gives the {trainer.task.metric}", flush=True)
         if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
             kept = tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()
             if not kept:  # a resumed run's own file stays as it is, byte for byte

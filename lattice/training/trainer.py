@@ -395,7 +395,8 @@ class Trainer:
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
                           tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
         val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
-        metric = self.task.metric
+        # a pipeline validates losses only: the score generates, which needs every stage at once
+        metric = self.task.metric if self.ctx.pipeline is None else None
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
         try:
             with faults.StopRequest() as stop:
