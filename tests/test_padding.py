@@ -22,6 +22,7 @@ from test_llama import random_hf_llama
 from test_t5 import random_hf_t5
 
 import lattice
+from lattice.bench.measure import saved_activation_bytes
 from lattice.models import hf as lhf
 
 transformers = pytest.importorskip("transformers")
@@ -100,6 +101,15 @@ def _padded_equals_transformers(layout: dict, families: list[str]) -> dict:
         theirs = {name: p.grad for name, p in hf.named_parameters()}
         worst = (_worst_grad(ours, theirs) if family.startswith("bert")
                  else max(rel_diff(ours[name], g) for name, g in theirs.items()))
+        if ctx.pipeline is None:  # the activations it saves, with the masks' copies, as the cost model counts
+            mine = {k: v[rows] for k, v in inputs.items()}
+            saved = saved_activation_bytes(model, lambda: model(x[rows], y[rows], **mine))
+            modelled = lattice.cost.estimate(
+                model.cfg, layout["mode"], batch=per, seq=T if family != "t5" else x.shape[1],
+                target_seq=y.shape[1] if family == "t5" else None, dtype=torch.float64, padded=True,
+                rank=ctx.topology.rank_at({**ctx.coords, lattice.MeshAxis.DP: 0}),
+                **{**{k: v for k, v in layout.items() if k != "mode"}, "dp": 1}).memory["activations"]
+            assert saved == pytest.approx(modelled, rel=0.02), (family, saved, modelled)
         same = None
         if family in ("gpt2", "llama") and ctx.pipeline is None and not layout.get("sequence_parallel"):
             prompt, mask = left_padded_prompts(hf.config.vocab_size)
@@ -138,7 +148,8 @@ def test_padded_batches_equal_transformers(layout, families):
     rows only: a mask sliced for the residual's rows instead of attention's), targets at padding
     counted, token types dropped or split unlike the tokens, a micro-batch's or a replica's mean
     weighed by its size instead of its labelled targets, and a query with nothing to see (NaN):
-    the loss and every gradient within 1e-10 of transformers' with the same attention_mask; and
+    the loss and every gradient within 1e-10 of transformers' with the same attention_mask (and
+    the activations saved, the masks' copies included, within 2% of the cost model's); and
     left-padded prompts generated with positions that count the padding (GPT-2's table rows,
     Llama's rotary angles) or attending to it: greedy tokens equal to transformers' generate."""
     world = lattice.plan(**layout).world_size

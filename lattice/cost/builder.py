@@ -190,7 +190,7 @@ class CostBuilder:
         self.previous, self.current, self.output_saved = self.current, out, False
 
     def attention(self, *, heads: int, kv_heads: int, head_size: int, causal: bool = True, rotary: bool = False,
-                  bias: bool = False, shared_bias: bool = False, window: bool = False) -> None:
+                  bias: bool = False, shared_bias: bool = False, window: bool = False, padding: bool = True) -> None:
         """Scaled dot-product attention of q (heads), k and v (kv_heads) of `head_size`, which
         the preceding IN linear produced in one storage (`current`). Without an additive bias the
         fused kernel runs: it saves q, k, v (views of that storage, or rotated copies of q and k
@@ -201,7 +201,9 @@ class CostBuilder:
         so the next linear saves its own copy. `shared_bias`: the bias is the stack's, computed
         once (`position_bias`), so its indices are not this layer's. A sliding `window` is a
         boolean mask that needs no gradient: the fused kernel still runs, and saves the mask as a
-        (T, T) tensor of the activations' dtype, whole on every rank."""
+        (T, T) tensor of the activations' dtype, whole on every rank. `padding`: whether a padded
+        batch's mask reaches this attention (`estimate(padded=True)`; T5's decoder reads its own
+        positions unmasked), see `_save_mask`."""
         self._next()
         share = self.share.get("attention", self.share["split"])
         q = self.M * heads * head_size * share
@@ -209,14 +211,17 @@ class CostBuilder:
         T = self.T
         if rotary:
             self.save(2 * T * head_size)  # cos and sin of the positions
+        masked = self.c.padded and padding
         if bias:
             self.save(3 * q + self.B * heads * T * T * share)
             self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
             self.output_saved = False
         else:
             self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share
-                      + (T * T if window else 0))
+                      + (T * T if window and not masked else 0))  # a padding mask takes the window's place
             self.output_saved = True
+        if masked:
+            self._save_mask(T, T, additive=bias)
         self._score_work(self.B * heads * T * T * share, head_size)
         self.current = q
 
@@ -236,6 +241,17 @@ class CostBuilder:
         every layer, `linear(..., from_memory=True)`)."""
         self.memory_tokens, self.memory_elements = self.T, self.residual
 
+    def _save_mask(self, t_q: int, t_k: int, additive: bool) -> None:
+        """The padding mask (rows, 1, t_q, t_k) of the sequences this rank's attention computes
+        (`Mode.attention_rows`), which attention saves: the fused kernel a copy in the
+        activations' dtype; beside an additive bias, the masked fill its boolean mask."""
+        rows = self.mode.attention_rows(self.B)
+        elements = (rows.stop - rows.start) * t_q * t_k
+        if additive:
+            self.save_ints(elements)
+        else:
+            self.save(elements)
+
     def cross_attention(self, *, heads: int, head_size: int) -> None:
         """Attention of the current stream's queries (the IN linear before last) to the memory's
         keys and values (the last IN linear's one storage), no mask: the fused kernel saves q, k
@@ -244,6 +260,8 @@ class CostBuilder:
         share = self.share.get("attention", self.share["split"])
         out = self.M * heads * head_size * share
         self.save(self.previous + self.current + out + self.B * heads * self.T * share)
+        if self.c.padded:  # the sources' mask
+            self._save_mask(self.T, self.memory_tokens, additive=False)
         self.output_saved = True
         self._score_work(self.B * heads * self.T * self.memory_tokens * share, head_size)
         self.current = out

@@ -67,6 +67,7 @@ class Cost:
     zero: int = 0  # the distributed optimizer's stage (lattice.parallel.zero); 0: DDP
     precision: str = "fp32"  # "bf16": bf16 weights with fp32 master rows (lattice.parallel.zero), else `itemsize` throughout
     rank: int = 0  # the global rank whose share this is
+    padded: bool = False  # batches with an attention mask (whose copies attention saves)
 
     def _select(self, phase=None, op=None, site=None):
         return [t for t in self.terms if (phase is None or t.phase == phase) and (op is None or t.op == op)
@@ -155,7 +156,7 @@ class Cost:
 
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
-             zero: int = 0, precision: str = "fp32", **layout_kwargs) -> Cost:
+             zero: int = 0, precision: str = "fp32", padded: bool = False, **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
@@ -167,7 +168,8 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     target_len). `zero`: the distributed optimizer's stage (lattice.parallel.zero), whose reduce-scatter
     and all-gather replace the data-parallel all-reduce and whose moments are this rank's rows;
     `precision` "bf16": bf16 weights and activations with fp32 master rows, moments and
-    gradient reduction (then `dtype` is bf16)."""
+    gradient reduction (then `dtype` is bf16). `padded`: the batches carry an attention mask,
+    whose copies every masked attention saves (padding costs no communication)."""
     if precision == "bf16":
         dtype = torch.bfloat16
     ctx = as_layout(layout, layout_kwargs).context(rank)
@@ -178,6 +180,6 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
                 activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,
                 target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
-                precision=precision)
+                precision=precision, padded=padded)
     CostBuilder(cost, model).build()
     return cost

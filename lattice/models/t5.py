@@ -488,7 +488,8 @@ class T5(Model):
         def self_attention(causal):
             b.norm("rms", bias=False)
             b.linear(h, 3 * inner, block="attention", position="in", bias=False)
-            b.attention(heads=n, kv_heads=n, head_size=hs, causal=causal, bias=True, shared_bias=True)
+            # a padded batch's mask is the sources': the encoder's (the decoder reads its own positions)
+            b.attention(heads=n, kv_heads=n, head_size=hs, causal=causal, bias=True, shared_bias=True, padding=not causal)
             b.linear(inner, h, block="attention", position="out", bias=False, input_from_attention=True)
 
         # under a pipeline, this stage's blocks (the encoder's, then the decoder's) and parts
