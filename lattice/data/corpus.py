@@ -399,13 +399,14 @@ def unigram_baseline(corpus: Corpus) -> float:
     return val_total / val_count
 
 
-def truncated(what: str, lengths: list[int], room: int, flag: str) -> str | None:
-    """One line on the `lengths` (in tokens) over `room`, or None when none is."""
+def truncated(what: str, lengths: list[int], room: int, flag: str, cut: str | None = None) -> str | None:
+    """One line on the `lengths` (in tokens) over `room`, or None when none is; `cut`: how one is
+    cut (default: to its first `room` tokens)."""
     over = [n for n in lengths if n > room]
     if not over:
         return None
     return (f"{len(over)} of {len(lengths)} {what} are longer than the {room} tokens a batch holds (the longest "
-            f"{max(over)}): each is cut to its first {room}; a longer {flag} keeps more")
+            f"{max(over)}): each is cut {cut or f'to its first {room}'}; a longer {flag} keeps more")
 
 
 def check_batch_size(corpus: Corpus, batch_size: int, seq_len: int, dp: int) -> None:

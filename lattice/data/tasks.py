@@ -290,7 +290,7 @@ class Classify:
             return None
         if self.pair_key:
             lengths = [len(a) + len(b) for split in self.examples[:2] for (a, b), _ in split]
-            return truncated("pairs", lengths, seq_len - 3, "--seq-len")
+            return truncated("pairs", lengths, seq_len - 3, "--seq-len", cut="to that, the longer of its texts first")
         lengths = [len(ids) for split in self.examples[:2] for ids, _ in split]
         return truncated("texts", lengths, seq_len - 2, "--seq-len")
 
