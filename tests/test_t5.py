@@ -353,3 +353,15 @@ def test_the_train_command_with_pipeline_stages_prints_serial_losses(tmp_path, c
         printed.append(re.findall(r"train loss ([\d.]+), val loss ([\d.]+)", out))
     assert printed[0] and printed[0] == printed[1], printed
     assert "with --pp 2 validation reports the loss only; `lattice eval stages`" in out
+
+
+def test_info_shows_which_stage_holds_which_stack(capsys):
+    """Catches `lattice info` failing on an encoder-decoder's stages (it read `model.blocks`) or
+    hiding where the encoder ends: the stage of the encoder's last block holds the modules
+    between the stacks."""
+    from lattice.cli import main as cli
+
+    assert cli.main(["info", "--arch", "t5", "--model", "tiny", "--mode", "serial", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 1: encoder 1-1, encoder_norm, encoder_out_drop, decoder_drop, decoder_bias; ranks [1]" in out
+    assert "stage 3: decoder 1-1, decoder_norm, decoder_out_drop, head, loss; ranks [3]" in out

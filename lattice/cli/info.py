@@ -90,14 +90,22 @@ def _print_stages(model) -> None:
 
     ctx, parts = model.ctx, model.parts_
     pcfg, topo = ctx.pipeline, ctx.topology
-    chunks = pcfg.chunks(len(model.blocks))
+    chunks = pcfg.chunks(len(model.pipeline_blocks()))
+    encoder = len(getattr(model, parts.blocks))  # an encoder-decoder's decoder blocks follow its encoder's
     virtual = f", {pcfg.v} virtual stages per rank" if pcfg.v > 1 else ""
     print(f"pipeline: {pcfg.stages} stages, schedule {pcfg.schedule}, {pcfg.m} micro-batches{virtual}; bubble "
           f"(p-1)/(v m) = {pcfg.bubble():.3f}")
+
+    def named(ids: range) -> list[str]:
+        runs = [(parts.blocks, [i for i in ids if i < encoder], 0),
+                (parts.decoder, [i for i in ids if i >= encoder], encoder)]
+        return [f"{name} {held[0] - base}-{held[-1] - base}" for name, held, base in runs if held]
+
     for c, blocks in enumerate(chunks):
         stage = c % pcfg.stages
         ranks = [r for r in range(topo.world_size) if topo.coords(r)[MeshAxis.PP] == stage]
-        held = (list(parts.first) if c == 0 else []) + [f"{parts.blocks} {blocks.start}-{blocks.stop - 1}"]
+        held = (list(parts.first) if c == 0 else []) + named(blocks)
+        held += list(parts.middle) if encoder - 1 in blocks else []
         held += list(parts.last) + ["loss"] if c == len(chunks) - 1 else []
         label = f"stage {stage}" + (f" (chunk {c})" if pcfg.v > 1 else "")
         print(f"  {label}: {', '.join(held)}; ranks {ranks}")
