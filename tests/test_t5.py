@@ -339,20 +339,25 @@ def test_an_hf_t5_with_transformers_default_ids_continues_on_pairs_and_data_para
 
 def test_the_train_command_with_pipeline_stages_prints_serial_losses(tmp_path, capfd, monkeypatch):
     """Catches a T5 run with pp > 1 that fails at its first validation (the exact match generates,
-    which needs every stage) or trains other weights than serial: losses printed equal to the
-    serial run's, the score left to `lattice eval`, which the run names."""
+    which needs every stage) or trains other weights than serial, and a bare --resume that does
+    not continue the run as it was (it took the family's 2000 steps of 32 sequences and refused
+    the change): the stages' losses, then those of the run resumed in serial, equal the serial
+    run's, the score left to `lattice eval`, which the run names."""
     from lattice.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
-    common = ["train", "--arch", "t5", "--model", "tiny", "--steps", "2", "--batch-size", "8", "--eval-batches", "1",
+    common = ["train", "--arch", "t5", "--model", "tiny", "--steps", "4", "--batch-size", "8", "--eval-batches", "1",
               "--eval-interval", "1", "--no-progress", "--dtype", "float64"]
-    printed = []
-    for name, extra in (("serial", []), ("stages", ["--pp", "2", "--nproc", "2"])):
-        assert cli.main(common + extra + ["--out-dir", name]) == 0
-        out = capfd.readouterr().out
-        printed.append(re.findall(r"train loss ([\d.]+), val loss ([\d.]+)", out))
-    assert printed[0] and printed[0] == printed[1], printed
+    losses = re.compile(r"train loss ([\d.]+), val loss ([\d.]+)")
+    assert cli.main(common + ["--out-dir", "serial"]) == 0
+    serial = losses.findall(capfd.readouterr().out)
+    assert cli.main(common + ["--pp", "2", "--nproc", "2", "--stop-at", "2", "--out-dir", "stages"]) == 0
+    out = capfd.readouterr().out
     assert "with --pp 2 validation reports the loss only; `lattice eval stages`" in out
+    staged = losses.findall(out)
+    assert cli.main(["train", "--resume", "stages", "--no-progress"]) == 0  # as it was, but in serial
+    resumed = losses.findall(capfd.readouterr().out)
+    assert len(serial) == 4 and serial == staged + resumed, (serial, staged, resumed)
 
 
 def test_info_shows_which_stage_holds_which_stack(capsys):

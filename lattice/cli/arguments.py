@@ -31,7 +31,8 @@ def add_flags(p: argparse.ArgumentParser, config_class, **defaults) -> None:
         meta, default = f.metadata, defaults.get(f.name, f.default)
         names = ["--" + f.name.replace("_", "-")] + ([meta["alias"]] if "alias" in meta else [])
         kind = f.type.split(" |")[0]
-        shown = "" if "default" in meta["flag"] else f" (default {default})" if default is not None else " (default: none)"
+        # the field's own default, though a replaced one (None: "not given") is argparse's
+        shown = "" if "default" in meta["flag"] else f" (default {f.default})" if f.default is not None else " (default: none)"
         where = group(p, meta.get("group", "layout"))
         if kind == "bool":
             where.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
@@ -129,9 +130,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 #: what a resumed run keeps unless its flag is given: the model (family, preset, sizes, the
-#: tokenizer's vocabulary) and the task it was trained on
+#: tokenizer's vocabulary), the task it was trained on and how its data are read, its schedule
+#: and optimizer, its precision, validation and checkpoints: a bare --resume continues as it was
 RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task",
-                  "dropout")
+                  "dropout", "data_format", "text_key", "label_key", "pair_key", "source_key", "target_key", "steps",
+                  "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
+                  "eval_interval", "eval_batches", "activation_checkpointing", "zero", "checkpoint_interval", "keep",
+                  "dtype", "precision", "grad_reduce_dtype")
 
 
 def train_config(args, resumed: dict | None = None, **changes):
