@@ -163,3 +163,18 @@ def test_saved_activations_equal_the_model_and_2d_3d_are_a_pth_of_serial():
             assert saved == pytest.approx(modelled, rel=0.02), (mode, options)
             if mode in ("2d", "3d"):
                 assert saved <= 1.15 * serial / n, (mode, saved, serial / n)
+
+
+def test_plan_splits_refuses_empty_micro_batches_and_keeps_its_columns_apart(capsys):
+    """Catches `lattice plan --splits` pricing tp=1 x pp=16 on 16 micro-batches of 8 // 16 = 0
+    sequences (and naming it fastest at 4.970 ms), and step times of six digits running into the
+    bubble column (`0.938121564.702`)."""
+    from lattice.cli import main as cli
+
+    assert cli.main(["plan", "--arch", "llama", "--model", "llama3-8b", "--splits", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1  16  does not fit: the replica batch of 8 sequences does not split into 16 micro-batches" in out
+    assert "fastest: tp=1 x pp=16" not in out
+    assert cli.main(["plan", "--arch", "llama", "--model", "llama3-8b", "--splits", "16", "--batch", "32"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("     1  16")]
+    assert len(rows) == 1 and rows[0][:4] == ["1", "16", "16", "0.938"] and float(rows[0][4].replace(",", "")) > 1e5

@@ -10,8 +10,8 @@ from lattice.cost.model import estimate
 from lattice.cost.stages import stage_sends
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
-from lattice.parallel.context import MeshAxis
-from lattice.parallel.pipeline import PipelineConfig
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.pipeline import PipelineConfig, batch_problem
 
 
 def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> float:
@@ -63,6 +63,10 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) ->
         c = estimate(cfg, stage, batch=batch)
         return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": c.time(machine)["step"]}
     pcfg = layout.pipeline
+    problem = batch_problem(pcfg, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
+    if problem:  # as training refuses it: no micro-batch of zero sequences
+        raise LatticeConfigError(f"{problem}; give each replica a multiple of {pcfg.m} sequences (--batch over "
+                                 f"--dp) or fewer --microbatches")
     chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))  # an encoder-decoder's two stacks
     blocks = max(len(c) for c in chunks)
     stage_cfg = dataclasses.replace(cfg, n_layers=blocks)

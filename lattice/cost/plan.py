@@ -122,13 +122,13 @@ def format_splits(cfg, ranks: int, *, batch: int, machine: Machine, layout_of) -
         except LatticeConfigError as e:
             rows.append({"tp": ranks // pp, "pp": pp, "error": str(e)})
     lines = [f"{mode}: tp x pp = {ranks} ranks per replica, {cfg}, batch {batch}, on {machine.name}",
-             f"  {'tp':>4}{'pp':>4}{'m':>4}{'bubble':>8}{'step ms':>10}"]
+             f"  {'tp':>4}{'pp':>4}{'m':>4}{'bubble':>8}{'step ms':>14}"]
     ok = [r for r in rows if "error" not in r]
     for r in rows:
         if "error" in r:
             lines.append(f"  {r['tp']:>4}{r['pp']:>4}  does not fit: {r['error'][:100]}")
         else:
-            lines.append(f"  {r['tp']:>4}{r['pp']:>4}{r['m']:>4}{r['bubble']:>8.3f}{r['step_s'] * 1e3:>10.3f}")
+            lines.append(f"  {r['tp']:>4}{r['pp']:>4}{r['m']:>4}{r['bubble']:>8.3f}{r['step_s'] * 1e3:>14,.3f}")
     if ok:
         best = min(ok, key=lambda r: r["step_s"])
         lines.append(f"  fastest: tp={best['tp']} x pp={best['pp']}")
