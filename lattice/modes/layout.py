@@ -148,8 +148,10 @@ class Layout:
                 for f in fields(self) for v in [getattr(self, f.name)]}
 
     def stage_layout(self) -> "Layout":
-        """The tensor ranks of one pipeline stage alone: this mode, tp and options, one replica, no pipeline."""
-        return Layout(self.mode, tp=self.tp, options=self.options)
+        """The tensor ranks of one pipeline stage alone: this mode, tp and options, one replica, no
+        pipeline, placed on nodes as the whole layout is (`ranks_per_node`, `placement`)."""
+        return Layout(self.mode, tp=self.tp, options=self.options, ranks_per_node=self.ranks_per_node,
+                      placement=self.placement)
 
     @property
     def world_size(self) -> int:
