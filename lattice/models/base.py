@@ -38,6 +38,7 @@ from lattice.models.registry import build_model
 from lattice.modes import get_mode
 from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError, ParallelContext
+from lattice.parallel.context_parallel import check_context_batch, gather_context, take_context_chunks, whole_loss
 from lattice.parallel.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
 
 
@@ -239,8 +240,16 @@ class Model(nn.Module):
         each token's own position (a left-padded batch's), else start.. in every sequence.
         Inference: `cache` holds one dict per block (see generate) and `start` is the position of
         tokens[:, 0]."""
+        check_context_batch(self.ctx, tokens, targets, start, cached=cache is not None or last_only)
         self.check_inputs(tokens, targets, start)
         self.check_padding(tokens, start, attention_mask, token_types, position_ids)
+        share = None  # under cp: this rank's share of the batch's labelled targets
+        if self.ctx.cp > 1:  # this rank's chunks of every sequence; attention reads the whole mask
+            whole_targets = None if targets is None else self.unpadded_targets(targets, attention_mask)
+            tokens, targets, token_types, position_ids = take_context_chunks(
+                self.ctx, tokens, whole_targets, token_types, position_ids)
+            if targets is not None:
+                share = labelled_count(targets, clamp=False).double() / labelled_count(whole_targets)
         self.mode.begin_batch(self, *tokens.shape)
         if self.training:
             self.seeds.forward_count += 1
@@ -255,7 +264,10 @@ class Model(nn.Module):
             x = self.run_blocks(x, self.blocks, **padding)
         x = self.finish(x)
         if targets is None:
-            return self.head_logits(x[:, -1:] if last_only else x)
+            logits = self.head_logits(x[:, -1:] if last_only else x)
+            return logits if self.ctx.cp == 1 else gather_context(logits, self.ctx)
+        if share is not None:
+            return whole_loss(self.head_loss(x, targets), share, self.ctx)
         return self.head_loss(x, self.unpadded_targets(targets, attention_mask))
 
     @staticmethod
@@ -317,7 +329,7 @@ class Model(nn.Module):
         """Refuse tokens, targets or a start position this model and layout cannot take (every
         rank, before any collective)."""
         self.check_tokens(tokens, targets, start)
-        self.mode.check_batch(self.ctx, tokens)
+        self.mode.check_batch(self.ctx, tokens[:, :tokens.shape[1] // self.ctx.cp])  # each rank's chunks under cp
 
     def check_padding(self, tokens, start: int, attention_mask, token_types, position_ids=None) -> None:
         """One line unless the padding mask, token types and positions fit the tokens (every

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from lattice.modes.base import Block, Position
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
+from lattice.parallel.context_parallel import Ring, ring_attend
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
@@ -33,7 +34,9 @@ class DropoutSeeds:
 
     def __init__(self, ctx: ParallelContext):
         self.base = ctx.seed
-        self.stream_ids = {"replicated": ctx.coord(MeshAxis.DP), "sharded": ctx.rank}
+        # the ranks of a cp group hold different tokens of the same sequences: their own masks
+        replicated = ctx.coord(MeshAxis.DP) if ctx.cp == 1 else f"{ctx.coord(MeshAxis.DP)}.{ctx.coord(MeshAxis.CP)}"
+        self.stream_ids = {"replicated": replicated, "sharded": ctx.rank}
         self.forward_count = 0
         self.sites = 0
 
@@ -159,6 +162,7 @@ class SelfAttention(nn.Module):
         self.causal, self.rotary, self.scale, self.window = causal, rotary, scale, window
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
+        self.context = ContextParallel(mode.ctx, dropout)
 
     def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None, keep=None, positions=None):
         """`cache` (inference): this layer's keys and values so far, in this rank's layout (its
@@ -187,10 +191,14 @@ class SelfAttention(nn.Module):
             # under a window the next query sees window - 1 of these, so the cache keeps no more
             kept = k.shape[2] - min(k.shape[2], self.window - 1) if self.window else 0
             cache["k"], cache["v"] = k[:, :, kept:], v[:, :, kept:]
-        y = attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
-                   causal=self.causal and (cache is None or T > 1), scale=self.scale, window=self.window,
-                   keep=None if keep is None else keep[:, -k.shape[2]:],
-                   dropout=self.weights_drop if self.training else None)
+        if self.context.ring_size > 1:  # keys of the whole sequence, bias and `keep` over it
+            y = ring_attend(self.context.ring(), q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
+                            causal=self.causal, scale=self.scale, window=self.window, keep=keep)
+        else:
+            y = attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
+                       causal=self.causal and (cache is None or T > 1), scale=self.scale, window=self.window,
+                       keep=None if keep is None else keep[:, -k.shape[2]:],
+                       dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
 
@@ -198,6 +206,24 @@ class SelfAttention(nn.Module):
 def split_heads(t: torch.Tensor, head_size: int) -> torch.Tensor:
     """(B, T, nh · hs) -> (B, nh, T, hs): a projection's features as its heads."""
     return t.unflatten(-1, (-1, head_size)).transpose(1, 2)
+
+
+class ContextParallel:
+    """An attention's cp group: its size, and the ring (whose process group exists only once
+    lattice.init has run, so it is looked up at the first forward, not when the model is built on
+    the meta device). Attention dropout is refused under cp > 1: the ring's blocks would need
+    masks that agree with the whole sequence's."""
+
+    def __init__(self, ctx: ParallelContext, dropout: float):
+        self.ctx, self.ring_size, self._ring = ctx, ctx.cp, None
+        if self.ring_size > 1 and dropout > 0:
+            raise LatticeConfigError(f"attention dropout ({dropout}) is not implemented under context parallelism "
+                                     f"(cp = {self.ring_size}); set dropout to 0 or run with cp = 1")
+
+    def ring(self) -> Ring:
+        if self._ring is None:
+            self._ring = Ring(self.ctx)
+        return self._ring
 
 
 class AttentionDropout:
@@ -271,6 +297,7 @@ class CrossAttention(nn.Module):
         self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT, bias=bias)
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
+        self.context = ContextParallel(mode.ctx, dropout)
 
     def forward(self, x, memory, *, cache: dict | None = None, keep=None):
         """`cache` (inference): the memory's keys and values in this rank's layout, computed at
@@ -284,8 +311,11 @@ class CrossAttention(nn.Module):
             k, v = (split_heads(t, hs) for t in self.kv(memory))  # (B_l, nh_l, S, hs)
             if cache is not None:
                 cache["k"], cache["v"] = k, v
-        y = attend(q, k, v, causal=False, scale=self.scale, keep=keep,
-                   dropout=self.weights_drop if self.training else None)
+        if self.context.ring_size > 1:  # the memory's chunks around the ring
+            y = ring_attend(self.context.ring(), q, k, v, causal=False, scale=self.scale, keep=keep)
+        else:
+            y = attend(q, k, v, causal=False, scale=self.scale, keep=keep,
+                       dropout=self.weights_drop if self.training else None)
         y = y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B_l, T, nh_l · hs)
         return self.resid_drop(self.proj(y))
 

@@ -74,6 +74,8 @@ class Layout:
     tp: int = flag(1, "ranks per model replica (tensor parallel degree)")
     dp: int = flag(1, "data-parallel replicas")
     pp: int = flag(1, "pipeline stages (a model replica is tp x pp ranks)")
+    cp: int = flag(1, "context-parallel ranks: each holds 2 of 2·cp chunks of every sequence, attention runs "
+                      "around their ring (a model replica is tp x cp x pp ranks)")
     microbatches: int | None = flag(None, "micro-batches per step with --pp (default pp)")
     pp_schedule: str | None = flag(None, f"pipeline schedule (default {PipelineConfig.schedule})",
                                    choices=lambda: SCHEDULES)
@@ -89,7 +91,7 @@ class Layout:
 
     def __post_init__(self):
         mode_cls = get_mode(self.mode)
-        for name in ("tp", "dp", "pp"):
+        for name in ("tp", "dp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LatticeConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -108,8 +110,14 @@ class Layout:
         if self.pp > 1 and self.placement != "natural":
             raise LatticeConfigError("placement 'topology' is not implemented with pipeline parallelism; use the "
                                      "natural placement with pp > 1")
+        if self.cp > 1 and self.placement != "natural":
+            raise LatticeConfigError("placement 'topology' is not implemented with context parallelism; use the "
+                                     "natural placement with cp > 1")
+        if self.cp > 1 and self.pp > 1:
+            raise LatticeConfigError("context parallelism (cp > 1) does not run under a pipeline yet; use pp = 1 "
+                                     "with cp > 1, or cp = 1 with pp > 1")
         axes = ((MeshAxis.DP, self.dp),) + (((MeshAxis.PP, self.pp),) if self.pp > 1 else ()) \
-            + tuple(mode_cls.mesh_axes(self.tp, self.options))
+            + (((MeshAxis.CP, self.cp),) if self.cp > 1 else ()) + tuple(mode_cls.mesh_axes(self.tp, self.options))
         world = math.prod(s for _, s in axes)
         per_node = self.ranks_per_node or world
         grid = (mode_cls.rank_grid(axes, per_node, self.placement, self.options) if self.placement == "topology"
@@ -191,7 +199,8 @@ def init(mode: str | Layout = REFERENCE_MODE, *, backend: str | None = None, see
     needs no process group. Every rank validates the request before any collective runs.
     `pp` > 1 adds pipeline stages (a replica is then tp x pp ranks) with the options
     `microbatches`, `pp_schedule` ("gpipe", "1f1b", "interleaved"), `pp_virtual`, `pp_layers` and
-    `pp_scatter_gather` (see lattice.parallel.pipeline).
+    `pp_scatter_gather` (see lattice.parallel.pipeline). `cp` > 1 splits every sequence over
+    that many ranks per tensor position (context parallelism; lattice.parallel.context_parallel).
     """
     layout = as_layout(mode, layout)
     topo, options, pipeline, pp = layout.topology, layout.options, layout.pipeline, layout.pp

@@ -27,6 +27,7 @@ class MeshAxis(str, enum.Enum):
 
     DP = "dp"
     PP = "pp"  # pipeline stages (present when pp > 1), between DP and the tensor axes
+    CP = "cp"  # context parallel: chunks of every sequence (present when cp > 1), between PP and the tensor axes
     TP = "tp"  # 1D: the tensor-parallel group
     ROW = "row"  # 2D: rank (i, j) = (row, col)
     COL = "col"
@@ -36,6 +37,9 @@ class MeshAxis(str, enum.Enum):
     SUBGRID = "subgrid"  # sub-graph: which sub-grid (g of them)
     MEMBER = "member"  # sub-graph: position inside the sub-grid (n_g of them)
 
+
+#: axes every layout may have, of size 1 when absent
+OPTIONAL_AXES = (MeshAxis.DP, MeshAxis.PP, MeshAxis.CP)
 
 #: A mesh axis: a member of MeshAxis or of a mode's own str-valued Enum.
 Axis = enum.Enum
@@ -100,16 +104,20 @@ class Topology:
 
     @property
     def tp_size(self) -> int:
-        """Tensor-parallel ranks of one pipeline stage (every axis but DP and PP)."""
-        return self.world_size // (self.size(MeshAxis.DP) * self.size(MeshAxis.PP))
+        """Tensor-parallel ranks of one pipeline stage (every axis but DP, PP and CP)."""
+        return self.world_size // (self.size(MeshAxis.DP) * self.size(MeshAxis.PP) * self.size(MeshAxis.CP))
 
     @property
     def pp_size(self) -> int:
         return self.size(MeshAxis.PP)
 
     @property
+    def cp_size(self) -> int:
+        return self.size(MeshAxis.CP)
+
+    @property
     def replica_size(self) -> int:
-        """Ranks in one model replica: tp x pp (every axis but DP)."""
+        """Ranks in one model replica: tp x cp x pp (every axis but DP)."""
         return self.world_size // self.size(MeshAxis.DP)
 
     def has(self, axis: MeshAxis) -> bool:
@@ -119,7 +127,7 @@ class Topology:
         for name, size in self.axes:
             if name == axis:
                 return size
-        if axis in (MeshAxis.DP, MeshAxis.PP):
+        if axis in OPTIONAL_AXES:
             return 1
         raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}; its axes are "
                        f"{[a.value for a in self.axis_names]}")
@@ -146,14 +154,14 @@ class Topology:
 
     @property
     def tensor_axes(self) -> tuple[Axis, ...]:
-        """The axes of one pipeline stage's tensor ranks: every axis but DP and PP."""
-        return tuple(a for a in self.axis_names if a not in (MeshAxis.DP, MeshAxis.PP))
+        """The axes of one pipeline stage's tensor ranks: every axis but DP, PP and CP."""
+        return tuple(a for a in self.axis_names if a not in OPTIONAL_AXES)
 
     def canonical_axes(self, axes) -> tuple[Axis, ...]:
         """`axes` (one axis or several) in mesh order, refusing axes this topology lacks."""
         axes = (axes,) if isinstance(axes, enum.Enum) else tuple(axes)
         for a in axes:
-            if not self.has(a) and a not in (MeshAxis.DP, MeshAxis.PP):
+            if not self.has(a) and a not in OPTIONAL_AXES:
                 raise KeyError(f"mode {self.mode!r} has no mesh axis {a.value!r}; its axes are "
                                f"{[x.value for x in self.axis_names]}")
         return tuple(a for a in self.axis_names if a in axes)
@@ -234,6 +242,11 @@ class ParallelContext:
         return self.topology.pp_size
 
     @property
+    def cp(self) -> int:
+        """Context-parallel ranks: how many hold chunks of the same sequences."""
+        return self.topology.cp_size
+
+    @property
     def stage(self) -> int:
         """This rank's pipeline stage (0 without pipeline parallelism)."""
         return self.coords.get(MeshAxis.PP, 0)
@@ -242,7 +255,7 @@ class ParallelContext:
         return self.topology.size(axis)
 
     def coord(self, axis: MeshAxis) -> int:
-        if not self.topology.has(axis) and axis in (MeshAxis.DP, MeshAxis.PP):
+        if not self.topology.has(axis) and axis in OPTIONAL_AXES:
             return 0
         if axis not in self.coords:
             raise KeyError(f"mode {self.mode!r} has no mesh axis {axis.value!r}")

@@ -253,6 +253,10 @@ def sum_replica_grads(model: nn.Module) -> None:
         group = model.ctx.group(*axes)
         if group is not None:
             all_reduce_grads([params[n] for n in names], group)
+    if model.ctx.cp > 1:  # each rank of a cp group holds every parameter's gradient of its chunks alone
+        held = [n for n in model.specs if n in params]
+        for bucket in byte_buckets(held, lambda n: params[n].numel() * params[n].element_size()):
+            all_reduce_grads([params[n] for n in bucket], model.ctx.group(MeshAxis.CP))
 
 
 def check_state_dict_keys(expected: Iterable[str], given: Iterable[str], what: str = "state dict"):

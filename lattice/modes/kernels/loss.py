@@ -15,10 +15,12 @@ from lattice.parallel import comm
 IGNORE_INDEX = -100
 
 
-def labelled_count(targets: torch.Tensor) -> torch.Tensor:
+def labelled_count(targets: torch.Tensor, clamp: bool = True) -> torch.Tensor:
     """The targets that count towards a mean loss (those not IGNORE_INDEX), as a 0-d tensor (no
-    host sync). Every rank holds the whole replica's targets, so every rank divides alike."""
-    return (targets != IGNORE_INDEX).sum().clamp_min(1)  # none labelled: a loss of 0, not 0/0
+    host sync), at least 1 unless `clamp` is off. Every rank holds the whole replica's targets,
+    so every rank divides alike."""
+    count = (targets != IGNORE_INDEX).sum()
+    return count.clamp_min(1) if clamp else count  # none labelled: a loss of 0, not 0/0
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

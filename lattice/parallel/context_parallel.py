@@ -1,0 +1,261 @@
+"""Context parallelism: a cp group of N ranks splits every sequence into 2N equal chunks, and rank
+i holds chunks i and 2N-1-i. Under the causal mask a query in chunk c sees c + 1 chunks, so each
+rank's two chunks see 2N + 1 chunks between them, the same on every rank (Megatron-core's and
+torchtitan's load balancing). Linear layers, norms and the MLP are token-wise and run on the
+local chunks unchanged; attention runs around the cp ring:
+
+    forward   O_i = merge_s attn(Q_i, K_(i-s), V_(i-s)),  s = 0 .. N-1      (K, V sent on to i+1)
+    backward  dQ_i = Σ_s dS_(i,i-s) K_(i-s);  dK_j, dV_j summed along the ring and sent home
+
+where merge combines the partial softmaxes exactly by their log-sum-exp (as flash attention's
+online softmax does), and each step's send to the next rank runs while this step's block is
+computed. A block of scores is recomputed in backward from the saved log-sum-exp, so a rank keeps
+only its own q, k, v, output and log-sum-exp: activations fall as 1/N.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lattice.parallel.comm import all_reduce, raw_all_gather, record
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
+
+
+def chunk_indices(seq: int, cp: int, index: int) -> torch.Tensor:
+    """Positions (in 0 .. seq-1) of the tokens rank `index` of a cp group of `cp` holds: chunks
+    index and 2·cp-1-index of 2·cp equal chunks, in that order."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(index * c, (index + 1) * c),
+                      torch.arange((2 * cp - 1 - index) * c, (2 * cp - index) * c)])
+
+
+def take_chunks(x: torch.Tensor, dim: int, cp: int, index: int) -> torch.Tensor:
+    """Rank `index`'s two chunks of x's dimension `dim` (the sequence's), as one tensor."""
+    c = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, index * c, c), x.narrow(dim, (2 * cp - 1 - index) * c, c)], dim=dim)
+
+
+def restore_order(gathered: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """The whole sequence from every rank's chunks concatenated in cp order along `dim`."""
+    pieces = gathered.chunk(2 * cp, dim=dim)  # rank r's chunks are pieces 2r and 2r + 1
+    order = [None] * (2 * cp)
+    for r in range(cp):
+        order[r], order[2 * cp - 1 - r] = pieces[2 * r], pieces[2 * r + 1]
+    return torch.cat(order, dim=dim)
+
+
+class Ring:
+    """This rank's place in its cp group: its index, the ranks before and after it, and the
+    exchange of one tensor with them (send to the next, receive from the previous)."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.size, self.index = ctx.size(MeshAxis.CP), ctx.coord(MeshAxis.CP)
+        self.group = ctx.group(MeshAxis.CP)
+        members = ctx.topology.group_members(MeshAxis.CP, ctx.rank)
+        self.next, self.prev = members[(self.index + 1) % self.size], members[(self.index - 1) % self.size]
+
+    def start(self, x: torch.Tensor, tag: int = 0):
+        """Send x to the next rank and receive the previous rank's into a new tensor; returns
+        (the tensor being received, the requests). `tag` keeps apart two exchanges in flight at
+        once (backward's keys and their gradients)."""
+        x = x.contiguous()
+        incoming = torch.empty_like(x)
+        record("send_recv", self.group, x.numel(), x.dtype)
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, incoming, self.prev, self.group, tag)]
+        return incoming, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(incoming: torch.Tensor, requests) -> torch.Tensor:
+        for request in requests:
+            request.wait()
+        return incoming
+
+    def pass_on(self, x: torch.Tensor, tag: int = 0) -> torch.Tensor:
+        return self.finish(*self.start(x, tag))
+
+
+class RingMasks:
+    """Which key each local query may see, for the keys of any rank's chunks: causal by the
+    tokens' places in the whole sequence, a sliding window, padding (`keep` (B_l, T_k) of the
+    whole sequence, which every rank holds); a query that sees no key at all (a left pad under
+    the causal mask) sees every key instead, as `attend` does."""
+
+    def __init__(self, ring: Ring, t_q: int, t_k: int, *, causal: bool, window: int | None, keep, device):
+        self.ring, self.causal, self.window, self.keep, self.t_k = ring, causal, window, keep, t_k
+        self.queries = chunk_indices(t_q * ring.size, ring.size, ring.index).to(device)
+        self.blind = None  # (B_l, 1, T_q, 1) the queries that see every key
+        if keep is not None:
+            seen = keep.long().cumsum(-1)  # (B_l, T_full): keys up to each place
+            if not causal:
+                visible = keep.any(-1, keepdim=True).expand(-1, len(self.queries))
+            else:
+                upto = seen[:, self.queries]
+                if window is not None:
+                    before = self.queries - window
+                    upto = upto - torch.where(before >= 0, seen[:, before.clamp_min(0)], 0)
+                visible = upto > 0
+            self.blind = ~visible[:, None, :, None]
+
+    def keys(self, owner: int) -> torch.Tensor:
+        return chunk_indices(self.t_k * self.ring.size, self.ring.size, owner).to(self.queries.device)
+
+    def allowed(self, owner: int) -> torch.Tensor | None:
+        """bool (.., T_q, T_k) for the keys of rank `owner`'s chunks; None when all are seen."""
+        if not self.causal and self.keep is None:
+            return None
+        keys = self.keys(owner)
+        allowed = torch.ones(len(self.queries), len(keys), dtype=torch.bool, device=keys.device)
+        if self.causal:
+            allowed = allowed & (keys[None, :] <= self.queries[:, None])
+        if self.window is not None:
+            allowed = allowed & (keys[None, :] > self.queries[:, None] - self.window)
+        if self.keep is not None:
+            allowed = (allowed & self.keep[:, keys][:, None, None, :]) | self.blind  # (B_l, 1, T_q, T_k)
+        return allowed
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query keys or values (B, nkv, T, hs) repeated to `heads` (query head i reads kv head
+    i // (heads / nkv), as scaled_dot_product_attention's enable_gqa does)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expand`: the repeats of each kv head summed."""
+    return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+class RingAttention(torch.autograd.Function):
+    """softmax(scale · Q Kᵀ + bias [+ masks]) V with this rank's queries Q (B_l, nh, T_q, hs)
+    against the keys and values of every rank of the cp group, K and V (B_l, nkv, T_k, hs) being
+    this rank's chunks; `bias` (nh, T_q, T_k · N) against the whole key sequence, or None.
+
+    forward:  each step s computes the block against rank (i - s)'s K, V while they move on, and
+              merges it into the running output by the log-sum-exp
+    backward: P = exp(S - lse), D = rowsum(dO ∘ O), dS = P ∘ (dO Vᵀ - D);  dQ += scale dS K,
+              dK += scale dSᵀ Q and dV += Pᵀ dO travel with K, V and reach their rank at the end
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, ring: Ring, masks: RingMasks, scale: float):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa = q.to(acc)
+        heads = q.shape[1]
+        out = torch.zeros_like(qa)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])  # (2, B_l, nkv, T_k, hs): one message per step
+        for step in range(ring.size):
+            owner = (ring.index - step) % ring.size
+            moving = ring.start(kv) if step < ring.size - 1 else None
+            scores = _scores(qa, kv[0], bias, masks, owner, scale, heads)
+            block_lse = scores.logsumexp(-1)
+            probs = torch.exp(scores - _finite(block_lse)[..., None])
+            block_out = probs @ _expand(kv[1].to(acc), heads)
+            merged = torch.logaddexp(lse, block_lse)
+            out = (out * torch.exp(lse - _finite(merged))[..., None]
+                   + block_out * torch.exp(block_lse - _finite(merged))[..., None])
+            lse = merged
+            if moving is not None:
+                kv = ring.finish(*moving)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.ring, ctx.masks, ctx.scale = ring, masks, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        ring, masks, scale = ctx.ring, ctx.masks, ctx.scale
+        acc, heads, kv_heads = out.dtype, q.shape[1], k.shape[1]
+        qa, d_out = q.to(acc), d_out.to(acc)
+        row_dot = (d_out * out).sum(-1, keepdim=True)  # D (B_l, nh, T_q, 1)
+        dq = torch.zeros_like(qa)
+        d_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
+        kv = torch.stack([k, v])
+        d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        for step in range(ring.size):
+            owner = (ring.index - step) % ring.size
+            moving = ring.start(kv) if step < ring.size - 1 else None
+            keys, values = _expand(kv[0].to(acc), heads), _expand(kv[1].to(acc), heads)
+            scores = _scores(qa, kv[0], bias, masks, owner, scale, heads)
+            probs = torch.exp(scores - lse[..., None])  # every query sees some key: lse is finite
+            d_scores = probs * (d_out @ values.transpose(-1, -2) - row_dot)
+            dq += scale * (d_scores @ keys)
+            d_kv[0] += _fold(scale * (d_scores.transpose(-1, -2) @ qa), kv_heads)
+            d_kv[1] += _fold(probs.transpose(-1, -2) @ d_out, kv_heads)
+            if d_bias is not None:
+                d_bias[..., masks.keys(owner)] += d_scores.sum(0)
+            d_kv = ring.pass_on(d_kv, tag=1)  # on to the owner of the next step's keys; after the last, home
+            if moving is not None:
+                kv = ring.finish(*moving)
+        return (dq.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp to subtract: 0 where it is -inf (a block with no key to see), so that
+    exp(-inf - 0) gives 0 rather than exp(-inf + inf), NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _scores(q, k, bias, masks: RingMasks, owner: int, scale: float, heads: int) -> torch.Tensor:
+    """scale · Q Kᵀ (+ bias) with -inf where masked, (B_l, nh, T_q, T_k), for rank `owner`'s keys."""
+    scores = scale * (q @ _expand(k.to(q.dtype), heads).transpose(-1, -2))
+    if bias is not None:
+        scores = scores + bias[..., masks.keys(owner)].to(q.dtype)
+    allowed = masks.allowed(owner)
+    return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+
+
+def ring_attend(ring: Ring, q, k, v, bias=None, *, causal: bool, scale: float | None = None,
+                window: int | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`lattice.models.components.attend` for a cp group: q (B_l, nh, T_q, hs) this rank's
+    queries, k and v (B_l, nkv, T_k, hs) its keys and values (each two chunks of its sequence),
+    `keep` (B_l, T_k · N) the padding mask of the whole sequence, `bias` (nh, T_q, T_k · N)."""
+    masks = RingMasks(ring, q.shape[2], k.shape[2], causal=causal, window=window, keep=keep, device=q.device)
+    return RingAttention.apply(q, k, v, bias, ring, masks, scale if scale is not None else q.shape[-1] ** -0.5)
+
+
+# ----------------------------------------------------------------------------- a model's batch
+def check_context_batch(ctx: ParallelContext, tokens: torch.Tensor, targets: torch.Tensor | None,
+                        start: int = 0, cached: bool = False) -> None:
+    """One line unless a batch can be split over the cp group (every rank, before any collective)."""
+    cp, seq = ctx.cp, tokens.shape[-1]
+    if cp == 1:
+        return
+    if cached or start:
+        raise LatticeConfigError(f"generation and cached decoding run with cp = 1 (this layout has cp = {cp}); "
+                                 f"generate from the checkpoint with a layout without --cp")
+    if seq % (2 * cp):
+        raise LatticeConfigError(f"sequence length {seq} does not split into 2·cp = {2 * cp} equal chunks; use a "
+                                 f"length that is a multiple of {2 * cp} (for example {(seq // (2 * cp) + 1) * 2 * cp})"
+                                 f" or another cp")
+    if targets is not None and targets.shape != tokens.shape:
+        raise LatticeConfigError("context parallelism splits every sequence, so it takes one target per token "
+                                 "(language modelling, masked tokens); sequence-level targets (a class per "
+                                 "sequence) need cp = 1")
+
+
+def take_context_chunks(ctx: ParallelContext, tokens, targets, token_types, positions):
+    """This rank's chunks of a replica's batch (B, T): the tokens, targets, token types and each
+    token's position in its sequence (0.. where none are given); None stays None."""
+    cp, index = ctx.cp, ctx.coord(MeshAxis.CP)
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
+    return tuple(None if t is None else take_chunks(t, 1, cp, index) for t in (tokens, targets, token_types, positions))
+
+
+def whole_loss(loss: torch.Tensor, share: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The replica's mean loss from each rank's mean over its chunks, weighed by its share of the
+    labelled targets: summed over the cp group in forward; in backward each rank's gradient is its
+    own part's, and the parameters' gradients are summed over cp afterwards (sync_grads)."""
+    return all_reduce(loss * share.to(loss.dtype), ctx.group(MeshAxis.CP))
+
+
+def gather_context(x: torch.Tensor, ctx: ParallelContext, dim: int = 1) -> torch.Tensor:
+    """The whole sequences of a tensor whose `dim` holds this rank's chunks (inference: logits)."""
+    if torch.is_grad_enabled():
+        raise LatticeConfigError("under context parallelism a model without targets returns the logits of whole "
+                                 "sequences for inference only: call it under torch.no_grad()")
+    return restore_order(raw_all_gather(x, ctx.group(MeshAxis.CP), dim), dim, ctx.cp)
