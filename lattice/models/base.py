@@ -38,7 +38,8 @@ from lattice.models.registry import build_model
 from lattice.modes import get_mode
 from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError, ParallelContext
-from lattice.parallel.context_parallel import check_context_batch, gather_context, take_context_chunks, whole_loss
+from lattice.parallel.context_parallel import (check_context_batch, context_positions, gather_context, take_context_chunks,
+                                               whole_loss)
 from lattice.parallel.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
 
 
@@ -240,14 +241,17 @@ class Model(nn.Module):
         each token's own position (a left-padded batch's), else start.. in every sequence.
         Inference: `cache` holds one dict per block (see generate) and `start` is the position of
         tokens[:, 0]."""
-        check_context_batch(self.ctx, tokens, targets, start, cached=cache is not None or last_only)
+        check_context_batch(self.ctx, tokens, targets, start=start, cached=cache is not None or last_only)
         self.check_inputs(tokens, targets, start)
         self.check_padding(tokens, start, attention_mask, token_types, position_ids)
         share = None  # under cp: this rank's share of the batch's labelled targets
         if self.ctx.cp > 1:  # this rank's chunks of every sequence; attention reads the whole mask
             whole_targets = None if targets is None else self.unpadded_targets(targets, attention_mask)
-            tokens, targets, token_types, position_ids = take_context_chunks(
-                self.ctx, tokens, whole_targets, token_types, position_ids)
+            if position_ids is None:
+                position_ids = context_positions(self.ctx, tokens.shape[1], tokens.device).expand(tokens.shape[0], -1)
+            else:
+                (position_ids,) = take_context_chunks(self.ctx, position_ids)
+            tokens, targets, token_types = take_context_chunks(self.ctx, tokens, whole_targets, token_types)
             if targets is not None:
                 share = labelled_count(targets, clamp=False).double() / labelled_count(whole_targets)
         self.mode.begin_batch(self, *tokens.shape)
@@ -389,6 +393,7 @@ class Model(nn.Module):
         different lengths are left-padded with an `attention_mask` (B, T0) that is 0 at the
         padding, as for transformers' generate: a token's position counts its sequence's tokens
         before it, and no position attends to padding."""
+        check_context_batch(self.ctx, cached=True)
         if prompt.shape[1] + max_new_tokens > self.cfg.seq_len:
             raise LatticeConfigError(f"prompt length {prompt.shape[1]} + {max_new_tokens} new tokens exceeds seq_len = "
                                      f"{self.cfg.seq_len}; shorten the prompt or ask for fewer tokens")

@@ -321,14 +321,16 @@ class CrossAttention(nn.Module):
 
 
 def relative_buckets(t_q: int, t_k: int, start: int, *, bidirectional: bool, buckets: int,
-                     max_distance: int) -> torch.Tensor:
+                     max_distance: int, queries: torch.Tensor | None = None) -> torch.Tensor:
     """T5's bucket of every (query, key) pair, (t_q, t_k) int64, for queries at positions
     start.. and keys at 0..: bidirectional, half the buckets for keys after the query; causal,
     every bucket for keys at or before it. Of a side's n buckets, distances below n/2 have one
     each, the rest share the others logarithmically up to `max_distance` (farther ones the last);
     the logarithm in float32, as T5's own code computes it, so that imported weights see the
-    same buckets."""
-    distance = torch.arange(t_k)[None, :] - torch.arange(start, start + t_q)[:, None]  # key - query
+    same buckets. `queries` (t_q,): the queries' positions instead (a cp rank's chunks)."""
+    if queries is None:
+        queries = torch.arange(start, start + t_q)
+    distance = torch.arange(t_k)[None, :] - queries.cpu()[:, None]  # key - query
     if bidirectional:
         side = buckets // 2
         base = (distance > 0).long() * side

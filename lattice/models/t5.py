@@ -54,8 +54,10 @@ from lattice.models.base import Model, ModelConfig, Parts, check_ids, next_token
 from lattice.models.components import MLP, CrossAttention, SelfAttention, bucketed_bias, residual_dropout
 from lattice.models.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.registry import register
-from lattice.modes.kernels.loss import IGNORE_INDEX
+from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError
+from lattice.parallel.context_parallel import (check_context_batch, context_positions, gather_context, take_context_chunks,
+                                               whole_loss)
 
 # transformers' feed_forward_proj -> (lattice activation, gated); "gated-gelu" is the tanh GELU there
 FEED_FORWARD = {"relu": ("relu", False), "gated-gelu": ("gelu_tanh", True), "gelu": ("gelu", False),
@@ -320,15 +322,18 @@ class T5(Model):
         self.check_tokens(tokens, targets)
         if decoder_tokens is not None:
             self.check_targets(tokens, decoder_tokens, name="decoder_tokens", labels=False)
-        for second in (targets, decoder_tokens):
-            if second is not None:
-                self.mode.check_batch(self.ctx, second)
-        self.mode.check_batch(self.ctx, tokens)
+        for sequences in (targets, decoder_tokens, tokens):  # under cp, each rank's chunks
+            if sequences is not None:
+                self.mode.check_batch(self.ctx, sequences[:, :sequences.shape[1] // self.ctx.cp])
 
     # ---- forward
     def position_bias(self, table: nn.Module, t_q: int, t_k: int, start: int, bidirectional: bool) -> torch.Tensor:
-        """(nh_local, t_q, t_k): this rank's heads of a stack's bias for queries at start.."""
-        return bucketed_bias(table.weight, t_q, t_k, start, bidirectional=bidirectional,
+        """(nh_local, t_q, t_k): this rank's heads of a stack's bias for queries at start..; under
+        cp, for this rank's chunks of t_q · cp queries against all t_k · cp keys."""
+        queries = None
+        if self.ctx.cp > 1:
+            queries, t_k = context_positions(self.ctx, t_q * self.ctx.cp), t_k * self.ctx.cp
+        return bucketed_bias(table.weight, t_q, t_k, start, bidirectional=bidirectional, queries=queries,
                              buckets=self.cfg.relative_buckets, max_distance=self.cfg.relative_max_distance)
 
     def encode(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -365,10 +370,17 @@ class T5(Model):
         transformers' T5 takes it."""
         if targets is None and decoder_tokens is None:
             decoder_tokens = self.start_tokens(tokens.shape[0], tokens.device)
+        check_context_batch(self.ctx, tokens, targets, decoder_tokens)
         self.check_inputs(tokens, targets, decoder_tokens)
         self.check_padding(tokens, 0, attention_mask, None)
         if targets is not None:
             decoder_tokens = self.shift_right(targets)
+        share = None  # under cp: this rank's share of the batch's labelled targets
+        if self.ctx.cp > 1:  # this rank's chunks of the sources and the targets; attention reads the whole mask
+            whole_targets = targets
+            tokens, targets, decoder_tokens = take_context_chunks(self.ctx, tokens, targets, decoder_tokens)
+            if targets is not None:
+                share = labelled_count(targets, clamp=False).double() / labelled_count(whole_targets)
         self.mode.begin_batch(self, tokens.shape[0], max(tokens.shape[1], decoder_tokens.shape[1]))
         if self.training:
             self.seeds.forward_count += 1
@@ -376,7 +388,10 @@ class T5(Model):
             self._grads_pending = True  # a backward may follow: sync_grads has work again
         keep = self.attention_keep(attention_mask)
         x = self._head_input(self.decode(decoder_tokens, self.encode(tokens, keep), memory_keep=keep))
-        return self.head.logits(x) if targets is None else self.head.loss(x, targets)
+        if targets is None:
+            return self.head.logits(x) if self.ctx.cp == 1 else gather_context(self.head.logits(x), self.ctx)
+        loss = self.head.loss(x, targets)
+        return loss if share is None else whole_loss(loss, share, self.ctx)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
@@ -390,6 +405,7 @@ class T5(Model):
         values and the memory's cross-attention keys and values, and each step runs the newest
         position alone."""
         cfg = self.cfg
+        check_context_batch(self.ctx, cached=True)
         if max_new_tokens > cfg.target_len:  # the decoder reads the start token and all but the last new one
             raise LatticeConfigError(f"{max_new_tokens} new tokens exceed target_len = {cfg.target_len}; ask for at "
                                      f"most {cfg.target_len}")

@@ -218,32 +218,37 @@ def ring_attend(ring: Ring, q, k, v, bias=None, *, causal: bool, scale: float | 
 
 
 # ----------------------------------------------------------------------------- a model's batch
-def check_context_batch(ctx: ParallelContext, tokens: torch.Tensor, targets: torch.Tensor | None,
-                        start: int = 0, cached: bool = False) -> None:
-    """One line unless a batch can be split over the cp group (every rank, before any collective)."""
-    cp, seq = ctx.cp, tokens.shape[-1]
+def check_context_batch(ctx: ParallelContext, *sequences: torch.Tensor | None, start: int = 0,
+                        cached: bool = False) -> None:
+    """One line unless a batch's `sequences` (tokens, targets, ...; (B, T) each, None skipped)
+    can each be split over the cp group (every rank, before any collective)."""
+    cp = ctx.cp
     if cp == 1:
         return
     if cached or start:
         raise LatticeConfigError(f"generation and cached decoding run with cp = 1 (this layout has cp = {cp}); "
                                  f"generate from the checkpoint with a layout without --cp")
-    if seq % (2 * cp):
-        raise LatticeConfigError(f"sequence length {seq} does not split into 2·cp = {2 * cp} equal chunks; use a "
-                                 f"length that is a multiple of {2 * cp} (for example {(seq // (2 * cp) + 1) * 2 * cp})"
-                                 f" or another cp")
-    if targets is not None and targets.shape != tokens.shape:
-        raise LatticeConfigError("context parallelism splits every sequence, so it takes one target per token "
-                                 "(language modelling, masked tokens); sequence-level targets (a class per "
-                                 "sequence) need cp = 1")
+    for seq in (s for s in sequences if s is not None):
+        if seq.dim() < 2:
+            raise LatticeConfigError("context parallelism splits every sequence, so it takes one target per token "
+                                     "(language modelling, masked tokens); sequence-level targets (a class per "
+                                     "sequence) need cp = 1")
+        n = seq.shape[-1]
+        if n % (2 * cp):
+            raise LatticeConfigError(f"sequence length {n} does not split into 2·cp = {2 * cp} equal chunks; use a "
+                                     f"length that is a multiple of {2 * cp} (for example "
+                                     f"{(n // (2 * cp) + 1) * 2 * cp}) or another cp")
 
 
-def take_context_chunks(ctx: ParallelContext, tokens, targets, token_types, positions):
-    """This rank's chunks of a replica's batch (B, T): the tokens, targets, token types and each
-    token's position in its sequence (0.. where none are given); None stays None."""
+def take_context_chunks(ctx: ParallelContext, *sequences: torch.Tensor | None) -> tuple:
+    """This rank's chunks of each of a replica's (B, T) `sequences`; None stays None."""
     cp, index = ctx.cp, ctx.coord(MeshAxis.CP)
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
-    return tuple(None if t is None else take_chunks(t, 1, cp, index) for t in (tokens, targets, token_types, positions))
+    return tuple(None if t is None else take_chunks(t, 1, cp, index) for t in sequences)
+
+
+def context_positions(ctx: ParallelContext, seq: int, device=None) -> torch.Tensor:
+    """The places in a sequence of `seq` tokens of this rank's chunks, (T / cp,)."""
+    return chunk_indices(seq, ctx.cp, ctx.coord(MeshAxis.CP)).to(device)
 
 
 def whole_loss(loss: torch.Tensor, share: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
