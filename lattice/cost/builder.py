@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
-from lattice.parallel.sharding import grad_sum_buckets
+from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
 from lattice.parallel.zero import memory_per_rank, plan_buckets
 
-DP = MeshAxis.DP
+DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
 
 
@@ -25,7 +25,8 @@ class CostBuilder:
     memory and tensor count, the in-replica gradient sums (`ShardSpec.grad_sum`, bucketed as
     `sync_grads` does) and the data-parallel gradient all-reduce (bucketed as DDP does).
 
-    For the mode: B sequences of T tokens per replica, M = B·T, h, V, `vocab_padded`, p ranks
+    For the mode: B sequences of T tokens per replica (per rank of a cp group: its T/cp),
+    `position_rows` of a position table they span, M = B·T, h, V, `vocab_padded`, p ranks
     per replica, `options`, `c.itemsize`, `residual` (this rank's residual elements) and
     `current` (the elements of the storage the last operation produced, which the next one may
     save). An encoder-decoder describes each stack inside `sequence(T)` (the target's length is
@@ -34,8 +35,11 @@ class CostBuilder:
     def __init__(self, cost, model):
         c, cfg = cost, cost.cfg
         self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
-        self.B, self.T, self.h, self.L = c.batch, c.seq, cfg.d_model, cfg.n_layers
-        self.target_T = c.target_seq or c.seq
+        # under context parallelism a rank runs its 1/cp of every sequence's tokens, attention
+        # reads every key around the cp ring (`ring`)
+        self.cp = c.topology.size(CP)
+        self.B, self.T, self.h, self.L = c.batch, c.seq // self.cp, cfg.d_model, cfg.n_layers
+        self.target_T = (c.target_seq or c.seq) // self.cp
         self.repeat, self.first, self.last = 1, True, True  # micro-batches; the stage holds the first / last part
         self.forced = False  # inside `on_this_stage`
         pcfg = c.pipeline
@@ -53,7 +57,7 @@ class CostBuilder:
         self.p = c.topology.tp_size
         self.options = c.options
         self.vocab_padded = self.mode.padded_vocab()
-        self.residual = math.prod(self.mode.residual_shape(self.B, self.T))
+        self._set_length(self.T)
         self.current = self.previous = 0.0
         self.memory_tokens, self.memory_elements, self.memory_read = 0, 0.0, False  # an encoder's output (`memory`)
         self.share = {"split": 1 / self.p, **self.mode.cost_shares(self)}  # FLOP shares (see `work`)
@@ -152,6 +156,9 @@ class CostBuilder:
     def _set_length(self, length: int) -> None:
         self.T, self.M = length, self.B * length
         self.residual = math.prod(self.mode.residual_shape(self.B, length))
+        # rows of a position table that this rank's tokens span: under cp, rank i's chunks i and
+        # 2cp-1-i span T/cp · (cp - i) positions
+        self.position_rows = length * (self.cp - self.topo.coords(self.c.rank).get(CP, 0))
 
     def _next(self):
         if self.region == "layer":
@@ -209,10 +216,12 @@ class CostBuilder:
         q = self.M * heads * head_size * share
         kv = self.M * kv_heads * head_size * share
         T = self.T
-        if rotary:
+        if rotary and self.cp == 1:
             self.save(2 * T * head_size)  # cos and sin of the positions
         masked = self.c.padded and padding
-        if bias:
+        if self.cp > 1:
+            self._ring(q, kv, heads, rotary, head_size)
+        elif bias:
             self.save(3 * q + self.B * heads * T * T * share)
             self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
             self.output_saved = False
@@ -220,10 +229,26 @@ class CostBuilder:
             self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share
                       + (T * T if window and not masked else 0))  # a padding mask takes the window's place
             self.output_saved = True
-        if masked:
+        if masked and self.cp == 1:
             self._save_mask(T, T, additive=bias)
-        self._score_work(self.B * heads * T * T * share, head_size)
+        self._score_work(self.B * heads * T * T * self.cp * share, head_size)
         self.current = q
+
+    def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int) -> None:
+        """Ring attention (lattice.parallel.context_parallel) of this rank's q against every rank's
+        k and v of `kv` elements: forward sends them on cp - 1 times; backward sends them on as
+        often again and their gradients cp times (the last brings them home). It saves q, k, v
+        (views of the IN linear's storage, or rotated copies; each token's cos and sin of its
+        own position), its output and the log-sum-exp per head and query; masks and bias are
+        read again in backward, not saved."""
+        cp, share = self.cp, self.share.get("attention", self.share["split"])
+        rows = self.mode.attention_rows(self.B)
+        self.save(self.current + (q + kv + 2 * (rows.stop - rows.start) * self.T * head_size if rotary else 0)
+                  + q + self.B * heads * self.T * share)
+        self.output_saved = True
+        self.add("forward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "attention")
+        self.add("backward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "attention")
+        self.add("backward", "send", (CP,), 2 * kv * cp, cp, "attention", itemsize=max(self.c.itemsize, 4))
 
     def _score_work(self, scores: float, head_size: int) -> None:
         """q kᵀ and the weights times v: 2·head_size multiply-adds per score, each."""
@@ -233,8 +258,12 @@ class CostBuilder:
 
     def position_bias(self) -> None:
         """A stack's relative position bias (T5's): the (T, T) bucket indices of the table
-        lookup, saved once for the stack's layers."""
-        self.save_ints(8 * self.T * self.T)
+        lookup, saved once for the stack's layers; under cp, (T/cp, T), and ring attention keeps
+        the bias of this rank's heads (one storage for the stack)."""
+        self.save_ints(8 * self.T * self.T * self.cp)
+        if self.cp > 1:
+            heads = self.cfg.n_heads // math.prod(self.topo.size(a) for a in self.mode.head_axes)
+            self.save(heads * self.T * self.T * self.cp)
 
     def memory(self) -> None:
         """The stream is now the encoder's output, which the decoder's cross-attention reads (in
@@ -259,11 +288,15 @@ class CostBuilder:
         self._next()
         share = self.share.get("attention", self.share["split"])
         out = self.M * heads * head_size * share
-        self.save(self.previous + self.current + out + self.B * heads * self.T * share)
-        if self.c.padded:  # the sources' mask
-            self._save_mask(self.T, self.memory_tokens, additive=False)
+        if self.cp > 1:  # the memory's keys and values around the ring
+            self.current = self.previous + self.current  # q and the memory's k, v: two storages
+            self._ring(out, self.B * self.memory_tokens * heads * head_size * share, heads, False, head_size)
+        else:
+            self.save(self.previous + self.current + out + self.B * heads * self.T * share)
+            if self.c.padded:  # the sources' mask
+                self._save_mask(self.T, self.memory_tokens, additive=False)
         self.output_saved = True
-        self._score_work(self.B * heads * self.T * self.memory_tokens * share, head_size)
+        self._score_work(self.B * heads * self.T * self.memory_tokens * self.cp * share, head_size)
         self.current = out
 
     def activation(self, width: int, *, kind: str = "gelu_tanh", gated: bool = False) -> None:
@@ -294,6 +327,8 @@ class CostBuilder:
         """The LM head against the (tied) table and the cross-entropy."""
         self.region = "head"
         self.save(self.mode.cost_lm_head(self))
+        if self.cp > 1:  # each rank's weighed mean loss summed over the cp group
+            self.add("forward", "all_reduce", (CP,), 1, 1, "loss")
         share = self.share.get("head", self.share["split"])
         self._work("flops", 2 * self.M * self.h * self.vocab_padded * share)
         self._work("elementwise", 2 * self.M * self.vocab_padded * share)
@@ -354,6 +389,10 @@ class CostBuilder:
         for axes, names in grad_sum_buckets(self.model):
             if self.c.group_size(axes) > 1:
                 self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
+        if self.cp > 1:  # every gradient over the cp group
+            held = [n for n in self.model.specs if n in params]  # in sync_grads' order
+            for names in byte_buckets(held, lambda n: params[n].numel() * params[n].element_size()):
+                self.add("backward", "all_reduce", (CP,), sum(params[n].numel() for n in names), 1, "grads")
 
     def _totals(self):
         """Forward and backward work: backward is twice the forward, plus one forward of every

@@ -399,7 +399,7 @@ class Cube3D(Mode):
         b.add("backward", "all_gather", (CJ,), b.M * h / q ** 2)
         b.add("backward", "reduce_scatter", (CI,), b.vocab_padded * h / q ** 2)
         if positions:
-            self._vectors(b, (b.T + types) * h / q, 1, PLANE[CL], "embedding")
+            self._vectors(b, (b.position_rows + types) * h / q, 1, PLANE[CL], "embedding")
         b.save_ints(8 * b.M)
 
     def cost_norm(self, b, kind, bias):

@@ -283,7 +283,7 @@ class Megatron1D(Mode):
             b.add("forward", "reduce_scatter", (TP,), act)
             b.add("backward", "all_gather", (TP,), act)
             if positions:
-                b.add("backward", "all_reduce", (TP,), (b.T + types) * b.h)  # wpe (and wtype) over the chunks
+                b.add("backward", "all_reduce", (TP,), (b.position_rows + types) * b.h)  # wpe (and wtype) over the chunks
         b.save_ints(b.M * (8 + 1))
 
     def cost_norm(self, b, kind, bias):

@@ -355,8 +355,8 @@ class Summa2D(Mode):
         b.add("forward", "broadcast", (ROW,), b.vocab_padded * h / q, q)
         b.add("backward", "reduce", (ROW,), b.vocab_padded * h / q, q)
         if positions:
-            b.add("forward", "broadcast", (ROW,), (b.T + types) * h / q)
-            b.add("backward", "reduce", (ROW,), (b.T + types) * h / q)
+            b.add("forward", "broadcast", (ROW,), (b.position_rows + types) * h / q)
+            b.add("backward", "reduce", (ROW,), (b.position_rows + types) * h / q)
         b.save_ints(8 * b.M)
 
     def cost_norm(self, b, kind, bias):

@@ -61,7 +61,7 @@ class Ring:
         once (backward's keys and their gradients)."""
         x = x.contiguous()
         incoming = torch.empty_like(x)
-        record("send_recv", self.group, x.numel(), x.dtype)
+        record("send", self.group, x.numel(), x.dtype)
         ops = [dist.P2POp(dist.isend, x, self.next, self.group, tag),
                dist.P2POp(dist.irecv, incoming, self.prev, self.group, tag)]
         return incoming, dist.batch_isend_irecv(ops)
