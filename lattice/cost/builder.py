@@ -231,7 +231,8 @@ class CostBuilder:
             self.output_saved = True
         if masked and self.cp == 1:
             self._save_mask(T, T, additive=bias)
-        self._score_work(self.B * heads * T * T * self.cp * share, head_size)
+        blocks = self.cp if not (causal and self.cp > 1) else (self.cp + 1) / 2  # the ring's halves (RingMasks.region)
+        self._score_work(self.B * heads * T * T * blocks * share, head_size)
         self.current = q
 
     def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int) -> None:

@@ -97,22 +97,39 @@ class RingMasks:
                     upto = upto - torch.where(before >= 0, seen[:, before.clamp_min(0)], 0)
                 visible = upto > 0
             self.blind = ~visible[:, None, :, None]
+        # causal, each step's keys lie wholly before one of this rank's query chunks and wholly
+        # after the other (or are its own): half the block is all that can be seen, unless a
+        # query that sees no key at all must see every key
+        self.halves = causal and (self.blind is None or not bool(self.blind.any()))
 
     def keys(self, owner: int) -> torch.Tensor:
         return chunk_indices(self.t_k * self.ring.size, self.ring.size, owner).to(self.queries.device)
 
-    def allowed(self, owner: int) -> torch.Tensor | None:
-        """bool (.., T_q, T_k) for the keys of rank `owner`'s chunks; None when all are seen."""
+    def region(self, owner: int) -> tuple[slice, slice]:
+        """(query rows, key columns) of the block against rank `owner`'s keys that a query may
+        see; the rest of the block is masked. Causal: rank i's own keys, the whole block;
+        an earlier rank's (owner < i), its first chunk for both query chunks; a later rank's, its
+        both chunks for the second query chunk alone. Every rank then computes 1 + (cp-1)/2 blocks."""
+        whole = slice(None)
+        if not self.halves or owner == self.ring.index:
+            return whole, whole
+        if owner < self.ring.index:
+            return whole, slice(0, self.t_k // 2)
+        return slice(len(self.queries) // 2, None), whole
+
+    def allowed(self, owner: int, rows: slice, cols: slice) -> torch.Tensor | None:
+        """bool (.., T_q, T_k) for rank `owner`'s keys in `cols` and the queries in `rows`; None
+        when all are seen."""
         if not self.causal and self.keep is None:
             return None
-        keys = self.keys(owner)
-        allowed = torch.ones(len(self.queries), len(keys), dtype=torch.bool, device=keys.device)
+        keys, queries = self.keys(owner)[cols], self.queries[rows]
+        allowed = torch.ones(len(queries), len(keys), dtype=torch.bool, device=keys.device)
         if self.causal:
-            allowed = allowed & (keys[None, :] <= self.queries[:, None])
+            allowed = allowed & (keys[None, :] <= queries[:, None])
         if self.window is not None:
-            allowed = allowed & (keys[None, :] > self.queries[:, None] - self.window)
+            allowed = allowed & (keys[None, :] > queries[:, None] - self.window)
         if self.keep is not None:
-            allowed = (allowed & self.keep[:, keys][:, None, None, :]) | self.blind  # (B_l, 1, T_q, T_k)
+            allowed = (allowed & self.keep[:, keys][:, None, None, :]) | self.blind[:, :, rows]  # (B_l, 1, T_q, T_k)
         return allowed
 
 
@@ -149,14 +166,16 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             owner = (ring.index - step) % ring.size
             moving = ring.start(kv) if step < ring.size - 1 else None
-            scores = _scores(qa, kv[0], bias, masks, owner, scale, heads)
+            rows, cols = masks.region(owner)
+            scores = _scores(qa[:, :, rows], kv[0][:, :, cols], bias, masks, owner, rows, cols, scale)
             block_lse = scores.logsumexp(-1)
             probs = torch.exp(scores - _finite(block_lse)[..., None])
-            block_out = probs @ _expand(kv[1].to(acc), heads)
-            merged = torch.logaddexp(lse, block_lse)
-            out = (out * torch.exp(lse - _finite(merged))[..., None]
-                   + block_out * torch.exp(block_lse - _finite(merged))[..., None])
-            lse = merged
+            block_out = probs @ _expand(kv[1][:, :, cols].to(acc), heads)
+            before = lse[:, :, rows]
+            merged = torch.logaddexp(before, block_lse)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(before - _finite(merged))[..., None]
+                               + block_out * torch.exp(block_lse - _finite(merged))[..., None])
+            lse[:, :, rows] = merged
             if moving is not None:
                 kv = ring.finish(*moving)
         ctx.save_for_backward(q, k, v, bias, out, lse)
@@ -177,15 +196,17 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             owner = (ring.index - step) % ring.size
             moving = ring.start(kv) if step < ring.size - 1 else None
-            keys, values = _expand(kv[0].to(acc), heads), _expand(kv[1].to(acc), heads)
-            scores = _scores(qa, kv[0], bias, masks, owner, scale, heads)
-            probs = torch.exp(scores - lse[..., None])  # every query sees some key: lse is finite
-            d_scores = probs * (d_out @ values.transpose(-1, -2) - row_dot)
-            dq += scale * (d_scores @ keys)
-            d_kv[0] += _fold(scale * (d_scores.transpose(-1, -2) @ qa), kv_heads)
-            d_kv[1] += _fold(probs.transpose(-1, -2) @ d_out, kv_heads)
+            rows, cols = masks.region(owner)
+            keys, values = _expand(kv[0][:, :, cols].to(acc), heads), _expand(kv[1][:, :, cols].to(acc), heads)
+            q_rows, d_out_rows = qa[:, :, rows], d_out[:, :, rows]
+            scores = _scores(q_rows, kv[0][:, :, cols], bias, masks, owner, rows, cols, scale)
+            probs = torch.exp(scores - lse[:, :, rows, None])  # every query sees some key: lse is finite
+            d_scores = probs * (d_out_rows @ values.transpose(-1, -2) - row_dot[:, :, rows])
+            dq[:, :, rows] += scale * (d_scores @ keys)
+            d_kv[0][:, :, cols] += _fold(scale * (d_scores.transpose(-1, -2) @ q_rows), kv_heads)
+            d_kv[1][:, :, cols] += _fold(probs.transpose(-1, -2) @ d_out_rows, kv_heads)
             if d_bias is not None:
-                d_bias[..., masks.keys(owner)] += d_scores.sum(0)
+                d_bias[:, rows][..., masks.keys(owner)[cols]] += d_scores.sum(0)
             d_kv = ring.pass_on(d_kv, tag=1)  # on to the owner of the next step's keys; after the last, home
             if moving is not None:
                 kv = ring.finish(*moving)
@@ -199,12 +220,13 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _scores(q, k, bias, masks: RingMasks, owner: int, scale: float, heads: int) -> torch.Tensor:
-    """scale · Q Kᵀ (+ bias) with -inf where masked, (B_l, nh, T_q, T_k), for rank `owner`'s keys."""
-    scores = scale * (q @ _expand(k.to(q.dtype), heads).transpose(-1, -2))
+def _scores(q, k, bias, masks: RingMasks, owner: int, rows: slice, cols: slice, scale: float) -> torch.Tensor:
+    """scale · Q Kᵀ (+ bias) with -inf where masked, (B_l, nh, T_q, T_k): the queries in `rows`
+    against rank `owner`'s keys in `cols` (q and k already cut to them)."""
+    scores = scale * (q @ _expand(k.to(q.dtype), q.shape[1]).transpose(-1, -2))
     if bias is not None:
-        scores = scores + bias[..., masks.keys(owner)].to(q.dtype)
-    allowed = masks.allowed(owner)
+        scores = scores + bias[:, rows][..., masks.keys(owner)[cols]].to(q.dtype)
+    allowed = masks.allowed(owner, rows, cols)
     return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
 
 
