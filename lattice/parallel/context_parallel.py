@@ -101,6 +101,9 @@ class RingMasks:
         # after the other (or are its own): half the block is all that can be seen, unless a
         # query that sees no key at all must see every key
         self.halves = causal and (self.blind is None or not bool(self.blind.any()))
+        # CPU: each block by the fused kernel, which returns the block's log-sum-exp, where no
+        # mask but the diagonal block's causal one is needed
+        self.fused = torch.device(device).type == "cpu" and keep is None and window is None
 
     def keys(self, owner: int) -> torch.Tensor:
         return chunk_indices(self.t_k * self.ring.size, self.ring.size, owner).to(self.queries.device)
@@ -159,7 +162,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, ring: Ring, masks: RingMasks, scale: float):
         acc = torch.promote_types(q.dtype, torch.float32)
         qa = q.to(acc)
-        heads = q.shape[1]
+        heads, fused = q.shape[1], masks.fused and bias is None
         out = torch.zeros_like(qa)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # (2, B_l, nkv, T_k, hs): one message per step
@@ -167,10 +170,16 @@ class RingAttention(torch.autograd.Function):
             owner = (ring.index - step) % ring.size
             moving = ring.start(kv) if step < ring.size - 1 else None
             rows, cols = masks.region(owner)
-            scores = _scores(qa[:, :, rows], kv[0][:, :, cols], bias, masks, owner, rows, cols, scale)
-            block_lse = scores.logsumexp(-1)
-            probs = torch.exp(scores - _finite(block_lse)[..., None])
-            block_out = probs @ _expand(kv[1][:, :, cols].to(acc), heads)
+            if fused:
+                block_out, block_lse = _FLASH(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
+                                              _expand(kv[1][:, :, cols], heads), 0.0,
+                                              masks.causal and owner == ring.index, scale=scale)
+                block_out, block_lse = block_out.to(acc), block_lse.to(acc)
+            else:
+                scores = _scores(qa[:, :, rows], kv[0][:, :, cols], bias, masks, owner, rows, cols, scale)
+                block_lse = scores.logsumexp(-1)
+                probs = torch.exp(scores - _finite(block_lse)[..., None])
+                block_out = probs @ _expand(kv[1][:, :, cols].to(acc), heads)
             before = lse[:, :, rows]
             merged = torch.logaddexp(before, block_lse)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(before - _finite(merged))[..., None]
@@ -193,25 +202,46 @@ class RingAttention(torch.autograd.Function):
         d_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
         kv = torch.stack([k, v])
         d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        fused = masks.fused and bias is None
+        if fused:  # the fused kernel's backward of a block takes the whole attention's output and log-sum-exp
+            out_q, lse_q, d_out_q = out.to(q.dtype), lse.to(_flash_lse_dtype(q)), d_out.to(q.dtype)
         for step in range(ring.size):
             owner = (ring.index - step) % ring.size
             moving = ring.start(kv) if step < ring.size - 1 else None
             rows, cols = masks.region(owner)
-            keys, values = _expand(kv[0][:, :, cols].to(acc), heads), _expand(kv[1][:, :, cols].to(acc), heads)
-            q_rows, d_out_rows = qa[:, :, rows], d_out[:, :, rows]
-            scores = _scores(q_rows, kv[0][:, :, cols], bias, masks, owner, rows, cols, scale)
-            probs = torch.exp(scores - lse[:, :, rows, None])  # every query sees some key: lse is finite
-            d_scores = probs * (d_out_rows @ values.transpose(-1, -2) - row_dot[:, :, rows])
-            dq[:, :, rows] += scale * (d_scores @ keys)
-            d_kv[0][:, :, cols] += _fold(scale * (d_scores.transpose(-1, -2) @ q_rows), kv_heads)
-            d_kv[1][:, :, cols] += _fold(probs.transpose(-1, -2) @ d_out_rows, kv_heads)
-            if d_bias is not None:
-                d_bias[:, rows][..., masks.keys(owner)[cols]] += d_scores.sum(0)
+            if fused:
+                block_dq, block_dk, block_dv = _FLASH_BACKWARD(
+                    d_out_q[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], heads),
+                    _expand(kv[1][:, :, cols], heads), out_q[:, :, rows], lse_q[:, :, rows], 0.0,
+                    masks.causal and owner == ring.index, scale=scale)
+                dq[:, :, rows] += block_dq
+                d_kv[0][:, :, cols] += _fold(block_dk.to(acc), kv_heads)
+                d_kv[1][:, :, cols] += _fold(block_dv.to(acc), kv_heads)
+            else:
+                keys, values = _expand(kv[0][:, :, cols].to(acc), heads), _expand(kv[1][:, :, cols].to(acc), heads)
+                q_rows, d_out_rows = qa[:, :, rows], d_out[:, :, rows]
+                scores = _scores(q_rows, kv[0][:, :, cols], bias, masks, owner, rows, cols, scale)
+                probs = torch.exp(scores - lse[:, :, rows, None])  # every query sees some key: lse is finite
+                d_scores = probs * (d_out_rows @ values.transpose(-1, -2) - row_dot[:, :, rows])
+                dq[:, :, rows] += scale * (d_scores @ keys)
+                d_kv[0][:, :, cols] += _fold(scale * (d_scores.transpose(-1, -2) @ q_rows), kv_heads)
+                d_kv[1][:, :, cols] += _fold(probs.transpose(-1, -2) @ d_out_rows, kv_heads)
+                if d_bias is not None:
+                    d_bias[:, rows][..., masks.keys(owner)[cols]] += d_scores.sum(0)
             d_kv = ring.pass_on(d_kv, tag=1)  # on to the owner of the next step's keys; after the last, home
             if moving is not None:
                 kv = ring.finish(*moving)
         return (dq.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype), None, None, None)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _flash_lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the fused CPU kernel's log-sum-exp: float32 for half-precision inputs."""
+    return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
