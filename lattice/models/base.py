@@ -241,7 +241,8 @@ class Model(nn.Module):
         each token's own position (a left-padded batch's), else start.. in every sequence.
         Inference: `cache` holds one dict per block (see generate) and `start` is the position of
         tokens[:, 0]."""
-        check_context_batch(self.ctx, tokens, targets, start=start, cached=cache is not None or last_only)
+        check_context_batch(self.ctx, tokens, targets, start=start, cached=cache is not None or last_only,
+                            logits=targets is None)
         self.check_inputs(tokens, targets, start)
         self.check_padding(tokens, start, attention_mask, token_types, position_ids)
         share = None  # under cp: this rank's share of the batch's labelled targets

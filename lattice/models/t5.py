@@ -370,7 +370,7 @@ class T5(Model):
         transformers' T5 takes it."""
         if targets is None and decoder_tokens is None:
             decoder_tokens = self.start_tokens(tokens.shape[0], tokens.device)
-        check_context_batch(self.ctx, tokens, targets, decoder_tokens)
+        check_context_batch(self.ctx, tokens, targets, decoder_tokens, logits=targets is None)
         self.check_inputs(tokens, targets, decoder_tokens)
         self.check_padding(tokens, 0, attention_mask, None)
         if targets is not None:

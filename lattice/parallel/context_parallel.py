@@ -271,15 +271,19 @@ def ring_attend(ring: Ring, q, k, v, bias=None, *, causal: bool, scale: float | 
 
 # ----------------------------------------------------------------------------- a model's batch
 def check_context_batch(ctx: ParallelContext, *sequences: torch.Tensor | None, start: int = 0,
-                        cached: bool = False) -> None:
+                        cached: bool = False, logits: bool = False) -> None:
     """One line unless a batch's `sequences` (tokens, targets, ...; (B, T) each, None skipped)
-    can each be split over the cp group (every rank, before any collective)."""
+    can each be split over the cp group (every rank, before any collective). `logits`: the call
+    returns logits (no targets), which cp gathers for inference alone."""
     cp = ctx.cp
     if cp == 1:
         return
     if cached or start:
         raise LatticeConfigError(f"generation and cached decoding run with cp = 1 (this layout has cp = {cp}); "
                                  f"generate from the checkpoint with a layout without --cp")
+    if logits and torch.is_grad_enabled():
+        raise LatticeConfigError("under context parallelism a model without targets returns the logits of whole "
+                                 "sequences for inference only: call it under torch.no_grad()")
     for seq in (s for s in sequences if s is not None):
         if seq.dim() < 2:
             raise LatticeConfigError("context parallelism splits every sequence, so it takes one target per token "
@@ -312,7 +316,4 @@ def whole_loss(loss: torch.Tensor, share: torch.Tensor, ctx: ParallelContext) ->
 
 def gather_context(x: torch.Tensor, ctx: ParallelContext, dim: int = 1) -> torch.Tensor:
     """The whole sequences of a tensor whose `dim` holds this rank's chunks (inference: logits)."""
-    if torch.is_grad_enabled():
-        raise LatticeConfigError("under context parallelism a model without targets returns the logits of whole "
-                                 "sequences for inference only: call it under torch.no_grad()")
     return restore_order(raw_all_gather(x, ctx.group(MeshAxis.CP), dim), dim, ctx.cp)

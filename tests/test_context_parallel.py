@@ -1,0 +1,204 @@
+"""Context parallelism (a cp axis beside every tensor layout; lattice.parallel.context_parallel):
+each rank of a cp group holds chunks i and 2cp-1-i of every sequence, attention runs around the
+ring, and the model's loss and every gradient equal serial's in float64, with and without padding
+(a left pad whose query sees no key, right pads, -100 targets), for every family; the collectives
+are those the cost model prices, the activations those it counts.
+
+CI runs a cross-section (cp = 4 in serial, cp = 2 beside 1d with sequence parallelism and 2d, every
+family once). `LATTICE_CP_MATRIX=1 python -m pytest tests/test_context_parallel.py` runs the issue's
+whole matrix as well (cp = 2 and 4 with serial, 1d + SP, 2d and sub-graph; 3d q = 2 at cp = 2 on
+16 ranks), which takes several minutes on 2 cores.
+"""
+
+import os
+
+import pytest
+import torch
+from multiproc import cached_init, run_distributed
+from test_conformance import _worst
+
+import lattice
+import lattice.cost
+from lattice.bench.measure import saved_activation_bytes
+from lattice.models import get_arch
+from lattice.modes import REFERENCE_MODE
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.context_parallel import RingMasks, chunk_indices, restore_order, take_chunks
+
+B = 4  # 2d splits the batch over q = 2, the sub-graph's common layers over 4, 3d over q² = 4
+
+
+def _lengths(family: str, cp: int) -> tuple[int, int | None]:
+    """Sequence lengths the family's test shape holds that split into 2·cp chunks (T5: sources, targets)."""
+    shape = get_arch(family).test_shapes[0]
+    whole = lambda n: n - n % (2 * cp)  # noqa: E731
+    if family == "t5":
+        return whole(shape["seq_len"]), whole(shape["target_len"])
+    return whole(shape["seq_len"]), None
+
+
+def _batch(family: str, cfg, cp: int, padded: bool):
+    """tokens, targets and inputs of a batch of B sequences; `padded`: a left-padded row (its
+    first query sees no key), a right-padded one (causal), padding anywhere (BERT), padded
+    sources (T5), and ignored targets."""
+    gen = torch.Generator().manual_seed(5)
+    T, target_T = _lengths(family, cp)
+    tokens = torch.randint(2, cfg.vocab_size, (B, T), generator=gen)
+    targets = torch.randint(2, cfg.vocab_size, (B, target_T or T), generator=gen)
+    targets[0, 1::3] = -100
+    if not padded:
+        return tokens, targets, {}
+    mask = torch.ones(B, T, dtype=torch.long)
+    if family == "bert":
+        mask = (torch.rand(B, T, generator=gen) > 0.3).long()
+        mask[:, 0] = 1
+        return tokens, targets, {"attention_mask": mask, "token_types": torch.randint(0, 2, (B, T), generator=gen)}
+    mask[1, T // 2 + 1:] = 0  # right padding
+    if family != "t5":
+        mask[2, :3] = 0  # left padding: under the causal mask its first queries see no key
+    return tokens, targets, {"attention_mask": mask}
+
+
+def _check(family: str, layout: dict) -> list[dict]:
+    ctx = cached_init(**layout)
+    cls = get_arch(family)
+    cfg = cls.config_class(**cls.test_shapes[0])
+    layout = dict(layout)
+    mode = layout.pop("mode")
+    out = []
+    for padded in (False, True):
+        tokens, targets, inputs = _batch(family, cfg, ctx.cp, padded)
+        serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+        weights = serial.full_state_dict()
+        ref_loss = serial.forward_backward(tokens, targets, **inputs)
+        ref_grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
+        model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+        model.load_full_state_dict(weights)
+        with lattice.CommMeter() as meter:
+            loss = model.forward_backward(tokens, targets, **inputs)
+        grads = model.full_grad_dict()
+        lengths = dict(zip(("seq", "target_seq"), (tokens.shape[1], targets.shape[1] if family == "t5" else None)))
+        analytic = lattice.cost.estimate(cfg, mode, batch=B, dtype=torch.float64, padded=padded, rank=ctx.rank,
+                                         **lengths, **layout)
+        saved = saved_activation_bytes(model, lambda: model(tokens, targets, **inputs))
+        out.append(dict(padded=padded, loss=abs(loss - ref_loss) / abs(ref_loss), grads=_worst(grads, ref_grads),
+                        keys=sorted(grads) == sorted(ref_grads),
+                        measured={k: (v["calls"], v["elements"]) for k, v in meter.summary().items()},
+                        modelled={k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]},
+                        saved=saved, modelled_saved=analytic.memory["activations"]))
+    return out
+
+
+def assert_cp_equals_serial(family: str, layout: dict) -> None:
+    results = run_distributed(lattice.plan(**layout).world_size, _check, family, layout)
+    for rank, result in enumerate(results):
+        for r in result:
+            assert r["keys"] and max(r["loss"], r["grads"]) < 1e-10, (rank, r)
+            assert r["measured"] == pytest.approx(r["modelled"]), (rank, r["padded"], r["measured"], r["modelled"])
+            assert r["saved"] == pytest.approx(r["modelled_saved"], rel=0.02), (rank, r)
+
+
+CASES = [
+    ("llama", dict(mode="serial", cp=4)),  # chunks of one token
+    ("gpt2", dict(mode="serial", cp=4)),
+    ("llama", dict(mode="1d", tp=2, cp=2, sequence_parallel=True)),  # grouped-query heads, rotary
+    ("gpt2", dict(mode="1d", tp=2, cp=2, sequence_parallel=True)),  # position table rows over the chunks
+    ("bert", dict(mode="1d", tp=2, cp=2)),  # bidirectional, token types
+    ("t5", dict(mode="1d", tp=2, cp=2)),  # relative bias, cross-attention to the memory's chunks
+    ("llama", dict(mode="2d", tp=4, cp=2)),
+]
+MATRIX = [(family, dict(layout, cp=cp)) for family in ("llama", "gpt2") for cp in (2, 4)
+          for layout in (dict(mode="serial"), dict(mode="1d", tp=2, sequence_parallel=True), dict(mode="2d", tp=4),
+                         dict(mode="subgraph", tp=4, subgrids=2))] \
+    + [(family, dict(mode="3d", tp=8, cp=2)) for family in ("llama", "gpt2")] \
+    + [(family, dict(mode="2d", tp=4, cp=2)) for family in ("bert", "t5")]
+
+
+@pytest.mark.parametrize("family,layout", CASES, ids=lambda v: v if isinstance(v, str) else
+                         "-".join(f"{k}{v}" for k, v in v.items()))
+def test_context_parallel_equals_serial_and_its_cost_model(family, layout):
+    """Catches a ring that merges partial softmaxes wrongly, a chunk read at the wrong positions
+    (rotary angles, position rows, T5's buckets), a mask that hides or shows the wrong keys (the
+    causal halves, a left pad's query that must see every key), a loss weighed by the wrong share,
+    a gradient not summed over cp, and any send or sum the cost model does not price."""
+    assert_cp_equals_serial(family, layout)
+
+
+@pytest.mark.skipif(not os.environ.get("LATTICE_CP_MATRIX"), reason="the whole matrix: LATTICE_CP_MATRIX=1")
+@pytest.mark.parametrize("family,layout", [c for c in MATRIX if c not in CASES],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{v}" for k, v in v.items()))
+def test_context_parallel_matrix(family, layout):
+    """The issue's matrix beyond CI's cross-section (same checks)."""
+    assert_cp_equals_serial(family, layout)
+
+
+class _Place:
+    """A rank's place in a cp group, as RingMasks reads it."""
+
+    def __init__(self, size: int, index: int):
+        self.size, self.index = size, index
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_chunks_balance_the_causal_mask_and_lose_no_pair(cp):
+    """Catches a chunk split that leaves a rank more causal work than another (chunks i and
+    2cp-1-i balance it), and a skipped half-block that held a pair the causal mask lets through:
+    every rank computes as many scores, the pairs it sees sum over the ranks to T(T+1)/2, and the
+    pairs inside the computed regions are all the pairs of the whole blocks."""
+    T = 2 * cp * 5
+    computed, seen = [], 0
+    for index in range(cp):
+        halves = RingMasks(_Place(cp, index), T // cp, T // cp, causal=True, window=None, keep=None, device="cpu")
+        assert halves.halves
+        mine = 0
+        for owner in range(cp):
+            rows, cols = halves.region(owner)
+            part = halves.allowed(owner, rows, cols)
+            whole = halves.allowed(owner, slice(None), slice(None))
+            assert int(part.sum()) == int(whole.sum()), (index, owner)
+            mine += part.numel()
+            seen += int(part.sum())
+        computed.append(mine)
+    assert max(computed) == min(computed)
+    assert seen == T * (T + 1) // 2
+
+
+@pytest.mark.fast
+def test_chunks_cover_the_sequence_and_restore_its_order():
+    """Catches chunk indices that repeat or miss a position, and a gather that reorders wrongly."""
+    for cp in (1, 2, 3):
+        T = 2 * cp * 3
+        assert sorted(torch.cat([chunk_indices(T, cp, i) for i in range(cp)]).tolist()) == list(range(T))
+        x = torch.arange(2 * T).reshape(2, T)
+        gathered = torch.cat([take_chunks(x, 1, cp, i) for i in range(cp)], dim=1)
+        assert torch.equal(restore_order(gathered, 1, cp), x)
+        assert torch.equal(take_chunks(x, 1, cp, cp - 1), x[:, chunk_indices(T, cp, cp - 1)])
+
+
+@pytest.mark.fast
+def test_context_parallel_refuses_what_it_cannot_run_in_one_line():
+    """Catches a batch, layout or call that cp cannot serve reaching a collective (or a shape
+    error in a kernel) instead of one line naming the fix, on every rank alike (no process
+    groups are needed to refuse)."""
+    cls = get_arch("llama")
+    cfg = cls.config_class(**cls.test_shapes[0])
+    ctx = lattice.plan("serial", cp=2, rank=1)
+    assert ctx.cp == 2 and ctx.coord(MeshAxis.CP) == 1 and ctx.tp == 1 and ctx.topology.replica_size == 2
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10))
+    with pytest.raises(LatticeConfigError, match="does not split into 2·cp = 4 equal chunks.*multiple of 4"):
+        model(tokens, tokens)
+    with pytest.raises(LatticeConfigError, match="generation and cached decoding run with cp = 1"):
+        model.generate(tokens[:, :4], 2)
+    with pytest.raises(LatticeConfigError, match="sequence-level targets"):
+        model(tokens[:, :8], torch.zeros(2, dtype=torch.long))
+    with pytest.raises(LatticeConfigError, match=r"under torch.no_grad\(\)"):
+        model(tokens[:, :8])
+    gpt = get_arch("gpt2")
+    with pytest.raises(LatticeConfigError, match="attention dropout .* not implemented under context parallelism"):
+        lattice.build_model(gpt.config_class(**{**gpt.test_shapes[0], "dropout": 0.1}), ctx)
+    with pytest.raises(LatticeConfigError, match="does not run under a pipeline yet"):
+        lattice.plan("1d", tp=2, cp=2, pp=2)
+    with pytest.raises(LatticeConfigError, match="cp must be a positive integer"):
+        lattice.plan("serial", cp=0)
