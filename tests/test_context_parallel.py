@@ -4,10 +4,10 @@ ring, and the model's loss and every gradient equal serial's in float64, with an
 (a left pad whose query sees no key, right pads, -100 targets), for every family; the collectives
 are those the cost model prices, the activations those it counts.
 
-CI runs a cross-section (cp = 4 in serial, cp = 2 beside 1d with sequence parallelism and 2d, every
-family once). `LATTICE_CP_MATRIX=1 python -m pytest tests/test_context_parallel.py` runs the issue's
+CI runs a cross-section (cp = 4 in serial, cp = 2 beside 1d with sequence parallelism, 2d and a
+pipeline, every family once). `LATTICE_CP_MATRIX=1 python -m pytest tests/test_context_parallel.py` runs the issue's
 whole matrix as well (cp = 2 and 4 with serial, 1d + SP, 2d and sub-graph; 3d q = 2 at cp = 2 on
-16 ranks), which takes several minutes on 2 cores.
+16 ranks; T5 and GPT-2 with pp = 2), which takes a few minutes on 2 cores.
 """
 
 import os
@@ -80,12 +80,13 @@ def _check(family: str, layout: dict) -> list[dict]:
         lengths = dict(zip(("seq", "target_seq"), (tokens.shape[1], targets.shape[1] if family == "t5" else None)))
         analytic = lattice.cost.estimate(cfg, mode, batch=B, dtype=torch.float64, padded=padded, rank=ctx.rank,
                                          **lengths, **layout)
-        saved = saved_activation_bytes(model, lambda: model(tokens, targets, **inputs))
+        # (with stages the model's figure is one micro-batch's, and a forward alone is refused)
+        saved = saved_activation_bytes(model, lambda: model(tokens, targets, **inputs)) if ctx.pp == 1 else None
         out.append(dict(padded=padded, loss=abs(loss - ref_loss) / abs(ref_loss), grads=_worst(grads, ref_grads),
                         keys=sorted(grads) == sorted(ref_grads),
                         measured={k: (v["calls"], v["elements"]) for k, v in meter.summary().items()},
                         modelled={k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]},
-                        saved=saved, modelled_saved=analytic.memory["activations"]))
+                        saved=saved, modelled_saved=analytic.memory["activations"] if saved is not None else None))
     return out
 
 
@@ -95,7 +96,8 @@ def assert_cp_equals_serial(family: str, layout: dict) -> None:
         for r in result:
             assert r["keys"] and max(r["loss"], r["grads"]) < 1e-10, (rank, r)
             assert r["measured"] == pytest.approx(r["modelled"]), (rank, r["padded"], r["measured"], r["modelled"])
-            assert r["saved"] == pytest.approx(r["modelled_saved"], rel=0.02), (rank, r)
+            if r["saved"] is not None:
+                assert r["saved"] == pytest.approx(r["modelled_saved"], rel=0.02), (rank, r)
 
 
 CASES = [
@@ -106,12 +108,14 @@ CASES = [
     ("bert", dict(mode="1d", tp=2, cp=2)),  # bidirectional, token types
     ("t5", dict(mode="1d", tp=2, cp=2)),  # relative bias, cross-attention to the memory's chunks
     ("llama", dict(mode="2d", tp=4, cp=2)),
+    ("llama", dict(mode="serial", cp=2, pp=2)),  # each micro-batch's chunks through the stages
 ]
 MATRIX = [(family, dict(layout, cp=cp)) for family in ("llama", "gpt2") for cp in (2, 4)
           for layout in (dict(mode="serial"), dict(mode="1d", tp=2, sequence_parallel=True), dict(mode="2d", tp=4),
                          dict(mode="subgraph", tp=4, subgrids=2))] \
     + [(family, dict(mode="3d", tp=8, cp=2)) for family in ("llama", "gpt2")] \
-    + [(family, dict(mode="2d", tp=4, cp=2)) for family in ("bert", "t5")]
+    + [(family, dict(mode="2d", tp=4, cp=2)) for family in ("bert", "t5")] \
+    + [("t5", dict(mode="serial", cp=2, pp=2)), ("gpt2", dict(mode="1d", tp=2, cp=2, pp=2, sequence_parallel=True))]
 
 
 @pytest.mark.parametrize("family,layout", CASES, ids=lambda v: v if isinstance(v, str) else
@@ -198,7 +202,5 @@ def test_context_parallel_refuses_what_it_cannot_run_in_one_line():
     gpt = get_arch("gpt2")
     with pytest.raises(LatticeConfigError, match="attention dropout .* not implemented under context parallelism"):
         lattice.build_model(gpt.config_class(**{**gpt.test_shapes[0], "dropout": 0.1}), ctx)
-    with pytest.raises(LatticeConfigError, match="does not run under a pipeline yet"):
-        lattice.plan("1d", tp=2, cp=2, pp=2)
     with pytest.raises(LatticeConfigError, match="cp must be a positive integer"):
         lattice.plan("serial", cp=0)

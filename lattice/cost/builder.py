@@ -328,7 +328,7 @@ class CostBuilder:
         """The LM head against the (tied) table and the cross-entropy."""
         self.region = "head"
         self.save(self.mode.cost_lm_head(self))
-        if self.cp > 1:  # each rank's weighed mean loss summed over the cp group
+        if self.cp > 1 and self.c.pipeline is None:  # each rank's weighed mean loss summed over the cp group
             self.add("forward", "all_reduce", (CP,), 1, 1, "loss")
         share = self.share.get("head", self.share["split"])
         self._work("flops", 2 * self.M * self.h * self.vocab_padded * share)

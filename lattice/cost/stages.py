@@ -29,7 +29,7 @@ def boundary_sends(b) -> dict[str, list[float]]:
     n, mine = len(chunks), range(stage, len(chunks), pcfg.stages)
 
     def pieces(after):
-        return [math.prod(s) for s in b.model.boundary_shapes(after, b.B, b.c.seq, b.target_T)]
+        return [math.prod(s) for s in b.model.boundary_shapes(after, b.B, b.c.seq // b.cp, b.target_T)]
 
     return {"forward": [e for k in mine if k < n - 1 for e in pieces(chunks[k][-1])],
             "backward": [e for k in mine if k > 0 for e in pieces(chunks[k][0] - 1)]}
@@ -65,3 +65,5 @@ def pipeline_terms(b) -> None:
                 c.terms.append(Term("backward", "all_reduce", (PP,), 1, params[name].numel(), "grads", c.itemsize,
                                     ranks=2))
     c.terms.append(Term("forward", "broadcast", (PP,), 1, 1, "loss", max(4, c.itemsize)))
+    if b.cp > 1:  # each cp rank's part of the replica's mean, summed
+        c.terms.append(Term("forward", "all_reduce", (MeshAxis.CP,), 1, 1, "loss", max(4, c.itemsize)))

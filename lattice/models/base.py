@@ -209,8 +209,14 @@ class Model(nn.Module):
     def microbatch_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None,
                           token_types: torch.Tensor | None) -> dict:
         """What every stage takes beside the activation it receives, for one micro-batch (its
-        rows of the replica's tokens, targets, mask and token types; every rank holds them)."""
-        return {"padding": self.block_inputs(attention_mask), "token_types": token_types}
+        rows of the replica's tokens, targets, mask and token types, whole sequences; every rank
+        holds them): under cp, its chunks' token types and positions."""
+        positions = None
+        if self.ctx.cp > 1:
+            positions = context_positions(self.ctx, tokens.shape[1], tokens.device).expand(tokens.shape[0], -1)
+            (token_types,) = take_context_chunks(self.ctx, token_types)
+        return {"padding": self.block_inputs(attention_mask, positions), "token_types": token_types,
+                "positions": positions}
 
     def run_stage(self, values: tuple, block_ids: range, first: bool, last: bool, inputs: dict) -> tuple:
         """One pipeline stage of a micro-batch: `values` its received tensors (the first stage's:
@@ -218,7 +224,7 @@ class Model(nn.Module):
         part but the head on the last; returns what it sends on (the last: the finished stream)."""
         x = values[0]
         if first:
-            x = self.embed_input(x, 0, inputs.get("token_types"))  # tokens (B_mb, T) -> residual layout
+            x = self.embed_input(x, 0, inputs.get("token_types"), inputs.get("positions"))  # (B_mb, T) -> residual
         blocks = self.pipeline_blocks()
         x = self.run_blocks(x, [blocks[i] for i in block_ids], **inputs.get("padding", {}))
         return (self.finish(x),) if last else (x,)

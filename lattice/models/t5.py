@@ -451,8 +451,9 @@ class T5(Model):
                                                                  source)
 
     def microbatch_inputs(self, tokens, targets, attention_mask, token_types):
+        (decoder_tokens,) = take_context_chunks(self.ctx, self.shift_right(targets))  # under cp, this rank's chunks
         return {"keep": None if attention_mask is None else self.attention_keep(attention_mask),
-                "decoder_tokens": self.shift_right(targets), "source_len": tokens.shape[1]}
+                "decoder_tokens": decoder_tokens, "source_len": tokens.shape[1] // self.ctx.cp}
 
     def run_stage(self, values, block_ids, first, last, inputs):
         L, keep, decoder_tokens = self.cfg.n_layers, inputs["keep"], inputs["decoder_tokens"]

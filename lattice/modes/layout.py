@@ -113,9 +113,6 @@ class Layout:
         if self.cp > 1 and self.placement != "natural":
             raise LatticeConfigError("placement 'topology' is not implemented with context parallelism; use the "
                                      "natural placement with cp > 1")
-        if self.cp > 1 and self.pp > 1:
-            raise LatticeConfigError("context parallelism (cp > 1) does not run under a pipeline yet; use pp = 1 "
-                                     "with cp > 1, or cp = 1 with pp > 1")
         axes = ((MeshAxis.DP, self.dp),) + (((MeshAxis.PP, self.pp),) if self.pp > 1 else ()) \
             + (((MeshAxis.CP, self.cp),) if self.cp > 1 else ()) + tuple(mode_cls.mesh_axes(self.tp, self.options))
         world = math.prod(s for _, s in axes)

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, nearest_working
+from lattice.parallel.context_parallel import check_context_batch, take_context_chunks
 from lattice.parallel.sharding import collect_specs, sum_replica_grads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -420,23 +421,27 @@ class PipelineModel(nn.Module):
 
     def _run(self, tokens, targets, *, train: bool, attention_mask=None, token_types=None) -> float:
         model, pcfg, ctx = self._model, self.pcfg, self.ctx
+        check_context_batch(ctx, tokens, targets)
         model.check_inputs(tokens, targets)
         model.check_padding(tokens, 0, attention_mask, token_types)
-        check_batch(pcfg, model.mode, model.mode.ctx, tokens)
+        check_batch(pcfg, model.mode, model.mode.ctx, tokens[:, :tokens.shape[1] // ctx.cp])
         size = len(tokens) // pcfg.m
         target_len = targets.shape[1] if targets.dim() == 2 else tokens.shape[1]  # an encoder-decoder's differs
-        model.mode.begin_batch(model, size, max(tokens.shape[1], target_len))
+        model.mode.begin_batch(model, size, max(tokens.shape[1], target_len) // ctx.cp)
         key = (*tokens.shape, target_len)  # the stages' shapes follow the batch's
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(model, ctx, self._microbatch_loss, tokens[:size], target_len)
+            self._schedules[key] = build_schedule(model, ctx, self._microbatch_loss,
+                                                  tokens[:size, :tokens.shape[1] // ctx.cp], target_len // ctx.cp)
         schedule, modules = self._schedules[key]
         targets = model.unpadded_targets(targets, attention_mask)
         # each micro-batch's mean weighted by its share of the labelled targets: the replica's mean
+        # (under cp, of the whole sequences: the ranks' parts are summed over cp below)
         self._labelled = int(model.labelled_count(targets))
         rows = [slice(i * size, (i + 1) * size) for i in range(pcfg.m)]
         inputs = [model.microbatch_inputs(tokens[r], targets[r],
                                           *(None if t is None else t[r] for t in (attention_mask, token_types)))
                   for r in rows]
+        tokens, targets = take_context_chunks(ctx, tokens, targets)  # under cp, this rank's chunks
         for module in modules:
             module.begin_step(inputs)
         first, last = ctx.stage == 0, ctx.stage == pcfg.stages - 1
@@ -456,7 +461,8 @@ class PipelineModel(nn.Module):
         buf = (loss.detach().reshape(1).to(dtype, copy=True) if loss is not None
                else torch.zeros(1, dtype=dtype, device=ctx.device))
         # group rank = pp coordinate (Topology keeps ranks increasing along every axis)
-        return float(comm.raw_broadcast(buf, ctx.group(MeshAxis.PP), src=self.pcfg.stages - 1))
+        buf = comm.raw_broadcast(buf, ctx.group(MeshAxis.PP), src=self.pcfg.stages - 1)
+        return float(comm.raw_all_reduce(buf, ctx.group(MeshAxis.CP)))  # under cp, each rank's part of the mean
 
     def sync_grads(self) -> None:
         """The model's in-replica gradient sums over its tensor axes, and the gradients of shared
