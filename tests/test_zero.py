@@ -120,11 +120,12 @@ ZERO_LAYOUTS = [
     {"mode": "serial", "dp": 2, "pp": 2, "microbatches": 2},
     {"mode": "subgraph", "tp": 2, "dp": 2, "subgrids": 2},
     {"mode": "2d", "tp": 4, "dp": 2},
+    {"mode": "serial", "dp": 2, "cp": 2},  # every gradient completed by the sum over cp
 ]
 
 
 def _world(layout: dict) -> int:
-    return layout.get("tp", 1) * layout["dp"] * layout.get("pp", 1)
+    return layout.get("tp", 1) * layout["dp"] * layout.get("pp", 1) * layout.get("cp", 1)
 
 
 @pytest.mark.parametrize("layout", ZERO_LAYOUTS, ids=lambda l: "-".join(f"{k}={v}" for k, v in l.items()))

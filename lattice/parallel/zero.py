@@ -23,7 +23,8 @@ all-gather together move the words of the all-reduce they replace (2(d-1)/d per 
 Stage 2 also drops each full gradient once its bucket is reduced, so only the 1/d slices stay
 until the step. Parameters whose gradient a later sum completes (`ShardSpec.grad_sum`, the
 in-replica sums of sync_grads) sit in buckets that `reduce_grads` starts after those sums; under
-a pipeline schedule, which accumulates micro-batches, every bucket starts there.
+a pipeline schedule, which accumulates micro-batches, and under context parallelism, whose sums
+over cp complete every gradient, every bucket starts there.
 
 bf16 weights (`--precision bf16`) get fp32 master rows: gradients are reduced in fp32 (bf16 as
 an option), AdamW updates the master rows and their moments, and the updated rows are rounded
@@ -82,8 +83,9 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES,
     model with it."""
     params = dict(model.named_parameters())
     early, late = [], []
+    every_late = model.ctx.cp > 1  # under context parallelism sync_grads sums every gradient over cp
     for name in reversed(list(params)):
-        (late if model.specs[name].grad_sum else early).append(name)
+        (late if every_late or model.specs[name].grad_sum else early).append(name)
     out = []
     for is_late, names in ((False, early), (True, late)):
         for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
