@@ -5,7 +5,7 @@ ring, and the model's loss and every gradient equal serial's in float64, with an
 are those the cost model prices, the activations those it counts.
 
 CI runs a cross-section (cp = 4 in serial, cp = 2 beside 1d with sequence parallelism, 2d and a
-pipeline, every family once). `LATTICE_CP_MATRIX=1 python -m pytest tests/test_context_parallel.py` runs the issue's
+pipeline, every family once; the all-gather and Ulysses variants once each). `LATTICE_CP_MATRIX=1 python -m pytest tests/test_context_parallel.py` runs the issue's
 whole matrix as well (cp = 2 and 4 with serial, 1d + SP, 2d and sub-graph; 3d q = 2 at cp = 2 on
 16 ranks; T5 and GPT-2 with pp = 2), which takes a few minutes on 2 cores.
 """
@@ -109,13 +109,17 @@ CASES = [
     ("t5", dict(mode="1d", tp=2, cp=2)),  # relative bias, cross-attention to the memory's chunks
     ("llama", dict(mode="2d", tp=4, cp=2)),
     ("llama", dict(mode="serial", cp=2, pp=2)),  # each micro-batch's chunks through the stages
+    ("llama", dict(mode="serial", cp=2, cp_attention="all_gather")),
+    ("gpt2", dict(mode="1d", tp=2, cp=2, cp_attention="ulysses", sequence_parallel=True)),
 ]
 MATRIX = [(family, dict(layout, cp=cp)) for family in ("llama", "gpt2") for cp in (2, 4)
           for layout in (dict(mode="serial"), dict(mode="1d", tp=2, sequence_parallel=True), dict(mode="2d", tp=4),
                          dict(mode="subgraph", tp=4, subgrids=2))] \
     + [(family, dict(mode="3d", tp=8, cp=2)) for family in ("llama", "gpt2")] \
     + [(family, dict(mode="2d", tp=4, cp=2)) for family in ("bert", "t5")] \
-    + [("t5", dict(mode="serial", cp=2, pp=2)), ("gpt2", dict(mode="1d", tp=2, cp=2, pp=2, sequence_parallel=True))]
+    + [("t5", dict(mode="serial", cp=2, pp=2)), ("gpt2", dict(mode="1d", tp=2, cp=2, pp=2, sequence_parallel=True))] \
+    + [(family, dict(mode="serial", cp=2, cp_attention=kind)) for family in ("llama", "bert")
+       for kind in ("all_gather", "ulysses")] + [("t5", dict(mode="1d", tp=2, cp=2, cp_attention="all_gather"))]
 
 
 @pytest.mark.parametrize("family,layout", CASES, ids=lambda v: v if isinstance(v, str) else
@@ -204,3 +208,12 @@ def test_context_parallel_refuses_what_it_cannot_run_in_one_line():
         lattice.build_model(gpt.config_class(**{**gpt.test_shapes[0], "dropout": 0.1}), ctx)
     with pytest.raises(LatticeConfigError, match="cp must be a positive integer"):
         lattice.plan("serial", cp=0)
+    with pytest.raises(LatticeConfigError, match="cp_attention must be one of"):
+        lattice.plan("serial", cp=2, cp_attention="rings")
+    ulysses = lattice.plan("serial", cp=4, cp_attention="ulysses")
+    with pytest.raises(LatticeConfigError, match="'ulysses' splits each rank's heads over cp = 4, but this rank holds "
+                                                 "4 and 2 query and key heads"):
+        lattice.build_model(cfg, ulysses)  # n_kv_heads 2 does not split over 4
+    t5 = get_arch("t5")
+    with pytest.raises(LatticeConfigError, match="'ulysses' takes no additive position bias"):
+        lattice.build_model(t5.config_class(**t5.test_shapes[0]), lattice.plan("serial", cp=2, cp_attention="ulysses"))

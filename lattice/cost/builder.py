@@ -38,6 +38,8 @@ class CostBuilder:
         # under context parallelism a rank runs its 1/cp of every sequence's tokens, attention
         # reads every key around the cp ring (`ring`)
         self.cp = c.topology.size(CP)
+        layout = model.ctx.layout
+        self.cp_attention = layout.cp_attention if layout is not None else "ring"
         self.B, self.T, self.h, self.L = c.batch, c.seq // self.cp, cfg.d_model, cfg.n_layers
         self.target_T = (c.target_seq or c.seq) // self.cp
         self.repeat, self.first, self.last = 1, True, True  # micro-batches; the stage holds the first / last part
@@ -220,7 +222,7 @@ class CostBuilder:
             self.save(2 * T * head_size)  # cos and sin of the positions
         masked = self.c.padded and padding
         if self.cp > 1:
-            self._ring(q, kv, heads, rotary, head_size)
+            self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window)
         elif bias:
             self.save(3 * q + self.B * heads * T * T * share)
             self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
@@ -231,25 +233,51 @@ class CostBuilder:
             self.output_saved = True
         if masked and self.cp == 1:
             self._save_mask(T, T, additive=bias)
-        blocks = self.cp if not (causal and self.cp > 1) else (self.cp + 1) / 2  # the ring's halves (RingMasks.region)
+        halves = causal and self.cp > 1 and self.cp_attention != "ulysses"  # the ring's halves (RingMasks.region)
+        blocks = (self.cp + 1) / 2 if halves else self.cp
         self._score_work(self.B * heads * T * T * blocks * share, head_size)
         self.current = q
 
-    def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int) -> None:
-        """Ring attention (lattice.parallel.context_parallel) of this rank's q against every rank's
-        k and v of `kv` elements: forward sends them on cp - 1 times; backward sends them on as
-        often again and their gradients cp times (the last brings them home). It saves q, k, v
-        (views of the IN linear's storage, or rotated copies; each token's cos and sin of its
-        own position), its output and the log-sum-exp per head and query; masks and bias are
-        read again in backward, not saved."""
+    def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int, *, masked: bool = False,
+              window: bool = False, keys: int | None = None) -> None:
+        """Attention over a cp group (lattice.models.components.ContextParallel) of this rank's
+        q against every rank's k and v of `kv` elements. "ring": forward sends them on cp - 1
+        times; backward sends them on as often again and their gradients cp times (the last
+        brings them home). "all_gather": one all-gather of them in forward, again in backward,
+        and one reduce-scatter of their gradients. Either saves q, k, v (views of the IN linear's
+        storage, or rotated copies; each token's cos and sin of its own position), its output
+        and the log-sum-exp per head and query; masks and bias are read again in backward, not
+        saved. "ulysses": all-to-all of q, k, v and back of the output, each way; the fused
+        kernel on whole sequences of 1/cp of the heads saves q, k, v as the all-to-all
+        delivered them, its output and log-sum-exp, a padding (`masked`) or `window` mask over
+        the whole sequences as `attention` describes, and the next linear its own input. `keys`:
+        the tokens of the keys' sequence per rank (the memory's), default the queries'."""
         cp, share = self.cp, self.share.get("attention", self.share["split"])
         rows = self.mode.attention_rows(self.B)
-        self.save(self.current + (q + kv + 2 * (rows.stop - rows.start) * self.T * head_size if rotary else 0)
-                  + q + self.B * heads * self.T * share)
+        cos_sin = 2 * (rows.stop - rows.start) * self.T * head_size if rotary else 0
+        lse = self.B * heads * self.T * share
+        grads_itemsize = max(self.c.itemsize, 4)
+        if self.cp_attention == "ulysses":
+            self.save(cos_sin + 2 * q + 2 * kv + lse)
+            t_q, t_k = self.T * cp, (keys or self.T) * cp
+            if masked:
+                self._save_mask(t_q, t_k, additive=False)
+            elif window:
+                self.save(t_q * t_k)
+            self.output_saved = False
+            for phase in ("forward", "backward"):
+                self.add(phase, "all_to_all", (CP,), 2 * q + 2 * kv, 4, "context")
+            return
+        self.save(self.current + (q + kv + cos_sin if rotary else 0) + q + lse)
         self.output_saved = True
-        self.add("forward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "attention")
-        self.add("backward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "attention")
-        self.add("backward", "send", (CP,), 2 * kv * cp, cp, "attention", itemsize=max(self.c.itemsize, 4))
+        if self.cp_attention == "all_gather":
+            self.add("forward", "all_gather", (CP,), 2 * kv * cp, 1, "context")
+            self.add("backward", "all_gather", (CP,), 2 * kv * cp, 1, "context")
+            self.add("backward", "reduce_scatter", (CP,), 2 * kv * cp, 1, "context", itemsize=grads_itemsize)
+            return
+        self.add("forward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "ring")  # beside each block's compute
+        self.add("backward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "ring")
+        self.add("backward", "send", (CP,), 2 * kv * cp, cp, "ring_grads", itemsize=grads_itemsize)
 
     def _score_work(self, scores: float, head_size: int) -> None:
         """q kᵀ and the weights times v: 2·head_size multiply-adds per score, each."""
@@ -291,7 +319,8 @@ class CostBuilder:
         out = self.M * heads * head_size * share
         if self.cp > 1:  # the memory's keys and values around the ring
             self.current = self.previous + self.current  # q and the memory's k, v: two storages
-            self._ring(out, self.B * self.memory_tokens * heads * head_size * share, heads, False, head_size)
+            self._ring(out, self.B * self.memory_tokens * heads * head_size * share, heads, False, head_size,
+                       masked=self.c.padded, keys=self.memory_tokens)
         else:
             self.save(self.previous + self.current + out + self.B * heads * self.T * share)
             if self.c.padded:  # the sources' mask

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from lattice.modes.base import Block, Position
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
-from lattice.parallel.context_parallel import Ring, ring_attend
+from lattice.parallel.comm import all_to_all
+from lattice.parallel.context_parallel import Ring, ring_attend, sequence_order
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
@@ -162,7 +163,8 @@ class SelfAttention(nn.Module):
         self.causal, self.rotary, self.scale, self.window = causal, rotary, scale, window
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
-        self.context = ContextParallel(mode.ctx, dropout)
+        split = math.prod(mode.ctx.size(a) for a in mode.head_axes)  # ranks the heads are split over
+        self.context = ContextParallel(mode.ctx, dropout, (n_heads // split, n_kv // split))
 
     def forward(self, x, *, cache: dict | None = None, start: int = 0, bias=None, keep=None, positions=None):
         """`cache` (inference): this layer's keys and values so far, in this rank's layout (its
@@ -192,8 +194,8 @@ class SelfAttention(nn.Module):
             kept = k.shape[2] - min(k.shape[2], self.window - 1) if self.window else 0
             cache["k"], cache["v"] = k[:, :, kept:], v[:, :, kept:]
         if self.context.ring_size > 1:  # keys of the whole sequence, bias and `keep` over it
-            y = ring_attend(self.context.ring(), q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
-                            causal=self.causal, scale=self.scale, window=self.window, keep=keep)
+            y = self.context.attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
+                                    causal=self.causal, scale=self.scale, window=self.window, keep=keep)
         else:
             y = attend(q, k, v, bias(T, k.shape[2], start) if bias is not None else None,
                        causal=self.causal and (cache is None or T > 1), scale=self.scale, window=self.window,
@@ -209,21 +211,49 @@ def split_heads(t: torch.Tensor, head_size: int) -> torch.Tensor:
 
 
 class ContextParallel:
-    """An attention's cp group: its size, and the ring (whose process group exists only once
-    lattice.init has run, so it is looked up at the first forward, not when the model is built on
-    the meta device). Attention dropout is refused under cp > 1: the ring's blocks would need
+    """An attention's cp group and how it reads the other ranks' keys (`Layout.cp_attention`):
+    "ring" (lattice.parallel.context_parallel.ring_attend), "all_gather" (the same blocks, every
+    rank's keys and values in one all-gather), or "ulysses" (DeepSpeed-Ulysses: all-to-all from
+    chunks of every head to whole sequences of 1/cp of the heads, `attend`, and back; needs
+    this rank's query and key heads to divide by cp). The ring's process group exists only once
+    lattice.init has run, so it is looked up at the first forward, not when the model is built
+    on the meta device. Attention dropout is refused under cp > 1: the ring's blocks would need
     masks that agree with the whole sequence's."""
 
-    def __init__(self, ctx: ParallelContext, dropout: float):
+    def __init__(self, ctx: ParallelContext, dropout: float, heads: tuple[int, ...] = ()):
         self.ctx, self.ring_size, self._ring = ctx, ctx.cp, None
+        self.kind = ctx.layout.cp_attention if ctx.layout is not None else "ring"
         if self.ring_size > 1 and dropout > 0:
             raise LatticeConfigError(f"attention dropout ({dropout}) is not implemented under context parallelism "
                                      f"(cp = {self.ring_size}); set dropout to 0 or run with cp = 1")
+        if self.ring_size > 1 and self.kind == "ulysses" and any(h % self.ring_size for h in heads):
+            raise LatticeConfigError(f"cp_attention 'ulysses' splits each rank's heads over cp = {self.ring_size}, "
+                                     f"but this rank holds {' and '.join(map(str, heads))} query and key heads; use "
+                                     f"cp_attention 'ring' or a cp that divides them")
 
     def ring(self) -> Ring:
         if self._ring is None:
             self._ring = Ring(self.ctx)
         return self._ring
+
+    def attend(self, q, k, v, bias=None, *, causal: bool, scale: float | None, window: int | None = None, keep=None):
+        """`attend` over the whole sequences of which q, k, v (B_l, heads, T/cp, hs) hold this
+        rank's chunks; `keep` (B_l, T) and `bias` (nh_l, T/cp, T) as ring_attend takes them."""
+        if self.kind != "ulysses":
+            return ring_attend(self.ring(), q, k, v, bias, causal=causal, scale=scale, window=window, keep=keep,
+                               gather=self.kind == "all_gather")
+        if bias is not None:
+            raise LatticeConfigError("cp_attention 'ulysses' takes no additive position bias (T5's); use 'ring'")
+        group, cp = self.ctx.group(MeshAxis.CP), self.ring_size
+
+        def whole_sequences(t):  # chunks of every head -> whole sequences of 1/cp of the heads
+            gathered = all_to_all(t, group, 1, 2)  # (B_l, heads/cp, T, hs), rank 0's chunks first
+            return gathered[:, :, torch.argsort(sequence_order(gathered.shape[2], cp)).to(t.device)]
+
+        y = attend(*map(whole_sequences, (q, k, v)), causal=causal, scale=scale, window=window,
+                   keep=keep)  # (B_l, nh_l/cp, T, hs)
+        in_rank_order = y[:, :, sequence_order(y.shape[2], cp).to(y.device)].contiguous()
+        return all_to_all(in_rank_order, group, 2, 1)  # (B_l, nh_l, T/cp, hs)
 
 
 class AttentionDropout:
@@ -297,7 +327,8 @@ class CrossAttention(nn.Module):
         self.proj = mode.linear(inner, d_model, block=Block.ATTENTION, position=Position.OUT, bias=bias)
         self.weights_drop = AttentionDropout(dropout, seeds)
         self.resid_drop = residual_dropout(dropout, mode, seeds)
-        self.context = ContextParallel(mode.ctx, dropout)
+        split = math.prod(mode.ctx.size(a) for a in mode.head_axes)
+        self.context = ContextParallel(mode.ctx, dropout, (n_heads // split,))
 
     def forward(self, x, memory, *, cache: dict | None = None, keep=None):
         """`cache` (inference): the memory's keys and values in this rank's layout, computed at
@@ -312,7 +343,7 @@ class CrossAttention(nn.Module):
             if cache is not None:
                 cache["k"], cache["v"] = k, v
         if self.context.ring_size > 1:  # the memory's chunks around the ring
-            y = ring_attend(self.context.ring(), q, k, v, causal=False, scale=self.scale, keep=keep)
+            y = self.context.attend(q, k, v, causal=False, scale=self.scale, keep=keep)
         else:
             y = attend(q, k, v, causal=False, scale=self.scale, keep=keep,
                        dropout=self.weights_drop if self.training else None)

@@ -257,6 +257,10 @@ class T5(Model):
 
     def build(self):
         cfg, mode, seeds = self.cfg, self.mode, self.seeds
+        layout = self.ctx.layout
+        if self.ctx.cp > 1 and layout is not None and layout.cp_attention == "ulysses":
+            raise LatticeConfigError("cp_attention 'ulysses' takes no additive position bias (T5's relative one); "
+                                     "use cp_attention 'ring' or 'all_gather'")
         self.embed = mode.embedding(positions=False)
         self.encoder_drop = residual_dropout(cfg.dropout, mode, seeds)
         self.encoder_bias = mode.per_head((cfg.relative_buckets, cfg.n_heads), 1)

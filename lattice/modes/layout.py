@@ -50,6 +50,7 @@ def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str) -> di
     return out
 
 
+CP_ATTENTION = ("ring", "all_gather", "ulysses")  # lattice.models.components.ContextParallel
 PLACEMENTS = ("natural", "topology")  # ranks in mesh order, or the mode's topology-aware grid
 
 
@@ -76,6 +77,9 @@ class Layout:
     pp: int = flag(1, "pipeline stages (a model replica is tp x pp ranks)")
     cp: int = flag(1, "context-parallel ranks: each holds 2 of 2·cp chunks of every sequence, attention runs "
                       "around their ring (a model replica is tp x cp x pp ranks)")
+    cp_attention: str = flag("ring", "how attention reads the other cp ranks' keys: around the ring, all-gathered, "
+                                     "or all-to-all to whole sequences of 1/cp of the heads (ulysses)",
+                             choices=lambda: CP_ATTENTION)
     microbatches: int | None = flag(None, "micro-batches per step with --pp (default pp)")
     pp_schedule: str | None = flag(None, f"pipeline schedule (default {PipelineConfig.schedule})",
                                    choices=lambda: SCHEDULES)
@@ -110,6 +114,8 @@ class Layout:
         if self.pp > 1 and self.placement != "natural":
             raise LatticeConfigError("placement 'topology' is not implemented with pipeline parallelism; use the "
                                      "natural placement with pp > 1")
+        if self.cp_attention not in CP_ATTENTION:
+            raise LatticeConfigError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         if self.cp > 1 and self.placement != "natural":
             raise LatticeConfigError("placement 'topology' is not implemented with context parallelism; use the "
                                      "natural placement with cp > 1")

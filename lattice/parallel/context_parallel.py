@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lattice.parallel.comm import all_reduce, raw_all_gather, record
+from lattice.parallel.comm import all_reduce, raw_all_gather, raw_reduce_scatter, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
 
 
@@ -74,6 +74,10 @@ class Ring:
 
     def pass_on(self, x: torch.Tensor, tag: int = 0) -> torch.Tensor:
         return self.finish(*self.start(x, tag))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, (N, *x.shape), in one all-gather (the variant without the ring)."""
+        return raw_all_gather(x.unsqueeze(0), self.group, 0)
 
 
 class RingMasks:
@@ -159,16 +163,19 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, ring: Ring, masks: RingMasks, scale: float):
+    def forward(ctx, q, k, v, bias, ring: Ring, masks: RingMasks, scale: float, gather: bool):
         acc = torch.promote_types(q.dtype, torch.float32)
         qa = q.to(acc)
         heads, fused = q.shape[1], masks.fused and bias is None
         out = torch.zeros_like(qa)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # (2, B_l, nkv, T_k, hs): one message per step
+        every = ring.gather(kv) if gather else None  # (N, 2, ...): every rank's, in one all-gather
         for step in range(ring.size):
             owner = (ring.index - step) % ring.size
-            moving = ring.start(kv) if step < ring.size - 1 else None
+            if every is not None:
+                kv = every[owner]
+            moving = ring.start(kv) if step < ring.size - 1 and every is None else None
             rows, cols = masks.region(owner)
             if fused:
                 block_out, block_lse = _FLASH(q[:, :, rows], _expand(kv[0][:, :, cols], heads),
@@ -188,7 +195,7 @@ class RingAttention(torch.autograd.Function):
             if moving is not None:
                 kv = ring.finish(*moving)
         ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.ring, ctx.masks, ctx.scale = ring, masks, scale
+        ctx.ring, ctx.masks, ctx.scale, ctx.gather = ring, masks, scale, gather
         return out.to(q.dtype)
 
     @staticmethod
@@ -201,13 +208,17 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qa)
         d_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
         kv = torch.stack([k, v])
+        every = ring.gather(kv) if ctx.gather else None  # gathered again rather than kept from forward
         d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        d_every = torch.zeros((ring.size, *kv.shape), dtype=acc, device=kv.device) if ctx.gather else None
         fused = masks.fused and bias is None
         if fused:  # the fused kernel's backward of a block takes the whole attention's output and log-sum-exp
             out_q, lse_q, d_out_q = out.to(q.dtype), lse.to(_flash_lse_dtype(q)), d_out.to(q.dtype)
         for step in range(ring.size):
             owner = (ring.index - step) % ring.size
-            moving = ring.start(kv) if step < ring.size - 1 else None
+            if every is not None:
+                kv, d_kv = every[owner], d_every[owner]
+            moving = ring.start(kv) if step < ring.size - 1 and every is None else None
             rows, cols = masks.region(owner)
             if fused:
                 block_dq, block_dk, block_dv = _FLASH_BACKWARD(
@@ -228,11 +239,14 @@ class RingAttention(torch.autograd.Function):
                 d_kv[1][:, :, cols] += _fold(probs.transpose(-1, -2) @ d_out_rows, kv_heads)
                 if d_bias is not None:
                     d_bias[:, rows][..., masks.keys(owner)[cols]] += d_scores.sum(0)
-            d_kv = ring.pass_on(d_kv, tag=1)  # on to the owner of the next step's keys; after the last, home
+            if every is None:
+                d_kv = ring.pass_on(d_kv, tag=1)  # on to the owner of the next step's keys; after the last, home
             if moving is not None:
                 kv = ring.finish(*moving)
+        if every is not None:  # each rank's gradients summed onto it
+            d_kv = raw_reduce_scatter(d_every, ring.group, 0)[0]
         return (dq.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype),
-                None if d_bias is None else d_bias.to(bias.dtype), None, None, None)
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None)
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -261,12 +275,20 @@ def _scores(q, k, bias, masks: RingMasks, owner: int, rows: slice, cols: slice, 
 
 
 def ring_attend(ring: Ring, q, k, v, bias=None, *, causal: bool, scale: float | None = None,
-                window: int | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None = None, keep: torch.Tensor | None = None, gather: bool = False) -> torch.Tensor:
     """`lattice.models.components.attend` for a cp group: q (B_l, nh, T_q, hs) this rank's
     queries, k and v (B_l, nkv, T_k, hs) its keys and values (each two chunks of its sequence),
-    `keep` (B_l, T_k · N) the padding mask of the whole sequence, `bias` (nh, T_q, T_k · N)."""
+    `keep` (B_l, T_k · N) the padding mask of the whole sequence, `bias` (nh, T_q, T_k · N).
+    `gather`: every rank's keys and values in one all-gather (forward, and again in backward,
+    whose key gradients one reduce-scatter sums) instead of around the ring."""
     masks = RingMasks(ring, q.shape[2], k.shape[2], causal=causal, window=window, keep=keep, device=q.device)
-    return RingAttention.apply(q, k, v, bias, ring, masks, scale if scale is not None else q.shape[-1] ** -0.5)
+    return RingAttention.apply(q, k, v, bias, ring, masks, scale if scale is not None else q.shape[-1] ** -0.5,
+                               gather)
+
+
+def sequence_order(seq: int, cp: int) -> torch.Tensor:
+    """The positions of a sequence gathered in cp-rank order (rank 0's two chunks, rank 1's, ...)."""
+    return torch.cat([chunk_indices(seq, cp, r) for r in range(cp)])
 
 
 # ----------------------------------------------------------------------------- a model's batch
@@ -297,8 +319,11 @@ def check_context_batch(ctx: ParallelContext, *sequences: torch.Tensor | None, s
 
 
 def take_context_chunks(ctx: ParallelContext, *sequences: torch.Tensor | None) -> tuple:
-    """This rank's chunks of each of a replica's (B, T) `sequences`; None stays None."""
+    """This rank's chunks of each of a replica's (B, T) `sequences`; None stays None, and
+    without cp every tensor stays as it is (a class per sequence included)."""
     cp, index = ctx.cp, ctx.coord(MeshAxis.CP)
+    if cp == 1:
+        return sequences
     return tuple(None if t is None else take_chunks(t, 1, cp, index) for t in sequences)
 
 
