@@ -14,7 +14,7 @@ import lattice
 import lattice.cost
 from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.models import get_arch
-from lattice.parallel.zero import ZeroOptimizer, memory_per_rank, owned_rows
+from lattice.parallel.zero import ZeroOptimizer, memory_per_rank, owned_rows, zero_shards
 from lattice.training.optim import clip_grads, grad_norm, make_optimizer
 from lattice.training.trainer import TrainConfig, Trainer
 
@@ -41,9 +41,16 @@ def _gpt2_replicas(layout: dict, dtype):
     d = ctx.coord(MeshAxis.DP)
     mine = slice(d * REPLICA_BATCH, (d + 1) * REPLICA_BATCH)
 
-    def replica_step(model, step):
+    def replica_step(model, step, leave_cp: bool = False):
+        """`leave_cp`: as the Trainer steps under context parallelism, sync_grads leaving the
+        sum over cp to the optimizer's reduction over dp x cp."""
         tokens, targets = _batch(cfg, REPLICA_BATCH * ctx.dp, step)
-        return model.forward_backward(tokens[mine], targets[mine])
+        if not leave_cp:
+            return model.forward_backward(tokens[mine], targets[mine])
+        loss = model(tokens[mine], targets[mine])
+        loss.backward()
+        model.sync_grads(over_cp=False)
+        return float(loss)
 
     return ctx, cfg, weights, replica_step
 
@@ -77,13 +84,14 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
     for stage in stages:  # stage 2 with activation checkpointing: its recomputation must not re-fire a bucket
         model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=stage == 2)
         model.load_full_state_dict(weights)
+        leave_cp = ctx.cp > 1 and ctx.pipeline is None  # the Trainer's way: one reduction over dp x cp
         opt = ZeroOptimizer(model, ctx, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=stage,
-                            hooks=ctx.pipeline is None)
+                            hooks=ctx.pipeline is None, cp_summed=not leave_cp)
         norms = []
         for step in range(STEPS):
             opt.zero_grad()
             with lattice.CommMeter() as meter:
-                replica_step(model, step)
+                replica_step(model, step, leave_cp)
                 opt.reduce_grads()
                 with lattice.CommMeter() as norm_meter:  # (not part of the cost model's step)
                     norm = opt.grad_norm()
@@ -108,7 +116,7 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
                       "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
                       "owned": owned, "local": sum(p.numel() for p in model.parameters()),
                       "expected_owned": sum((r1 - r0) * p[0].numel() for p in model.parameters()
-                                            for r0, r1 in [owned_rows(p.shape[0], dp, d)]),
+                                            for r0, r1 in [owned_rows(p.shape[0], *zero_shards(ctx))]),
                       "measured": measured, "modelled": modelled, "steps": moments["step"]}
     return out
 
@@ -120,7 +128,7 @@ ZERO_LAYOUTS = [
     {"mode": "serial", "dp": 2, "pp": 2, "microbatches": 2},
     {"mode": "subgraph", "tp": 2, "dp": 2, "subgrids": 2},
     {"mode": "2d", "tp": 4, "dp": 2},
-    {"mode": "serial", "dp": 2, "cp": 2},  # every gradient completed by the sum over cp
+    {"mode": "serial", "dp": 2, "cp": 2},  # rows split over dp x cp, the reduction summing over cp
 ]
 
 
@@ -144,10 +152,11 @@ def test_zero_equals_plain_data_parallelism_and_its_cost_model(layout):
             r = result[stage]
             assert r["steps"] == STEPS, (rank, stage)
             assert max(r["weights"], r["moments"], r["norms"]) < 1e-12, (rank, stage, r)
-            assert r["owned"] == r["expected_owned"] and r["owned"] <= math.ceil(r["local"] / layout["dp"]) * 1.1
+            shards = layout["dp"] * layout.get("cp", 1)  # ZeRO splits over dp x cp
+            assert r["owned"] == r["expected_owned"] and r["owned"] <= math.ceil(r["local"] / shards) * 1.1
             assert set(r["measured"]) == set(r["modelled"]), (rank, stage, set(r["measured"]) ^ set(r["modelled"]))
             assert r["measured"] == r["modelled"], (rank, stage)
-            dp = layout["dp"]  # the gradients' reduce-scatter runs in backward, the weights' all-gather after
+            dp = shards  # the gradients' reduce-scatter runs in backward, the weights' all-gather after
             assert ("backward", "reduce_scatter", dp) in r["measured"]
             assert ("optimizer", "all_gather", dp) in r["measured"]
 
@@ -161,6 +170,25 @@ def _train(layout: dict, out_dir: str, *, zero: int, stop_at=None, resume=None) 
                       resume=resume)
     trainer.fit()
     return [row["train_loss"] for row in trainer.history]
+
+
+def test_the_trainer_reduces_over_dp_x_cp_and_its_zero_checkpoint_resumes_without_cp(tmp_path):
+    """Catches a Trainer under context parallelism that sums the cp ranks' gradients twice or not
+    at all (sync_grads leaves cp to the one reduction over dp x cp: DDP's average of cp x the
+    loss, or ZeRO's reduce-scatter), ZeRO rows split over dp alone where dp x cp ranks hold them,
+    and moments a resume without cp cannot place: dp = 2 x cp = 2 with DDP, and with ZeRO-1
+    stopped at step 2 and resumed in serial, follow an uninterrupted serial run."""
+    straight = _train({"mode": "serial"}, str(tmp_path / "straight"), zero=0)
+    ddp = run_distributed(4, _train, {"mode": "serial", "dp": 2, "cp": 2}, str(tmp_path / "ddp"), zero=0)[0]
+    first = run_distributed(4, _train, {"mode": "serial", "dp": 2, "cp": 2}, str(tmp_path / "zero"), zero=1,
+                            stop_at=2)[0]
+    resumed = _train({"mode": "serial"}, str(tmp_path / "serial"), zero=0,
+                     resume=str(tmp_path / "zero" / "checkpoints" / "step-00000002"))
+    assert len(ddp) == 4 and len(first) == len(resumed) == 2
+    for got, want in zip(ddp, straight):
+        assert abs(got - want) <= 1e-12 * abs(want), (ddp, straight)
+    for got, want in zip(first + resumed, straight):
+        assert abs(got - want) <= 1e-12 * abs(want), (first, resumed, straight)
 
 
 def test_a_zero_checkpoint_resumes_without_zero_and_in_another_layout(tmp_path):

@@ -64,11 +64,10 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
     import torch
 
     from lattice.models import build_model
-    from lattice.parallel.zero import ZERO_STAGES, memory_per_rank
+    from lattice.parallel.zero import ZERO_STAGES, memory_per_rank, zero_shards
 
     layout = layout_from_args(args)
     topo = layout.topology
-    dp = topo.size(MeshAxis.DP)
     print(f"memory per rank between steps, fp32 (weights + gradients + AdamW moments, MiB; bytes per parameter of "
           f"the model times the ranks of one replica):")
     print("  rank  " + "".join(f"{'--zero ' + str(z):>24}" for z in ZERO_STAGES))
@@ -78,7 +77,7 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
             model = build_model(cfg, ctx)
         cells = []
         for zero in ZERO_STAGES:
-            held = memory_per_rank(model, dp, ctx.coord(MeshAxis.DP), zero, 4)
+            held = memory_per_rank(model, *zero_shards(ctx), zero, 4)
             b = sum(held.values())
             cells.append(f"{b / 2 ** 20:.2f} ({b * topo.replica_size / total:.2f} B/param)")
         print(f"  {r:<6}" + "".join(f"{c:>24}" for c in cells))
@@ -118,7 +117,7 @@ def _print_message_counts(args, topo) -> None:
     from lattice.cost import count_messages
 
     layouts = {placement: layout_from_args(args, placement=placement).topology
-               for placement in (PLACEMENTS if topo.pp_size == 1 else PLACEMENTS[:1])}
+               for placement in (PLACEMENTS if topo.pp_size == topo.cp_size == 1 else PLACEMENTS[:1])}
     print(f"messages of one collective over each axis, {topo.ranks_per_node} ranks per node "
           f"(intra-node / inter-node; SUPER Eq. 3):")
     for axis in topo.model_axes:

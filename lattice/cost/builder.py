@@ -277,7 +277,7 @@ class CostBuilder:
             return
         self.add("forward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "ring")  # beside each block's compute
         self.add("backward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "ring")
-        self.add("backward", "send", (CP,), 2 * kv * cp, cp, "ring_grads", itemsize=grads_itemsize)
+        self.add("backward", "send", (CP,), 2 * kv * cp, cp, "ring", itemsize=grads_itemsize)  # one step behind
 
     def _score_work(self, scores: float, head_size: int) -> None:
         """q kᵀ and the weights times v: 2·head_size multiply-adds per score, each."""
@@ -388,38 +388,43 @@ class CostBuilder:
         params = list(self.model.parameters())
         c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
         c.param_tensors = len(params)
-        self._gradient_sums()
-        if c.pipeline is not None:
-            pipeline_terms(self)
         dp = self.topo.size(DP)
         mixed = c.precision == "bf16"  # bf16 weights: fp32 master rows, moments and gradient reduction
+        # the Trainer's reduction over dp x cp sums over cp too (sync_grads does, under a pipeline or alone)
+        reduces_cp = c.pipeline is None and (c.zero or mixed or dp > 1)
+        self._gradient_sums(over_cp=not reduces_cp)
+        if c.pipeline is not None:
+            pipeline_terms(self)
         state = 4 if mixed else c.itemsize
+        ranks = dp * self.cp  # holding the same shards of other tokens
+        coords = c.topology.coords(c.rank)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
-            shards = dp if c.zero else 1  # update, or (one shard) an all-reduce
+            shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
             for _, _, segment in plan_buckets(self.model, shards, itemsize=state):
                 if shards > 1:
-                    self.add("backward", "reduce_scatter", (DP,), shards * segment, 1, "grads", itemsize=state)
-                    self.add("optimizer", "all_gather", (DP,), shards * segment, 1, "grads")
-                elif dp > 1:
-                    self.add("backward", "all_reduce", (DP,), segment, 1, "grads", itemsize=state)
-        elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does
+                    self.add("backward", "reduce_scatter", (DP, CP), shards * segment, 1, "grads", itemsize=state)
+                    self.add("optimizer", "all_gather", (DP, CP), shards * segment, 1, "grads")
+                elif ranks > 1:
+                    self.add("backward", "all_reduce", (DP, CP), segment, 1, "grads", itemsize=state)
+        elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
             grads = c.memory["parameters"] / c.itemsize
-            self.add("backward", "all_reduce", (DP,), grads, max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)),
-                     "grads")
-        held = memory_per_rank(self.model, dp, c.topology.coords(c.rank).get(DP, 0), c.zero, c.itemsize,
-                               4 if mixed else None)
+            self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
+                     max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")
+        shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
+        held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None)
         c.memory["gradients"] = held["gradients"]
         c.memory["optimizer"] = held["optimizer"]  # AdamW's moments (and fp32 master rows), this rank's rows under ZeRO
         self._totals()
 
-    def _gradient_sums(self):
-        """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes."""
+    def _gradient_sums(self, over_cp: bool = True):
+        """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes;
+        under cp, with `over_cp`, one per bucket of every gradient over cp."""
         self.region = "grads"
         params = dict(self.model.named_parameters())
         for axes, names in grad_sum_buckets(self.model):
             if self.c.group_size(axes) > 1:
                 self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
-        if self.cp > 1:  # every gradient over the cp group
+        if self.cp > 1 and over_cp:  # every gradient over the cp group
             held = [n for n in self.model.specs if n in params]  # in sync_grads' order
             for names in byte_buckets(held, lambda n: params[n].numel() * params[n].element_size()):
                 self.add("backward", "all_reduce", (CP,), sum(params[n].numel() for n in names), 1, "grads")

@@ -19,8 +19,9 @@ class Term:
     axes: tuple[MeshAxis, ...]  # the group: ranks that differ only along these mesh axes
     calls: float
     elements: float
-    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | layer.ring | layer.ring_grads |
-    #            head | loss | grads | pipeline (layer.ring: a cp ring's keys and values, sent while a block computes)
+    site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | layer.ring | layer.context |
+    #  head | loss | grads | pipeline (layer.ring: a cp ring's keys and values or their gradients, sent while a block
+    #  computes; layer.context: cp's all-gather or all-to-all)
     itemsize: int = 4
     ranks: int | None = None  # the group's size where it is not the product of `axes` (a first + last stage pair)
 

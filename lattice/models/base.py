@@ -508,13 +508,15 @@ class Model(nn.Module):
         return sum(math.prod(s.full_shape) for s in self.specs.values())
 
     # ---- one training step
-    def sync_grads(self) -> None:
+    def sync_grads(self, over_cp: bool = True) -> None:
         """Sum the partial gradients that the shard specs declare (`ShardSpec.grad_sum`) over
-        their axes inside the model replica, in bucketed, metered all-reduces. Every rank of a
-        replica must call it after backward; a second call before the next forward does nothing.
-        (Data-parallel averaging across replicas is DDP's, in the Trainer.)"""
+        their axes inside the model replica, in bucketed, metered all-reduces, and under context
+        parallelism every gradient over cp unless `over_cp` is off (the Trainer's reduction over
+        dp x cp sums them). Every rank of a replica must call it after backward; a second call
+        before the next forward does nothing. (Data-parallel averaging across replicas is DDP's
+        or ZeRO's, in the Trainer.)"""
         if self._grads_pending:
-            sum_replica_grads(self)
+            sum_replica_grads(self, over_cp)
             self._grads_pending = False
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> float:

@@ -31,6 +31,7 @@ def _axis_combinations(topo: Topology, mode_cls) -> list[tuple]:
     wanted = [topo.canonical_axes(axes) for axes in mode_cls.groups(topo)]
     wanted.append(topo.model_axes)
     wanted.append(topo.tensor_axes)  # a pipeline stage's tensor ranks (the same as the replica without pp)
+    wanted.append(topo.canonical_axes((MeshAxis.DP, MeshAxis.CP)))  # the gradient reduction's, under cp
     out = []
     for axes in wanted:
         live = tuple(a for a in axes if topo.size(a) > 1)

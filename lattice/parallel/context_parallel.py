@@ -159,7 +159,8 @@ class RingAttention(torch.autograd.Function):
     forward:  each step s computes the block against rank (i - s)'s K, V while they move on, and
               merges it into the running output by the log-sum-exp
     backward: P = exp(S - lse), D = rowsum(dO ∘ O), dS = P ∘ (dO Vᵀ - D);  dQ += scale dS K,
-              dK += scale dSᵀ Q and dV += Pᵀ dO travel with K, V and reach their rank at the end
+              dK += scale dSᵀ Q and dV += Pᵀ dO travel one step behind K, V (each rank adds its
+              part while the sum of the ranks before arrives) and reach their rank at the end
     """
 
     @staticmethod
@@ -209,15 +210,17 @@ class RingAttention(torch.autograd.Function):
         d_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
         kv = torch.stack([k, v])
         every = ring.gather(kv) if ctx.gather else None  # gathered again rather than kept from forward
-        d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         d_every = torch.zeros((ring.size, *kv.shape), dtype=acc, device=kv.device) if ctx.gather else None
         fused = masks.fused and bias is None
         if fused:  # the fused kernel's backward of a block takes the whole attention's output and log-sum-exp
             out_q, lse_q, d_out_q = out.to(q.dtype), lse.to(_flash_lse_dtype(q)), d_out.to(q.dtype)
+        arriving = None  # the gradients of this step's keys summed by the ranks before, on their way here
         for step in range(ring.size):
             owner = (ring.index - step) % ring.size
             if every is not None:
                 kv, d_kv = every[owner], d_every[owner]
+            else:
+                d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # this rank's part, while they arrive
             moving = ring.start(kv) if step < ring.size - 1 and every is None else None
             rows, cols = masks.region(owner)
             if fused:
@@ -239,12 +242,16 @@ class RingAttention(torch.autograd.Function):
                 d_kv[1][:, :, cols] += _fold(probs.transpose(-1, -2) @ d_out_rows, kv_heads)
                 if d_bias is not None:
                     d_bias[:, rows][..., masks.keys(owner)[cols]] += d_scores.sum(0)
-            if every is None:
-                d_kv = ring.pass_on(d_kv, tag=1)  # on to the owner of the next step's keys; after the last, home
+            if every is None:  # with the part of the ranks before, on to the next (after the last step: home)
+                if arriving is not None:
+                    d_kv += ring.finish(*arriving)
+                arriving = ring.start(d_kv, tag=1)
             if moving is not None:
                 kv = ring.finish(*moving)
         if every is not None:  # each rank's gradients summed onto it
             d_kv = raw_reduce_scatter(d_every, ring.group, 0)[0]
+        else:
+            d_kv = ring.finish(*arriving)
         return (dq.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype),
                 None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None)
 

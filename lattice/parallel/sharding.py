@@ -245,15 +245,17 @@ def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
 
 
 @torch.no_grad()
-def sum_replica_grads(model: nn.Module) -> None:
+def sum_replica_grads(model: nn.Module, over_cp: bool = True) -> None:
     """Sum each declared partial gradient over its `grad_sum` axes: one flat all-reduce per
-    bucket (metered as backward traffic). A missing gradient joins as zeros."""
+    bucket (metered as backward traffic). A missing gradient joins as zeros. Under context
+    parallelism, `over_cp`: then every gradient over cp too (the Trainer leaves that to its
+    reduction over dp x cp)."""
     params = dict(model.named_parameters())
     for axes, names in grad_sum_buckets(model):
         group = model.ctx.group(*axes)
         if group is not None:
             all_reduce_grads([params[n] for n in names], group)
-    if model.ctx.cp > 1:  # each rank of a cp group holds every parameter's gradient of its chunks alone
+    if model.ctx.cp > 1 and over_cp:  # each rank of a cp group holds every parameter's gradient of its chunks alone
         held = [n for n in model.specs if n in params]
         for bucket in byte_buckets(held, lambda n: params[n].numel() * params[n].element_size()):
             all_reduce_grads([params[n] for n in bucket], model.ctx.group(MeshAxis.CP))

@@ -1,5 +1,6 @@
 """A distributed optimizer over the data-parallel axis (ZeRO stage 1 and 2; Megatron-LM's
-distributed optimizer): AdamW whose moments each dp rank keeps for its 1/d of every parameter.
+distributed optimizer): AdamW whose moments each dp rank keeps for its 1/d of every parameter
+(under context parallelism, each of the dp x cp ranks its 1/(d·cp)).
 
     optimizer = ZeroOptimizer(model, ctx, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=1)
     loss = model(x, y); loss.backward()        # buckets reduce-scatter as their gradients are ready
@@ -73,17 +74,18 @@ def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
     return r0, min(r0 + per, rows)
 
 
-def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES,
-                 itemsize: int | None = None) -> list[tuple[bool, list[str], int]]:
+def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
+                 cp_summed: bool = True) -> list[tuple[bool, list[str], int]]:
     """The gradient buckets of this rank's parameters: (late, names, segment), where `segment` is
     the elements each dp rank receives of the bucket (the bucket holds dp × segment) and `late`
     marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
     the order backward produces their gradients), at most `max_bytes` of them per bucket
-    (`itemsize` bytes per element, default the parameters'). Pure: the cost model plans a meta
-    model with it."""
+    (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
+    parallelism sync_grads sums every gradient over cp, which makes every bucket late. Pure: the
+    cost model plans a meta model with it."""
     params = dict(model.named_parameters())
     early, late = [], []
-    every_late = model.ctx.cp > 1  # under context parallelism sync_grads sums every gradient over cp
+    every_late = model.ctx.cp > 1 and cp_summed
     for name in reversed(list(params)):
         (late if every_late or model.specs[name].grad_sum else early).append(name)
     out = []
@@ -136,14 +138,20 @@ class ZeroOptimizer:
     `reduce_dtype`: of the gradient reduction (default the master rows')."""
 
     def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
-                 hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None):
+                 hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None,
+                 cp_summed: bool = True):
         if stage not in ZERO_STAGES:
             raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
                                      f"got {stage}")
         self.model, self.ctx, self.stage = model, ctx, stage
-        self.dp, self.group = ctx.dp, ctx.group(MeshAxis.DP)
+        # the ranks that hold the same shards of other tokens: the dp replicas and, under context
+        # parallelism, the cp ranks of each (Megatron's data-parallel group with cp); the
+        # reduction averages over dp and sums over cp, unless sync_grads summed over cp already
+        # (`cp_summed`: model.forward_backward's, a pipeline's; the Trainer's backward leaves it)
+        self.dp, self.group, self.cp_summed = ctx.dp, ctx.group(MeshAxis.DP, MeshAxis.CP), cp_summed
+        self.divisor = ctx.dp * (ctx.cp if cp_summed else 1)
         # stage 0 (mixed precision without ZeRO): one shard, every rank owns every row
-        self.shards, self.shard = (self.dp, ctx.coord(MeshAxis.DP)) if stage else (1, 0)
+        self.shards, self.shard = zero_shards(ctx) if stage else (1, 0)
         self.param_dtype = model.dtype
         self.master_dtype = torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
@@ -152,7 +160,7 @@ class ZeroOptimizer:
         self.buckets: list[_Bucket] = []
         decay, no_decay = [], []
         itemsize = self.reduce_dtype.itemsize  # a bucket's bytes are those of its reduction
-        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize):
+        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize, cp_summed=cp_summed):
             pieces, offset = [], 0
             for name in names:
                 p = params[name]
@@ -228,8 +236,8 @@ class ZeroOptimizer:
                 segment.copy_(rows)
             if self.stage != 1:  # stage 2 keeps the slices alone; stage 0 the reduced copy alone
                 piece.param.grad = None
-        if self.dp > 1:
-            flat.div_(self.dp)
+        if self.divisor > 1:
+            flat.div_(self.divisor)
         if self.shards > 1:
             bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
             record("reduce_scatter", self.group, flat.numel(), dtype, phase="backward")
@@ -237,7 +245,7 @@ class ZeroOptimizer:
             bucket.flat = flat  # alive until the reduction is done
         else:
             bucket.reduced = flat.view(-1)
-            if self.dp > 1:
+            if self.group is not None:
                 record("all_reduce", self.group, flat.numel(), dtype, phase="backward")
                 bucket.work = dist.all_reduce(bucket.reduced, group=self.group, async_op=True)
         bucket.launched = True
@@ -285,7 +293,7 @@ class ZeroOptimizer:
             if piece.master is not None and not self.model.is_mirror(piece.name):
                 sq += piece.master.grad.to(acc).pow(2).sum() / self.model.specs[piece.name].replicas(topo)
         if self.shards > 1:  # (with one shard every replica holds every row already)
-            sq = raw_all_reduce(sq, self.group)
+            sq = raw_all_reduce(sq, self.group)  # (a cp rank's rows count 1/cp, and the replica's sum has cp of them)
         return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
 
     @torch.no_grad()
@@ -408,11 +416,17 @@ class ZeroOptimizer:
                     out[key][piece.name] = full if stepped else None
         return out
 
+def zero_shards(ctx) -> tuple[int, int]:
+    """(shards, this rank's shard) of ZeRO's split: over dp x cp, in group-rank order."""
+    return ctx.dp * ctx.cp, ctx.coord(MeshAxis.DP) * ctx.cp + ctx.coord(MeshAxis.CP)
+
+
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
                     master_itemsize: int | None = None) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
     its shards, a meta model will do) for ZeRO `stage` 0, 1 or 2 over `dp` replicas, with
-    `itemsize`-byte weights and, given `master_itemsize` (bf16 weights: 4), master rows, moments
+    `itemsize`-byte weights (under cp: dp x cp shards, `zero_shards`) and, given `master_itemsize`
+    (bf16 weights: 4), master rows, moments
     and reduced gradients of that size. Per parameter, up to rows that do not divide by d:
     fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2); bf16 weights with fp32 masters
     18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d (stage 2)."""

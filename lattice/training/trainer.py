@@ -271,7 +271,8 @@ class Trainer:
         if cfg.distributed_optimizer:  # ZeRO over the dp replicas, or fp32 master rows of bf16 weights
             self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None,
-                                           reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
+                                           reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
+                                           cp_summed=ctx.pipeline is not None)
         else:
             self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                             weight_decay=cfg.weight_decay)
@@ -293,10 +294,13 @@ class Trainer:
         if cfg.async_checkpoint and cfg.out_dir:
             self.checkpoints.start_async()
         self.engine = self.model
+        # the reduction over the ranks holding the same shards of other tokens sums over cp too
+        # (one collective over dp x cp, as Megatron's); sync_grads then leaves cp alone
+        self.reduces_cp = ctx.pipeline is None and (cfg.distributed_optimizer or ctx.dp > 1)
         if ctx.dp > 1 and ctx.pipeline is None and not cfg.distributed_optimizer:
             from torch.nn.parallel import DistributedDataParallel
 
-            group = ctx.group(MeshAxis.DP)
+            group = ctx.group(MeshAxis.DP, MeshAxis.CP)  # DDP's average over dp x cp of cp x the loss
             self.engine = DistributedDataParallel(
                 self.model, process_group=group, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
             self.engine.register_comm_hook(group, _metered_allreduce_hook)
@@ -341,8 +345,11 @@ class Trainer:
                 loss = self.engine(x, y, **inputs)
                 if weight != 1.0:  # DDP averages the gradients of the weighted loss
                     loss = loss * weight
-            loss.backward()
-            self.model.sync_grads()  # sums inside the replica; DDP averaged over replicas in backward
+            if self.engine is not self.model and self.ctx.cp > 1:  # DDP averages over dp x cp: a sum over cp
+                (loss * self.ctx.cp).backward()
+            else:
+                loss.backward()
+            self.model.sync_grads(over_cp=not self.reduces_cp)  # sums inside the replica; DDP averaged in backward
         if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
             self.optimizer.reduce_grads()
             norm = self.optimizer.grad_norm()
