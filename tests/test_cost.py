@@ -3,6 +3,7 @@ the layouts, and against what the modes actually communicate, hold and save (Com
 parameters a rank builds, the tensors autograd keeps)."""
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -196,3 +197,41 @@ def test_plan_splits_places_its_stages_on_the_nodes_asked_for(capsys):
         steps[per_node] = (alone, float(row[4].replace(",", "")))
     assert all(abs(split - alone) < 1e-3 for alone, split in steps.values()), steps
     assert steps["4"][0] > steps["16"][0], steps  # four nodes cost more than one
+
+
+def _forward_gflop(out: str) -> float:
+    return float(re.search(r"compute: forward ([\d.]+) GFLOP", out).group(1))
+
+
+def test_plan_prices_the_task_an_encoder_trains_on(capsys):
+    """Catches `lattice plan` pricing BERT's masked-LM head for a classification run (it had no
+    --task): the forward work of mlm minus classify is the LM head over this rank's 1/tp of the
+    (padded) vocabulary, 2·M·h·V/tp, plus the dense transform before it, 2·M·h² (M = B·T tokens);
+    and a task the family does not train on is refused in one line."""
+    flops = {}
+    for task in ("mlm", "classify"):
+        assert cli.main(["plan", "--arch", "bert", "--model", "bert-base", "--mode", "1d", "--tp", "4",
+                         "--task", task]) == 0
+        out = capsys.readouterr().out
+        assert ("num_labels=2" in out) == (task == "classify")
+        flops[task] = _forward_gflop(out)
+    tokens, h, vocab = 8 * 512, 768, 30524  # --batch 8 of bert-base's 512 positions; 30522 padded to a multiple of 4
+    expected = (2 * tokens * h * vocab / 4 + 2 * tokens * h * h) / 1e9
+    assert flops["mlm"] - flops["classify"] == pytest.approx(expected, rel=2e-3), (flops, expected)
+    assert cli.main(["plan", "--arch", "gpt2", "--task", "classify"]) == 2
+    assert "--arch gpt2 trains on lm, not --task classify" in capsys.readouterr().err
+
+
+def test_published_presets_carry_their_vocabulary_and_context(capsys):
+    """Catches a preset of a published model that `lattice plan` prices with the built-in
+    corpus's 2048-token vocabulary (GPT-2 medium planned at 2048 rows and 256 positions): the
+    GPT-2 sizes hold 50257 rows and 1024 positions, with transformers' parameter counts
+    (GPT2LMHeadModel, tied head: 124,439,808 / 354,823,168 / 1,557,611,200), and T5's 32128 rows."""
+    published = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-xl": 1_557_611_200}
+    for preset, count in published.items():
+        assert cli.main(["plan", "--arch", "gpt2", "--model", preset, "--mode", "serial", "--tp", "1"]) == 0
+        assert "vocab_size=50257, seq_len=1024" in capsys.readouterr().out
+        with torch.device("meta"):
+            model = lattice.build_model(cost_plan.model_config("gpt2", preset), lattice.plan("serial"))
+        assert model.num_parameters() == count, preset
+    assert cost_plan.model_config("t5", "t5-small").vocab_size == 32128

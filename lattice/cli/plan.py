@@ -2,6 +2,7 @@
 pipeline split or every tp x pp split of N ranks.
 
     lattice plan --arch llama --model llama3-8b --mode 2d --tp 16 --precision bf16
+    lattice plan --arch bert --model bert-base --task classify --mode 1d --tp 4
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lattice.cost.model import estimate
 from lattice.cost.plan import (format_cost, format_pipeline, format_splits, format_table1, machine_from_spec,
                                model_config)
 from lattice.data.corpus import DEFAULT_VOCAB
-from lattice.models import DEFAULT_ARCH, available_archs
+from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import parallel_modes
 from lattice.modes.layout import PIPELINE_SETTINGS
 from lattice.parallel.context import LatticeConfigError
@@ -48,11 +49,23 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
     p.add_argument("--table1", action="store_true",
                    help="print Optimus Table 1 for this b, s, h, p beside this model's rows for every mode")
+    p.add_argument("--task", default=None, metavar="TASK",
+                   help="what the model trains on, as in train (default the family's first: lm, mlm for bert, seq2seq "
+                        "for t5); classify prices an encoder's classifier head instead of its masked-LM head")
+    p.add_argument("--num-labels", type=int, default=2, help="classes of --task classify (default 2)")
 
 
 def run_plan(args) -> int:
     """Refusals (LatticeConfigError) reach `lattice.cli.main.main`, which prints them in one line."""
-    cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, **given_sizes(args))
+    tasks = get_arch(args.arch).tasks
+    task = args.task or tasks[0]
+    if task not in tasks:
+        raise LatticeConfigError(f"--arch {args.arch} trains on {' or '.join(tasks)}, not --task {task}; pass one of "
+                                 f"those (classify and mlm are bert's, seq2seq t5's)")
+    if task == "classify" and args.num_labels < 2:
+        raise LatticeConfigError(f"--num-labels {args.num_labels}: a classifier needs at least 2 classes")
+    head = {"num_labels": args.num_labels} if task == "classify" else {}
+    cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, **given_sizes(args), **head)
     replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
     if args.batch < 1 or args.batch % replicas:
         raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "

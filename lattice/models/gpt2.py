@@ -50,7 +50,11 @@ class GPTConfig(ModelConfig):
         "tiny": dict(seq_len=64, d_model=48, n_heads=6, n_layers=2),
         "small": dict(seq_len=128, d_model=192, n_heads=12, n_layers=4),
         "medium": dict(seq_len=256, d_model=384, n_heads=12, n_layers=6),
-        "gpt2": dict(seq_len=1024, d_model=768, n_heads=12, n_layers=12),
+        # the published GPT-2 sizes (124M, 355M, 774M, 1.5B), with their vocabulary and context
+        "gpt2": dict(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12),
+        "gpt2-medium": dict(vocab_size=50257, seq_len=1024, d_model=1024, n_heads=16, n_layers=24),
+        "gpt2-large": dict(vocab_size=50257, seq_len=1024, d_model=1280, n_heads=20, n_layers=36),
+        "gpt2-xl": dict(vocab_size=50257, seq_len=1024, d_model=1600, n_heads=25, n_layers=48),
     }
 
     def __post_init__(self):

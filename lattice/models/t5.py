@@ -93,12 +93,17 @@ class T5Config(ModelConfig):
     presets = {
         "tiny": dict(seq_len=8, target_len=10, d_model=64, n_heads=4, head_size=16, n_layers=2, d_ff=128),
         "small": dict(seq_len=8, target_len=10, d_model=128, n_heads=4, head_size=32, n_layers=2, d_ff=512),
-        "t5-small": dict(d_model=512, n_heads=8, head_size=64, n_layers=6, d_ff=2048, dropout=0.1),
-        "t5-base": dict(d_model=768, n_heads=12, head_size=64, n_layers=12, d_ff=3072, dropout=0.1),
-        "t5-large": dict(d_model=1024, n_heads=16, head_size=64, n_layers=24, d_ff=4096, dropout=0.1),
-        "t5-large-mod": dict(d_model=1024, n_heads=32, head_size=32, n_layers=24, d_ff=4096, dropout=0.1),
-        "t5-v1_1-base": dict(d_model=768, n_heads=12, head_size=64, n_layers=12, d_ff=2048, dropout=0.1,
-                             feed_forward_proj="gated-gelu", tie_embeddings=False),
+        # the published sizes, with their vocabulary (32128 rows) and context (512 source tokens)
+        "t5-small": dict(vocab_size=32128, seq_len=512, d_model=512, n_heads=8, head_size=64, n_layers=6, d_ff=2048,
+                         dropout=0.1),
+        "t5-base": dict(vocab_size=32128, seq_len=512, d_model=768, n_heads=12, head_size=64, n_layers=12, d_ff=3072,
+                        dropout=0.1),
+        "t5-large": dict(vocab_size=32128, seq_len=512, d_model=1024, n_heads=16, head_size=64, n_layers=24,
+                         d_ff=4096, dropout=0.1),
+        "t5-large-mod": dict(vocab_size=32128, seq_len=512, d_model=1024, n_heads=32, head_size=32, n_layers=24,
+                             d_ff=4096, dropout=0.1),
+        "t5-v1_1-base": dict(vocab_size=32128, seq_len=512, d_model=768, n_heads=12, head_size=64, n_layers=12,
+                             d_ff=2048, dropout=0.1, feed_forward_proj="gated-gelu", tie_embeddings=False),
     }
     default_preset = "small"
 
