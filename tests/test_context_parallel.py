@@ -217,3 +217,25 @@ def test_context_parallel_refuses_what_it_cannot_run_in_one_line():
     t5 = get_arch("t5")
     with pytest.raises(LatticeConfigError, match="'ulysses' takes no additive position bias"):
         lattice.build_model(t5.config_class(**t5.test_shapes[0]), lattice.plan("serial", cp=2, cp_attention="ulysses"))
+
+
+def test_train_refuses_a_run_cp_cannot_split_before_launching(tmp_path, monkeypatch, capsys):
+    """Catches `lattice train --cp` runs refused only inside the launched processes (a traceback
+    or torchrun's noise per rank) or in words about the wrong length: a sequence that does not
+    split into 2·cp chunks, classification, and chunks that sequence parallelism cannot split
+    (named by the whole sequence lengths that work), each in one line before any process starts."""
+    from lattice.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    cases = [(["--arch", "llama", "--cp", "2", "--nproc", "2", "--seq-len", "126"],
+              "sequence length 126 does not split into 2·cp = 4 equal chunks"),
+             (["--arch", "bert", "--task", "classify", "--cp", "2", "--nproc", "2"],
+              "--task classify has one target per sequence"),
+             (["--arch", "llama", "--cp", "2", "--mode", "1d", "--tp", "4", "--sequence-parallel", "--seq-len", "132",
+               "--nproc", "8"], "each rank holds 66 of a sequence's 132 tokens); sequence lengths (--seq-len) that work "
+                                "with everything else as given: 128 or 136")]
+    for flags, line in cases:
+        assert cli.main(["train", *flags, "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert line in err and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()

@@ -82,7 +82,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     if nproc is not None and nproc != layout.world_size:
         axes = " x ".join(f"{a.value}={s}" for a, s in layout.topology.axes)
         raise LatticeConfigError(f"--nproc {nproc} does not match the layout: mode {layout.mode!r} with {axes} has "
-                                 f"{layout.world_size} ranks; use --nproc {layout.world_size} or change --tp/--dp/--pp")
+                                 f"{layout.world_size} ranks; use --nproc {layout.world_size} or change --tp/--dp/--pp/--cp")
     ckpt = checkpoint.read(args.resume) if args.resume else None
     where = checkpoint.resolve(args.resume) if ckpt is not None else None
     resumed_run = checkpoint.run_of(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None

@@ -33,6 +33,7 @@ from lattice.models import build_model, get_arch
 from lattice.modes import get_mode
 from lattice.parallel.comm import raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, TrainingStopped
+from lattice.parallel.context_parallel import check_context_batch
 from lattice.parallel.pipeline import batch_problem
 from lattice.parallel.zero import ZeroOptimizer
 from lattice.training import faults
@@ -129,15 +130,28 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
     lengths = [n for n in cfg.batch_lengths(model_config) if n]
     if cfg.task_name == "seq2seq":
         Seq2Seq.check_lengths(cfg.data, *lengths)
+    if ctx.cp > 1:  # each length in 2·cp chunks; a class per sequence has none
+        if cfg.task_name == "classify":
+            raise LatticeConfigError("--task classify has one target per sequence, and context parallelism splits "
+                                     "sequences (it takes a target per token); fine-tune with --cp 1")
+        check_context_batch(ctx, *(torch.zeros(1, n, dtype=torch.int64) for n in lengths))
 
     def problem(batch):
         if batch % ctx.dp:
             return f"batch size {batch} is not divisible by dp = {ctx.dp}"
-        return next(filter(None, (batch_problem(ctx.pipeline, mode, ctx, batch // ctx.dp, n) for n in lengths)), None)
+        return next(filter(None, (batch_problem(ctx.pipeline, mode, ctx, batch // ctx.dp, n // ctx.cp)
+                                  for n in lengths)), None)  # (under cp, each rank's chunks)
 
     found = problem(cfg.batch_size)
     if found:
         works = nearest_working(cfg.batch_size, lambda b: problem(b) is None, 4 * cfg.batch_size + 64)
+        if not works and ctx.cp > 1:  # no batch helps: the chunks' length is what the layout refuses
+            n = lengths[0]
+            fits = nearest_working(n, lambda t: t % (2 * ctx.cp) == 0 and batch_problem(
+                ctx.pipeline, mode, ctx, cfg.batch_size // ctx.dp, t // ctx.cp) is None, 4 * n)
+            raise LatticeConfigError(f"{found} (with --cp {ctx.cp} each rank holds {n // ctx.cp} of a sequence's {n} "
+                                     f"tokens); sequence lengths (--seq-len) that work with everything else as given: "
+                                     f"{' or '.join(map(str, fits))}")
         raise LatticeConfigError(f"{found}; global batch sizes (--batch-size) that work with everything else as "
                                  f"given: {' or '.join(map(str, works))}")
 
