@@ -223,7 +223,8 @@ def test_train_refuses_a_run_cp_cannot_split_before_launching(tmp_path, monkeypa
     """Catches `lattice train --cp` runs refused only inside the launched processes (a traceback
     or torchrun's noise per rank) or in words about the wrong length: a sequence that does not
     split into 2·cp chunks, classification, and chunks that sequence parallelism cannot split
-    (named by the whole sequence lengths that work), each in one line before any process starts."""
+    (named by the whole sequence lengths that work), and generation, each in one line before any
+    process starts."""
     from lattice.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
@@ -239,3 +240,8 @@ def test_train_refuses_a_run_cp_cannot_split_before_launching(tmp_path, monkeypa
         err = capsys.readouterr().err
         assert line in err and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()
+    assert cli.main(["train", "--arch", "gpt2", "--model", "tiny", "--steps", "1", "--eval-interval", "1",
+                     "--eval-batches", "1", "--no-progress", "--out-dir", "run"]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", "run", "--prompt", "def", "--cp", "2", "--nproc", "2"]) == 2
+    assert "generation runs with cp = 1" in capsys.readouterr().err

@@ -73,6 +73,9 @@ def load_for_inference(args, plan_only: bool = False):
         if saved_tokenizer.is_file():  # the tokenizer the run was trained with
             tokenizer = read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
     layout = layout_from_args(args)
+    if args.command == "generate" and layout.cp > 1:
+        raise LatticeConfigError(f"generation runs with cp = 1 (each new token attends to every position before it); "
+                                 f"drop --cp {layout.cp}, in any tensor layout")
     get_mode(layout.mode).check_model(cfg, layout.context())  # the layout's size checks
     if plan_only and args.nproc != layout.world_size:
         raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {layout.world_size} ranks; "
