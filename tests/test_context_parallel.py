@@ -59,7 +59,7 @@ def _batch(family: str, cfg, cp: int, padded: bool):
     return tokens, targets, {"attention_mask": mask}
 
 
-def _check(family: str, layout: dict) -> list[dict]:
+def _check(family: str, layout: dict, checkpointing: bool = False) -> list[dict]:
     ctx = cached_init(**layout)
     cls = get_arch(family)
     cfg = cls.config_class(**cls.test_shapes[0])
@@ -72,14 +72,14 @@ def _check(family: str, layout: dict) -> list[dict]:
         weights = serial.full_state_dict()
         ref_loss = serial.forward_backward(tokens, targets, **inputs)
         ref_grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
-        model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+        model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=checkpointing)
         model.load_full_state_dict(weights)
         with lattice.CommMeter() as meter:
             loss = model.forward_backward(tokens, targets, **inputs)
         grads = model.full_grad_dict()
         lengths = dict(zip(("seq", "target_seq"), (tokens.shape[1], targets.shape[1] if family == "t5" else None)))
         analytic = lattice.cost.estimate(cfg, mode, batch=B, dtype=torch.float64, padded=padded, rank=ctx.rank,
-                                         **lengths, **layout)
+                                         activation_checkpointing=checkpointing, **lengths, **layout)
         # (with stages the model's figure is one micro-batch's, and a forward alone is refused)
         saved = saved_activation_bytes(model, lambda: model(tokens, targets, **inputs)) if ctx.pp == 1 else None
         out.append(dict(padded=padded, loss=abs(loss - ref_loss) / abs(ref_loss), grads=_worst(grads, ref_grads),
@@ -90,8 +90,8 @@ def _check(family: str, layout: dict) -> list[dict]:
     return out
 
 
-def assert_cp_equals_serial(family: str, layout: dict) -> None:
-    results = run_distributed(lattice.plan(**layout).world_size, _check, family, layout)
+def assert_cp_equals_serial(family: str, layout: dict, checkpointing: bool = False) -> None:
+    results = run_distributed(lattice.plan(**layout).world_size, _check, family, layout, checkpointing)
     for rank, result in enumerate(results):
         for r in result:
             assert r["keys"] and max(r["loss"], r["grads"]) < 1e-10, (rank, r)
@@ -130,6 +130,14 @@ def test_context_parallel_equals_serial_and_its_cost_model(family, layout):
     causal halves, a left pad's query that must see every key), a loss weighed by the wrong share,
     a gradient not summed over cp, and any send or sum the cost model does not price."""
     assert_cp_equals_serial(family, layout)
+
+
+def test_context_parallel_recomputes_its_ring_under_activation_checkpointing():
+    """Catches a ring whose recomputation in backward (activation checkpointing re-runs each
+    block's forward, sends included) pairs its sends with the wrong step's receives or draws other
+    values, and a cost model that does not repeat the ring's forward sends in backward: GPT-2 in
+    1d with sequence parallelism at cp = 2, checkpointed, equals serial and its cost model."""
+    assert_cp_equals_serial("gpt2", dict(mode="1d", tp=2, cp=2, sequence_parallel=True), checkpointing=True)
 
 
 @pytest.mark.skipif(not os.environ.get("LATTICE_CP_MATRIX"), reason="the whole matrix: LATTICE_CP_MATRIX=1")
