@@ -119,7 +119,8 @@ MATRIX = [(family, dict(layout, cp=cp)) for family in ("llama", "gpt2") for cp i
     + [(family, dict(mode="2d", tp=4, cp=2)) for family in ("bert", "t5")] \
     + [("t5", dict(mode="serial", cp=2, pp=2)), ("gpt2", dict(mode="1d", tp=2, cp=2, pp=2, sequence_parallel=True))] \
     + [(family, dict(mode="serial", cp=2, cp_attention=kind)) for family in ("llama", "bert")
-       for kind in ("all_gather", "ulysses")] + [("t5", dict(mode="1d", tp=2, cp=2, cp_attention="all_gather"))]
+       for kind in ("all_gather", "ulysses")] + [("t5", dict(mode="1d", tp=2, cp=2, cp_attention="all_gather"))] \
+    + [("mistral", dict(mode="serial", cp=2)), ("qwen2", dict(mode="1d", tp=2, cp=2))]  # a sliding window; q, k, v biases
 
 
 @pytest.mark.parametrize("family,layout", CASES, ids=lambda v: v if isinstance(v, str) else
