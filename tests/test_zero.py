@@ -31,11 +31,11 @@ def _worst(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-300)) for k in b)
 
 
-def _gpt2_replicas(layout: dict, dtype):
-    """(ctx, the full serial weights in `dtype`, replica_step(model, step)): GPT-2's first test
-    shape, and a step's forward and backward of this replica's rows of the global batch."""
+def _gpt2_replicas(layout: dict, dtype, family: str = "gpt2"):
+    """(ctx, the full serial weights in `dtype`, replica_step(model, step)): the family's (GPT-2's)
+    first test shape, and a step's forward and backward of this replica's rows of the global batch."""
     ctx = cached_init(**layout)
-    family = get_arch("gpt2")
+    family = get_arch(family)
     cfg = family.config_class(**family.test_shapes[0])
     weights = lattice.build_model(cfg, lattice.plan("serial"), dtype=dtype).full_state_dict()
     d = ctx.coord(MeshAxis.DP)
@@ -50,19 +50,24 @@ def _gpt2_replicas(layout: dict, dtype):
         loss = model(tokens[mine], targets[mine])
         loss.backward()
         model.sync_grads(over_cp=False)
-        return float(loss)
+        return float(loss.detach())
 
     return ctx, cfg, weights, replica_step
 
 
-def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
+def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict:
     """Three AdamW steps of the same float64 model: plain data parallelism (gradients averaged
     by hand with torch.distributed, lattice.training.optim's norm and clip, torch's AdamW) and the
     distributed optimizer at each stage; full weights and moments of both, and the distributed
     optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
-    block in backward)."""
-    ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float64)
+    block in backward). The plain run's first loss and gradients are checked against the serial
+    model's on the whole global batch."""
+    ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float64, family)
     dp, d = ctx.dp, ctx.coord(MeshAxis.DP)
+    serial = lattice.build_model(cfg, lattice.plan("serial"), dtype=torch.float64)
+    serial.load_full_state_dict(weights)
+    serial_loss = serial.forward_backward(*_batch(cfg, REPLICA_BATCH * dp, 0))
+    serial_grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
 
     ref = lattice.build_model(cfg, ctx, dtype=torch.float64)
     ref.load_full_state_dict(weights)
@@ -70,17 +75,21 @@ def _zero_against_ddp(layout: dict, stages=(1, 2)) -> dict:
     ref_norms = []
     for step in range(STEPS):
         ref_opt.zero_grad(set_to_none=True)
-        replica_step(ref, step)
+        loss = torch.tensor(replica_step(ref, step), dtype=torch.float64)
         if dp > 1:
+            dist.all_reduce(loss, group=ctx.group(MeshAxis.DP))  # replicas of equal rows, none ignored
             for p in ref.parameters():
                 dist.all_reduce(p.grad, group=ctx.group(MeshAxis.DP))
                 p.grad /= dp
+        if step == 0:
+            to_serial = max(abs(float(loss) / dp - serial_loss) / abs(serial_loss),
+                            _worst(ref.gather_grads(), serial_grads))
         norm = grad_norm(ref, ctx)
         ref_norms.append(float(norm))
         clip_grads(ref, norm, CLIP)
         ref_opt.step()
     ref_weights, ref_moments = ref.full_state_dict(), checkpoint.gather_optimizer(ref, ref_opt)
-    out = {"clipped": min(ref_norms) > CLIP}
+    out = {"clipped": min(ref_norms) > CLIP, "to_serial": to_serial}
     for stage in stages:  # stage 2 with activation checkpointing: its recomputation must not re-fire a bucket
         model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=stage == 2)
         model.load_full_state_dict(weights)
@@ -128,7 +137,8 @@ ZERO_LAYOUTS = [
     {"mode": "serial", "dp": 2, "pp": 2, "microbatches": 2},
     {"mode": "subgraph", "tp": 2, "dp": 2, "subgrids": 2},
     {"mode": "2d", "tp": 4, "dp": 2},
-    {"mode": "serial", "dp": 2, "cp": 2},  # rows split over dp x cp, the reduction summing over cp
+    # rows split over dp x cp, the reduction summing over cp; buckets of SP's partial gradients apart
+    {"mode": "1d", "tp": 2, "dp": 2, "cp": 2, "sequence_parallel": True},
 ]
 
 
@@ -145,9 +155,17 @@ def test_zero_equals_plain_data_parallelism_and_its_cost_model(layout):
     moments, a bucket started before sync_grads completed its gradients, and collectives the
     cost model does not describe (or the reverse): weights and both moments after three steps
     equal plain data parallelism's within 1e-12."""
-    results = run_distributed(_world(layout), _zero_against_ddp, layout)
+    assert_zero_equals_ddp_and_serial(layout)
+
+
+def assert_zero_equals_ddp_and_serial(layout: dict, family: str = "gpt2") -> None:
+    """The checks of the test above, for `family` (also run by test_context_parallel's matrix):
+    plain data parallelism's first loss and gradients equal serial's within 1e-10, ZeRO's weights,
+    moments and norms plain data parallelism's within 1e-12, its collectives the cost model's."""
+    results = run_distributed(_world(layout), _zero_against_ddp, layout, family=family)
     for rank, result in enumerate(results):
         assert result["clipped"], rank
+        assert result["to_serial"] < 1e-10, (rank, result["to_serial"])
         for stage in (1, 2):
             r = result[stage]
             assert r["steps"] == STEPS, (rank, stage)
@@ -159,6 +177,12 @@ def test_zero_equals_plain_data_parallelism_and_its_cost_model(layout):
             dp = shards  # the gradients' reduce-scatter runs in backward, the weights' all-gather after
             assert ("backward", "reduce_scatter", dp) in r["measured"]
             assert ("optimizer", "all_gather", dp) in r["measured"]
+    worst = max(max(result[stage][k] for stage in (1, 2) for k in ("weights", "moments", "norms"))
+                for result in results)
+    print(f"\n{family} {layout} zero 1 and 2: {len(results)} ranks; first loss and gradients to serial "
+          f"{max(r['to_serial'] for r in results):.1e}; weights, moments, norms after {STEPS} steps to plain "
+          f"data parallelism {worst:.1e}; rank 0's first step metered "
+          f"{sum(e for _, e in results[0][1]['measured'].values()):,} elements = cost model")
 
 
 RUN = dict(model="tiny", vocab_size=512, batch_size=8, lr=3e-3, warmup=2, grad_clip=0.3, eval_interval=100,

@@ -400,7 +400,7 @@ class CostBuilder:
         coords = c.topology.coords(c.rank)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            for _, _, segment in plan_buckets(self.model, shards, itemsize=state):
+            for _, _, segment in plan_buckets(self.model, shards, itemsize=state, cp_summed=not reduces_cp):
                 if shards > 1:
                     self.add("backward", "reduce_scatter", (DP, CP), shards * segment, 1, "grads", itemsize=state)
                     self.add("optimizer", "all_gather", (DP, CP), shards * segment, 1, "grads")
