@@ -17,7 +17,7 @@ from lattice.bench.measure import saved_activation_bytes
 CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
 
-def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4):
+def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False):
     """Bytes CommMeter counts on a rank for one forward + backward, worked out from the algorithm
     (DESIGN.md "3D"), per collective kind. Per linear X [M, N] W [N, K] (M = B·T): forward
     all-gathers of X (M·N/q² gathered) and W (N·K/q²) and a reduce-scatter of Y (M·K/q²);
@@ -27,7 +27,8 @@ def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4):
     backward the reverse. Vectors: a LayerNorm's weight (and bias) of h/q, the biases of K/q, wpe
     of T·h/q, each broadcast forward and reduced backward. LayerNorm: (Σx, Σx²) of M/q² tokens
     all-reduced forward and backward. Loss: max and (Σe^x, target) of M/q² tokens, and the mean.
-    With checkpointing every forward collective of a layer runs once more in backward."""
+    With checkpointing every forward collective of a layer runs once more in backward. With
+    `keep` (keep_gathered) backward uses the X and W forward gathered: no all-gathers but dY's."""
     M, Vp = B * T, -(-V // (q * q)) * (q * q)
     out = {}
 
@@ -37,8 +38,9 @@ def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4):
     layer_fwd = []
     for N, K in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
         layer_fwd += [("all_gather", M * N / q ** 2), ("all_gather", N * K / q ** 2), ("reduce_scatter", M * K / q ** 2)]
-        for op, e in (("all_gather", M * K / q ** 2), ("all_gather", M * N / q ** 2), ("all_gather", N * K / q ** 2),
-                      ("reduce_scatter", M * N / q ** 2), ("reduce_scatter", N * K / q ** 2)):
+        for op, e in (("all_gather", M * K / q ** 2), ("all_gather", 0 if keep else M * N / q ** 2),
+                      ("all_gather", 0 if keep else N * K / q ** 2), ("reduce_scatter", M * N / q ** 2),
+                      ("reduce_scatter", N * K / q ** 2)):
             add("backward", op, e, L)
         if bias:
             layer_fwd.append(("broadcast", K / q))
@@ -63,40 +65,43 @@ def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4):
     add("backward", "all_reduce", 2 * M / q ** 2)
     for op, e in (("all_gather", M * h / q ** 2), ("all_gather", Vp * h / q ** 2), ("reduce_scatter", M * Vp / q ** 2)):
         add("forward", op, e)
-    for op, e in (("all_gather", M * Vp / q ** 2), ("all_gather", M * h / q ** 2), ("all_gather", Vp * h / q ** 2),
-                  ("reduce_scatter", M * h / q ** 2), ("reduce_scatter", Vp * h / q ** 2)):
+    for op, e in (("all_gather", M * Vp / q ** 2), ("all_gather", 0 if keep else M * h / q ** 2),
+                  ("all_gather", 0 if keep else Vp * h / q ** 2), ("reduce_scatter", M * h / q ** 2),
+                  ("reduce_scatter", Vp * h / q ** 2)):
         add("backward", op, e)
     add("forward", "all_reduce", 3 * M / q ** 2 + 1)
     return out
 
 
 def _check_comm():
-    ctx = cached_init(mode="3d", tp=8)
     out = []
-    for bias in (True, False):
-        for ckpt in (False, True):
-            cfg = lattice.GPTConfig(**{**CFG, "bias": bias})
-            model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
-            tokens, targets = _batch(8, 12, cfg.vocab_size, seed=1)
-            with lattice.CommMeter() as meter:
-                model.forward_backward(tokens, targets)
-            measured = {}
-            for (phase, op, _), rec in meter.summary().items():
-                measured[(phase, op)] = measured.get((phase, op), 0) + rec["bytes"]
-            out.append((bias, ckpt, measured, step_bytes(8, 12, 32, 61, 2, 2, bias, ckpt)))
+    for keep in (False, True):
+        ctx = cached_init(mode="3d", tp=8, keep_gathered=keep)
+        for bias in (True, False):
+            for ckpt in (False, True):
+                cfg = lattice.GPTConfig(**{**CFG, "bias": bias})
+                model = lattice.GPT(cfg, ctx, activation_checkpointing=ckpt)
+                tokens, targets = _batch(8, 12, cfg.vocab_size, seed=1)
+                with lattice.CommMeter() as meter:
+                    model.forward_backward(tokens, targets)
+                measured = {}
+                for (phase, op, _), rec in meter.summary().items():
+                    measured[(phase, op)] = measured.get((phase, op), 0) + rec["bytes"]
+                out.append((bias, ckpt, keep, measured, step_bytes(8, 12, 32, 61, 2, 2, bias, ckpt, keep=keep)))
     return out
 
 
 def test_comm_bytes_per_step_match_the_formula():
     """Catches a gathered operand of the wrong size (a q-fold copy instead of a piece), a missing
-    re-gather in backward, vectors broadcast over the wrong plane, and recomputation that skips or
-    doubles collectives, on every rank."""
+    re-gather in backward (or, with keep_gathered, one left in), vectors broadcast over the wrong
+    plane, and recomputation that skips or doubles collectives, on every rank."""
     results = run_distributed(8, _check_comm)
     for rank, rank_result in enumerate(results):
-        for bias, ckpt, measured, expected in rank_result:
-            assert measured == pytest.approx(expected), (rank, bias, ckpt, measured, expected)
-    for bias, ckpt, measured, _ in results[0]:
-        print(f"3d q=2 bias={bias!s:5} checkpointing={ckpt!s:5}: {sum(measured.values()):,.0f} bytes per step per rank")
+        for bias, ckpt, keep, measured, expected in rank_result:
+            assert measured == pytest.approx(expected), (rank, bias, ckpt, keep, measured, expected)
+    for bias, ckpt, keep, measured, _ in results[0]:
+        print(f"3d q=2 bias={bias!s:5} checkpointing={ckpt!s:5} keep_gathered={keep!s:5}: "
+              f"{sum(measured.values()):,.0f} bytes per step per rank")
 
 
 MEMORY_CFG = dict(vocab_size=64, seq_len=8, d_model=128, n_heads=8, n_layers=2)

@@ -98,20 +98,21 @@ def format_table(result: dict) -> str:
     rows = result["rows"]
     serial_act = next((r["act_bytes"] for r in rows if r["mode"] == REFERENCE_MODE), None)
     p = result["p"]
-    head = (f"{'mode':<14}{'fwd ms':>8}{'bwd ms':>8}{'step ms':>9}{'pred ms':>9}{'comm MB':>9}{'model MB':>9}"
+    w = max([14] + [len(r["label"]) + 1 for r in rows] + [len(label) + 1 for label, _ in result.get("skipped", [])])
+    head = (f"{'mode':<{w}}{'fwd ms':>8}{'bwd ms':>8}{'step ms':>9}{'pred ms':>9}{'comm MB':>9}{'model MB':>9}"
             f"{'ratio':>7}{'act MB/rk':>10}{'act·p/ser':>10}{'param MB/rk':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['label']:<14}{r['error']}")
+            lines.append(f"{r['label']:<{w}}{r['error']}")
             continue
         rel = "" if serial_act is None else f"{r['act_bytes'] * (p if r['mode'] != REFERENCE_MODE else 1) / serial_act:.3f}"
         pred = f"{r['step_pred_s'] * 1e3:.1f}" if "step_pred_s" in r else "-"
-        lines.append(f"{r['label']:<14}{r['forward_s'] * 1e3:8.1f}{r['backward_s'] * 1e3:8.1f}{r['step_s'] * 1e3:9.1f}"
+        lines.append(f"{r['label']:<{w}}{r['forward_s'] * 1e3:8.1f}{r['backward_s'] * 1e3:8.1f}{r['step_s'] * 1e3:9.1f}"
                      f"{pred:>9}{_mb(r['comm_bytes']):>9}{_mb(r['comm_bytes_analytic']):>9}{r['comm_ratio']:7.3f}"
                      f"{_mb(r['act_bytes']):>10}{rel:>10}{_mb(r['param_bytes']):>12}")
     for label, why in result.get("skipped", []):
-        lines.append(f"{label:<14}skipped: {why}")
+        lines.append(f"{label:<{w}}skipped: {why}")
     ratio = peer_ratio(result)
     if ratio is not None:
         lines.append(f"{peer_mode('dtensor')} step / dtensor step = {ratio:.3f}")

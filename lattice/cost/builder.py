@@ -332,13 +332,14 @@ class CostBuilder:
     def activation(self, width: int, *, kind: str = "gelu_tanh", gated: bool = False) -> None:
         """The MLP's elementwise activation (lattice.models.components.ACTIVATIONS) on `width`
         hidden features: GELU and SiLU save their input, ReLU its output (which the next linear
-        saves anyway); gated (SwiGLU), act(gate) * up over the IN linear's two segments saves
-        both (one storage) and act(gate)."""
+        saves anyway, where the layout keeps a linear's input as it is); gated (SwiGLU),
+        act(gate) * up over the IN linear's two segments saves both (one storage) and act(gate)."""
         self._next()
         share = self.share.get("mlp", self.share["split"])
         out = self.M * width * share
         saves_input = kind != "relu"
-        self.save((self.current + out) if gated else (self.current if saves_input else 0))
+        own_output = 0 if self.mode.cost_keeps_input("mlp", "out") else out
+        self.save((self.current + out) if gated else (self.current if saves_input else own_output))
         self._work("elementwise", self.M * width * share * (2 if gated else 1))
         self.current, self.output_saved = out, False
 

@@ -185,7 +185,7 @@ class Linear(nn.Module):
     def __init__(self, cfg, mode: "Cube3D", in_features, out_features, position, stack=None, segments=None,
                  bias=True):
         super().__init__()
-        self.cube, self.overlap = mode.cube, mode.overlap
+        self.cube, self.overlap, self.keep = mode.cube, mode.overlap, mode.keep_gathered
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
         # IN: x columns along l, output along j; OUT: the other way round
@@ -209,7 +209,7 @@ class Linear(nn.Module):
         # the product reduce-scattered along its feature axis (which then indexes the batch pieces)
         batch_axis = CJ if self.x_axis == CL else CL
         y = linear_3d(x.reshape(-1, x.shape[-1]), w, c.group(batch_axis), c.group(CI), c.group(self.x_axis),
-                      overlap=self.overlap)
+                      overlap=self.overlap, keep=self.keep)
         if b is not None:
             y = y + b.reshape(-1)
         return split_segments(self, y.view(x.shape[0], x.shape[1], *self.local_out))
@@ -247,12 +247,12 @@ class LMHead(TiedHead):
         super().__init__(cfg, mode.ctx, embedding, mode.table_spec(),
                          vocab_bias_spec(cfg, (CJ,), mode.q * mode.q, grad_sum=(CI, CL)) if bias else None)
         self.cube, self.q, self.vocab_size, self.vocab_pad = mode.cube, mode.q, cfg.vocab_size, mode.vocab_pad
-        self.overlap = mode.overlap
+        self.overlap, self.keep = mode.overlap, mode.keep_gathered
 
     def _local_logits(self, x):  # (B/q², T, h/q) batch (i, j) -> (B/q² · T, V'/q) batch (i, l), vocab j
         c = self.cube
         return self.add_bias(linear_3d(x.reshape(-1, x.shape[-1]), self.table(), c.group(CJ), c.group(CI),
-                                       c.group(CL), transpose_w=True, overlap=self.overlap))
+                                       c.group(CL), transpose_w=True, overlap=self.overlap, keep=self.keep))
 
     def loss(self, x, targets):
         c, q = self.cube, self.q
@@ -283,8 +283,11 @@ class Cube3D(Mode):
     name = "3d"
     residual_replicated = False
     options = {"overlap": Option(True, "gather each weight asynchronously while the input's gather runs "
-                                       "(forward) or dY's and X's (backward)")}
-    test_layouts = ({"tp": 8}, {"tp": 8, "overlap": False})
+                                       "(forward) or dY's and X's (backward)"),
+               "keep_gathered": Option(False, "keep each product's all-gathered input and weight for backward "
+                                              "(q times their pieces' memory until backward) instead of "
+                                              "gathering them again")}
+    test_layouts = ({"tp": 8}, {"tp": 8, "overlap": False, "keep_gathered": True})
 
     @classmethod
     def mesh_axes(cls, tp, options):
@@ -302,7 +305,7 @@ class Cube3D(Mode):
 
     def __init__(self, cfg, ctx):
         self.q = ctx.size(CI)
-        self.overlap = ctx.options["overlap"]
+        self.overlap, self.keep_gathered = ctx.options["overlap"], ctx.options["keep_gathered"]
         super().__init__(cfg, ctx)
         self.vocab_pad = round_up(cfg.vocab_size, self.q * self.q)
         self.cube = Cube(ctx)
@@ -372,7 +375,8 @@ class Cube3D(Mode):
     # Per linear Y = X W (X [M, N], W [N, K]): forward all-gathers X's pieces (M·N/q² gathered)
     # along its batch-piece axis and W's (N·K/q²) along i, reduce-scatters the product (M·K/q²)
     # along its feature axis; backward all-gathers dY, X and W again and reduce-scatters dX and
-    # dW. Vectors of a K/q block are broadcast over their plane (q² ranks) and reduced back.
+    # dW (with keep_gathered, X and W are the ones forward gathered and kept: no gathers but dY's).
+    # Vectors of a K/q block are broadcast over their plane (q² ranks) and reduced back.
     # Under checkpointing every forward collective of a layer runs again: a custom Function
     # packs its saved inputs only after its forward (collectives included) returns.
     def _product(self, b, M, N, K, batch_axis, x_axis, site):
@@ -381,10 +385,14 @@ class Cube3D(Mode):
         for op, axis, elements in (("all_gather", batch_axis, mn), ("all_gather", CI, nk),
                                    ("reduce_scatter", x_axis, mk)):
             b.add("forward", op, (axis,), elements, 1, site)
-        for op, axis, elements in (("all_gather", x_axis, mk), ("all_gather", batch_axis, mn),
-                                   ("all_gather", CI, nk), ("reduce_scatter", batch_axis, mn),
+        regathered = () if self.keep_gathered else (("all_gather", batch_axis, mn), ("all_gather", CI, nk))
+        for op, axis, elements in (("all_gather", x_axis, mk), *regathered, ("reduce_scatter", batch_axis, mn),
                                    ("reduce_scatter", CI, nk)):
             b.add("backward", op, (axis,), elements, 1, site)
+
+    def _kept(self, M, N, K) -> float:
+        """Elements a product saves beyond its input with keep_gathered: the gathered X and W."""
+        return (M * N + N * K) / self.q ** 2 if self.keep_gathered else 0
 
     def _vectors(self, b, elements, calls, plane, site):
         b.add("forward", "broadcast", plane, elements, calls, site)
@@ -420,8 +428,13 @@ class Cube3D(Mode):
         if bias:
             self._vectors(b, out_features / q, 1, PLANE[CJ] if first else PLANE[CL], "bias")
         self._product(b, b.M, in_features, out_features, CJ if first else CL, CL if first else CJ, "linear")
+        if self.keep_gathered:  # the gathered copies, not the input
+            return self._kept(b.M, in_features, out_features), b.M * out_features / q ** 3
         saved = 0 if input_saved else b.M * in_features / q ** 3
         return saved, b.M * out_features / q ** 3
+
+    def cost_keeps_input(self, block, position):
+        return not self.keep_gathered
 
     def cost_dense(self, b, in_features, out_features, bias):
         """The input all-gathered along l, its gradient reduce-scattered back. Saves the
@@ -441,7 +454,8 @@ class Cube3D(Mode):
         b.add("forward", "all_reduce", (CJ,), 3 * M / q ** 2, 2, "loss", itemsize=loss_size)
         b.add("forward", "all_reduce", (CI, CL), 1, 1, "loss", itemsize=loss_size)
         b.save_ints(M / q ** 2 * (8 + 1))  # target ids, hit mask
-        return M * b.h / q ** 3 + M * b.vocab_padded / q ** 3
+        head_input = self._kept(M, b.h, b.vocab_padded) if self.keep_gathered else M * b.h / q ** 3
+        return head_input + M * b.vocab_padded / q ** 3
 
     def cost_pool(self, b):
         """Every piece of the position placed and all-reduced over the q³ ranks."""
