@@ -17,7 +17,7 @@ from lattice.bench.measure import saved_activation_bytes
 CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
 
-def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False):
+def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False, replicated=False, table_rows=16):
     """Bytes CommMeter counts on a rank for one forward + backward, worked out from the algorithm
     (DESIGN.md "3D"), per collective kind. Per linear X [M, N] W [N, K] (M = B·T): forward
     all-gathers of X (M·N/q² gathered) and W (N·K/q²) and a reduce-scatter of Y (M·K/q²);
@@ -28,12 +28,20 @@ def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False):
     of T·h/q, each broadcast forward and reduced backward. LayerNorm: (Σx, Σx²) of M/q² tokens
     all-reduced forward and backward. Loss: max and (Σe^x, target) of M/q² tokens, and the mean.
     With checkpointing every forward collective of a layer runs once more in backward. With
-    `keep` (keep_gathered) backward uses the X and W forward gathered: no all-gathers but dY's."""
+    `keep` (keep_gathered) backward uses the X and W forward gathered: no all-gathers but dY's. With
+    `replicated` vectors no broadcast or reduce: every vector's gradient (the whole position table
+    of `table_rows` rows) is all-reduced over its plane after backward."""
     M, Vp = B * T, -(-V // (q * q)) * (q * q)
     out = {}
 
     def add(phase, op, elements, times=1, size=itemsize):
+        if replicated and op in ("broadcast", "reduce"):  # a hosted vector's (replicated: summed below)
+            return
         out[(phase, op)] = out.get((phase, op), 0) + elements * times * size
+
+    if replicated:  # per layer two LayerNorms and four biases; the final LayerNorm; the position table
+        vectors = L * (2 * (2 if bias else 1) * h + (9 * h if bias else 0)) + (2 if bias else 1) * h + table_rows * h
+        add("backward", "all_reduce", vectors / q)
 
     layer_fwd = []
     for N, K in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
@@ -75,8 +83,8 @@ def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False):
 
 def _check_comm():
     out = []
-    for keep in (False, True):
-        ctx = cached_init(mode="3d", tp=8, keep_gathered=keep)
+    for keep, vectors in ((False, "hosted"), (True, "hosted"), (False, "replicated")):
+        ctx = cached_init(mode="3d", tp=8, keep_gathered=keep, vectors=vectors)
         for bias in (True, False):
             for ckpt in (False, True):
                 cfg = lattice.GPTConfig(**{**CFG, "bias": bias})
@@ -87,7 +95,10 @@ def _check_comm():
                 measured = {}
                 for (phase, op, _), rec in meter.summary().items():
                     measured[(phase, op)] = measured.get((phase, op), 0) + rec["bytes"]
-                out.append((bias, ckpt, keep, measured, step_bytes(8, 12, 32, 61, 2, 2, bias, ckpt, keep=keep)))
+                measured = {k: v for k, v in measured.items() if v}
+                expected = step_bytes(8, 12, 32, 61, 2, 2, bias, ckpt, keep=keep, replicated=vectors == "replicated")
+                out.append((bias, ckpt, f"keep_gathered={keep!s:5} vectors={vectors}", measured,
+                            {k: v for k, v in expected.items() if v}))
     return out
 
 
@@ -100,7 +111,7 @@ def test_comm_bytes_per_step_match_the_formula():
         for bias, ckpt, keep, measured, expected in rank_result:
             assert measured == pytest.approx(expected), (rank, bias, ckpt, keep, measured, expected)
     for bias, ckpt, keep, measured, _ in results[0]:
-        print(f"3d q=2 bias={bias!s:5} checkpointing={ckpt!s:5} keep_gathered={keep!s:5}: "
+        print(f"3d q=2 bias={bias!s:5} checkpointing={ckpt!s:5} {keep}: "
               f"{sum(measured.values()):,.0f} bytes per step per rank")
 
 

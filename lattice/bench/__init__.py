@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from lattice.bench.measure import variants
+from lattice.bench.measure import label_options, variants
 from lattice.bench.report import (SIZES, STRONG, STRONG_BATCH, WEAK, crossovers, format_projection, format_table,
                                   machine_info, plot_single, plot_sweeps, prediction_errors, projection, weak_config)
 from lattice.bench.world import bench_size
@@ -79,9 +79,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def check_args(args) -> None:
     """One-line refusals of what cannot run, before any process starts."""
     known = {REFERENCE_MODE, *parallel_modes(), "dtensor", *variants()}
-    unknown = [m for m in args.modes or [] if m not in known]
+    unknown = [m for m in args.modes or [] if label_options(m) is None]
     if unknown:
-        raise LatticeConfigError(f"unknown mode(s) {unknown} in --modes; choose from {', '.join(sorted(known))}")
+        raise LatticeConfigError(f"unknown mode(s) {unknown} in --modes; choose from {', '.join(sorted(known))} "
+                                 f"(variants of one mode join with +, e.g. 3d+keep_gathered=True+vectors=replicated)")
     if args.sweep and args.arch != "gpt2":
         raise LatticeConfigError(f"the sweeps scale the papers' GPT-2 shapes; drop --arch {args.arch} or --sweep")
     for name, least in (("nproc", 1), ("batch", 1), ("steps", 1), ("warmup", 0)):

@@ -202,6 +202,23 @@ def variants() -> dict[str, tuple[str, dict]]:
     return out
 
 
+def label_options(label: str) -> tuple[str, dict] | None:
+    """(mode, options) of a --modes label: a mode name, a variant, or a mode with several of them
+    joined ("3d+keep_gathered=True+vectors=replicated"); None for a label that names none."""
+    named = variants()
+    if label in named:
+        return named[label]
+    mode, *parts = label.split("+")
+    if not parts or mode not in parallel_modes():
+        return (label, {}) if label in (REFERENCE_MODE, "dtensor", *parallel_modes()) else None
+    options = {}
+    for part in parts:
+        if f"{mode}+{part}" not in named:
+            return None
+        options.update(named[f"{mode}+{part}"][1])
+    return mode, options
+
+
 def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list, list]:
     """([(label, mode, options)], [(label, why not)]) for p processes: every registered mode (and
     the peer) whose layout fits p ranks and whose size checks pass this model and batch."""
@@ -212,9 +229,8 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
     if p == 1:
         return ([(REFERENCE_MODE, REFERENCE_MODE, {})] if not wanted or REFERENCE_MODE in wanted else []), []
     runs, skipped = [], []
-    named = variants()
     for label in labels:
-        mode, options = named.get(label, (label, {}))
+        mode, options = label_options(label)
         if mode == REFERENCE_MODE:
             continue
         if mode == "dtensor":

@@ -21,7 +21,7 @@ class Term:
     elements: float
     site: str  # embedding | layer.linear | layer.bias | layer.norm | layer.branch | layer.ring | layer.context |
     #  head | loss | grads | pipeline (layer.ring: a cp ring's keys and values or their gradients, sent while a block
-    #  computes; layer.context: cp's all-gather or all-to-all)
+    #  computes; layer.context: cp's all-gather or all-to-all; a ".hidden" suffix: run beside the weight gradients' products)
     itemsize: int = 4
     ranks: int | None = None  # the group's size where it is not the product of `axes` (a first + last stage pair)
 

@@ -131,8 +131,10 @@ class Cost:
 
     def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:
         """Predicted seconds. Communication and computation do not overlap, except a cp ring's
-        keys and values (site layer.ring), which travel while attention computes the block before
-        (`overlapped`: the seconds of them hidden so). With stem=True, the Transformer layers
+        keys and values (site layer.ring), which travel while attention computes the block before,
+        and the layers' collectives a layout starts before the weight gradients' products and
+        awaits after them (sites ending in ".hidden"; the products are half of backward's linear
+        work) (`overlapped`: the seconds of them hidden so). With stem=True, the Transformer layers
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         work = self.stem if stem else {"flops": self.flops, "attention_flops": self.attention_flops,
@@ -147,6 +149,12 @@ class Cost:
                 attention = work["scores"][phase] / machine.attn_rate * (1 - 1 / cp)
                 out[f"{phase}_overlapped"] = min(self.comm_time(machine, phase, "layer.ring"), attention)
                 out[f"{phase}_comm"] -= out[f"{phase}_overlapped"]
+            beside_products = sum(self.comm_time(machine, phase, site) for site in
+                                  sorted({t.site for t in self.terms if t.phase == phase and t.site.endswith(".hidden")}))
+            if beside_products:
+                hidden = min(beside_products, linear / 2 / machine.flop_rate)
+                out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + hidden
+                out[f"{phase}_comm"] -= hidden
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
         if stem:
             out["step"] = out["forward"] + out["backward"]

@@ -13,7 +13,8 @@ tokens, whole sequences) and W [N, K]:
     backward         all-gather dY along l; dX = dY Wᵀ reduce-scattered along j; dW = Xᵀ dY
                      reduce-scattered along i (X and W gathered again, not kept)
     overlap          (option, on by default) W's all-gather is issued asynchronously first and
-                     runs while X's (and in backward dY's and X's) gathers do
+                     runs while X's (and in backward dY's and X's) gathers do; dX's
+                     reduce-scatter runs while dW's product is computed
 
 So every rank stores exactly 1/p of X, W and Y, and the output's column index is j and its piece
 index l: the roles of j and l swap. The first linear of a block (Position.IN: qkv, fc) takes the
@@ -66,6 +67,7 @@ class Cube:
     def __init__(self, ctx):
         self.ctx = ctx
         self.q = ctx.size(CI)
+        self.replicated = ctx.options["vectors"] == "replicated"
         self.i, self.j, self.l = ctx.coord(CI), ctx.coord(CJ), ctx.coord(CL)
 
     def group(self, *axes):
@@ -80,7 +82,11 @@ class Cube:
 
 def hosted(param, shape, cube: Cube, plane, dtype, device) -> torch.Tensor:
     """A vector block stored once per plane (on its member with both plane coordinates 0) on every
-    rank of the plane. Forward: broadcast; backward: the plane's gradients reduced to the holder."""
+    rank of the plane. Forward: broadcast; backward: the plane's gradients reduced to the holder.
+    With vectors="replicated" every rank of the plane holds it (its gradient is summed over the
+    plane with the other in-replica sums, after backward): no collective here."""
+    if cube.replicated:
+        return param.to(dtype)
     # without the parameter: a receive buffer that requires grad, so that the backward reduce runs here too
     src = param.to(dtype) if param is not None else torch.empty(shape, dtype=dtype, device=device).requires_grad_()
     return comm.broadcast(src, cube.group(*plane), cube.plane_root(plane))
@@ -90,9 +96,11 @@ def hosted(param, shape, cube: Cube, plane, dtype, device) -> torch.Tensor:
 PLANE = {CL: (CI, CJ), CJ: (CI, CL)}
 
 
-def vector_spec(shape, dim, axis) -> ShardSpec:
+def vector_spec(shape, dim, axis, replicated: bool = False) -> ShardSpec:
     """A vector (or the position table) split along `dim` over `axis`, held where the plane's
-    coordinates are 0."""
+    coordinates are 0, or (`replicated`) on every rank of the plane with its gradient summed there."""
+    if replicated:
+        return ShardSpec(shape, ((dim, (axis,)),), grad_sum=PLANE[axis])
     return ShardSpec(shape, ((dim, (axis,)),), tuple((a, 0) for a in PLANE[axis]))
 
 
@@ -135,7 +143,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.cube, self.q = mode.cube, mode.q
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
-        register_position_tables(self, cfg, mode.ctx, positions, types, lambda shape: vector_spec(shape, 1, CL))
+        register_position_tables(self, cfg, mode.ctx, positions, types, lambda shape: vector_spec(shape, 1, CL, self.cube.replicated))
 
     def forward(self, tokens, start: int = 0, token_types=None, positions=None):
         c, q = self.cube, self.q
@@ -162,7 +170,7 @@ class Norm(nn.Module):
         super().__init__()
         check_norm_kind(kind, bias)
         self.cube, self.h, self.eps, self.kind = mode.cube, cfg.d_model, eps, kind
-        spec = vector_spec((cfg.d_model,), 0, CL)
+        spec = vector_spec((cfg.d_model,), 0, CL, mode.cube.replicated)
         register_sharded(self, "weight", spec, mode.ctx)
         self.has_bias = bias
         if bias:
@@ -194,7 +202,7 @@ class Linear(nn.Module):
         # along rows and the reduce-scatter along tokens, so the segments' columns stay apart
         register_linear(self, mode.ctx, out_shape,
                         lambda s: ShardSpec((in_features,) + s, ((0, (self.x_axis, CI)), (last, (self.y_axis,)))),
-                        lambda s: vector_spec(s, last - 1, self.y_axis), bias, segments)
+                        lambda s: vector_spec(s, last - 1, self.y_axis, mode.cube.replicated), bias, segments)
         self.has_bias = bias
         self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
 
@@ -283,11 +291,16 @@ class Cube3D(Mode):
     name = "3d"
     residual_replicated = False
     options = {"overlap": Option(True, "gather each weight asynchronously while the input's gather runs "
-                                       "(forward) or dY's and X's (backward)"),
+                                       "(forward) or dY's and X's (backward), and reduce-scatter dX while "
+                                       "dW is computed"),
+               "vectors": Option("hosted", "where the vectors (biases, norm weights, position rows) live: once per "
+                                           "plane, broadcast in forward and reduced in backward (hosted), or on "
+                                           "every rank of the plane, their gradients summed after backward "
+                                           "(replicated)", choices=("hosted", "replicated")),
                "keep_gathered": Option(False, "keep each product's all-gathered input and weight for backward "
                                               "(q times their pieces' memory until backward) instead of "
                                               "gathering them again")}
-    test_layouts = ({"tp": 8}, {"tp": 8, "overlap": False, "keep_gathered": True})
+    test_layouts = ({"tp": 8}, {"tp": 8, "overlap": False, "keep_gathered": True, "vectors": "replicated"})
 
     @classmethod
     def mesh_axes(cls, tp, options):
@@ -386,17 +399,21 @@ class Cube3D(Mode):
                                    ("reduce_scatter", x_axis, mk)):
             b.add("forward", op, (axis,), elements, 1, site)
         regathered = () if self.keep_gathered else (("all_gather", batch_axis, mn), ("all_gather", CI, nk))
-        for op, axis, elements in (("all_gather", x_axis, mk), *regathered, ("reduce_scatter", batch_axis, mn),
-                                   ("reduce_scatter", CI, nk)):
+        for op, axis, elements in (("all_gather", x_axis, mk), *regathered, ("reduce_scatter", CI, nk)):
             b.add("backward", op, (axis,), elements, 1, site)
+        # dX's reduce-scatter, with overlap beside dW's product (Cost.time's ".hidden" terms)
+        b.add("backward", "reduce_scatter", (batch_axis,), mn, 1, f"{site}.hidden" if self.overlap else site)
 
     def _kept(self, M, N, K) -> float:
         """Elements a product saves beyond its input with keep_gathered: the gathered X and W."""
         return (M * N + N * K) / self.q ** 2 if self.keep_gathered else 0
 
     def _vectors(self, b, elements, calls, plane, site):
-        b.add("forward", "broadcast", plane, elements, calls, site)
-        b.add("backward", "reduce", plane, elements, calls, site)
+        """Hosted vectors' broadcast and reduce (replicated ones are summed over the plane with the
+        in-replica gradient sums, which the builder prices from their specs)."""
+        if not self.cube.replicated:
+            b.add("forward", "broadcast", plane, elements, calls, site)
+            b.add("backward", "reduce", plane, elements, calls, site)
 
     def cost_embedding(self, b, positions, types):
         """onehot(tokens) E with the swapped roles (table pieces gathered along i, rows
@@ -418,7 +435,7 @@ class Cube3D(Mode):
         self._vectors(b, vec * b.h / q, vec, PLANE[CL], "norm")
         b.add("forward", "all_reduce", (CL,), sums * b.M / q ** 2, 1, "norm")
         b.add("backward", "all_reduce", (CL,), sums * b.M / q ** 2, 1, "norm")
-        return b.M * b.h / q ** 3 + b.M / q ** 2 + b.h / q
+        return b.M * b.h / q ** 3 + b.M / q ** 2 + (0 if self.cube.replicated else b.h / q)  # (a parameter's own)
 
     def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
         """IN: the input's batch pieces gathered along j, the product reduce-scattered along l

@@ -167,6 +167,21 @@ def raw_reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def start_reduce_scatter(x: torch.Tensor, group):
+    """raw_reduce_scatter along dim 0, started asynchronously so that other work can run
+    meanwhile; returns (output, work): call `work.wait()` (work is None for one rank) before
+    using output, and leave x alone until then."""
+    n = group_size(group)
+    if n == 1:
+        return x, None
+    if x.shape[0] % n:
+        raise ValueError(f"reduce-scatter: dim 0 of size {x.shape[0]} does not divide by {n} ranks")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    record("reduce_scatter", group, x.numel(), x.dtype)
+    return out, _reduce_scatter_tensor(out, x, group=group, async_op=True)
+
+
 def raw_broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
     """Broadcast from group rank `src` (in place on a contiguous buffer)."""
     if group is None:

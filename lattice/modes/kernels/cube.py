@@ -22,7 +22,8 @@ def _autocast_pair(x, ws):
 class _Linear3D(torch.autograd.Function):
     """y = x W (or x Wᵀ with transpose_w) on the cube. Forward: X = all-gather(x, gx),
     W = all-gather(w, gw), Y_partial = X W, y = reduce-scatter(Y_partial, gy). Backward:
-    dY = all-gather(dy, gy); dx = reduce-scatter(dY Wᵀ, gx); dw = reduce-scatter(Xᵀ dY, gw), with X
+    dY = all-gather(dy, gy); dx = reduce-scatter(dY Wᵀ, gx) (with overlap, started before Xᵀ dY is
+    computed and awaited last); dw = reduce-scatter(Xᵀ dY, gw), with X
     and W gathered again rather than saved, or with `keep` the X and W forward gathered (q times
     the pieces' memory until backward, two all-gathers fewer). All gathers and scatters are along
     dim 0 (rows).
@@ -58,9 +59,13 @@ class _Linear3D(torch.autograd.Function):
             if work is not None:
                 work.wait()
         Wm = W.t() if ctx.transpose_w else W
-        dx = comm.raw_reduce_scatter(dY @ Wm.t(), gx, 0)
+        dX = dY @ Wm.t()
+        # with overlap, dX's reduce-scatter runs while the weight gradient's product does
+        dx, work = comm.start_reduce_scatter(dX, gx) if ctx.overlap else (comm.raw_reduce_scatter(dX, gx, 0), None)
         dWm = X.t() @ dY
         dw = comm.raw_reduce_scatter((dWm.t() if ctx.transpose_w else dWm).contiguous(), gw, 0)
+        if work is not None:
+            work.wait()
         return dx, None, None, None, None, None, None, *dw.split(ctx.widths, dim=-1)
 
 

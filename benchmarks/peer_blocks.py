@@ -1,0 +1,165 @@
+"""One transformer block (GPT-2's: pre-LayerNorm, fused q/k/v, causal attention, a 4h GELU MLP,
+biases) in lattice and in a peer's tensor-parallel layers, on the same gloo world: forward +
+backward per block, timed in alternating rounds, and the ratio of the medians.
+
+    torchrun --nproc-per-node 8 benchmarks/peer_blocks.py --peer colossal-3d            # lattice 3d, q = 2
+    torchrun --nproc-per-node 8 benchmarks/peer_blocks.py --peer colossal-3d -o keep_gathered=True
+    torchrun --nproc-per-node 4 benchmarks/peer_blocks.py --peer colossal-2d            # lattice 2d, q = 2
+
+The peer is Colossal-AI's legacy 2D / 3D layers (LayerNorm2D/3D, Linear2D/3D: `pip install --no-deps
+colossalai==0.5.0 peft accelerate galore_torch bitsandbytes` beside lattice; its pinned torch and
+transformers are not needed for these layers). It is never a dependency of lattice or its tests.
+Both blocks take their layout's activation pieces (2d: [B/q, T, h/q]; 3d: [B/q², T, h/q]),
+attention runs on each rank's n/q heads, and the time is the slowest rank's. One thread per
+rank, as `lattice bench` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def colossal_block(kind: str, h: int, n: int):
+    """GPT-2's block from Colossal-AI's legacy layers, built in forward order (its 3D layers swap
+    their input and output groups as each is built, as Colossal's own models do)."""
+    import importlib
+
+    layers = importlib.import_module(f"colossalai.legacy.nn.layer.parallel_{kind}.layers")
+    # CPU patch: initialisation runs under Colossal's per-mode CUDA random states; here the
+    # default generator (the values do not matter for timing)
+    layers.seed = lambda mode: contextlib.nullcontext()
+    Norm, Linear = getattr(layers, f"LayerNorm{kind.upper()}"), getattr(layers, f"Linear{kind.upper()}")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.qkv, self.proj = Norm(h, eps=1e-5), Linear(h, 3 * h), Linear(h, h)
+            self.ln_2, self.fc, self.fc_proj = Norm(h, eps=1e-5), Linear(h, 4 * h), Linear(4 * h, h)
+
+        def forward(self, x):  # (b, T, h/q) -> (b, T, h/q)
+            b, T, _ = x.shape
+            qkv = self.qkv(self.ln_1(x)).view(b, T, 3, -1, h // n)  # this rank's n/q heads
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, T, -1)
+            x = x + self.proj(y)
+            return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+    return Block()
+
+
+def lattice_block(mode: str, tp: int, options: dict, h: int, n: int, T: int):
+    """Block 0 of lattice's GPT-2 in `mode`, its mode, and the block's in-replica gradient sums
+    (what sync_grads runs for its parameters after backward: replicated vectors' sums over their
+    plane), which the peer's gradient hooks do inside its backward."""
+    import lattice
+    from lattice.parallel.sharding import all_reduce_grads, grad_sum_buckets
+
+    ctx = lattice.init(mode, tp=tp, **options)
+    cfg = lattice.GPTConfig(vocab_size=256, seq_len=T, d_model=h, n_heads=n, n_layers=1)
+    model = lattice.GPT(cfg, ctx)
+    params = dict(model.named_parameters())
+    sums = [(ctx.group(*axes), [params[name] for name in names if name.startswith("blocks.0.")])
+            for axes, names in grad_sum_buckets(model)]
+
+    def sync_grads():
+        for group, mine in sums:
+            if group is not None and mine:
+                all_reduce_grads(mine, group)
+
+    return model.blocks[0], model.mode, sync_grads
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer", choices=["colossal-2d", "colossal-3d"], required=True)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="forward + backward per block per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("-o", "--mode-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of lattice's mode, e.g. -o keep_gathered=True")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, torch.profiler's top operations of both blocks on rank 0")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    kind = args.peer.split("-")[1]
+    world = int(os.environ["WORLD_SIZE"])
+    from lattice.modes.options import given_mode_options
+
+    options = given_mode_options(argparse.Namespace(mode_option=args.mode_option))
+
+    from colossalai.legacy.initialize import launch as colossal_launch
+
+    # torchrun's store already serves MASTER_PORT: the default group is made here from it, and
+    # Colossal's launch (which would open its own tcp:// store there) only registers it
+    dist.init_process_group("gloo")
+    init, dist.init_process_group = dist.init_process_group, lambda *a, **k: None
+    try:
+        colossal_launch(config=dict(parallel=dict(tensor=dict(mode=kind, size=world))), rank=dist.get_rank(),
+                        world_size=world, host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+                        backend="gloo", verbose=False)
+    finally:
+        dist.init_process_group = init
+    h, n, B, T = args.hidden, args.heads, args.batch, args.seq
+    peer = colossal_block(kind, h, n)
+    mine, mode, sync_grads = lattice_block(kind, world, options, h, n, T)
+    shape = mode.residual_shape(B, T)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, dy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    blocks = {"lattice": mine, "peer": peer}
+    times: dict[str, list[float]] = {name: [] for name in blocks}
+
+    def run(block, steps):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            inp = x.clone().requires_grad_()
+            block(inp).backward(dy)
+            if block is mine:
+                sync_grads()
+        elapsed = torch.tensor((time.perf_counter() - start) / steps)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
+        return float(elapsed)
+
+    for block in blocks.values():
+        run(block, args.warmup)
+    for r in range(args.rounds):
+        for name in (list(blocks) if r % 2 == 0 else list(reversed(blocks))):
+            times[name].append(run(blocks[name], args.steps))
+    if dist.get_rank() == 0:
+        label = f"lattice {kind}" + "".join(f" {k}={v}" for k, v in options.items())
+        print(f"GPT-2 block, hidden {h}, {n} heads, batch {B} x {T}, p = {world}, gloo, 1 thread per rank; "
+              f"forward + backward per block, ms, {args.rounds} alternating rounds of {args.steps}:")
+        for name in blocks:
+            who = label if name == "lattice" else f"Colossal-AI legacy {kind.upper()}"
+            print(f"  {who:<40} " + " ".join(f"{t * 1e3:8.2f}" for t in times[name])
+                  + f"   median {statistics.median(times[name]) * 1e3:8.2f}")
+        ratios = [a / b for a, b in zip(times["lattice"], times["peer"])]
+        print(f"  {label} / Colossal {kind.upper()} = {statistics.median(times['lattice']) / statistics.median(times['peer']):.3f}"
+              f" (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, block in blocks.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run(block, args.steps)
+            if dist.get_rank() == 0:
+                print(f"\n{name}: top operations on rank 0 over {args.steps} forward + backward")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
