@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from lattice.modes import register
-from lattice.modes.base import Block, Mode, Position, divisible, nearby_multiples
+from lattice.modes.base import Block, Mode, Option, Position, divisible, nearby_multiples
 from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, compute_dtype, linear_params,
                                           normalize_split_hidden, pool_pieces, position_rows, position_span,
                                           register_linear, register_position_tables, register_weight_and_bias, round_up,
@@ -38,10 +38,22 @@ ROW, COL = MeshAxis.ROW, MeshAxis.COL
 ON_ROW_0 = ((ROW, 0),)
 
 
+def vector_spec(shape, dim, grid: SummaGrid) -> ShardSpec:
+    """A vector (bias, norm weight, position rows) split along `dim` over the columns, held on
+    row 0 (Fig. 5), or with replicated vectors on every row, its gradient summed down the column."""
+    if grid.replicated:
+        return ShardSpec(shape, ((dim, (COL,)),), grad_sum=(ROW,))
+    return ShardSpec(shape, ((dim, (COL,)),), ON_ROW_0)
+
+
 def hosted(param, shape, grid: SummaGrid, dtype: torch.dtype, device) -> torch.Tensor:
     """Fig. 5: a row-0 parameter block on every rank of its column. Forward: broadcast from row 0
     down column j; backward: the gradients of the column reduced to row 0. `dtype` must be the
-    same on every rank (the activations' dtype: under autocast, parameters join in its dtype)."""
+    same on every rank (the activations' dtype: under autocast, parameters join in its dtype).
+    With vectors="replicated" every row holds the block (its gradient summed down the column with
+    the other in-replica sums, after backward): no collective here."""
+    if grid.replicated:
+        return param.to(dtype)
     if grid.i == 0:
         src = param.to(dtype)
     else:
@@ -96,7 +108,7 @@ class Embedding(nn.Module):
         self.grid = mode.grid
         register_sharded(self, "wte", mode.table_spec(), mode.ctx)
         register_position_tables(self, cfg, mode.ctx, positions, types,
-                                 lambda shape: ShardSpec(shape, ((1, (COL,)),), ON_ROW_0))
+                                 lambda shape: vector_spec(shape, 1, self.grid))
 
     def forward(self, tokens, start: int = 0, token_types=None, positions=None):
         g = self.grid
@@ -119,7 +131,7 @@ class Norm(nn.Module):
         super().__init__()
         check_norm_kind(kind, bias)
         self.grid, self.h, self.eps, self.kind = mode.grid, cfg.d_model, eps, kind
-        spec = ShardSpec((cfg.d_model,), ((0, (COL,)),), ON_ROW_0)
+        spec = vector_spec((cfg.d_model,), 0, mode.grid)
         register_weight_and_bias(self, mode.ctx, spec, spec if bias else None)
         self.has_bias = bias
 
@@ -144,7 +156,7 @@ class Linear(nn.Module):
         last = len(out_shape)
         register_linear(self, mode.ctx, out_shape,
                         lambda s: ShardSpec((in_features,) + s, ((0, (ROW,)), (last, (COL,)))),  # rows over ROW, out over COL
-                        lambda s: ShardSpec(s, ((last - 1, (COL,)),), ON_ROW_0), bias, segments)
+                        lambda s: vector_spec(s, last - 1, self.grid), bias, segments)
         self.has_bias = bias
         self.local_out = out_shape[:-1] + (out_shape[-1] // mode.q,)
         total = math.prod(out_shape)
@@ -231,7 +243,16 @@ class Summa2D(Mode):
 
     name = "2d"
     residual_replicated = False
-    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2}, {"tp": 4, "ranks_per_node": 2, "placement": "topology"})
+    options = {"vectors": Option("hosted", "where the vectors (biases, norm weights, position rows) live: on row 0, "
+                                           "broadcast down the column in forward and reduced back in backward "
+                                           "(hosted, Fig. 5), or on every row, their gradients summed down the "
+                                           "column after backward (replicated)", choices=("hosted", "replicated")),
+               "summa": Option("broadcast", "each product's collectives: q broadcasts of blocks and q reduces "
+                                            "(broadcast, Alg. 1-3), or one all-gather of the q blocks and one "
+                                            "reduce-scatter (all_gather: fewer, larger messages; q blocks held "
+                                            "during the product)", choices=("broadcast", "all_gather"))}
+    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2, "vectors": "replicated", "summa": "all_gather"},
+                    {"tp": 4, "ranks_per_node": 2, "placement": "topology"})
 
     @classmethod
     def mesh_axes(cls, tp, options):
@@ -264,7 +285,8 @@ class Summa2D(Mode):
         super().__init__(cfg, ctx)
         self.q = ctx.size(ROW)
         self.vocab_pad = round_up(cfg.vocab_size, self.q)
-        self.grid = SummaGrid(ctx)
+        self.grid = SummaGrid(ctx, replicated_vectors=ctx.options["vectors"] == "replicated",
+                              gathered=ctx.options["summa"] == "all_gather")
 
     @classmethod
     def check_config(cls, cfg, ctx):
@@ -354,7 +376,7 @@ class Summa2D(Mode):
         q, h = self.q, b.h
         b.add("forward", "broadcast", (ROW,), b.vocab_padded * h / q, q)
         b.add("backward", "reduce", (ROW,), b.vocab_padded * h / q, q)
-        if positions:
+        if positions and not self.grid.replicated:  # (replicated: summed with the gradients, from the specs)
             b.add("forward", "broadcast", (ROW,), (b.position_rows + types) * h / q)
             b.add("backward", "reduce", (ROW,), (b.position_rows + types) * h / q)
         b.save_ints(8 * b.M)
@@ -366,18 +388,19 @@ class Summa2D(Mode):
         q, m = self.q, b.M / self.q
         vec = 2 if bias else 1
         sums = 2 if kind == "layer" else 1
-        b.add("forward", "broadcast", (ROW,), vec * b.h / q, vec, "norm")
-        b.add("backward", "reduce", (ROW,), vec * b.h / q, vec, "norm")
+        if not self.grid.replicated:
+            b.add("forward", "broadcast", (ROW,), vec * b.h / q, vec, "norm")
+            b.add("backward", "reduce", (ROW,), vec * b.h / q, vec, "norm")
         b.add("forward", "all_reduce", (COL,), sums * m, 1, "norm")
         b.add("backward", "all_reduce", (COL,), sums * m, 1, "norm")
-        return b.M * b.h / q ** 2 + m + b.h / q
+        return b.M * b.h / q ** 2 + m + (0 if self.grid.replicated else b.h / q)  # (a parameter's own)
 
     def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
         q = self.q
-        if bias:
+        if bias and not self.grid.replicated:
             b.add("forward", "broadcast", (ROW,), out_features / q, 1, "bias")
             b.add("backward", "reduce", (ROW,), out_features / q, 1, "bias")
-        summa_product_terms(b, "linear", b.M, in_features, out_features, q)
+        summa_product_terms(b, "linear", b.M, in_features, out_features, q, self.grid.gathered)
         saved = 0 if input_saved else b.M * in_features / q ** 2
         return saved, b.M * out_features / q ** 2
 
@@ -388,12 +411,10 @@ class Summa2D(Mode):
         the column. Saves the head input, the softmax block, and the targets of the row block."""
         q, M, Vp = self.q, b.M, b.vocab_padded
         e, z = Vp * b.h / q ** 2, M * Vp / q ** 2
-        b.add("forward", "broadcast", (ROW,), q * e, q)
-        b.add("forward", "reduce", (COL,), q * z, q)
-        b.add("backward", "broadcast", (COL,), q * z, q)
-        b.add("backward", "broadcast", (ROW,), q * e, q)
-        b.add("backward", "broadcast", (COL,), q * z, q)
-        b.add("backward", "reduce", (ROW,), q * e, q)
+        for phase, op, axis, elements in (("forward", "broadcast", ROW, e), ("forward", "reduce", COL, z),
+                                          ("backward", "broadcast", COL, z), ("backward", "broadcast", ROW, e),
+                                          ("backward", "broadcast", COL, z), ("backward", "reduce", ROW, e)):
+            summa_term(b, self.grid.gathered, phase, op, (axis,), q * elements, q)
         loss_size = max(4, b.c.itemsize)
         b.add("forward", "all_reduce", (COL,), 3 * M / q, 2, "loss", itemsize=loss_size)
         b.add("forward", "all_reduce", (ROW,), 1, 1, "loss", itemsize=loss_size)
@@ -406,15 +427,21 @@ class Summa2D(Mode):
         return b.B * b.h
 
 
-def summa_product_terms(b, site, M, K, N, q):
+def summa_product_terms(b, site, M, K, N, q, gathered=False):
     """C = A B with A [M, K], B [K, N] on a q x q mesh (Alg. 1): q broadcasts of A blocks along
     the row (axis COL) and of B blocks along the column (axis ROW). Backward (Eq. 1): dA by Alg. 2
     (q broadcasts of B blocks, q reduces of A-sized blocks along the row) and dB by Alg. 3 (q
     broadcasts of A blocks along the row, q reduces of B-sized blocks along the column)."""
     a, w = M * K / q ** 2, K * N / q ** 2
-    b.add("forward", "broadcast", (COL,), q * a, q, site)
-    b.add("forward", "broadcast", (ROW,), q * w, q, site)
-    b.add("backward", "broadcast", (ROW,), q * w, q, site)
-    b.add("backward", "reduce", (COL,), q * a, q, site)
-    b.add("backward", "broadcast", (COL,), q * a, q, site)
-    b.add("backward", "reduce", (ROW,), q * w, q, site)
+    for phase, op, axis, elements in (("forward", "broadcast", COL, a), ("forward", "broadcast", ROW, w),
+                                      ("backward", "broadcast", ROW, w), ("backward", "reduce", COL, a),
+                                      ("backward", "broadcast", COL, a), ("backward", "reduce", ROW, w)):
+        summa_term(b, gathered, phase, op, (axis,), q * elements, q, site)
+
+
+def summa_term(b, gathered, phase, op, axes, elements, q, site=""):
+    """q broadcasts (reduces) of blocks, or in the all-gather form one all-gather (reduce-scatter)
+    of the same elements."""
+    if gathered:
+        op, q = {"broadcast": "all_gather", "reduce": "reduce_scatter"}[op], 1
+    b.add(phase, op, axes, elements, q, site)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lattice.parallel.comm import raw_broadcast, raw_reduce
+from lattice.parallel.comm import raw_all_gather, raw_broadcast, raw_reduce, raw_reduce_scatter
 from lattice.parallel.context import MeshAxis, ParallelContext
 
 
@@ -74,8 +74,10 @@ class SummaGrid:
     Groups are looked up on first use, so a model can be built from a planning context.
     """
 
-    def __init__(self, ctx: ParallelContext):
+    def __init__(self, ctx: ParallelContext, replicated_vectors: bool = False, gathered: bool = False):
         self.ctx = ctx
+        self.replicated = replicated_vectors  # row-0 vectors on every row instead (Summa2D's option vectors)
+        self.gathered = gathered  # the products' all-gather form (Summa2D's option summa="all_gather")
         self.q = ctx.size(MeshAxis.ROW)
         self.i = ctx.coord(MeshAxis.ROW)
         self.j = ctx.coord(MeshAxis.COL)
@@ -113,9 +115,18 @@ class SummaGrid:
 # ----------------------------------------------------------------------------- Algorithms 1-3
 
 
+# The all-gather form (g.gathered) runs each algorithm's q broadcasts of a block as one all-gather
+# of the q blocks and its q reduces as one reduce-scatter of the q partial products, with one
+# matrix product between: the same elements move, in two collectives instead of 2q, and the
+# gathered operand (q blocks) lives until the product is done.
+
+
 def summa_ab_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor:
-    """Algorithm 1. a = A_ij (m, k), b = B_ij (k, n) -> C_ij (m, n) = Σ_l A_il B_lj."""
+    """Algorithm 1. a = A_ij (m, k), b = B_ij (k, n) -> C_ij (m, n) = Σ_l A_il B_lj. Gathered:
+    [A_i0 .. A_i,q-1] (the row's blocks side by side) times [B_0j; ..; B_q-1,j] (the column's)."""
     a, b = a.contiguous(), b.contiguous()
+    if g.gathered:
+        return torch.mm(raw_all_gather(a, g.row, 1), raw_all_gather(b, g.col, 0))
     a_buf, b_buf = g.workspace.pair(a.numel(), b.numel(), a.dtype, a.device)
     c = None
     for l in range(g.q):
@@ -126,8 +137,11 @@ def summa_ab_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor
 
 
 def summa_abt_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor:
-    """Algorithm 2. a = A_ij (m, n), b = B_ij (k, n) -> C_ij (m, k) = Σ_l A_il B_jlᵀ."""
+    """Algorithm 2. a = A_ij (m, n), b = B_ij (k, n) -> C_ij (m, k) = Σ_l A_il B_jlᵀ. Gathered:
+    A_ij [B_0j; ..; B_q-1,j]ᵀ holds rank (i, l)'s term of every l, reduce-scattered along the row."""
     a, b = a.contiguous(), b.contiguous()
+    if g.gathered:
+        return raw_reduce_scatter(torch.mm(a, raw_all_gather(b, g.col, 0).t()), g.row, 1)
     m, k = a.shape[0], b.shape[0]
     b_buf, t_buf = g.workspace.pair(b.numel(), m * k, a.dtype, a.device)
     c = torch.empty(m, k, dtype=a.dtype, device=a.device)
@@ -140,8 +154,11 @@ def summa_abt_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tenso
 
 
 def summa_atb_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor:
-    """Algorithm 3. a = A_ij (m, k), b = B_ij (m, n) -> C_ij (k, n) = Σ_l A_liᵀ B_lj."""
+    """Algorithm 3. a = A_ij (m, k), b = B_ij (m, n) -> C_ij (k, n) = Σ_l A_liᵀ B_lj. Gathered:
+    [A_i0 .. A_i,q-1]ᵀ B_ij holds rank (l, j)'s term of every l, reduce-scattered down the column."""
     a, b = a.contiguous(), b.contiguous()
+    if g.gathered:
+        return raw_reduce_scatter(torch.mm(raw_all_gather(a, g.row, 1).t(), b), g.col, 0)
     k, n = a.shape[1], b.shape[1]
     a_buf, t_buf = g.workspace.pair(a.numel(), k * n, a.dtype, a.device)
     c = torch.empty(k, n, dtype=a.dtype, device=a.device)
