@@ -5,8 +5,11 @@ backward per block, timed in alternating rounds, and the ratio of the medians.
     torchrun --nproc-per-node 8 benchmarks/peer_blocks.py --peer colossal-3d            # lattice 3d, q = 2
     torchrun --nproc-per-node 8 benchmarks/peer_blocks.py --peer colossal-3d -o keep_gathered=True
     torchrun --nproc-per-node 4 benchmarks/peer_blocks.py --peer colossal-2d            # lattice 2d, q = 2
+    torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d            # lattice 1d
 
-The peer is Colossal-AI's legacy 2D / 3D layers (LayerNorm2D/3D, Linear2D/3D: `pip install --no-deps
+Megatron-core's ColumnParallelLinear / RowParallelLinear (`pip install --no-deps megatron-core`;
+0.16.1 is the newest for Python 3.11) are the 1D peer (without sequence parallelism: Megatron's
+takes its buffers from CUDA). The 2D / 3D peer is Colossal-AI's legacy layers (LayerNorm2D/3D, Linear2D/3D: `pip install --no-deps
 colossalai==0.5.0 peft accelerate galore_torch bitsandbytes` beside lattice; its pinned torch and
 transformers are not needed for these layers). It is never a dependency of lattice or its tests.
 Both blocks take their layout's activation pieces (2d: [B/q, T, h/q]; 3d: [B/q², T, h/q]),
@@ -56,6 +59,40 @@ def colossal_block(kind: str, h: int, n: int):
     return Block()
 
 
+def megatron_block(h: int, n: int, tp: int, sequence_parallel: bool):
+    """GPT-2's block from Megatron-core's tensor-parallel layers (1D): q/k/v and fc
+    ColumnParallelLinear, both projections RowParallelLinear, LayerNorms replicated, on the CPU
+    (use_cpu_initialization, no gradient-accumulation fusion); its input-gradient all-reduce runs
+    beside the weight-gradient product, as Megatron's linear does."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                                 params_dtype=torch.float32, gradient_accumulation_fusion=False,
+                                 sequence_parallel=sequence_parallel)
+    init = nn.init.xavier_normal_
+    column = dict(config=config, init_method=init, bias=True, gather_output=False)
+    row = dict(config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.qkv, self.proj = ColumnParallelLinear(h, 3 * h, **column), RowParallelLinear(h, h, **row)
+            self.fc, self.fc_proj = ColumnParallelLinear(h, 4 * h, **column), RowParallelLinear(4 * h, h, **row)
+
+        def forward(self, x):  # (T, b, h) replicated (T/p with sequence parallelism), Megatron's order -> same
+            qkv = self.qkv(self.ln_1(x))[0]
+            T, b = qkv.shape[:2]
+            qkv = qkv.view(T, b, 3, -1, h // n)  # this rank's n/p heads
+            q, k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(3))  # (b, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(T, b, -1)
+            x = x + self.proj(y)[0]
+            return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))[0], approximate="tanh"))[0]
+
+    return Block()
+
+
 def lattice_block(mode: str, tp: int, options: dict, h: int, n: int, T: int):
     """Block 0 of lattice's GPT-2 in `mode`, its mode, and the block's in-replica gradient sums
     (what sync_grads runs for its parameters after backward: replicated vectors' sums over their
@@ -80,7 +117,7 @@ def lattice_block(mode: str, tp: int, options: dict, h: int, n: int, T: int):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peer", choices=["colossal-2d", "colossal-3d"], required=True)
+    parser.add_argument("--peer", choices=["megatron-1d", "colossal-2d", "colossal-3d"], required=True)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
@@ -100,24 +137,35 @@ def main():
 
     options = given_mode_options(argparse.Namespace(mode_option=args.mode_option))
 
-    from colossalai.legacy.initialize import launch as colossal_launch
-
-    # torchrun's store already serves MASTER_PORT: the default group is made here from it, and
-    # Colossal's launch (which would open its own tcp:// store there) only registers it
     dist.init_process_group("gloo")
-    init, dist.init_process_group = dist.init_process_group, lambda *a, **k: None
-    try:
-        colossal_launch(config=dict(parallel=dict(tensor=dict(mode=kind, size=world))), rank=dist.get_rank(),
-                        world_size=world, host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
-                        backend="gloo", verbose=False)
-    finally:
-        dist.init_process_group = init
     h, n, B, T = args.hidden, args.heads, args.batch, args.seq
-    peer = colossal_block(kind, h, n)
+    if args.peer == "megatron-1d" and options.get("sequence_parallel"):
+        raise SystemExit("peer_blocks.py: Megatron-core's sequence parallelism takes its buffers from CUDA "
+                         "(get_global_memory_buffer); on the CPU compare without -o sequence_parallel=True")
+    if args.peer == "megatron-1d":
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        peer = megatron_block(h, n, world, bool(options.get("sequence_parallel")))
+    else:
+        from colossalai.legacy.initialize import launch as colossal_launch
+
+        # torchrun's store already serves MASTER_PORT: the default group is made above from it,
+        # and Colossal's launch (which would open its own tcp:// store there) only registers it
+        init, dist.init_process_group = dist.init_process_group, lambda *a, **k: None
+        try:
+            colossal_launch(config=dict(parallel=dict(tensor=dict(mode=kind, size=world))), rank=dist.get_rank(),
+                            world_size=world, host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+                            backend="gloo", verbose=False)
+        finally:
+            dist.init_process_group = init
+        peer = colossal_block(kind, h, n)
     mine, mode, sync_grads = lattice_block(kind, world, options, h, n, T)
     shape = mode.residual_shape(B, T)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x, dy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    # Megatron's layers take (T, B, h); the same values, transposed once outside the timing
+    peer_x, peer_dy = (x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()) if kind == "1d" else (x, dy)
     blocks = {"lattice": mine, "peer": peer}
     times: dict[str, list[float]] = {name: [] for name in blocks}
 
@@ -125,8 +173,8 @@ def main():
         dist.barrier()
         start = time.perf_counter()
         for _ in range(steps):
-            inp = x.clone().requires_grad_()
-            block(inp).backward(dy)
+            inp = (x if block is mine else peer_x).clone().requires_grad_()
+            block(inp).backward(dy if block is mine else peer_dy)
             if block is mine:
                 sync_grads()
         elapsed = torch.tensor((time.perf_counter() - start) / steps)
@@ -143,11 +191,12 @@ def main():
         print(f"GPT-2 block, hidden {h}, {n} heads, batch {B} x {T}, p = {world}, gloo, 1 thread per rank; "
               f"forward + backward per block, ms, {args.rounds} alternating rounds of {args.steps}:")
         for name in blocks:
-            who = label if name == "lattice" else f"Colossal-AI legacy {kind.upper()}"
+            who = label if name == "lattice" else ("Megatron-core 1D" if kind == "1d" else
+                                                   f"Colossal-AI legacy {kind.upper()}")
             print(f"  {who:<40} " + " ".join(f"{t * 1e3:8.2f}" for t in times[name])
                   + f"   median {statistics.median(times[name]) * 1e3:8.2f}")
         ratios = [a / b for a, b in zip(times["lattice"], times["peer"])]
-        print(f"  {label} / Colossal {kind.upper()} = {statistics.median(times['lattice']) / statistics.median(times['peer']):.3f}"
+        print(f"  {label} / {'Megatron-core' if kind == '1d' else 'Colossal'} {kind.upper()} = {statistics.median(times['lattice']) / statistics.median(times['peer']):.3f}"
               f" (rounds {min(ratios):.3f}-{max(ratios):.3f})")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

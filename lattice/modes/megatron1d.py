@@ -29,12 +29,13 @@ cross-entropy exchanges only per-token max, sum-of-exp and target logit (3·B·T
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.modes import register
 from lattice.modes.base import Block, Mode, Option, Position, divisible
-from lattice.modes.kernels.layers import (TiedHead, add_position_rows, linear_params, local_linear, pool_pieces,
+from lattice.modes.kernels.layers import (TiedHead, add_position_rows, compute_dtype, linear_params, local_linear, pool_pieces,
                                           position_rows, position_span, register_linear, register_position_tables,
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
@@ -97,6 +98,29 @@ class VocabParallelEmbedding(nn.Module):
                                  chunk if index is None else index[:, chunk])
 
 
+class _ColumnProduct(torch.autograd.Function):
+    """Megatron's f and the column-parallel product in one: Y = X W_r (X replicated, W_r this
+    rank's columns, the segments side by side). Forward: the product alone. Backward:
+    dX = Σ_ranks dY W_rᵀ (all-reduce), started before dW_r = Xᵀ dY is computed and awaited after
+    it, so the sum travels while the weight gradient's product runs."""
+
+    @staticmethod
+    def forward(ctx, x, group, *ws):  # x (..., in), ws (in, out_i) -> (..., Σ out_i)
+        ctx.group, ctx.widths = group, [w.shape[-1] for w in ws]
+        ctx.save_for_backward(x, *ws)
+        return x @ (torch.cat(ws, dim=-1) if len(ws) > 1 else ws[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *ws = ctx.saved_tensors
+        w = torch.cat(ws, dim=-1) if len(ws) > 1 else ws[0]
+        dx, work = comm.start_all_reduce(dy @ w.t(), ctx.group)
+        dw = x.reshape(-1, x.shape[-1]).t() @ dy.reshape(-1, dy.shape[-1])
+        if work is not None:
+            work.wait()
+        return dx, None, *dw.split(ctx.widths, dim=-1)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W + b with W (in, [stack,] out) split over TP along its last dim (out).
 
@@ -104,9 +128,10 @@ class ColumnParallelLinear(nn.Module):
     parallel -> (B, T, [stack,] out/p).
     """
 
-    def __init__(self, cfg, ctx, in_features, out_features, stack, segments, bias, sequence_parallel):
+    def __init__(self, cfg, ctx, in_features, out_features, stack, segments, bias, sequence_parallel,
+                 async_grad_allreduce):
         super().__init__()
-        self.ctx, self.sp = ctx, sequence_parallel
+        self.ctx, self.sp, self.async_allreduce = ctx, sequence_parallel, async_grad_allreduce
         out_shape = (stack, out_features) if stack else (out_features,)
         last = len(out_shape)
         register_linear(self, ctx, out_shape,
@@ -115,8 +140,18 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         group = tp_group(self.ctx)
+        weight, bias = linear_params(self)
+        if self.async_allreduce and not self.sp and group is not None:
+            dtype = compute_dtype(x)  # under autocast, the casts outside the Function (as torch.mm would)
+            ws = weight if isinstance(weight, tuple) else (weight.reshape(weight.shape[0], -1),)
+            y = _ColumnProduct.apply(x.to(dtype), group, *(w.to(dtype) for w in ws))  # (B, T, [stack·]out/p)
+            if bias is not None:
+                y = y + bias.reshape(-1)
+            if not isinstance(weight, tuple) and weight.dim() > 2:
+                y = y.unflatten(-1, weight.shape[1:])
+            return split_segments(self, y)
         x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)  # (B, T, in)
-        return split_segments(self, local_linear(x, *linear_params(self)))
+        return split_segments(self, local_linear(x, weight, bias))
 
 
 class RowParallelLinear(nn.Module):
@@ -179,9 +214,11 @@ class Megatron1D(Mode):
 
     name = "1d"
     options = {"sequence_parallel": Option(False, "split LayerNorm, dropout and the residual along the "
-                                                  "sequence (Korthikanti et al.)")}
+                                                  "sequence (Korthikanti et al.)"),
+               "async_grad_allreduce": Option(True, "all-reduce a column-parallel linear's input gradient while "
+                                                    "its weight gradient is computed (without sequence parallelism)")}
     peer = "dtensor"  # torch.distributed.tensor.parallel's column/row-wise plan is this layout
-    test_layouts = ({"tp": 2}, {"tp": 4}, {"tp": 2, "sequence_parallel": True},
+    test_layouts = ({"tp": 2}, {"tp": 4, "async_grad_allreduce": False}, {"tp": 2, "sequence_parallel": True},
                     {"tp": 4, "sequence_parallel": True}, {"tp": 2, "dp": 2, "sequence_parallel": True})
 
     def __init__(self, cfg, ctx):
@@ -223,7 +260,8 @@ class Megatron1D(Mode):
     def linear(self, in_features, out_features, *, block: Block, position: Position, stack=None, segments=None,
                bias: bool):
         if position == Position.IN:
-            return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, segments, bias, self.sp)
+            return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, segments, bias, self.sp,
+                                        self.ctx.options["async_grad_allreduce"])
         if stack or segments:
             raise ValueError("a row-parallel (Position.OUT) linear cannot be stacked or segmented")
         return RowParallelLinear(self.cfg, self.ctx, in_features, out_features, bias, self.sp)
@@ -296,8 +334,9 @@ class Megatron1D(Mode):
         TP = MeshAxis.TP
         if position == "in":  # saves its whole input (a gathered copy with sequence parallelism)
             x = b.M * in_features
-            if not self.sp:
-                b.add("backward", "all_reduce", (TP,), x, site="linear")
+            if not self.sp:  # with async_grad_allreduce beside the weight gradient's product
+                hidden = ".hidden" if self.ctx.options["async_grad_allreduce"] else ""
+                b.add("backward", "all_reduce", (TP,), x, site="linear" + hidden)
             else:
                 b.add("forward", "all_gather", (TP,), x, site="linear")
                 b.add("backward", "reduce_scatter", (TP,), x, site="linear")

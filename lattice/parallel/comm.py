@@ -167,6 +167,16 @@ def raw_reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def start_all_reduce(x: torch.Tensor, group):
+    """raw_all_reduce (a sum, in place on a contiguous x), started asynchronously; returns (x, work):
+    call `work.wait()` (work is None without a group) before using x."""
+    if group is None:
+        return x, None
+    x = x.contiguous()
+    record("all_reduce", group, x.numel(), x.dtype)
+    return x, dist.all_reduce(x, group=group, async_op=True)
+
+
 def start_reduce_scatter(x: torch.Tensor, group):
     """raw_reduce_scatter along dim 0, started asynchronously so that other work can run
     meanwhile; returns (output, work): call `work.wait()` (work is None for one rank) before
