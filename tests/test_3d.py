@@ -17,7 +17,7 @@ from lattice.bench.measure import saved_activation_bytes
 CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
 
-def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False, replicated=False, table_rows=16):
+def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False, replicated=False, table_rows=CFG["seq_len"]):
     """Bytes CommMeter counts on a rank for one forward + backward, worked out from the algorithm
     (DESIGN.md "3D"), per collective kind. Per linear X [M, N] W [N, K] (M = B·T): forward
     all-gathers of X (M·N/q² gathered) and W (N·K/q²) and a reduce-scatter of Y (M·K/q²);
