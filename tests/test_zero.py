@@ -31,7 +31,7 @@ def _worst(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-300)) for k in b)
 
 
-def _gpt2_replicas(layout: dict, dtype, family: str = "gpt2"):
+def _replicas(layout: dict, dtype, family: str = "gpt2"):
     """(ctx, the full serial weights in `dtype`, replica_step(model, step)): the family's (GPT-2's)
     first test shape, and a step's forward and backward of this replica's rows of the global batch."""
     ctx = cached_init(**layout)
@@ -62,7 +62,7 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
     optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
     block in backward). The plain run's first loss and gradients are checked against the serial
     model's on the whole global batch."""
-    ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float64, family)
+    ctx, cfg, weights, replica_step = _replicas(layout, torch.float64, family)
     dp, d = ctx.dp, ctx.coord(MeshAxis.DP)
     serial = lattice.build_model(cfg, lattice.plan("serial"), dtype=torch.float64)
     serial.load_full_state_dict(weights)
@@ -240,7 +240,7 @@ def _mixed_against_the_recipe(layout: dict) -> dict:
     of every weight, gradients cast to fp32 and averaged over dp with torch.distributed, torch's
     AdamW on the copies, the copies rounded into the weights) and by lattice.parallel.zero at stages 0, 1
     and 2; each rank's owned master and moment rows against the recipe's."""
-    ctx, cfg, weights, replica_step = _gpt2_replicas(layout, torch.float32)
+    ctx, cfg, weights, replica_step = _replicas(layout, torch.float32)
     dp = ctx.dp
 
     ref = lattice.build_model(cfg, ctx, dtype=torch.bfloat16)

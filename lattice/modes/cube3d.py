@@ -405,8 +405,8 @@ class Cube3D(Mode):
         b.add("backward", "reduce_scatter", (batch_axis,), mn, 1, f"{site}.hidden" if self.overlap else site)
 
     def _kept(self, M, N, K) -> float:
-        """Elements a product saves beyond its input with keep_gathered: the gathered X and W."""
-        return (M * N + N * K) / self.q ** 2 if self.keep_gathered else 0
+        """Elements a product saves with keep_gathered (instead of its input): the gathered X and W."""
+        return (M * N + N * K) / self.q ** 2
 
     def _vectors(self, b, elements, calls, plane, site):
         """Hosted vectors' broadcast and reduce (replicated ones are summed over the plane with the

@@ -224,6 +224,7 @@ class Megatron1D(Mode):
     def __init__(self, cfg, ctx):
         self.p = ctx.size(MeshAxis.TP)
         self.sp = bool(ctx.options.get("sequence_parallel", False))
+        self.async_grad_allreduce = ctx.options["async_grad_allreduce"]
         # the residual differs per rank under sequence parallelism: dropout then needs the sharded stream
         self.residual_replicated = not self.sp
         super().__init__(cfg, ctx)
@@ -261,7 +262,7 @@ class Megatron1D(Mode):
                bias: bool):
         if position == Position.IN:
             return ColumnParallelLinear(self.cfg, self.ctx, in_features, out_features, stack, segments, bias, self.sp,
-                                        self.ctx.options["async_grad_allreduce"])
+                                        self.async_grad_allreduce)
         if stack or segments:
             raise ValueError("a row-parallel (Position.OUT) linear cannot be stacked or segmented")
         return RowParallelLinear(self.cfg, self.ctx, in_features, out_features, bias, self.sp)
@@ -335,7 +336,7 @@ class Megatron1D(Mode):
         if position == "in":  # saves its whole input (a gathered copy with sequence parallelism)
             x = b.M * in_features
             if not self.sp:  # with async_grad_allreduce beside the weight gradient's product
-                hidden = ".hidden" if self.ctx.options["async_grad_allreduce"] else ""
+                hidden = ".hidden" if self.async_grad_allreduce else ""
                 b.add("backward", "all_reduce", (TP,), x, site="linear" + hidden)
             else:
                 b.add("forward", "all_gather", (TP,), x, site="linear")
