@@ -210,9 +210,12 @@ def write(root: Path, meta: dict, state: dict[str, Chunk], *, keep: int = 0, gro
             index = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True,
                                                                          single_file_per_rank=True, thread_count=1),
                              planner=SavePlanner(), process_group=group, no_dist=not dist.is_initialized())
+        # torch 2.11 returns the metadata without where each chunk went; the file it wrote holds it
+        storage = index.storage_data if index.storage_data is not None else \
+            dcp.FileSystemReader(partial).read_metadata().storage_data
         # each rank checksums the chunks it wrote (FileSystemWriter names its files __<rank>_<n>.distcp)
-        mine = [i for i, info in index.storage_data.items() if info.relative_path.startswith(f"__{rank}_")]
-        report = checksums(partial, index.storage_data, mine)
+        mine = [i for i, info in storage.items() if info.relative_path.startswith(f"__{rank}_")]
+        report = checksums(partial, storage, mine)
     except (OSError, dcp.api.CheckpointException) as e:  # (DCP raises its exception on every rank alike)
         report = write_failure_reason(e, base)
     if size > 1:
