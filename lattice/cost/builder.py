@@ -16,6 +16,9 @@ from lattice.parallel.zero import memory_per_rank, plan_buckets
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
+# matrix-product FLOPs (attention's included), attention's products alone, elements through
+# elementwise operators, attention score elements, linear layers' products (kernels)
+WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls")
 
 
 class CostBuilder:
@@ -68,7 +71,7 @@ class CostBuilder:
         self.op = 0  # operations described so far (in the current layer)
         self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0}
         self.output_saved = False  # whether the last operation's output is saved already (by itself)
-        self.work = {part: {k: 0.0 for k in ("flops", "attention_flops", "elementwise", "scores")}
+        self.work = {part: {k: 0.0 for k in WORK_KINDS}
                      for part in ("layer", "other", "layers")}  # layers: every layer block's, times its count
         self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0}  # likewise for the saves
 
@@ -191,6 +194,7 @@ class CostBuilder:
         share = self.share.get(block, self.share["split"])
         replicated = self.share.get("replicated", self.share["split"])
         self._work("flops", 2 * self.M * in_features * out_features * share)
+        self._work("linear_calls", 1)
         if position == "in":
             self._work("elementwise", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
@@ -351,6 +355,7 @@ class CostBuilder:
         share = self.share.get("dense", self.share["split"])
         self.save(saved + (out if activation != "relu" else 0))  # GELU saves its input
         self._work("flops", 2 * self.M * in_features * out_features * share)
+        self._work("linear_calls", 1)
         self._work("elementwise", self.M * out_features * share * (2 if bias else 1))
         self.current, self.output_saved = out, False
 
@@ -436,10 +441,11 @@ class CostBuilder:
         ckpt = self.c.checkpointing
         layers, other = self.work["layers"], self.work["other"]
         out = {}
-        for kind in ("flops", "attention_flops", "elementwise", "scores"):
+        for kind in WORK_KINDS:
             fwd = layers[kind] + other[kind]
             out[kind] = {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)}
         self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
         self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
+        self.c.linear_calls = out["linear_calls"]
         self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
-                       for kind in ("flops", "attention_flops", "elementwise", "scores")}
+                       for kind in WORK_KINDS}

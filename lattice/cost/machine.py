@@ -4,6 +4,7 @@ kind of collective at one site of a step, the unit in which the cost model lists
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,37 @@ class Machine:
     update_per_tensor: float = 0.0
     mem_bandwidth: float = 10e9
     pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
+    # what the α-β-F model misses, each fitted to micro-benchmark or published curves (never to the
+    # step times the planner is judged on):
+    # a matrix product of f FLOPs runs at F·f/(f + kernel_flops) (a GPU's efficiency at small
+    # per-kernel work: launch and tail), i.e. each product costs kernel_flops/F more
+    kernel_flops: float = 0.0
+    # calibrations at other world sizes on this node, (ranks, F, elementwise, attention, α, β): where
+    # ranks outnumber cores they share them, and every collective waits for its ranks to be scheduled
+    by_world: tuple = ()
+    precision: str = "fp32"  # the precision flop_rate is for ("bf16": bf16 weights with fp32 masters)
+    other_precision_flop_rate: float = 0.0  # F under the other precision (0: unknown, not planned)
+    memory_gib: float = 0.0  # device memory per rank (0: unknown)
+
+    def at(self, world: int) -> "Machine":
+        """This machine as `world` ranks on it see it: the calibration of the nearest world size
+        (by ratio) where `by_world` has some, else itself."""
+        if not self.by_world:
+            return self
+        ranks, flop_rate, elem_rate, attn_rate, alpha, beta = min(
+            self.by_world, key=lambda row: (abs(math.log(row[0] / max(world, 1))), -row[0]))
+        return dataclasses.replace(self, flop_rate=flop_rate, elem_rate=elem_rate, attn_rate=attn_rate,
+                                   alpha_intra=alpha, beta_intra=beta, alpha_inter=max(alpha, self.alpha_inter),
+                                   beta_inter=max(beta, self.beta_inter), by_world=())
+
+    def with_precision(self, precision: str) -> "Machine":
+        """This machine's rates for `precision` (refused where it has none)."""
+        if precision == self.precision:
+            return self
+        if not self.other_precision_flop_rate:
+            raise ValueError(f"{self.name} has no matrix-product rate for {precision}")
+        return dataclasses.replace(self, precision=precision, flop_rate=self.other_precision_flop_rate,
+                                   other_precision_flop_rate=self.flop_rate)
 
     def describe(self) -> str:
         return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "

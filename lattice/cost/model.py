@@ -25,8 +25,9 @@ forward of every layer under activation checkpointing.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -34,10 +35,26 @@ import torch
 from lattice.cost.builder import DDP_BUCKET_BYTES, CostBuilder  # noqa: F401  (lattice.cost's names)
 from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
 from lattice.models import build_model
+from lattice.modes import get_mode
 from lattice.modes.layout import Layout, as_layout
 from lattice.parallel.context import MeshAxis, Topology
 
 # ----------------------------------------------------------------------------- the estimate
+
+
+def spans_nodes(topo: Topology, axes) -> bool:
+    """Whether some group of `topo` along `axes` (ranks that differ only there) has ranks on more
+    than one node."""
+    dims = tuple(topo.axis_names.index(a) for a in axes if a in topo.axis_names)
+    return _spans_nodes(topo.shape, tuple(topo.rank_grid), topo.ranks_per_node, dims)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans_nodes(shape: tuple[int, ...], grid: tuple[int, ...], ranks_per_node: int, dims: tuple[int, ...]) -> bool:
+    nodes = torch.tensor(grid, device="cpu").reshape(shape) // ranks_per_node
+    rest = [d for d in range(nodes.dim()) if d not in dims]
+    groups = nodes.permute(*rest, *dims).reshape(math.prod(nodes.shape[d] for d in rest), -1)
+    return bool((groups.amax(1) != groups.amin(1)).any())
 
 
 @dataclass
@@ -57,6 +74,7 @@ class Cost:
     attention_flops: dict[str, float] = field(default_factory=dict)  # the QKᵀ and AV products alone
     elementwise: dict[str, float] = field(default_factory=dict)  # elements through non-matmul operators
     scores: dict[str, float] = field(default_factory=dict)  # attention score elements (B·n·T² share)
+    linear_calls: dict[str, float] = field(default_factory=dict)  # matrix products of linear layers
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
@@ -108,26 +126,25 @@ class Cost:
 
     def spans_nodes(self, axes) -> bool:
         """Whether some group along `axes` has ranks on more than one node."""
-        topo = self.topology
-        for rank in range(topo.world_size):
-            coords = topo.coords(rank)
-            nodes = {topo.node_of(topo.rank_at({**coords, **dict(zip(axes, ks))}))
-                     for ks in itertools.product(*(range(topo.size(a)) for a in axes))}
-            if len(nodes) > 1:
-                return True
-        return False
+        return spans_nodes(self.topology, axes)
 
     def comm_time(self, machine: Machine, phase: str, site: str | None = None) -> float:
-        total, span = 0.0, {}
-        for t in self._select(phase, site=site):
+        return sum(seconds for _, seconds in self.term_times(machine, self._select(phase, site=site)))
+
+    def term_times(self, machine: Machine, terms=None) -> list[tuple[Term, float]]:
+        """Each term's seconds (every term, or `terms`): per call, its latency steps times α plus its
+        wire bytes times β, inside a node or between nodes where its group spans them."""
+        machine = machine.at(self.topology.world_size)
+        out, span = [], {}
+        for t in self.terms if terms is None else terms:
             n = self.term_ranks(t)
             if t.axes not in span:
                 span[t.axes] = self.spans_nodes(t.axes)
             alpha, beta = ((machine.alpha_inter, machine.beta_inter) if span[t.axes]
                            else (machine.alpha_intra, machine.beta_intra))
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
-            total += t.calls * steps * alpha + t.bytes * words * beta
-        return total
+            out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
+        return out
 
     def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:
         """Predicted seconds. Communication and computation do not overlap, except a cp ring's
@@ -137,11 +154,15 @@ class Cost:
         work) (`overlapped`: the seconds of them hidden so). With stem=True, the Transformer layers
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
+        machine = machine.at(self.topology.world_size)
         work = self.stem if stem else {"flops": self.flops, "attention_flops": self.attention_flops,
-                                       "elementwise": self.elementwise, "scores": self.scores}
+                                       "elementwise": self.elementwise, "scores": self.scores,
+                                       "linear_calls": self.linear_calls}
         for phase in ("forward", "backward"):
             linear = work["flops"][phase] - work["attention_flops"][phase]
-            out[f"{phase}_compute"] = (linear / machine.flop_rate + work["scores"][phase] / machine.attn_rate
+            # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product
+            kernels = work["linear_calls"][phase] * machine.kernel_flops
+            out[f"{phase}_compute"] = ((linear + kernels) / machine.flop_rate + work["scores"][phase] / machine.attn_rate
                                        + work["elementwise"][phase] / machine.elem_rate)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             cp = self.topology.size(MeshAxis.CP)
@@ -169,6 +190,30 @@ class Cost:
         return out
 
 
+_MODELS: OrderedDict = OrderedDict()  # (config, layout, rank) -> meta model, the latest used last
+_MODELS_KEPT = 256
+
+
+def _meta_model(cfg, layout: Layout, rank: int):
+    """The context and meta model of `rank` under `layout` (its shard specs and local shapes,
+    nothing allocated), built once for the planner's many prices of one layout (the cost builder
+    only reads the model)."""
+    ctx = layout.context(rank)
+    # the micro-batch count shapes no module (the builder reads it from the Cost's context); a plugin
+    # registered anew is built anew
+    shape = layout.replace(microbatches=None) if layout.pp > 1 and layout.pp_schedule != "interleaved" else layout
+    key = (type(cfg), repr(cfg), get_mode(layout.mode), repr(shape), rank)
+    if key in _MODELS:
+        _MODELS.move_to_end(key)
+        return ctx, _MODELS[key]
+    with torch.device("meta"):
+        model = build_model(cfg, ctx)
+    _MODELS[key] = model
+    if len(_MODELS) > _MODELS_KEPT:
+        _MODELS.popitem(last=False)
+    return ctx, model
+
+
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
              zero: int = 0, precision: str = "fp32", padded: bool = False, **layout_kwargs) -> Cost:
@@ -187,10 +232,8 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     whose copies every masked attention saves (padding costs no communication)."""
     if precision == "bf16":
         dtype = torch.bfloat16
-    ctx = as_layout(layout, layout_kwargs).context(rank)
+    ctx, model = _meta_model(cfg, as_layout(layout, layout_kwargs), rank)
     mode = ctx.mode
-    with torch.device("meta"):  # the shard specs and local shapes, nothing allocated
-        model = build_model(cfg, ctx)
     itemsize = torch.empty((), dtype=dtype).element_size()
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
                 activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,

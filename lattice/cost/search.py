@@ -1,0 +1,371 @@
+"""The planner behind `lattice plan --auto`: every layout of a model on N ranks that the modes,
+the model and the memory allow, priced by the cost model and ranked by predicted step time.
+
+    best = search(cfg, gpus=16, machine=MACHINES["h100-node"], batch=32).ranked[0]
+
+A candidate is a whole training setup: the mode and its options, tp, cp, pp with its schedule,
+virtual stages and micro-batches, dp, the ZeRO stage, precision, activation checkpointing and
+the rank placement. Each is priced from `lattice.cost.estimate` of the ranks that bound a step
+(with pp > 1 the first stage's memory and the slower of the first and last stage's slot); a
+model deeper than two blocks per pipeline chunk is priced at one and two blocks per chunk and
+extrapolated along the depth (every figure is linear in the blocks a rank holds but for the
+gradient buckets' count, which is rounded). Pruning: each (mode, tp) keeps its fastest option
+setting and its smallest in memory; ZeRO stages and checkpointing are tried in the order of
+their memory savings, and the first that fits is kept (they only add time under this model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from lattice.cost.machine import Machine
+from lattice.cost.model import estimate, spans_nodes
+from lattice.cost.pipeline import in_flight
+from lattice.modes import available_modes, get_mode
+from lattice.modes.layout import Layout
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+
+MAX_CP = 8  # context parallelism beyond this many ranks per sequence is not searched
+MAX_MICROBATCH_CHOICES = 2  # micro-batch counts per pipeline depth: the largest ones
+USABLE_MEMORY = 0.9  # of a device's memory: the rest for the runtime, workspaces and fragmentation
+COMM_GROUPS = ("tensor", "context", "data", "pipeline")
+
+
+def _group(site: str) -> str:
+    """Which communication a term is: of the tensor layout, of context parallelism, the gradients'
+    reduction over replicas (and the parameters' all-gather of ZeRO), or pipeline sends."""
+    if site in ("layer.ring", "layer.context") or site.startswith(("layer.ring.", "layer.context.")):
+        return "context"
+    if site == "grads":
+        return "data"
+    if site == "pipeline":
+        return "pipeline"
+    return "tensor"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One training setup: the layout and what the Trainer adds to it."""
+
+    layout: Layout
+    zero: int = 0
+    precision: str = "fp32"
+    checkpointing: bool = False
+
+    def describe(self) -> str:
+        lay = self.layout
+        parts = [lay.mode if lay.mode == "serial" else f"{lay.mode} tp={lay.tp}"]
+        parts += [f"{k}={v}" for k, v in sorted(lay.options.items()) if v != get_mode(lay.mode).options[k].default]
+        if lay.cp > 1:
+            parts.append(f"cp={lay.cp}")
+        if lay.pp > 1:
+            pcfg = lay.pipeline
+            parts.append(f"pp={lay.pp} {pcfg.schedule}" + (f" v={pcfg.v}" if pcfg.schedule == "interleaved" else "")
+                         + f" m={pcfg.m}")
+        parts.append(f"dp={lay.dp}")
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        parts.append(self.precision)
+        if self.checkpointing:
+            parts.append("ckpt")
+        if lay.placement != "natural":
+            parts.append(f"{lay.placement} placement")
+        return " ".join(parts)
+
+    def train_flags(self) -> str:
+        """The `lattice train` flags of this setup."""
+        lay, out = self.layout, [f"--mode {self.layout.mode}"]
+        for name in ("tp", "cp", "pp", "dp"):
+            if getattr(lay, name) > 1:
+                out.append(f"--{name} {getattr(lay, name)}")
+        for key, value in sorted(lay.options.items()):
+            if value != get_mode(lay.mode).options[key].default:
+                flag = "--" + key.replace("_", "-")
+                out.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+        if lay.pp > 1:
+            out.append(f"--microbatches {lay.pipeline.m} --pp-schedule {lay.pipeline.schedule}")
+            if lay.pipeline.schedule == "interleaved":
+                out.append(f"--pp-virtual {lay.pipeline.v}")
+        if lay.placement != "natural":
+            out.append(f"--placement {lay.placement}")
+        if self.zero:
+            out.append(f"--zero {self.zero}")
+        if self.precision != "fp32":
+            out.append(f"--precision {self.precision}")
+        if self.checkpointing:
+            out.append("--activation-checkpointing")
+        return " ".join(out)
+
+
+@dataclass
+class Priced:
+    choice: Choice
+    step_s: float
+    terms: dict[str, float]  # seconds of one step: compute, each COMM_GROUPS, overlapped (<= 0), bubble, update
+    memory: dict[str, float]  # bytes on the fullest rank: parameters, gradients, optimizer, activations, total
+
+    def as_dict(self) -> dict:
+        lay = self.choice.layout
+        return {"setup": self.choice.describe(), "train_flags": self.choice.train_flags(), "mode": lay.mode,
+                "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "options": dict(lay.options),
+                "microbatches": lay.pipeline.m if lay.pp > 1 else 1,
+                "schedule": lay.pipeline.schedule if lay.pp > 1 else None, "zero": self.choice.zero,
+                "precision": self.choice.precision, "activation_checkpointing": self.choice.checkpointing,
+                "placement": lay.placement, "step_s": self.step_s, "terms_s": self.terms,
+                "memory_bytes": self.memory}
+
+
+@dataclass
+class Plan:
+    ranked: list[Priced]  # every candidate that fits, fastest first
+    priced: int  # candidates the cost model priced
+    over_memory: int  # of them, over the memory limit at every ZeRO stage and with checkpointing
+    refused: dict[str, dict[str, int]] = field(default_factory=dict)  # mode -> {reason: layouts}
+    closest_over: dict[str, Priced] = field(default_factory=dict)  # mode -> its least-memory candidate, over the limit
+    seconds: float = 0.0
+
+    def best_of(self, mode: str) -> Priced | None:
+        return next((p for p in self.ranked if p.choice.layout.mode == mode), None)
+
+
+# ----------------------------------------------------------------------------- pricing
+
+
+def _figures(c, machine: Machine) -> dict[str, float]:
+    """A Cost's figures as one flat dict (seconds and bytes), which extrapolates term by term."""
+    t = c.time(machine)
+    out = {k: t[k] for k in ("forward_compute", "backward_compute", "update")}
+    out["overlapped"] = -(t.get("forward_overlapped", 0.0) + t.get("backward_overlapped", 0.0))
+    groups = dict.fromkeys(COMM_GROUPS, 0.0)
+    for term, seconds in c.term_times(machine):
+        if term.phase in ("forward", "backward"):
+            groups[_group(term.site)] += seconds
+    out.update(groups)
+    out.update({f"memory_{k}": v for k, v in c.memory.items()})
+    return out
+
+
+def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
+    """`_figures` of rank 0 of `layout` (no pipeline) running `blocks` of the model's blocks with
+    its first and last parts, its groups placed on nodes as in `topology`: from the model itself
+    when it is that shallow, else from one and two blocks, extrapolated along the depth (every
+    figure is linear in the blocks but the gradient buckets' count, which is rounded)."""
+
+    def figures(n):
+        c = estimate(dataclasses.replace(cfg, n_layers=n), layout, batch=batch, **kw)
+        c.topology = topology  # which groups span nodes, and the world the machine is seen by
+        return _figures(c, machine)
+
+    if hasattr(cfg, "n_decoder_layers") or blocks <= 2:  # an encoder-decoder's two stacks: priced whole
+        return figures(blocks) if not hasattr(cfg, "n_decoder_layers") else _figures(
+            _placed(estimate(cfg, layout, batch=batch, **kw), topology), machine)
+    one, two = figures(1), figures(2)
+    return {key: one[key] + (blocks - 1) * (two[key] - one[key]) for key in one}
+
+
+def _placed(c, topology):
+    c.topology = topology
+    return c
+
+
+def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
+    """Predicted seconds of one step of `choice` on `batch` sequences (global) and the memory of
+    its fullest rank. Without a pipeline: the cost model's step. With pp stages (papers/002 §2.2):
+    a stage is priced as the tensor layout (with its dp and cp) running its L/pp blocks and both
+    end parts on one micro-batch of B/m sequences (an upper bound of the first and last stage);
+    the schedule takes m v + pp - 1 slots of one chunk's micro-batch plus the hop of its residual
+    piece to the next stage (activation forward, gradient backward), then the gradients'
+    reduction over dp and the update; the first stage holds the most micro-batches in flight."""
+    lay = choice.layout
+    kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
+    machine = machine.with_precision(choice.precision)
+    replica = batch // lay.dp
+    if lay.pp == 1:
+        f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica, machine=machine, topology=lay.topology, **kw)
+        terms = {"compute": f["forward_compute"] + f["backward_compute"],
+                 **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
+                 "update": f["update"]}
+        memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
+    else:
+        pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
+        if replica % m:
+            raise LatticeConfigError(f"{replica} sequences per replica do not split into {m} micro-batches")
+        stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
+                       ranks_per_node=lay.ranks_per_node)
+        f = _priced_blocks(cfg, stage, blocks=math.ceil(cfg.n_layers / lay.pp), batch=replica // m, machine=machine,
+                           topology=lay.topology, **kw)
+        c = estimate(dataclasses.replace(cfg, n_layers=1), stage, batch=replica // m, **kw)
+        piece = c.residual_elements / (lay.tp if pcfg.scatter_gather and get_mode(lay.mode).residual_replicated else 1)
+        here = machine.at(lay.world_size)
+        alpha, beta = ((here.alpha_inter, here.beta_inter) if spans_nodes(lay.topology, (MeshAxis.PP,))
+                       else (here.alpha_intra, here.beta_intra))
+        hop = 2 * (alpha + piece * c.itemsize * beta)  # the activation forward, its gradient backward
+        chunk = (f["forward_compute"] + f["backward_compute"] + f["tensor"] + f["context"] + f["overlapped"]) / v
+        # m v slots of a chunk's micro-batch and its hop, and pp - 1 more (the bubble)
+        terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
+                 "context": m * f["context"], "data": f["data"], "pipeline": m * v * hop,
+                 "overlapped": m * f["overlapped"], "bubble": (lay.pp - 1) * (chunk + hop), "update": f["update"]}
+        memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
+        memory["activations"] *= in_flight(pcfg, 0) / v
+    memory["total"] = sum(memory.values())
+    return Priced(choice, sum(terms.values()), terms, memory)
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _option_settings(mode: str, tp: int) -> list[dict]:
+    """Every setting of the mode's options (an integer option, such as subgraph's sub-grid count,
+    over the divisors of tp from 2)."""
+    names, values = [], []
+    for key, option in get_mode(mode).options.items():
+        names.append(key)
+        if option.type is bool:
+            values.append((False, True))
+        elif option.choices:
+            values.append(tuple(option.choices))
+        elif option.type is int:
+            values.append(tuple(d for d in _divisors(tp) if d >= 2) or (option.default,))
+        else:
+            values.append((option.default,))
+    return [dict(zip(names, combo)) for combo in itertools.product(*values)]
+
+
+def _microbatch_counts(pp: int, replica: int, layers: int) -> list[tuple[int, str, int | None]]:
+    """(m, schedule, virtual) for pp stages on `replica` sequences: 1F1B at the largest counts of
+    at least pp micro-batches that divide the replica's batch, and interleaved (v = 2) where the
+    blocks split into 2 pp chunks and m is a multiple of pp."""
+    if pp == 1:
+        return [(1, "1f1b", None)]
+    counts = [m for m in _divisors(replica) if m >= pp][-MAX_MICROBATCH_CHOICES:]
+    out = [(m, "1f1b", None) for m in counts]
+    interleaved = [m for m in counts if m % pp == 0]
+    if layers % (2 * pp) == 0 and interleaved:
+        out.append((interleaved[-1], "interleaved", 2))
+    return out
+
+
+def _setups(lay: Layout, precision: str) -> list[Choice]:
+    """ZeRO stages and activation checkpointing, least added time first (under the cost model
+    each only adds time): the first whose memory fits is the layout's price."""
+    zeros = (0, 1, 2) if lay.dp * lay.cp > 1 else (0,)
+    return [Choice(lay, zero=zero, precision=precision, checkpointing=ckpt) for ckpt in (False, True) for zero in zeros]
+
+
+def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | None = None,
+           ranks_per_node: int | None = None, precisions: tuple[str, ...] | None = None,
+           modes: list[str] | None = None, placements: tuple[str, ...] = ("natural", "topology")) -> Plan:
+    """Every feasible setup of `cfg` on `gpus` ranks for a global batch of `batch` sequences,
+    priced on `machine` (`ranks_per_node` default the machine's) and ranked; setups whose fullest
+    rank needs more than `memory_gib` (default: USABLE_MEMORY of the machine's memory, no limit where
+    it has none) are dropped and counted."""
+    start = time.perf_counter()
+    rpn = ranks_per_node or machine.ranks_per_node
+    limit = (memory_gib * 2 ** 30 if memory_gib else
+             USABLE_MEMORY * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
+    precisions = precisions or tuple(p for p in (machine.precision, "bf16" if machine.precision == "fp32" else "fp32")
+                                     if p == machine.precision or machine.other_precision_flop_rate)
+    plan = Plan([], 0, 0)
+    refuse = lambda mode, reason: plan.refused.setdefault(mode, {}).__setitem__(  # noqa: E731
+        reason, plan.refused.get(mode, {}).get(reason, 0) + 1)
+    multi_node = gpus > rpn
+    for mode in modes or available_modes():
+        for tp in _divisors(gpus):
+            if mode == "serial" and tp > 1:
+                continue
+            try:
+                Layout(mode, tp=tp, ranks_per_node=rpn)
+            except LatticeConfigError as e:  # tp itself (a square, a cube): the options cannot help
+                refuse(mode, _short(str(e)))
+                continue
+            # the mode's option settings at pp = 1, cp = 1: its fastest and its smallest in memory go on
+            trials = []
+            for options in _option_settings(mode, tp):
+                try:  # on one replica, with its share of the batch
+                    lay = Layout(mode, tp=tp, options=options, ranks_per_node=rpn)
+                    problem = get_mode(mode).size_problem(cfg, lay.context())  # (without the refusal's hint search)
+                    if problem:
+                        refuse(mode, _short(problem))
+                        continue
+                    trials.append(price(cfg, Choice(lay, precision=precisions[0]), batch=max(1, batch * tp // gpus),
+                                        machine=machine))
+                    plan.priced += 1
+                except LatticeConfigError as e:
+                    refuse(mode, _short(str(e)))
+            if not trials:
+                continue
+            kept = {id(p): p.choice.layout.options for p in (min(trials, key=lambda p: p.step_s),
+                                                             min(trials, key=lambda p: p.memory["total"]))}
+            for options in {tuple(sorted(o.items())): o for o in kept.values()}.values():
+                _search_tensor_layout(cfg, plan, mode, tp, options, gpus=gpus, rpn=rpn, batch=batch, machine=machine,
+                                      limit=limit, precisions=precisions,
+                                      placements=placements if multi_node else ("natural",), refuse=refuse)
+    plan.ranked.sort(key=lambda p: p.step_s)
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batch, machine, limit, precisions,
+                          placements, refuse):
+    rest = gpus // tp
+    for cp in [c for c in _divisors(rest) if c <= MAX_CP]:
+        for pp in [p for p in _divisors(rest // cp) if p <= cfg.n_layers]:
+            dp = rest // (cp * pp)
+            if batch % dp:
+                refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
+                continue
+            for m, schedule, virtual in _microbatch_counts(pp, batch // dp, cfg.n_layers):
+                for placement in placements:
+                    if placement != "natural" and (pp > 1 or cp > 1):
+                        continue  # the topology-aware grids are of one replica's tensor ranks
+                    pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual) if pp > 1 else {}
+                    try:
+                        lay = Layout(mode, tp=tp, cp=cp, pp=pp, dp=dp, options=options, placement=placement,
+                                     ranks_per_node=rpn, **pipe)
+                    except LatticeConfigError as e:
+                        refuse(mode, _short(str(e)))
+                        continue
+                    if placement != "natural" and lay.topology.rank_grid == lay.replace(placement="natural").topology.rank_grid:
+                        continue  # the same ranks in the same places
+                    for precision in precisions:
+                        setups = _setups(lay, precision)
+                        try:  # the fastest; else the one that saves the most memory (where it does not fit,
+                            # none does); else the others in the order of their time
+                            fitted = smallest = price(cfg, setups[0], batch=batch, machine=machine)
+                            plan.priced += 1
+                            if limit is not None and fitted.memory["total"] > limit:
+                                fitted, smallest = None, price(cfg, setups[-1], batch=batch, machine=machine)
+                                plan.priced += 1
+                                for choice in setups[1:-1] if smallest.memory["total"] <= limit else ():
+                                    priced = price(cfg, choice, batch=batch, machine=machine)
+                                    plan.priced += 1
+                                    if priced.memory["total"] <= limit:
+                                        fitted = priced
+                                        break
+                                if fitted is None and smallest.memory["total"] <= limit:
+                                    fitted = smallest
+                        except LatticeConfigError as e:
+                            refuse(mode, _short(str(e)))
+                            continue
+                        if fitted is not None:
+                            plan.ranked.append(fitted)
+                        else:
+                            plan.over_memory += 1
+                            best = plan.closest_over.get(mode)
+                            if best is None or smallest.memory["total"] < best.memory["total"]:
+                                plan.closest_over[mode] = smallest
+
+
+def _short(reason: str, limit: int = 160) -> str:
+    """A refusal cut at a word boundary (the reasons are grouped and counted)."""
+    if len(reason) <= limit:
+        return reason
+    return reason[:limit].rsplit(" ", 1)[0] + " ..."
