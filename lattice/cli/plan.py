@@ -3,19 +3,23 @@ pipeline split or every tp x pp split of N ranks.
 
     lattice plan --arch llama --model llama3-8b --mode 2d --tp 16 --precision bf16
     lattice plan --arch bert --model bert-base --task classify --mode 1d --tp 4
+    lattice plan --auto --arch llama --model llama3-8b --gpus 16 --ranks-per-node 4 --batch 32 --machine h100-node
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
 from lattice.cli.arguments import add_layout_flags, add_size_flags, given_sizes, layout_from_args
 from lattice.cost.machine import PAPER_CLUSTER
 from lattice.cost.model import estimate
-from lattice.cost.plan import (format_cost, format_pipeline, format_splits, format_table1, machine_from_spec,
-                               model_config)
+from lattice.cost.machines import MACHINES
+from lattice.cost.plan import (format_cost, format_pipeline, format_search, format_splits, format_table1,
+                               machine_from_spec, model_config, mode_verdicts)
+from lattice.cost.search import search
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import parallel_modes
@@ -23,6 +27,9 @@ from lattice.modes.layout import PIPELINE_SETTINGS
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.zero import ZERO_STAGES
 from lattice.training.config import PRECISIONS
+
+
+AUTO_MACHINE = "h100-node"
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,13 +45,25 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16: bf16 weights with fp32 master weights, moments and gradient reduction (as in train)")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="bf16: bf16 weights with fp32 master weights, moments and gradient reduction (as in train); "
+                        "default fp32, and with --auto every precision the machine has a rate for")
     p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
                    help="distributed optimizer stage over --dp (as in train): its traffic and memory per rank")
-    p.add_argument("--machine", default=None, metavar="JSON",
-                   help="Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
-                        "default: the papers' 4-GPU-node cluster")
+    p.add_argument("--machine", default=None, metavar="PRESET|JSON",
+                   help=f"a preset ({', '.join(MACHINES)}) or Machine fields as inline JSON or a JSON file (e.g. a "
+                        f"calibration from `lattice bench`); default: the papers' 4-GPU-node cluster, with --auto "
+                        f"{AUTO_MACHINE}")
+    p.add_argument("--auto", action="store_true",
+                   help="search every layout of the model on --gpus ranks (each mode and its options, tp, cp, pp with "
+                        "its schedule and micro-batches, dp, ZeRO, precision, activation checkpointing, placement), "
+                        "drop those over --memory, and rank the rest by predicted step time")
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help="ranks in all (--auto)")
+    p.add_argument("--memory", type=float, default=None, metavar="GiB",
+                   help="memory per rank (--auto; default 90%% of the machine's device memory, no limit where it has "
+                        "none)")
+    p.add_argument("--top", type=int, default=5, help="setups --auto lists (default 5)")
+    p.add_argument("--json", action="store_true", help="--auto's answer as JSON, for scripts")
     p.add_argument("--splits", type=int, default=None, metavar="N",
                    help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
     p.add_argument("--table1", action="store_true",
@@ -66,11 +85,15 @@ def run_plan(args) -> int:
         raise LatticeConfigError(f"--num-labels {args.num_labels}: a classifier needs at least 2 classes")
     head = {"num_labels": args.num_labels} if task == "classify" else {}
     cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, **given_sizes(args), **head)
-    replicas = max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
+    replicas = 1 if args.auto else max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
     if args.batch < 1 or args.batch % replicas:
         raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
                                  f"{replicas} replicas; use a positive multiple of {replicas}")
     batch = args.batch // replicas  # per replica, what one replica's ranks compute on
+    if args.auto:
+        return _run_auto(args, cfg, batch=args.batch)
+    if args.precision is None:
+        args.precision = "fp32"
     if args.table1:
         print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
         return 0
@@ -89,3 +112,41 @@ def run_plan(args) -> int:
                  precision=args.precision)
     print(format_cost(c, machine))
     return 0
+
+
+def _run_auto(args, cfg, *, batch: int) -> int:
+    """`--auto`: the planner's ranking (lattice.cost.search), as text or JSON."""
+    if not args.gpus or args.gpus < 1:
+        raise LatticeConfigError("--auto needs --gpus N, the ranks to plan for (e.g. --gpus 16)")
+    if args.memory is not None and args.memory <= 0:
+        raise LatticeConfigError(f"--memory {args.memory}: give the memory per rank in GiB, e.g. --memory 80")
+    if args.top < 1:
+        raise LatticeConfigError(f"--top {args.top}: list at least one setup")
+    machine = machine_from_spec(args.machine or AUTO_MACHINE)
+    rpn = args.ranks_per_node or machine.ranks_per_node
+    if args.precision and args.precision != machine.precision and not machine.other_precision_flop_rate:
+        raise LatticeConfigError(f"--precision {args.precision}: {machine.name} has a matrix-product rate for "
+                                 f"{machine.precision} only; drop --precision or give a machine with both")
+    precisions = (args.precision,) if args.precision else None
+    modes = None if args.mode == parallel_modes()[0] and "--mode" not in _given() else [args.mode]
+    plan = search(cfg, gpus=args.gpus, machine=machine, batch=batch, memory_gib=args.memory, ranks_per_node=rpn,
+                  precisions=precisions, modes=modes)
+    limit = (args.memory * 2 ** 30 if args.memory else 0.9 * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
+    shown = modes or sorted({p.choice.layout.mode for p in plan.ranked} | set(plan.refused) | set(plan.closest_over))
+    if args.json:
+        print(json.dumps({"model": repr(cfg), "gpus": args.gpus, "ranks_per_node": rpn, "machine": machine.name,
+                          "batch": batch, "seq_len": cfg.seq_len, "memory_limit_bytes": limit, "priced": plan.priced,
+                          "fit": len(plan.ranked), "over_memory": plan.over_memory, "seconds": plan.seconds,
+                          "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
+                          "modes": mode_verdicts(plan, shown)}, indent=1))
+        return 0
+    command = f"lattice train --arch {args.arch}" + (f" --model {args.model}" if args.model else "") + f" --batch {batch}"
+    print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, limit=limit,
+                        top=args.top, modes=shown, command=command))
+    return 0
+
+
+def _given() -> list[str]:
+    import sys
+
+    return sys.argv

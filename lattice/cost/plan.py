@@ -3,9 +3,6 @@ tp x pp split of N ranks, or Optimus Table 1, as text (the command itself is lat
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 
 from lattice.cost.machine import Machine, message_steps, wire_factor
@@ -33,22 +30,11 @@ def model_config(arch: str, preset: str | None, **sizes):
 
 
 def machine_from_spec(spec: str) -> Machine:
-    """A Machine from inline JSON or from a JSON file (e.g. a calibration `lattice bench` wrote)."""
-    try:
-        text = open(spec).read() if os.path.isfile(spec) else spec
-        values = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise LatticeConfigError(f"--machine {spec[:60]!r} is neither a JSON file nor inline JSON ({type(e).__name__}); "
-                                 f"pass e.g. '{{\"flop_rate\": 1e12}}' or a file holding such an object") from None
-    known = {f.name for f in dataclass_fields(Machine)}
-    if not isinstance(values, dict) or set(values) - known:
-        extra = sorted(set(values) - known) if isinstance(values, dict) else type(values).__name__
-        raise LatticeConfigError(f"--machine has unknown fields {extra}; Machine takes {', '.join(sorted(known))}")
-    required = {f.name for f in dataclass_fields(Machine) if f.default is MISSING} - {"name"}
-    if required - set(values):
-        raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
-                                 f"{', '.join(sorted(required))}")
-    return Machine(**{"name": "given", **values})
+    """A Machine preset by name (lattice.cost.machines), or from inline JSON or a JSON file (e.g. a
+    calibration `lattice bench` wrote)."""
+    from lattice.cost.machines import machine_named
+
+    return machine_named(spec)
 
 
 def format_cost(c: Cost, machine: Machine) -> str:
@@ -147,4 +133,58 @@ def format_table1(b: int, s: int, h: int, p: int) -> str:
                 run = f"{r['backward_as_run']:,.0f}" if "backward_as_run" in r else ""
                 lines.append(f"  {mode + ' ' + src:<14}{r['forward']:>16,.0f}{r['backward']:>16,.0f}{run:>16}"
                              f"{r['forward_mults']:>18,.0f}{r['backward_mults']:>18,.0f}")
+    return "\n".join(lines)
+
+
+TERM_COLUMNS = ("compute", "tensor", "context", "data", "pipeline", "overlapped", "bubble", "update")
+
+
+def why_slower(other, best) -> str:
+    """The terms that make `other`'s step longer than `best`'s, largest first."""
+    diffs = sorted(((other.terms[k] - best.terms[k], k) for k in TERM_COLUMNS), reverse=True)
+    said = [f"{k} {other.terms[k] * 1e3:,.1f} ms against {best.terms[k] * 1e3:,.1f}" for d, k in diffs[:2] if d > 0]
+    return "; ".join(said) or "the same terms, rounded"
+
+
+def mode_verdicts(plan, modes) -> dict[str, str]:
+    """Why the best setup of every other mode loses to the first (or why the mode has none)."""
+    best, out = plan.ranked[0] if plan.ranked else None, {}
+    for mode in modes:
+        mine = plan.best_of(mode)
+        if mine is not None and best is not None:
+            if mine is best:
+                out[mode] = "the first"
+            else:
+                out[mode] = (f"best {mine.choice.describe()}: {mine.step_s * 1e3:,.1f} ms, {mine.step_s / best.step_s:.2f}x "
+                             f"the first: {why_slower(mine, best)}")
+        elif mode in plan.closest_over:
+            over = plan.closest_over[mode]
+            out[mode] = (f"nothing fits: its smallest, {over.choice.describe()}, needs "
+                         f"{over.memory['total'] / 2 ** 30:,.1f} GiB per rank")
+        else:
+            reasons = plan.refused.get(mode, {})
+            top = max(reasons.items(), key=lambda kv: kv[1])[0] if reasons else "no layout of it on these ranks"
+            out[mode] = f"refused: {top}"
+    return out
+
+
+def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine, batch: int, limit: float | None,
+                  top: int, modes, command: str) -> str:
+    per_node = f"{ranks_per_node} per node" if gpus > ranks_per_node else "on one node"
+    refused = sum(sum(r.values()) for r in plan.refused.values())
+    lines = [f"{cfg}", f"{gpus} ranks {per_node}, global batch {batch} x {cfg.seq_len} tokens, on {machine.describe()}",
+             f"memory per rank: {'no limit' if limit is None else f'{limit / 2 ** 30:,.1f} GiB'}; priced {plan.priced} "
+             f"setups in {plan.seconds:.1f} s: {len(plan.ranked)} fit, {plan.over_memory} over the memory limit at "
+             f"every ZeRO stage and with activation checkpointing, {refused} layouts refused", ""]
+    head = ("#", "step ms") + TERM_COLUMNS + ("GiB",)
+    widths = (3, 11) + (11,) * len(TERM_COLUMNS) + (8,)
+    lines.append("".join(f"{h:>{w}}" for h, w in zip(head, widths)) + "  setup")
+    for k, p in enumerate(plan.ranked[:top], 1):
+        values = (str(k), f"{p.step_s * 1e3:,.1f}") + tuple(f"{p.terms[t] * 1e3:,.1f}" for t in TERM_COLUMNS) + (
+            f"{p.memory['total'] / 2 ** 30:,.2f}",)
+        lines.append("".join(f"{v:>{w}}" for v, w in zip(values, widths)) + f"  {p.choice.describe()}")
+    if plan.ranked:
+        lines += ["", f"the first as a run: {command} {plan.ranked[0].choice.train_flags()}"]
+    lines += ["", "the other modes:"]
+    lines += [f"  {mode}: {why}" for mode, why in mode_verdicts(plan, modes).items()]
     return "\n".join(lines)

@@ -279,8 +279,8 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
     multi_node = gpus > rpn
     for mode in modes or available_modes():
         for tp in _divisors(gpus):
-            if mode == "serial" and tp > 1:
-                continue
+            if (mode == "serial") != (tp == 1):
+                continue  # a parallel mode on one tensor rank is the serial layout
             try:
                 Layout(mode, tp=tp, ranks_per_node=rpn)
             except LatticeConfigError as e:  # tp itself (a square, a cube): the options cannot help

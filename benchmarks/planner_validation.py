@@ -1,0 +1,179 @@
+"""The planner (`lattice plan --auto`) against measured step times on this machine: for each model
+shape and world size p, the layouts the planner finds feasible are trained for a few steps each in
+one world (the real Trainer: DDP or ZeRO, pipeline schedules, context parallelism), their steps
+interleaved round-robin so that load changes fall on all alike; the step time is the median over
+rounds of the slowest rank's mean step. Reported per case: whether the planner's first choice is
+the measured best or within 5% of it, the Spearman rank correlation of predicted and measured
+times, and over every run the median |error| of the predicted step time.
+
+    python benchmarks/planner_validation.py --calibrate          # the cpu preset's rows (lattice.cost.machines)
+    python benchmarks/planner_validation.py -o benchmarks/results/planner_validation.json
+
+The predictions use the `cpu-2core` machine preset, whose rates come from `--calibrate`'s
+micro-benchmarks (matrix products, attention, elementwise operators, collectives between compute,
+AdamW), never from the step times judged here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import lattice
+from lattice.bench.world import spawn
+from lattice.cost.machines import machine_named
+from lattice.cost.plan import model_config
+from lattice.cost.search import search
+
+BATCH = 8
+#: the shapes: the gpt2 `small` preset, a wide and a deep GPT-2, and a Llama with grouped-query attention
+SHAPES = {
+    "gpt2-small": ("gpt2", {"model": "small"}),
+    "gpt2-wide": ("gpt2", {"model": "small", "d_model": 384, "n_layers": 2, "seq_len": 64}),
+    "gpt2-deep": ("gpt2", {"model": "small", "d_model": 96, "n_heads": 8, "n_layers": 8, "seq_len": 64}),
+    "llama-gqa": ("llama", {"model": "small"}),
+}
+
+
+def _config(shape: str):
+    arch, sizes = SHAPES[shape]
+    return model_config(arch, sizes.get("model"), vocab_size=2048,
+                        **{k: v for k, v in sizes.items() if k != "model"})
+
+
+def _calibrate_world(shape: str) -> dict:
+    import torch.distributed as dist
+
+    from lattice.cost.calibrate import calibrate
+
+    machine = calibrate(_config(shape), BATCH)
+    return vars(machine) if dist.get_rank() == 0 else {}
+
+
+def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> dict:
+    """In a world of p ranks: a Trainer per layout, then `rounds` rounds of `steps` steps of each."""
+    import torch
+    import torch.distributed as dist
+
+    from lattice.modes.layout import Layout
+    from lattice.training.config import TrainConfig
+    from lattice.training.trainer import Trainer
+
+    arch, sizes = SHAPES[shape]
+    trainers = []
+    for record in layouts:
+        layout = Layout(**record["layout"])
+        ctx = lattice.init(layout)
+        cfg = TrainConfig(arch=arch, **sizes, vocab_size=2048, batch_size=BATCH, steps=10 ** 6, warmup=1,
+                          eval_interval=10 ** 6, checkpoint_interval=0, zero=record["zero"],
+                          activation_checkpointing=record["activation_checkpointing"])
+        trainer = Trainer(cfg, ctx)
+        for _ in range(2):  # warm-up
+            trainer.train_step()
+        trainers.append(trainer)
+    times = [[] for _ in trainers]
+    for r in range(rounds):
+        order = list(range(len(trainers)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for k in order:
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(steps):
+                trainers[k].train_step()
+            mean = torch.tensor((time.perf_counter() - t) / steps, dtype=torch.float64)
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            times[k].append(float(mean))
+    return {"step_s": [statistics.median(t) for t in times], "rounds": times} if dist.get_rank() == 0 else {}
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        out = [0.0] * len(x)
+        for rank, i in enumerate(order):
+            out[i] = rank
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else 1.0
+
+
+def _chosen(ranked: list, limit: int) -> list:
+    """The planner's first `limit` // 2 and the rest spread evenly over its ranking."""
+    if len(ranked) <= limit:
+        return ranked
+    head = ranked[:limit // 2]
+    rest = ranked[limit // 2:]
+    step = len(rest) / (limit - len(head))
+    return head + [rest[int(i * step)] for i in range(limit - len(head))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    p.add_argument("--ranks", default="2,4,8", help="world sizes (comma-separated)")
+    p.add_argument("--limit", type=int, default=14, help="layouts measured per case (the planner's top half of them, "
+                                                          "the rest spread over its ranking)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="steps per layout per round")
+    p.add_argument("--machine", default="cpu-2core")
+    p.add_argument("--calibrate", action="store_true", help="print the calibration rows of each world size and stop")
+    p.add_argument("-o", "--out", default=None)
+    args = p.parse_args()
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if args.calibrate:
+        rows = []
+        for n in [1] + ranks:
+            m = spawn(n, _calibrate_world, "gpt2-small", timeout=600)[0]
+            rows.append((n, m["flop_rate"], m["elem_rate"], m["attn_rate"], m["alpha_intra"], m["beta_intra"]))
+            print(json.dumps(m), flush=True)
+        print("by_world =", json.dumps(rows))
+        return 0
+    machine = machine_named(args.machine)
+    cases, errors = [], []
+    for shape in args.shapes.split(","):
+        cfg = _config(shape)
+        for n in ranks:
+            plan = search(cfg, gpus=n, machine=machine, batch=BATCH, ranks_per_node=n,
+                          precisions=(machine.precision,))
+            chosen = _chosen(plan.ranked, args.limit)
+            layouts = [{"layout": c.choice.layout.record(), "zero": c.choice.zero,
+                        "activation_checkpointing": c.choice.checkpointing} for c in chosen]
+            started = time.time()
+            measured = spawn(n, _measure_world, shape, layouts, args.rounds, args.steps, timeout=3600)[0]["step_s"]
+            predicted = [c.step_s for c in chosen]
+            best = min(measured)
+            first = measured[0] / best  # the planner's first choice against the measured best
+            rho = _spearman(predicted, measured)
+            errs = [(pr - me) / me for pr, me in zip(predicted, measured)]
+            errors += errs
+            case = {"shape": shape, "p": n, "config": repr(cfg), "candidates": len(plan.ranked), "measured": len(chosen),
+                    "first_over_best": first, "spearman": rho, "median_abs_error": statistics.median(map(abs, errs)),
+                    "seconds": time.time() - started,
+                    "runs": [{"setup": c.choice.describe(), "predicted_s": pr, "measured_s": me}
+                             for c, pr, me in zip(chosen, predicted, measured)]}
+            cases.append(case)
+            print(f"{shape} p={n}: {len(plan.ranked)} feasible, {len(chosen)} measured; first choice / measured best "
+                  f"{first:.3f}; Spearman {rho:.2f}; median |error| {case['median_abs_error']:.1%} "
+                  f"({case['seconds']:.0f} s)", flush=True)
+            for run in sorted(case["runs"], key=lambda r: r["measured_s"]):
+                print(f"    {run['measured_s'] * 1e3:8.1f} ms measured {run['predicted_s'] * 1e3:8.1f} ms predicted  "
+                      f"{run['setup']}", flush=True)
+    within = sum(c["first_over_best"] <= 1.05 for c in cases)
+    summary = {"cases": len(cases), "first_choice_within_5pct": within,
+               "spearman_min": min(c["spearman"] for c in cases),
+               "median_abs_error": statistics.median(map(abs, errors)), "runs": len(errors)}
+    print(f"first choice within 5% of the measured best: {within} of {len(cases)} cases; Spearman min "
+          f"{summary['spearman_min']:.2f}; median |error| {summary['median_abs_error']:.1%} over {len(errors)} runs")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine.name, "summary": summary, "cases": cases}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Machine presets of the cost model (`lattice plan --machine NAME`), per rank (one GPU, or one
+process on this CPU), at published rates or this repository's micro-benchmarks:
+
+- `cpu-2core`: this 2-core machine, gloo, one thread per rank, calibrated by
+  `python benchmarks/planner_validation.py --calibrate` (matrix products, attention and elementwise
+  operators at the per-rank shapes of a p-way split, α and β from collectives between compute,
+  AdamW) at 1, 2, 4 and 8 ranks: where ranks outnumber the cores they share them, and every
+  collective waits for its ranks to be scheduled (`Machine.by_world`).
+- `frontera-rtx` (Optimus's testbed: 4 Quadro RTX 5000 per node, PCIe, InfiniBand FDR),
+  `longhorn-v100` (the 3D paper's: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR),
+  `lassen-v100` (SUPER's: as Longhorn with dual-rail EDR), `a100-node` (DGX A100: 8 GPUs, NVSwitch,
+  8 x HDR 200 Gb/s) and `h100-node` (DGX H100: 8 GPUs, NVSwitch, 8 x NDR 400 Gb/s).
+
+GPU rates: the matrix-product rate is the dense half-precision peak times the efficiency an
+H200 reached here on large products (851 of 989 TFLOP/s, benchmarks/results/cuda_h200.json), and
+`kernel_flops` the size at which a product reaches half of it (7.9 GFLOP fitted to the same
+curve), both scaled by each card's peak; attention and elementwise rates are the H200's measured
+ones scaled by peak FLOP/s and by memory bandwidth. Between nodes each GPU gets its node's
+InfiniBand bandwidth over its GPUs (every rank of a node sends at once in a data-parallel
+reduction); α 5 µs over NVLink / NVSwitch, 10 µs over PCIe, 15 µs over InfiniBand (NCCL's small
+message latencies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING
+from dataclasses import fields as dataclass_fields
+
+from lattice.cost.machine import Machine
+from lattice.parallel.context import LatticeConfigError
+
+_H200_EFFICIENCY = 851 / 989  # large bf16 products against the dense peak
+_H200_KERNEL_FLOPS, _H200_PEAK, _H200_HBM = 7.9e9, 989e12, 4.8e12
+_H200_ATTENTION, _H200_ELEMENTWISE = 1.77e12, 5.0e11  # score elements/s (fwd+bwd as 3 forwards), elements/s
+
+
+def _gpu(name: str, *, peak_half: float, peak_fp32: float, hbm: float, memory_gib: float, ranks_per_node: int,
+         intra_gbs: float, alpha_intra: float, node_nic_gbs: float) -> Machine:
+    return Machine(
+        name, flop_rate=peak_half * _H200_EFFICIENCY, other_precision_flop_rate=peak_fp32 * _H200_EFFICIENCY,
+        precision="bf16", kernel_flops=_H200_KERNEL_FLOPS * peak_half / _H200_PEAK,
+        attn_rate=_H200_ATTENTION * peak_half / _H200_PEAK, elem_rate=_H200_ELEMENTWISE * hbm / _H200_HBM,
+        alpha_intra=alpha_intra, beta_intra=1 / (intra_gbs * 1e9), alpha_inter=15e-6,
+        beta_inter=1 / (node_nic_gbs * 1e9 / ranks_per_node), ranks_per_node=ranks_per_node, update_per_tensor=10e-6,
+        mem_bandwidth=hbm, pipelined_broadcast=True, memory_gib=memory_gib)
+
+
+MACHINES: dict[str, Machine] = {
+    # (ranks, F, elementwise, attention, α, β) from `benchmarks/planner_validation.py --calibrate` on 2026-11-26
+    "cpu-2core": Machine(
+        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=9.2e10, alpha_intra=1e-5, beta_intra=1e-10,
+        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=9.4e8, attn_rate=6.1e8,
+        update_per_tensor=1.7e-5, mem_bandwidth=1.7e10, memory_gib=0.0,
+        by_world=((1, 9.20e10, 9.42e8, 6.13e8, 1.0e-5, 1.0e-10), (2, 7.85e10, 1.19e9, 5.81e8, 9.59e-4, 4.84e-10),
+                  (4, 3.80e10, 1.02e9, 5.99e8, 1.22e-3, 3.75e-10), (8, 2.04e10, 9.01e8, 4.45e8, 1.58e-3, 8.86e-11))),
+    "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
+                         peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
+                         alpha_intra=10e-6, node_nic_gbs=7),
+    "longhorn-v100": _gpu("Longhorn: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR", peak_half=125e12,
+                          peak_fp32=15.7e12, hbm=900e9, memory_gib=16, ranks_per_node=4, intra_gbs=75,
+                          alpha_intra=5e-6, node_nic_gbs=12.5),
+    "lassen-v100": _gpu("Lassen: 4 V100 SXM2 per node, NVLink 2.0, dual-rail InfiniBand EDR", peak_half=125e12,
+                        peak_fp32=15.7e12, hbm=900e9, memory_gib=16, ranks_per_node=4, intra_gbs=75,
+                        alpha_intra=5e-6, node_nic_gbs=25),
+    "a100-node": _gpu("DGX A100: 8 A100 80GB per node, NVSwitch, 8 x InfiniBand HDR 200 Gb/s", peak_half=312e12,
+                      peak_fp32=156e12, hbm=2.0e12, memory_gib=80, ranks_per_node=8, intra_gbs=300,
+                      alpha_intra=5e-6, node_nic_gbs=200),
+    "h100-node": _gpu("DGX H100: 8 H100 80GB per node, NVSwitch, 8 x InfiniBand NDR 400 Gb/s", peak_half=989e12,
+                      peak_fp32=494e12, hbm=3.35e12, memory_gib=80, ranks_per_node=8, intra_gbs=450,
+                      alpha_intra=5e-6, node_nic_gbs=400),
+}
+
+
+def machine_named(spec: str) -> Machine:
+    """A preset by name, or a Machine from a JSON file or inline JSON (e.g. a calibration that
+    `lattice bench` wrote; `by_world` as a list of [ranks, F, elementwise, attention, α, β])."""
+    if spec in MACHINES:
+        return MACHINES[spec]
+    try:
+        text = open(spec).read() if os.path.isfile(spec) else spec
+        values = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise LatticeConfigError(f"--machine {spec[:60]!r} is no preset ({', '.join(MACHINES)}), JSON file or inline "
+                                 f"JSON ({type(e).__name__}); pass a preset or e.g. '{{\"flop_rate\": 1e12, ...}}'") from None
+    known = {f.name for f in dataclass_fields(Machine)}
+    if not isinstance(values, dict) or set(values) - known:
+        extra = sorted(set(values) - known) if isinstance(values, dict) else type(values).__name__
+        raise LatticeConfigError(f"--machine has unknown fields {extra}; Machine takes {', '.join(sorted(known))}")
+    required = {f.name for f in dataclass_fields(Machine) if f.default is MISSING} - {"name"}
+    if required - set(values):
+        raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
+                                 f"{', '.join(sorted(required))}")
+    if "by_world" in values:
+        values["by_world"] = tuple(tuple(row) for row in values["by_world"])
+    return Machine(**{"name": "given", **values})
