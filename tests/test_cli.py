@@ -211,7 +211,7 @@ def test_plan_machine_from_a_file_or_refused_in_one_line(tmp_path, capsys):
     assert "time on given: F = 1e+03 GFLOP/s" in capsys.readouterr().out
     assert cli.main(["plan", "--mode", "1d", "--tp", "2", "--machine", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "neither a JSON file nor inline JSON" in err
+    assert err.count("\n") == 0 and "is no preset" in err and "JSON file or inline JSON" in err
 
 
 def test_info_into_a_closed_pipe_ends_quietly():

@@ -9,6 +9,7 @@ pipeline split or every tp x pp split of N ranks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -22,7 +23,7 @@ from lattice.cost.plan import (format_cost, format_pipeline, format_search, form
 from lattice.cost.search import search
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
-from lattice.modes import parallel_modes
+from lattice.modes import available_modes, parallel_modes
 from lattice.modes.layout import PIPELINE_SETTINGS
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.zero import ZERO_STAGES
@@ -63,6 +64,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory per rank (--auto; default 90%% of the machine's device memory, no limit where it has "
                         "none)")
     p.add_argument("--top", type=int, default=5, help="setups --auto lists (default 5)")
+    p.add_argument("--modes", default=None, metavar="M,M", help="the modes --auto searches (default every one)")
     p.add_argument("--json", action="store_true", help="--auto's answer as JSON, for scripts")
     p.add_argument("--splits", type=int, default=None, metavar="N",
                    help="project every tp x pp split of N ranks per replica (Megatron-LM Fig. 9) and name the fastest")
@@ -98,6 +100,10 @@ def run_plan(args) -> int:
         print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
         return 0
     machine = machine_from_spec(args.machine) if args.machine else PAPER_CLUSTER
+    if args.ranks_per_node is None:  # the machine's nodes place the layout's groups
+        args.ranks_per_node = machine.ranks_per_node
+    elif args.ranks_per_node != machine.ranks_per_node:
+        machine = dataclasses.replace(machine, ranks_per_node=args.ranks_per_node)
     if args.splits:
         print(format_splits(cfg, args.splits, batch=batch, machine=machine,
                             layout_of=lambda tp, pp: layout_from_args(
@@ -124,11 +130,18 @@ def _run_auto(args, cfg, *, batch: int) -> int:
         raise LatticeConfigError(f"--top {args.top}: list at least one setup")
     machine = machine_from_spec(args.machine or AUTO_MACHINE)
     rpn = args.ranks_per_node or machine.ranks_per_node
+    machine = dataclasses.replace(machine, ranks_per_node=rpn)
     if args.precision and args.precision != machine.precision and not machine.other_precision_flop_rate:
         raise LatticeConfigError(f"--precision {args.precision}: {machine.name} has a matrix-product rate for "
                                  f"{machine.precision} only; drop --precision or give a machine with both")
     precisions = (args.precision,) if args.precision else None
-    modes = None if args.mode == parallel_modes()[0] and "--mode" not in _given() else [args.mode]
+    modes = None
+    if args.modes:
+        modes = args.modes.split(",")
+        unknown = sorted(set(modes) - set(available_modes()))
+        if unknown:
+            raise LatticeConfigError(f"--modes {args.modes}: no mode {', '.join(unknown)}; the modes are "
+                                     f"{', '.join(available_modes())}")
     plan = search(cfg, gpus=args.gpus, machine=machine, batch=batch, memory_gib=args.memory, ranks_per_node=rpn,
                   precisions=precisions, modes=modes)
     limit = (args.memory * 2 ** 30 if args.memory else 0.9 * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
@@ -144,9 +157,3 @@ def _run_auto(args, cfg, *, batch: int) -> int:
     print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, limit=limit,
                         top=args.top, modes=shown, command=command))
     return 0
-
-
-def _given() -> list[str]:
-    import sys
-
-    return sys.argv

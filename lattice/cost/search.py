@@ -28,6 +28,7 @@ from lattice.cost.pipeline import in_flight
 from lattice.modes import available_modes, get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.pipeline import batch_problem
 
 MAX_CP = 8  # context parallelism beyond this many ranks per sequence is not searched
 MAX_MICROBATCH_CHOICES = 2  # micro-batch counts per pipeline depth: the largest ones
@@ -184,6 +185,16 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
     machine = machine.with_precision(choice.precision)
     replica = batch // lay.dp
+    if batch % lay.dp:
+        raise LatticeConfigError(f"a global batch of {batch} does not split over dp={lay.dp} replicas")
+    # what training refuses (lattice.training.trainer.check_run): micro-batches of zero sequences, a
+    # layout that cannot split a micro-batch (sub-graph's common layers), chunks of cp
+    for length in (n for n in (cfg.seq_len, getattr(cfg, "target_len", None)) if n):
+        if lay.cp > 1 and length % (2 * lay.cp):
+            raise LatticeConfigError(f"{length} tokens do not split into 2 cp = {2 * lay.cp} chunks")
+        problem = batch_problem(lay.pipeline, get_mode(lay.mode), lay.context(), replica, length // lay.cp)
+        if problem:
+            raise LatticeConfigError(problem)
     if lay.pp == 1:
         f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica, machine=machine, topology=lay.topology, **kw)
         terms = {"compute": f["forward_compute"] + f["backward_compute"],
@@ -192,8 +203,6 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
-        if replica % m:
-            raise LatticeConfigError(f"{replica} sequences per replica do not split into {m} micro-batches")
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
                        ranks_per_node=lay.ranks_per_node)
         f = _priced_blocks(cfg, stage, blocks=math.ceil(cfg.n_layers / lay.pp), batch=replica // m, machine=machine,

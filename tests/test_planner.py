@@ -1,0 +1,206 @@
+"""The planner (`lattice plan --auto`, lattice.cost.search) and the machine presets: prices equal the
+cost model's own estimate, the search covers the space a hand enumeration gives, honours the memory
+limit, never prices a layout training refuses, and the command answers in text and JSON."""
+
+import dataclasses
+import itertools
+import json
+import re
+
+import pytest
+
+from lattice.cli import main as cli
+from lattice.cost.machine import Machine
+from lattice.cost.machines import MACHINES, machine_named
+from lattice.cost.model import estimate, spans_nodes
+from lattice.cost.plan import model_config
+from lattice.cost.search import Choice, price, search
+from lattice.modes.layout import Layout
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+
+MACHINE = dataclasses.replace(MACHINES["h100-node"], ranks_per_node=4)
+
+
+def small(n_layers=4, **sizes):
+    return model_config("gpt2", "small", vocab_size=512, n_layers=n_layers, **sizes)
+
+
+def test_spans_nodes_agrees_with_walking_every_group():
+    """Catches the tensor form of the node test (permute and reshape of the rank grid) taking the
+    wrong dimensions as a group: it is compared with a walk over every rank's group."""
+    def walk(topo, axes):
+        for rank in range(topo.world_size):
+            coords = topo.coords(rank)
+            nodes = {topo.node_of(topo.rank_at({**coords, **dict(zip(axes, ks))}))
+                     for ks in itertools.product(*(range(topo.size(a)) for a in axes))}
+            if len(nodes) > 1:
+                return True
+        return False
+
+    checked = 0
+    for mode, tp in (("1d", 2), ("2d", 4), ("3d", 8), ("subgraph", 4)):
+        for dp, cp, pp, rpn, placement in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4, 8), ("natural", "topology")):
+            try:
+                topo = Layout(mode, tp=tp, dp=dp, cp=cp, pp=pp, ranks_per_node=rpn, placement=placement).topology
+            except LatticeConfigError:
+                continue
+            for k in range(1, len(topo.axis_names) + 1):
+                for axes in itertools.combinations(topo.axis_names, k):
+                    assert spans_nodes(topo, axes) == walk(topo, axes), (mode, dp, cp, pp, rpn, placement, axes)
+                    checked += 1
+    assert checked > 500
+
+
+@pytest.mark.parametrize("layout,zero,ckpt", [(Layout("1d", tp=2, dp=2, ranks_per_node=2), 1, False),
+                                               (Layout("2d", tp=4, dp=2, ranks_per_node=4), 0, True),
+                                               (Layout("3d", tp=8), 0, False),
+                                               (Layout("subgraph", tp=4, cp=2, ranks_per_node=4), 2, True)])
+def test_price_without_a_pipeline_is_the_cost_models_step(layout, zero, ckpt):
+    """Catches the planner's depth extrapolation (one and two blocks, then linear) drifting from
+    the cost model of the whole model: for a model of 6 blocks, the step time, every memory figure
+    and the sum of the terms equal `estimate(...).time(machine)` of the real depth."""
+    cfg = small(n_layers=6)
+    priced = price(cfg, Choice(layout, zero=zero, precision="bf16", checkpointing=ckpt), batch=8 * layout.dp,
+                   machine=MACHINE)
+    whole = estimate(cfg, layout, batch=8, zero=zero, precision="bf16", activation_checkpointing=ckpt)
+    assert priced.step_s == pytest.approx(whole.time(MACHINE)["step"], rel=1e-9)
+    for k, v in whole.memory.items():
+        assert priced.memory[k] == pytest.approx(v, rel=1e-9), k
+
+
+def test_kernel_term_adds_each_linear_products_overhead():
+    """Catches the per-kernel term counting the wrong products: GPT-2 runs 4 linear layers per
+    block (qkv, attention out, MLP in, MLP out), so forward pays 4 L kernel_flops / F more and
+    backward (two products per linear) 8 L."""
+    cfg = small(n_layers=3)
+    c = estimate(cfg, "serial", batch=2)
+    plain = dataclasses.replace(MACHINE, kernel_flops=0.0)
+    slow = dataclasses.replace(MACHINE, kernel_flops=1e9)
+    a, b = c.time(plain), c.time(slow)
+    assert b["forward_compute"] - a["forward_compute"] == pytest.approx(4 * 3 * 1e9 / MACHINE.flop_rate)
+    assert b["backward_compute"] - a["backward_compute"] == pytest.approx(8 * 3 * 1e9 / MACHINE.flop_rate)
+
+
+def test_search_covers_the_hand_enumerated_space_and_ranks_by_price():
+    """Catches a search that skips feasible setups (a pp it never tries, a dp it drops): on 4 ranks
+    of one node, every 1d and serial layout a hand enumeration lists (tp, pp with 1F1B at the largest
+    micro-batch counts, dp) is among those the planner priced, and its first is the fastest of them."""
+    cfg = small(n_layers=4)
+    plan = search(cfg, gpus=4, machine=MACHINE, batch=8, ranks_per_node=4, precisions=("bf16",), modes=["1d", "serial"])
+    found = {p.choice.describe() for p in plan.ranked}
+    hand = []
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4):
+            if 4 % (tp * pp):
+                continue
+            dp = 4 // (tp * pp)
+            ms = [m for m in range(pp, 8 // dp + 1) if (8 // dp) % m == 0][-2:] if pp > 1 else [None]
+            for m in ms:
+                pipe = {"microbatches": m, "pp_schedule": "1f1b"} if pp > 1 else {}
+                lay = Layout("serial" if tp == 1 else "1d", tp=tp, pp=pp, dp=dp, ranks_per_node=4, **pipe)
+                hand.append(price(cfg, Choice(lay, precision="bf16"), batch=8, machine=MACHINE))
+    missing = [p.choice.describe() for p in hand if p.choice.describe() not in found]
+    assert not missing
+    assert plan.ranked == sorted(plan.ranked, key=lambda p: p.step_s)
+    assert plan.ranked[0].step_s <= min(p.step_s for p in hand) * (1 + 1e-12)
+
+
+def test_memory_limit_drops_and_counts_and_zero_or_checkpointing_rescue():
+    """Catches a setup over the memory limit in the ranking, the drops going uncounted, or ZeRO and
+    activation checkpointing never tried: with a limit between the smallest and the largest
+    memory of the unlimited search, every ranked setup fits, some were dropped, and some ranked
+    setup needed ZeRO or checkpointing to fit."""
+    cfg = small(n_layers=4)
+    free = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=8, precisions=("bf16",))
+    totals = sorted(p.memory["total"] for p in free.ranked)
+    limit = totals[len(totals) // 4]
+    plan = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=8, precisions=("bf16",),
+                  memory_gib=limit / 2 ** 30)
+    assert plan.ranked and plan.over_memory > 0
+    assert all(p.memory["total"] <= limit for p in plan.ranked)
+    assert any(p.choice.zero or p.choice.checkpointing for p in plan.ranked)
+    assert all(p.memory["total"] > limit for p in plan.closest_over.values())
+
+
+def test_no_micro_batch_of_zero_sequences_is_priced():
+    """Catches the old `plan --splits` pricing "16 micro-batches of 0": a pipeline with more
+    micro-batches than a replica's sequences is refused by `price`, and the search lists none."""
+    cfg = small(n_layers=4)
+    lay = Layout("1d", tp=2, pp=2, microbatches=4)
+    with pytest.raises(LatticeConfigError, match="micro-batches"):  # (as training words it)
+        price(cfg, Choice(lay), batch=2, machine=MACHINE)
+    plan = search(cfg, gpus=8, machine=MACHINE, batch=4, ranks_per_node=8, precisions=("bf16",))
+    for p in plan.ranked:
+        lay = p.choice.layout
+        assert lay.pp == 1 or 4 // lay.dp >= lay.pipeline.m
+
+
+def test_train_flags_of_a_choice_give_back_its_layout():
+    """Catches a suggested command line that would train another layout than the one priced: the
+    flags parse (as `lattice train` parses them) back into the same Layout."""
+    import argparse
+
+    from lattice.cli.arguments import add_layout_flags, layout_from_args
+
+    cfg = small(n_layers=4)
+    plan = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=4, precisions=("bf16",))
+    for p in plan.ranked[:40]:
+        parser = argparse.ArgumentParser()
+        add_layout_flags(parser)
+        for flag in ("--zero", "--precision"):
+            parser.add_argument(flag)
+        parser.add_argument("--activation-checkpointing", action="store_true")
+        args = parser.parse_args(p.choice.train_flags().split())
+        assert layout_from_args(args, ranks_per_node=4) == p.choice.layout, p.choice.train_flags()
+
+
+def test_machine_presets_and_files():
+    """Catches a preset with a missing rate and a `--machine` file whose per-world calibrations stay
+    lists (unhashable, never matched): each preset prices a step; a file's by_world rows are read,
+    and `at` picks the calibration of the nearest world size."""
+    cfg = small(n_layers=2)
+    for name, machine in MACHINES.items():
+        assert estimate(cfg, "serial", batch=2).time(machine)["step"] > 0, name
+    m = machine_named(json.dumps({"flop_rate": 1e12, "alpha_intra": 1e-6, "beta_intra": 1e-10, "alpha_inter": 1e-5,
+                                  "beta_inter": 1e-9, "ranks_per_node": 8,
+                                  "by_world": [[1, 1e12, 1e9, 1e9, 1e-6, 1e-10], [8, 2e11, 1e9, 1e9, 1e-3, 1e-10]]}))
+    assert m.at(1).flop_rate == 1e12 and m.at(6).flop_rate == 2e11 and m.at(2).flop_rate == 1e12
+    with pytest.raises(LatticeConfigError, match="no preset"):
+        machine_named("no-such-machine")
+    assert isinstance(MACHINES["cpu-2core"], Machine)
+
+
+def test_plan_auto_answers_in_text_and_json(capsys):
+    """Catches `plan --auto` crashing on a real preset, printing columns that run together, or JSON
+    that is not one document: GPT-2-medium on 16 GPUs of 4 per node."""
+    argv = ["plan", "--auto", "--arch", "gpt2", "--model", "gpt2-medium", "--gpus", "16", "--ranks-per-node", "4",
+            "--batch", "32", "--machine", "h100-node"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\.\d", line)]
+    assert len(rows) == 5
+    assert "the first as a run: lattice train" in out and "the other modes:" in out
+    for mode in ("1d", "2d", "3d", "subgraph"):
+        assert f"  {mode}: " in out
+    assert cli.main(argv + ["--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert len(answer["top"]) == 5 and answer["priced"] >= answer["fit"] > 0
+    steps = [t["step_s"] for t in answer["top"]]
+    assert steps == sorted(steps)
+
+
+def test_plan_auto_refuses_bad_input_in_one_line(capsys):
+    """Catches --auto without --gpus, an unknown mode or a precision the machine has no rate for
+    ending in a traceback."""
+    for extra, words in ((["--auto"], "--gpus"), (["--auto", "--gpus", "4", "--modes", "4d"], "no mode 4d"),
+                         (["--auto", "--gpus", "4", "--machine", "cpu-2core", "--precision", "bf16"], "fp32 only")):
+        assert cli.main(["plan", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err
+
+
+def test_topology_of_a_pipeline_stage_sends_across_nodes():
+    """Catches the pipeline hop priced inside a node when the stages sit on different nodes."""
+    lay = Layout("1d", tp=4, pp=2, microbatches=2, ranks_per_node=4)
+    assert spans_nodes(lay.topology, (MeshAxis.PP,))
+    assert not spans_nodes(lay.replace(ranks_per_node=8).topology, (MeshAxis.PP,))
