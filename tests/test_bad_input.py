@@ -95,7 +95,7 @@ TABLE = {
                                       "n_heads = 3 is not divisible by tp = 2"),
     "info an unknown preset": (["info", "--model", "huge"], "unknown model preset 'huge'"),
     "plan a layout that cannot be": (["plan", "--mode", "3d", "--tp", "4"], "tp=4 is not such a cube"),
-    "plan a missing machine file": (["plan", "--machine", "nope.json"], "neither a JSON file nor inline JSON"),
+    "plan a missing machine file": (["plan", "--machine", "nope.json"], "is no preset"),
     "bench an unknown mode": (["bench", "--modes", "4d"], "unknown mode(s) ['4d']"),
     "bench output into a file": (["bench", "--out", "text.txt", "--modes", "serial"], "--out text.txt is a file"),
 }
