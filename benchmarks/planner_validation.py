@@ -24,6 +24,7 @@ import time
 
 import lattice
 from lattice.bench.world import spawn
+from lattice.cost.machine import BY_WORLD_FIELDS
 from lattice.cost.machines import machine_named
 from lattice.cost.plan import model_config
 from lattice.cost.search import search
@@ -129,7 +130,7 @@ def main() -> int:
         rows = []
         for n in [1] + ranks:
             m = spawn(n, _calibrate_world, "gpt2-small", timeout=600)[0]
-            rows.append((n, m["flop_rate"], m["elem_rate"], m["attn_rate"], m["alpha_intra"], m["beta_intra"]))
+            rows.append(tuple(m[k] if k != "ranks" else n for k in BY_WORLD_FIELDS))
             print(json.dumps(m), flush=True)
         print("by_world =", json.dumps(rows))
         return 0

@@ -17,8 +17,9 @@ from lattice.parallel.zero import memory_per_rank, plan_buckets
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
 # matrix-product FLOPs (attention's included), attention's products alone, elements through
-# elementwise operators, attention score elements, linear layers' products (kernels)
-WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls")
+# elementwise operators, attention score elements, linear layers' products (kernels), operations
+# described (each a handful of framework calls: the per-operation overhead of Machine.op_overhead)
+WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls", "ops")
 
 
 class CostBuilder:
@@ -117,6 +118,7 @@ class CostBuilder:
     # ---- for the families: the operations of one step, in order
     def embedding(self, *, positions: bool = True, types: int = 0) -> None:
         """The token table, with a position table (and a token-type table of `types` rows)."""
+        self._work("ops", 1)
         self.region = "embedding"
         self.mode.cost_embedding(self, positions, types)
         self.current = self.residual
@@ -166,6 +168,7 @@ class CostBuilder:
         self.position_rows = length * (self.cp - self.topo.coords(self.c.rank).get(CP, 0))
 
     def _next(self):
+        self._work("ops", 1)
         if self.region == "layer":
             self.op += 1
 
@@ -217,6 +220,7 @@ class CostBuilder:
         (T, T) tensor of the activations' dtype, whole on every rank. `padding`: whether a padded
         batch's mask reaches this attention (`estimate(padded=True)`; T5's decoder reads its own
         positions unmasked), see `_save_mask`."""
+        self._work("ops", 1)
         self._next()
         share = self.share.get("attention", self.share["split"])
         q = self.M * heads * head_size * share
@@ -361,6 +365,7 @@ class CostBuilder:
 
     def lm_head(self) -> None:
         """The LM head against the (tied) table and the cross-entropy."""
+        self._work("ops", 1)
         self.region = "head"
         self.save(self.mode.cost_lm_head(self))
         if self.cp > 1 and self.c.pipeline is None:  # each rank's weighed mean loss summed over the cp group
@@ -373,6 +378,7 @@ class CostBuilder:
         """A head over the first token of every sequence (`Mode.pool`), run replicated: with
         `pooler`, a linear h -> h and tanh (BERT's), then a linear to `num_labels` and the
         cross-entropy of the replica batch's class ids."""
+        self._work("ops", 1)
         self.region = "head"
         pooled = self.B * self.h if pooler else 0  # tanh's output, which the classifier saves too
         self.save(self.mode.cost_pool(self) + pooled + self.B * num_labels + 1)  # inputs, log-softmax, total weight
@@ -446,6 +452,6 @@ class CostBuilder:
             out[kind] = {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)}
         self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
         self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
-        self.c.linear_calls = out["linear_calls"]
+        self.c.linear_calls, self.c.ops = out["linear_calls"], out["ops"]
         self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
                        for kind in WORK_KINDS}

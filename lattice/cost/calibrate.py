@@ -55,6 +55,10 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     ew = fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
+    # the framework's time per operation a family describes: a serial GPT-2 of one and of two blocks
+    # at sizes whose work is negligible, the second block's time over its operations (forward, and
+    # backward's two per operation)
+    op_overhead = _op_overhead(timed)
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
     # by least squares on the time a loop gains from its collectives
@@ -68,7 +72,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 if coll is not None:
                     coll()
 
-        for numel in (16, 4096, 65536):
+        for numel in (16, 4096, 65536, 1 << 20):  # up to a gradient bucket's size
             x = torch.randn(numel)
             for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("broadcast", lambda: dist.broadcast(x, 0))):
                 rows.append([message_steps(op, p), wire_factor(op, p) * numel * 4])
@@ -90,10 +94,28 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    costs = torch.tensor([alpha, beta, per_tensor], dtype=torch.float64)
+    costs = torch.tensor([alpha, beta, per_tensor, op_overhead], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    alpha, beta, per_tensor = costs.tolist()
+    alpha, beta, per_tensor, op_overhead = costs.tolist()
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
-                             mem_bandwidth=float(rates[3]))
+                             mem_bandwidth=float(rates[3]), op_overhead=op_overhead)
+
+
+def _op_overhead(timed) -> float:
+    """Seconds per operation of `Model.cost_layout` (forward; backward counts two), from a serial
+    GPT-2 of one and of two blocks at 8 features and 4 tokens."""
+    import lattice
+    from lattice.cost.model import estimate
+    from lattice.models.gpt2 import GPTConfig
+
+    times, ops = [], []
+    for blocks in (1, 2):
+        cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=blocks)
+        model = lattice.build_model(cfg, lattice.plan("serial"))
+        tokens = torch.randint(0, 16, (1, 4))
+        times.append(timed(lambda: model.forward_backward(tokens, tokens), n=20))
+        c = estimate(cfg, "serial", batch=1)
+        ops.append(c.ops["forward"] + c.ops["backward"])
+    return max(times[1] - times[0], 0.0) / (ops[1] - ops[0])

@@ -75,6 +75,10 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
     return message_steps(op, n), wire_factor(op, n)
 
 
+BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
+                   "mem_bandwidth", "op_overhead")
+
+
 @dataclass(frozen=True)
 class Machine:
     """α-β-F machine: latency α (s per message) and inverse bandwidth β (s per byte) inside a node
@@ -100,8 +104,14 @@ class Machine:
     # a matrix product of f FLOPs runs at F·f/(f + kernel_flops) (a GPU's efficiency at small
     # per-kernel work: launch and tail), i.e. each product costs kernel_flops/F more
     kernel_flops: float = 0.0
-    # calibrations at other world sizes on this node, (ranks, F, elementwise, attention, α, β): where
-    # ranks outnumber cores they share them, and every collective waits for its ranks to be scheduled
+    # the framework's time per operation a family describes (a norm, a linear, attention: each a
+    # handful of calls through Python, autograd and the dispatcher), forward; backward twice
+    op_overhead: float = 0.0
+    # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
+    # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.search prices that)
+    cores: int = 0
+    # calibrations at other world sizes on this node, rows of BY_WORLD_FIELDS (a prefix of them):
+    # where ranks outnumber cores they share them, and every collective waits for its ranks
     by_world: tuple = ()
     precision: str = "fp32"  # the precision flop_rate is for ("bf16": bf16 weights with fp32 masters)
     other_precision_flop_rate: float = 0.0  # F under the other precision (0: unknown, not planned)
@@ -112,11 +122,10 @@ class Machine:
         (by ratio) where `by_world` has some, else itself."""
         if not self.by_world:
             return self
-        ranks, flop_rate, elem_rate, attn_rate, alpha, beta = min(
-            self.by_world, key=lambda row: (abs(math.log(row[0] / max(world, 1))), -row[0]))
-        return dataclasses.replace(self, flop_rate=flop_rate, elem_rate=elem_rate, attn_rate=attn_rate,
-                                   alpha_intra=alpha, beta_intra=beta, alpha_inter=max(alpha, self.alpha_inter),
-                                   beta_inter=max(beta, self.beta_inter), by_world=())
+        row = dict(zip(BY_WORLD_FIELDS, min(self.by_world, key=lambda r: (abs(math.log(r[0] / max(world, 1))), -r[0]))))
+        del row["ranks"]
+        return dataclasses.replace(self, **row, alpha_inter=max(row["alpha_intra"], self.alpha_inter),
+                                   beta_inter=max(row["beta_intra"], self.beta_inter), by_world=())
 
     def with_precision(self, precision: str) -> "Machine":
         """This machine's rates for `precision` (refused where it has none)."""

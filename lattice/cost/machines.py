@@ -48,13 +48,15 @@ def _gpu(name: str, *, peak_half: float, peak_fp32: float, hbm: float, memory_gi
 
 
 MACHINES: dict[str, Machine] = {
-    # (ranks, F, elementwise, attention, α, β) from `benchmarks/planner_validation.py --calibrate` on 2026-11-26
+    # rows of BY_WORLD_FIELDS from `benchmarks/planner_validation.py --calibrate` on 2026-11-26
     "cpu-2core": Machine(
-        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=9.2e10, alpha_intra=1e-5, beta_intra=1e-10,
-        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=9.4e8, attn_rate=6.1e8,
-        update_per_tensor=1.7e-5, mem_bandwidth=1.7e10, memory_gib=0.0,
-        by_world=((1, 9.20e10, 9.42e8, 6.13e8, 1.0e-5, 1.0e-10), (2, 7.85e10, 1.19e9, 5.81e8, 9.59e-4, 4.84e-10),
-                  (4, 3.80e10, 1.02e9, 5.99e8, 1.22e-3, 3.75e-10), (8, 2.04e10, 9.01e8, 4.45e8, 1.58e-3, 8.86e-11))),
+        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.16e+10, alpha_intra=1e-5, beta_intra=1e-10,
+        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.51e+09, attn_rate=5.94e+08,
+        update_per_tensor=1.8e-05, mem_bandwidth=1.44e+10, op_overhead=1.31e-05, memory_gib=0.0, cores=2,
+        by_world=((1, 8.16e+10, 1.51e+09, 5.94e+08, 1e-05, 1e-10, 1.8e-05, 1.44e+10, 1.31e-05),
+                  (2, 7.18e+10, 1.37e+09, 5.22e+08, 0.00107, 3.18e-10, 2.06e-05, 1.01e+10, 2.25e-05),
+                  (4, 3.87e+10, 9.74e+08, 5.36e+08, 0.00123, 3.03e-10, 2.21e-05, 9.55e+09, 2.5e-05),
+                  (8, 1.44e+10, 5.95e+08, 4.14e+08, 0.00161, 2.85e-10, 2.87e-05, 7.6e+09, 1.6e-05))),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
                          alpha_intra=10e-6, node_nic_gbs=7),

@@ -75,6 +75,7 @@ class Cost:
     elementwise: dict[str, float] = field(default_factory=dict)  # elements through non-matmul operators
     scores: dict[str, float] = field(default_factory=dict)  # attention score elements (B·n·T² share)
     linear_calls: dict[str, float] = field(default_factory=dict)  # matrix products of linear layers
+    ops: dict[str, float] = field(default_factory=dict)  # operations the family describes (norms, linears, ...)
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
@@ -157,13 +158,14 @@ class Cost:
         machine = machine.at(self.topology.world_size)
         work = self.stem if stem else {"flops": self.flops, "attention_flops": self.attention_flops,
                                        "elementwise": self.elementwise, "scores": self.scores,
-                                       "linear_calls": self.linear_calls}
+                                       "linear_calls": self.linear_calls, "ops": self.ops}
         for phase in ("forward", "backward"):
             linear = work["flops"][phase] - work["attention_flops"][phase]
             # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product
             kernels = work["linear_calls"][phase] * machine.kernel_flops
             out[f"{phase}_compute"] = ((linear + kernels) / machine.flop_rate + work["scores"][phase] / machine.attn_rate
-                                       + work["elementwise"][phase] / machine.elem_rate)
+                                       + work["elementwise"][phase] / machine.elem_rate
+                                       + work["ops"][phase] * machine.op_overhead)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             cp = self.topology.size(MeshAxis.CP)
             if cp > 1:  # each of the ring's cp - 1 sends beside one of its cp blocks of attention

@@ -80,7 +80,7 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) ->
     hop = 2 * (alpha + piece * c.itemsize * beta)  # activation forward, gradient backward
     slots = pcfg.m * pcfg.v + pp - 1
     pipeline_time = slots * (slot / pcfg.v + hop)
-    update = t["update"] / pp
+    update = t["update"]  # the stage's own parameters (its blocks and both end parts: an upper bound)
     return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
             "slot_s": slot / pcfg.v, "p2p_s": hop, "step_s": pipeline_time + update, "stage_p2p": stage_p2p,
             "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,

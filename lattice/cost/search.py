@@ -218,10 +218,53 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
                  "context": m * f["context"], "data": f["data"], "pipeline": m * v * hop,
                  "overlapped": m * f["overlapped"], "bubble": (lay.pp - 1) * (chunk + hop), "update": f["update"]}
+        if machine.cores and lay.world_size > machine.cores:
+            terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, hop=hop, machine=machine,
+                                                              batch=replica // m, **kw)
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
+    terms["update"] += _trainer_scalars(lay, choice, machine)
     memory["total"] = sum(memory.values())
     return Priced(choice, sum(terms.values()), terms, memory)
+
+
+def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, hop: float, machine: Machine, batch: int,
+                  **kw) -> tuple[float, float]:
+    """(compute, bubble) of a pipeline whose ranks outnumber the cores they share: a stage that
+    waits leaves its core to the busy ones, so the step's compute is every rank's work over the
+    cores (each micro-batch through every block once, and through the first and last parts once,
+    at the rates of a rank with a core of its own), unless the schedule's critical path, run at
+    those rates, is longer: the difference is the bubble."""
+    alone = machine.at(machine.cores)
+    one, two = (_priced_blocks(cfg, stage, blocks=k, batch=batch, machine=alone, topology=lay.topology, **kw)
+                for k in (1, 2))
+    per_block = (two["forward_compute"] + two["backward_compute"]) - (one["forward_compute"] + one["backward_compute"])
+    parts = one["forward_compute"] + one["backward_compute"] - per_block
+    work = m * (cfg.n_layers * per_block + parts) * lay.world_size / lay.pp  # every rank of one stage's share
+    shared = work / machine.cores
+    chunk = (math.ceil(cfg.n_layers / lay.pp) * per_block + parts) / v
+    critical = (m * v + lay.pp - 1) * chunk
+    return shared, max(0.0, critical - shared)
+
+
+def _trainer_scalars(lay: Layout, choice: Choice, machine: Machine) -> float:
+    """Seconds of the one-number all-reduces a Trainer step adds to the model's: the gradient norm
+    over the replica's ranks (and over dp x cp where ZeRO splits the rows), the loss's mean
+    over dp (lattice.training.trainer: grad_norm, dp_mean). Each is its ring's latency steps."""
+    here = machine.at(lay.world_size)
+    topo = lay.topology
+    groups = [tuple(a for a in topo.axis_names if a != MeshAxis.DP)]
+    if lay.dp > 1:
+        groups.append((MeshAxis.DP,))
+    if choice.zero and lay.dp * lay.cp > 1:  # (lattice.parallel.zero: ZeroOptimizer.grad_norm)
+        groups.append((MeshAxis.DP, MeshAxis.CP))
+    seconds = 0.0
+    for axes in groups:
+        n = math.prod(topo.size(a) for a in axes)
+        if n > 1:
+            alpha = here.alpha_inter if spans_nodes(topo, axes) else here.alpha_intra
+            seconds += 2 * (n - 1) * alpha
+    return seconds
 
 
 # ----------------------------------------------------------------------------- the space
