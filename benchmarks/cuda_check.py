@@ -164,11 +164,50 @@ def kernel_rates(ctx) -> list[dict]:
     return rows
 
 
+def overheads(ctx) -> dict:
+    """The framework's time per operation a family describes (Machine.op_overhead) and the
+    optimizer's per parameter tensor, on this device: a serial GPT-2 of one and two blocks at sizes
+    whose work is negligible, forward + backward and the bf16 step with fp32 masters (as
+    `lattice.cost.calibrate` measures them on a CPU)."""
+    from lattice.models.gpt2 import GPTConfig
+    from lattice.parallel.zero import ZeroOptimizer
+
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+
+    def timed(fn, reps=30):
+        for _ in range(3):
+            fn()
+        sync()
+        out = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    fb, step, ops, tensors = [], [], [], []
+    for blocks in (1, 2):
+        cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=blocks)
+        model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16)
+        opt = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=0)
+        tokens = torch.randint(0, 16, (1, 4)).to(ctx.device)
+        fb.append(timed(lambda: model.forward_backward(tokens, tokens)))
+        step.append(timed(opt.step))
+        c = estimate(cfg, "serial", batch=1)
+        ops.append(c.ops["forward"] + c.ops["backward"])
+        tensors.append(len(list(model.parameters())))
+    row = {"op_overhead": (fb[1] - fb[0]) / (ops[1] - ops[0]),
+           "update_per_tensor": (step[1] - step[0]) / (tensors[1] - tensors[0]), "fb_s": fb, "step_s": step}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the card (H100/H200 SXM: 989)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--parts", default="exactness,gemm,kernels,throughput", help="which checks, comma-separated")
+    p.add_argument("--parts", default="exactness,gemm,kernels,overheads,throughput", help="which checks, comma-separated")
     p.add_argument("--out", default=None)
     p.add_argument("--cpu-dry-run", action="store_true", help="run the script's paths on the CPU (tiny sizes), to try it")
     args = p.parse_args()
@@ -182,6 +221,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     out["gemm"] = gemm_curve(ctx) if "gemm" in parts and not args.cpu_dry_run else []
     out["kernels"] = kernel_rates(ctx) if "kernels" in parts and not args.cpu_dry_run else []
+    out["overheads"] = overheads(ctx) if "overheads" in parts else {}
     runs = ((("gpt2", "small", 16, None), ("gpt2", "small", 256, None), ("gpt2", "gpt2", 16, None),
              ("gpt2", "gpt2-medium", 16, None), ("llama", "llama3.2-1b", 8, 2048))
             if not args.cpu_dry_run else (("gpt2", "tiny", 2, None),))

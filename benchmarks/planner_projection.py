@@ -14,6 +14,7 @@ the paper's number, and the planner's own choice at 64, 256 and 1024 GPUs.
   t = 8 (the GPUs of a node), p = 8.
 - SUPER (Lassen): D&SP against data parallelism for T5-Large at one sequence per GPU on 4 and 8
   GPUs: 2.22x and 3.05x.
+- The GPU model against an H200's measured serial bf16 steps (benchmarks/results/cuda_h200.json).
 """
 
 from __future__ import annotations
@@ -124,12 +125,32 @@ def choices(rows: list) -> None:
                          "priced": plan.priced, "seconds": plan.seconds})
 
 
+def h200(rows: list) -> None:
+    """The GPU model against what an H200 measured here (benchmarks/cuda_check.py, serial bf16
+    steps with fp32 masters: benchmarks/results/cuda_h200.json): an H200 machine from the same
+    recipe as the presets (989 TFLOP/s dense bf16, 4.8 TB/s)."""
+    from pathlib import Path
+
+    from lattice.cost.machines import _gpu
+
+    machine = _gpu("H200", peak_half=989e12, peak_fp32=494e12, hbm=4.8e12, memory_gib=141, ranks_per_node=1,
+                   intra_gbs=450, alpha_intra=5e-6, node_nic_gbs=50)
+    measured = json.loads((Path(__file__).parent / "results" / "cuda_h200.json").read_text())["throughput"]
+    for run in measured:
+        cfg = model_config(run["arch"], run["preset"], seq_len=run["seq_len"])
+        p = price(cfg, Choice(Layout("serial"), precision="bf16"), batch=run["batch"], machine=machine)
+        rows.append({"paper": "H200 measured", "machine": "H200 (preset recipe)", "gpus": 1,
+                     "comparison": f"serial bf16 step, {run['arch']} {run['preset']} {run['batch']} x {run['seq_len']}",
+                     "paper_value": run["step_ms"] / 1e3, "planner_value": p.step_s,
+                     "error": (p.step_s - run["step_ms"] / 1e3) / (run["step_ms"] / 1e3)})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-o", "--out", default=None)
     args = p.parse_args()
     rows: list = []
-    for part in (optimus, cube, megatron, superb, choices):
+    for part in (optimus, cube, megatron, superb, h200, choices):
         part(rows)
     for r in rows:
         value = r["planner_value"]
@@ -140,6 +161,9 @@ def main() -> None:
         if "best_of_each_mode_over_first" in r:
             extra = "; best of each mode / first: " + ", ".join(
                 f"{m} {v:.2f}" for m, v in r["best_of_each_mode_over_first"].items() if v)
+        if "error" in r:
+            paper, value, extra = f"{r['paper_value'] * 1e3:.1f} ms", f"{r['planner_value'] * 1e3:.1f} ms", \
+                f" ({r['error']:+.0%})"
         print(f"{r['paper']:<20} {r['machine']:<14} {r['gpus']:>5}  {r['comparison']}: paper {paper or '-'}, "
               f"planner {value}{extra}")
     if args.out:

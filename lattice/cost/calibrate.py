@@ -72,12 +72,15 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 if coll is not None:
                     coll()
 
-        for numel in (16, 4096, 65536, 1 << 20):  # up to a gradient bucket's size
+        for numel in (16, 4096, 65536, 1 << 20, 1 << 22):  # up to a gradient bucket's size
             x = torch.randn(numel)
             for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("broadcast", lambda: dist.broadcast(x, 0))):
                 rows.append([message_steps(op, p), wire_factor(op, p) * numel * 4])
                 ys.append(max(timed(lambda: loop(fn)) - timed(lambda: loop(None)), 1e-6) / 8)
-        (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+        # on relative error, so that the latency of small messages is fitted as closely as the
+        # bandwidth of large ones (an unweighted fit gives the largest all of the say)
+        weights = 1 / np.array(ys)
+        (alpha, beta), *_ = np.linalg.lstsq(np.array(rows) * weights[:, None], np.array(ys) * weights, rcond=None)
         alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-12)
     else:
         alpha, beta = 1e-5, 1e-10
