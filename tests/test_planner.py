@@ -211,3 +211,12 @@ def test_topology_of_a_pipeline_stage_sends_across_nodes():
     lay = Layout("1d", tp=4, pp=2, microbatches=2, ranks_per_node=4)
     assert spans_nodes(lay.topology, (MeshAxis.PP,))
     assert not spans_nodes(lay.replace(ranks_per_node=8).topology, (MeshAxis.PP,))
+
+
+def test_a_classifier_is_planned_without_pipeline_or_context_parallelism():
+    """Catches the planner proposing for --task classify a pipeline or cp, which training refuses
+    (one target per sequence)."""
+    cfg = model_config("bert", "bert-base", num_labels=3, n_layers=4)
+    plan = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=8, precisions=("bf16",))
+    assert plan.ranked
+    assert all(p.choice.layout.pp == 1 and p.choice.layout.cp == 1 for p in plan.ranked)
