@@ -109,14 +109,15 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
 def _op_overhead(timed) -> float:
     """Seconds per operation of `Model.cost_layout` (forward; backward counts two), from a serial
     GPT-2 of one and of two blocks at 8 features and 4 tokens."""
-    import lattice
     from lattice.cost.model import estimate
+    from lattice.models import build_model
     from lattice.models.gpt2 import GPTConfig
+    from lattice.modes.layout import Layout
 
     times, ops = [], []
     for blocks in (1, 2):
         cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=blocks)
-        model = lattice.build_model(cfg, lattice.plan("serial"))
+        model = build_model(cfg, Layout("serial").context())
         tokens = torch.randint(0, 16, (1, 4))
         times.append(timed(lambda: model.forward_backward(tokens, tokens), n=20))
         c = estimate(cfg, "serial", batch=1)
