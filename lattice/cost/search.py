@@ -5,13 +5,14 @@ the model and the memory allow, priced by the cost model and ranked by predicted
 
 A candidate is a whole training setup: the mode and its options, tp, cp, pp with its schedule,
 virtual stages and micro-batches, dp, the ZeRO stage, precision, activation checkpointing and
-the rank placement. Each is priced from `lattice.cost.estimate` of the ranks that bound a step
-(with pp > 1 the first stage's memory and the slower of the first and last stage's slot); a
-model deeper than two blocks per pipeline chunk is priced at one and two blocks per chunk and
+the rank placement. Each is priced from `lattice.cost.estimate` (see `price`: without a pipeline
+the estimate's step of rank 0, with one a stage priced as the tensor layout running its blocks
+and both end parts); a model deeper than two blocks is priced at one and two blocks and
 extrapolated along the depth (every figure is linear in the blocks a rank holds but for the
-gradient buckets' count, which is rounded). Pruning: each (mode, tp) keeps its fastest option
-setting and its smallest in memory; ZeRO stages and checkpointing are tried in the order of
-their memory savings, and the first that fits is kept (they only add time under this model).
+gradient buckets' count, which is rounded). What training refuses is never priced (the Trainer's
+own checks). Pruning: each (mode, tp) keeps its fastest option setting and its smallest in
+memory; ZeRO stages and checkpointing are tried in the order of the time they add, and the first
+that fits the memory is kept.
 """
 
 from __future__ import annotations
@@ -161,16 +162,17 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
         c.topology = topology  # which groups span nodes, and the world the machine is seen by
         return _figures(c, machine)
 
-    if hasattr(cfg, "n_decoder_layers") or blocks <= 2:  # an encoder-decoder's two stacks: priced whole
-        return figures(blocks) if not hasattr(cfg, "n_decoder_layers") else _figures(
-            _placed(estimate(cfg, layout, batch=batch, **kw), topology), machine)
+    if hasattr(cfg, "n_decoder_layers"):  # an encoder-decoder: its share of both stacks, priced as it is
+        share = blocks / cfg.n_layers
+        stage_cfg = dataclasses.replace(cfg, n_layers=max(1, math.ceil(cfg.n_layers * share)),
+                                        n_decoder_layers=max(1, math.ceil(cfg.n_decoder_layers * share)))
+        c = estimate(stage_cfg, layout, batch=batch, **kw)
+        c.topology = topology
+        return _figures(c, machine)
+    if blocks <= 2:
+        return figures(blocks)
     one, two = figures(1), figures(2)
     return {key: one[key] + (blocks - 1) * (two[key] - one[key]) for key in one}
-
-
-def _placed(c, topology):
-    c.topology = topology
-    return c
 
 
 def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
@@ -221,7 +223,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                  "context": m * f["context"], "data": f["data"], "pipeline": m * v * hop,
                  "overlapped": m * f["overlapped"], "bubble": (lay.pp - 1) * (chunk + hop), "update": f["update"]}
         if machine.cores and lay.world_size > machine.cores:
-            terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, hop=hop, machine=machine,
+            terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, machine=machine,
                                                               batch=replica // m, **kw)
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
@@ -230,7 +232,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     return Priced(choice, sum(terms.values()), terms, memory)
 
 
-def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, hop: float, machine: Machine, batch: int,
+def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: Machine, batch: int,
                   **kw) -> tuple[float, float]:
     """(compute, bubble) of a pipeline whose ranks outnumber the cores they share: a stage that
     waits leaves its core to the busy ones, so the step's compute is every rank's work over the
