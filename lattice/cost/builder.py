@@ -220,7 +220,6 @@ class CostBuilder:
         (T, T) tensor of the activations' dtype, whole on every rank. `padding`: whether a padded
         batch's mask reaches this attention (`estimate(padded=True)`; T5's decoder reads its own
         positions unmasked), see `_save_mask`."""
-        self._work("ops", 1)
         self._next()
         share = self.share.get("attention", self.share["split"])
         q = self.M * heads * head_size * share
