@@ -144,16 +144,15 @@ def _run_auto(args, cfg, *, batch: int) -> int:
                                      f"{', '.join(available_modes())}")
     plan = search(cfg, gpus=args.gpus, machine=machine, batch=batch, memory_gib=args.memory, ranks_per_node=rpn,
                   precisions=precisions, modes=modes)
-    limit = (args.memory * 2 ** 30 if args.memory else 0.9 * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
     shown = modes or sorted({p.choice.layout.mode for p in plan.ranked} | set(plan.refused) | set(plan.closest_over))
     if args.json:
         print(json.dumps({"model": repr(cfg), "gpus": args.gpus, "ranks_per_node": rpn, "machine": machine.name,
-                          "batch": batch, "seq_len": cfg.seq_len, "memory_limit_bytes": limit, "priced": plan.priced,
+                          "batch": batch, "seq_len": cfg.seq_len, "memory_limit_bytes": plan.memory_limit, "priced": plan.priced,
                           "fit": len(plan.ranked), "over_memory": plan.over_memory, "seconds": plan.seconds,
                           "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
                           "modes": mode_verdicts(plan, shown)}, indent=1))
         return 0
     command = f"lattice train --arch {args.arch}" + (f" --model {args.model}" if args.model else "") + f" --batch {batch}"
-    print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, limit=limit,
-                        top=args.top, modes=shown, command=command))
+    print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, top=args.top,
+                        modes=shown, command=command))
     return 0

@@ -127,6 +127,10 @@ class Machine:
         return dataclasses.replace(self, **row, alpha_inter=max(row["alpha_intra"], self.alpha_inter),
                                    beta_inter=max(row["beta_intra"], self.beta_inter), by_world=())
 
+    def link(self, across_nodes: bool) -> tuple[float, float]:
+        """(α, β) of a message inside a node or between nodes."""
+        return (self.alpha_inter, self.beta_inter) if across_nodes else (self.alpha_intra, self.beta_intra)
+
     def with_precision(self, precision: str) -> "Machine":
         """This machine's rates for `precision` (refused where it has none)."""
         if precision == self.precision:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import fields as dataclass_fields
 
 from lattice.cost.machine import Machine, message_steps, wire_factor
+from lattice.cost.machines import machine_named
+from lattice.cost.search import TERMS
 from lattice.cost.model import Cost
 from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1
@@ -29,12 +31,7 @@ def model_config(arch: str, preset: str | None, **sizes):
     return config_class.preset(name, **sizes)
 
 
-def machine_from_spec(spec: str) -> Machine:
-    """A Machine preset by name (lattice.cost.machines), or from inline JSON or a JSON file (e.g. a
-    calibration `lattice bench` wrote)."""
-    from lattice.cost.machines import machine_named
-
-    return machine_named(spec)
+machine_from_spec = machine_named  # `--machine`: a preset, a JSON file or inline JSON
 
 
 def format_cost(c: Cost, machine: Machine) -> str:
@@ -136,12 +133,9 @@ def format_table1(b: int, s: int, h: int, p: int) -> str:
     return "\n".join(lines)
 
 
-TERM_COLUMNS = ("compute", "tensor", "context", "data", "pipeline", "overlapped", "bubble", "update")
-
-
 def why_slower(other, best) -> str:
     """The terms that make `other`'s step longer than `best`'s, largest first."""
-    diffs = sorted(((other.terms[k] - best.terms[k], k) for k in TERM_COLUMNS), reverse=True)
+    diffs = sorted(((other.terms[k] - best.terms[k], k) for k in TERMS), reverse=True)
     said = [f"{k} {other.terms[k] * 1e3:,.1f} ms against {best.terms[k] * 1e3:,.1f}" for d, k in diffs[:2] if d > 0]
     return "; ".join(said) or "the same terms, rounded"
 
@@ -162,25 +156,26 @@ def mode_verdicts(plan, modes) -> dict[str, str]:
             out[mode] = (f"nothing fits: its smallest, {over.choice.describe()}, needs "
                          f"{over.memory['total'] / 2 ** 30:,.1f} GiB per rank")
         else:
-            reasons = plan.refused.get(mode, {})
-            top = max(reasons.items(), key=lambda kv: kv[1])[0] if reasons else "no layout of it on these ranks"
+            reasons = plan.refused.get(mode)
+            top = reasons.most_common(1)[0][0] if reasons else "no layout of it on these ranks"
             out[mode] = f"refused: {top}"
     return out
 
 
-def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine, batch: int, limit: float | None,
-                  top: int, modes, command: str) -> str:
+def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine, batch: int, top: int, modes,
+                  command: str) -> str:
+    limit = plan.memory_limit
     per_node = f"{ranks_per_node} per node" if gpus > ranks_per_node else "on one node"
     refused = sum(sum(r.values()) for r in plan.refused.values())
     lines = [f"{cfg}", f"{gpus} ranks {per_node}, global batch {batch} x {cfg.seq_len} tokens, on {machine.describe()}",
              f"memory per rank: {'no limit' if limit is None else f'{limit / 2 ** 30:,.1f} GiB'}; priced {plan.priced} "
              f"setups in {plan.seconds:.1f} s: {len(plan.ranked)} fit, {plan.over_memory} over the memory limit at "
              f"every ZeRO stage and with activation checkpointing, {refused} layouts refused", ""]
-    head = ("#", "step ms") + TERM_COLUMNS + ("GiB",)
-    widths = (3, 11) + (11,) * len(TERM_COLUMNS) + (8,)
+    head = ("#", "step ms") + TERMS + ("GiB",)
+    widths = (3, 11) + (11,) * len(TERMS) + (8,)
     lines.append("".join(f"{h:>{w}}" for h, w in zip(head, widths)) + "  setup")
     for k, p in enumerate(plan.ranked[:top], 1):
-        values = (str(k), f"{p.step_s * 1e3:,.1f}") + tuple(f"{p.terms[t] * 1e3:,.1f}" for t in TERM_COLUMNS) + (
+        values = (str(k), f"{p.step_s * 1e3:,.1f}") + tuple(f"{p.terms[t] * 1e3:,.1f}" for t in TERMS) + (
             f"{p.memory['total'] / 2 ** 30:,.2f}",)
         lines.append("".join(f"{v:>{w}}" for v, w in zip(values, widths)) + f"  {p.choice.describe()}")
     if plan.ranked:

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from lattice.cost.machine import Machine
@@ -35,6 +36,7 @@ MAX_CP = 8  # context parallelism beyond this many ranks per sequence is not sea
 MAX_MICROBATCH_CHOICES = 2  # micro-batch counts per pipeline depth: the largest ones
 USABLE_MEMORY = 0.9  # of a device's memory: the rest for the runtime, workspaces and fragmentation
 COMM_GROUPS = ("tensor", "context", "data", "pipeline")
+TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "update")  # a Priced step's terms, in print order
 
 
 def _group(site: str) -> str:
@@ -107,7 +109,7 @@ class Choice:
 class Priced:
     choice: Choice
     step_s: float
-    terms: dict[str, float]  # seconds of one step: compute, each COMM_GROUPS, overlapped (<= 0), bubble, update
+    terms: dict[str, float]  # seconds of one step, by TERMS (overlapped <= 0)
     memory: dict[str, float]  # bytes on the fullest rank: parameters, gradients, optimizer, activations, total
 
     def as_dict(self) -> dict:
@@ -123,15 +125,22 @@ class Priced:
 
 @dataclass
 class Plan:
-    ranked: list[Priced]  # every candidate that fits, fastest first
-    priced: int  # candidates the cost model priced
-    over_memory: int  # of them, over the memory limit at every ZeRO stage and with checkpointing
-    refused: dict[str, dict[str, int]] = field(default_factory=dict)  # mode -> {reason: layouts}
+    memory_limit: float | None  # bytes per rank (None: no limit)
+    ranked: list[Priced] = field(default_factory=list)  # every candidate that fits, fastest first
+    priced: int = 0  # candidates the cost model priced
+    over_memory: int = 0  # of them, over the memory limit at every ZeRO stage and with checkpointing
+    refused: dict[str, Counter] = field(default_factory=dict)  # mode -> {reason: layouts}
     closest_over: dict[str, Priced] = field(default_factory=dict)  # mode -> its least-memory candidate, over the limit
     seconds: float = 0.0
 
     def best_of(self, mode: str) -> Priced | None:
         return next((p for p in self.ranked if p.choice.layout.mode == mode), None)
+
+    def refuse(self, mode: str, reason: str) -> None:
+        self.refused.setdefault(mode, Counter())[_short(reason)] += 1
+
+    def fits(self, priced: Priced) -> bool:
+        return self.memory_limit is None or priced.memory["total"] <= self.memory_limit
 
 
 # ----------------------------------------------------------------------------- pricing
@@ -213,9 +222,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                            topology=lay.topology, **kw)
         c = estimate(dataclasses.replace(cfg, n_layers=1), stage, batch=replica // m, **kw)
         piece = c.residual_elements / (lay.tp if pcfg.scatter_gather and get_mode(lay.mode).residual_replicated else 1)
-        here = machine.at(lay.world_size)
-        alpha, beta = ((here.alpha_inter, here.beta_inter) if spans_nodes(lay.topology, (MeshAxis.PP,))
-                       else (here.alpha_intra, here.beta_intra))
+        alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
         hop = 2 * (alpha + piece * c.itemsize * beta)  # the activation forward, its gradient backward
         chunk = (f["forward_compute"] + f["backward_compute"] + f["tensor"] + f["context"] + f["overlapped"]) / v
         # m v slots of a chunk's micro-batch and its hop, and pp - 1 more (the bubble)
@@ -266,8 +273,7 @@ def _trainer_scalars(lay: Layout, choice: Choice, machine: Machine) -> float:
     for axes in groups:
         n = math.prod(topo.size(a) for a in axes)
         if n > 1:
-            alpha = here.alpha_inter if spans_nodes(topo, axes) else here.alpha_intra
-            seconds += 2 * (n - 1) * alpha
+            seconds += 2 * (n - 1) * here.link(spans_nodes(topo, axes))[0]
     return seconds
 
 
@@ -329,9 +335,7 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
              USABLE_MEMORY * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
     precisions = precisions or tuple(p for p in (machine.precision, "bf16" if machine.precision == "fp32" else "fp32")
                                      if p == machine.precision or machine.other_precision_flop_rate)
-    plan = Plan([], 0, 0)
-    refuse = lambda mode, reason: plan.refused.setdefault(mode, {}).__setitem__(  # noqa: E731
-        reason, plan.refused.get(mode, {}).get(reason, 0) + 1)
+    plan = Plan(limit)
     multi_node = gpus > rpn
     for mode in modes or available_modes():
         for tp in _divisors(gpus):
@@ -340,7 +344,7 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
             try:
                 Layout(mode, tp=tp, ranks_per_node=rpn)
             except LatticeConfigError as e:  # tp itself (a square, a cube): the options cannot help
-                refuse(mode, _short(str(e)))
+                plan.refuse(mode, str(e))
                 continue
             # the mode's option settings at pp = 1, cp = 1: its fastest and its smallest in memory go on
             trials = []
@@ -349,34 +353,31 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
                     lay = Layout(mode, tp=tp, options=options, ranks_per_node=rpn)
                     problem = get_mode(mode).size_problem(cfg, lay.context())  # (without the refusal's hint search)
                     if problem:
-                        refuse(mode, _short(problem))
+                        plan.refuse(mode, problem)
                         continue
                     trials.append(price(cfg, Choice(lay, precision=precisions[0]), batch=max(1, batch * tp // gpus),
                                         machine=machine))
                     plan.priced += 1
                 except LatticeConfigError as e:
-                    refuse(mode, _short(str(e)))
+                    plan.refuse(mode, str(e))
             if not trials:
                 continue
-            kept = {id(p): p.choice.layout.options for p in (min(trials, key=lambda p: p.step_s),
-                                                             min(trials, key=lambda p: p.memory["total"]))}
-            for options in {tuple(sorted(o.items())): o for o in kept.values()}.values():
+            kept = (min(trials, key=lambda p: p.step_s), min(trials, key=lambda p: p.memory["total"]))
+            for options in {tuple(sorted(p.choice.layout.options.items())): p.choice.layout.options for p in kept}.values():
                 _search_tensor_layout(cfg, plan, mode, tp, options, gpus=gpus, rpn=rpn, batch=batch, machine=machine,
-                                      limit=limit, precisions=precisions,
-                                      placements=placements if multi_node else ("natural",), refuse=refuse)
+                                      precisions=precisions, placements=placements if multi_node else ("natural",))
     plan.ranked.sort(key=lambda p: p.step_s)
     plan.seconds = time.perf_counter() - start
     return plan
 
 
-def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batch, machine, limit, precisions,
-                          placements, refuse):
+def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batch, machine, precisions, placements):
     rest = gpus // tp
     for cp in [c for c in _divisors(rest) if c <= MAX_CP]:
         for pp in [p for p in _divisors(rest // cp) if p <= cfg.n_layers]:
             dp = rest // (cp * pp)
             if batch % dp:
-                refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
+                plan.refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
                 continue
             for m, schedule, virtual in _microbatch_counts(pp, batch // dp, cfg.n_layers):
                 for placement in placements:
@@ -387,29 +388,16 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                         lay = Layout(mode, tp=tp, cp=cp, pp=pp, dp=dp, options=options, placement=placement,
                                      ranks_per_node=rpn, **pipe)
                     except LatticeConfigError as e:
-                        refuse(mode, _short(str(e)))
+                        plan.refuse(mode, str(e))
                         continue
                     if placement != "natural" and lay.topology.rank_grid == lay.replace(placement="natural").topology.rank_grid:
                         continue  # the same ranks in the same places
                     for precision in precisions:
-                        setups = _setups(lay, precision)
-                        try:  # the fastest; else the one that saves the most memory (where it does not fit,
-                            # none does); else the others in the order of their time
-                            fitted = smallest = price(cfg, setups[0], batch=batch, machine=machine)
-                            plan.priced += 1
-                            if limit is not None and fitted.memory["total"] > limit:
-                                fitted, smallest = None, price(cfg, setups[-1], batch=batch, machine=machine)
-                                plan.priced += 1
-                                for choice in setups[1:-1] if smallest.memory["total"] <= limit else ():
-                                    priced = price(cfg, choice, batch=batch, machine=machine)
-                                    plan.priced += 1
-                                    if priced.memory["total"] <= limit:
-                                        fitted = priced
-                                        break
-                                if fitted is None and smallest.memory["total"] <= limit:
-                                    fitted = smallest
+                        try:
+                            fitted, smallest = _fitting(cfg, plan, _setups(lay, precision), batch=batch,
+                                                        machine=machine)
                         except LatticeConfigError as e:
-                            refuse(mode, _short(str(e)))
+                            plan.refuse(mode, str(e))
                             continue
                         if fitted is not None:
                             plan.ranked.append(fitted)
@@ -418,6 +406,26 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                             best = plan.closest_over.get(mode)
                             if best is None or smallest.memory["total"] < best.memory["total"]:
                                 plan.closest_over[mode] = smallest
+
+
+def _fitting(cfg, plan: Plan, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
+    """(the fastest of `setups` that fits the plan's memory limit or None, the one that saves the most
+    memory): the fastest first; else the last (where it does not fit, none does); else the others
+    in the order of their time."""
+    fastest = price(cfg, setups[0], batch=batch, machine=machine)
+    plan.priced += 1
+    if plan.fits(fastest):
+        return fastest, fastest
+    smallest = price(cfg, setups[-1], batch=batch, machine=machine)
+    plan.priced += 1
+    if not plan.fits(smallest):
+        return None, smallest
+    for choice in setups[1:-1]:
+        priced = price(cfg, choice, batch=batch, machine=machine)
+        plan.priced += 1
+        if plan.fits(priced):
+            return priced, smallest
+    return smallest, smallest
 
 
 def _short(reason: str, limit: int = 160) -> str:
