@@ -9,14 +9,16 @@ times, and over every run the median |error| of the predicted step time.
     python benchmarks/planner_validation.py --calibrate          # the cpu preset's rows (lattice.cost.machines)
     python benchmarks/planner_validation.py -o benchmarks/results/planner_validation.json
 
-The predictions use the `cpu-2core` machine preset, whose rates come from `--calibrate`'s
-micro-benchmarks (matrix products, attention, elementwise operators, collectives between compute,
-AdamW), never from the step times judged here.
+The predictions use the `cpu-2core` machine preset with its rates calibrated afresh just before
+each case is measured (`--preset`: as stored), by `--calibrate`'s micro-benchmarks (matrix
+products, attention, elementwise operators, collectives between compute, AdamW) at that case's
+shape, never from the step times judged here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -52,6 +54,17 @@ def _calibrate_world(shape: str) -> dict:
 
     machine = calibrate(_config(shape), BATCH)
     return vars(machine) if dist.get_rank() == 0 else {}
+
+
+def _rows(shape: str, worlds: list[int], verbose: bool = False) -> list[tuple]:
+    """`--calibrate`'s rows (BY_WORLD_FIELDS) of `shape` at each world size."""
+    rows = []
+    for n in worlds:
+        m = spawn(n, _calibrate_world, shape, timeout=600)[0]
+        rows.append(tuple(m[k] if k != "ranks" else n for k in BY_WORLD_FIELDS))
+        if verbose:
+            print(json.dumps(m), flush=True)
+    return rows
 
 
 def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> dict:
@@ -122,23 +135,25 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="steps per layout per round")
     p.add_argument("--machine", default="cpu-2core")
+    p.add_argument("--preset", action="store_true", help="predict with the preset's rates as stored (default: "
+                                                          "calibrated afresh before each case)")
     p.add_argument("--calibrate", action="store_true", help="print the calibration rows of each world size and stop")
     p.add_argument("-o", "--out", default=None)
     args = p.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.calibrate:
-        rows = []
-        for n in [1] + ranks:
-            m = spawn(n, _calibrate_world, "gpt2-small", timeout=600)[0]
-            rows.append(tuple(m[k] if k != "ranks" else n for k in BY_WORLD_FIELDS))
-            print(json.dumps(m), flush=True)
+        rows = _rows("gpt2-small", [1] + ranks, verbose=True)
         print("by_world =", json.dumps(rows))
         return 0
-    machine = machine_named(args.machine)
+    preset = machine_named(args.machine)
     cases, errors = [], []
     for shape in args.shapes.split(","):
         cfg = _config(shape)
         for n in ranks:
+            # this machine's speed drifts by up to a fifth within an hour (other work on its host), so
+            # by default the rates are calibrated afresh, on this shape, just before its steps are timed
+            machine = preset if args.preset else dataclasses.replace(
+                preset, by_world=tuple(_rows(shape, sorted({preset.cores or n, n}))))
             plan = search(cfg, gpus=n, machine=machine, batch=BATCH, ranks_per_node=n,
                           precisions=(machine.precision,))
             chosen = _chosen(plan.ranked, args.limit)
@@ -154,7 +169,7 @@ def main() -> int:
             errors += errs
             case = {"shape": shape, "p": n, "config": repr(cfg), "candidates": len(plan.ranked), "measured": len(chosen),
                     "first_over_best": first, "spearman": rho, "median_abs_error": statistics.median(map(abs, errs)),
-                    "seconds": time.time() - started,
+                    "seconds": time.time() - started, "by_world": [list(row) for row in machine.by_world],
                     "runs": [{"setup": c.choice.describe(), "predicted_s": pr, "measured_s": me}
                              for c, pr, me in zip(chosen, predicted, measured)]}
             cases.append(case)
@@ -172,7 +187,8 @@ def main() -> int:
           f"{summary['spearman_min']:.2f}; median |error| {summary['median_abs_error']:.1%} over {len(errors)} runs")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine.name, "summary": summary, "cases": cases}, f, indent=1)
+            json.dump({"machine": preset.name, "calibration": "stored" if args.preset else "fresh, per case",
+                       "summary": summary, "cases": cases}, f, indent=1)
     return 0
 
 

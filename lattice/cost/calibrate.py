@@ -4,6 +4,7 @@ sweeps predict step times with it."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -13,6 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.cost.machine import Machine, message_steps, wire_factor
+
+#: the shortest sample of a micro-benchmark, in seconds of one rank's time
+SAMPLE_S = 0.05
 
 
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
@@ -26,13 +30,20 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
 
     def timed(fn, n=reps):
+        # each sample repeats fn for at least SAMPLE_S, every rank the same number of times: a
+        # shorter one fits inside the scheduler's time slice, and where ranks outnumber the cores
+        # it would time one rank running alone rather than the ranks sharing them as in a step
+        t = time.perf_counter()
         fn()
+        repeat = torch.tensor(math.ceil(SAMPLE_S / max(time.perf_counter() - t, 1e-6)))
+        dist.all_reduce(repeat, op=dist.ReduceOp.MAX)
         out = []
         for _ in range(n):
             dist.barrier()
             t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
+            for _ in range(int(repeat)):
+                fn()
+            out.append((time.perf_counter() - t) / int(repeat))
         return statistics.median(out)
 
     def fwd_bwd(fn, *inputs):  # one forward and backward of fn; the work counts 1 + 2

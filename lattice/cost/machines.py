@@ -4,8 +4,8 @@ process on this CPU), at published rates or this repository's micro-benchmarks:
 - `cpu-2core`: this 2-core machine, gloo, one thread per rank, calibrated by
   `python benchmarks/planner_validation.py --calibrate` (matrix products, attention and elementwise
   operators at the per-rank shapes of a p-way split, α and β from collectives between compute,
-  AdamW) at 1, 2, 4 and 8 ranks: where ranks outnumber the cores they share them, and every
-  collective waits for its ranks to be scheduled (`Machine.by_world`).
+  AdamW; every sample at least 50 ms) at 1, 2, 4 and 8 ranks: where ranks outnumber the cores they
+  share them, and every collective waits for its ranks to be scheduled (`Machine.by_world`).
 - `frontera-rtx` (Optimus's testbed: 4 Quadro RTX 5000 per node, PCIe, InfiniBand FDR),
   `longhorn-v100` (the 3D paper's: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR),
   `lassen-v100` (SUPER's: as Longhorn with dual-rail EDR), `a100-node` (DGX A100: 8 GPUs, NVSwitch,
@@ -36,8 +36,8 @@ from lattice.parallel.context import LatticeConfigError
 _H200_EFFICIENCY = 851 / 989  # large bf16 products against the dense peak
 _H200_KERNEL_FLOPS, _H200_PEAK, _H200_HBM = 7.9e9, 989e12, 4.8e12
 _H200_ATTENTION, _H200_ELEMENTWISE = 1.77e12, 5.0e11  # score elements/s (fwd+bwd as 3 forwards), elements/s
-# the framework's time per described operation was measured when attention counted as two of a GPT-2
-# block's 9 operations (benchmarks/results/cuda_h200.json, the cpu-2core rows below); per
+# the framework's time per described operation was measured on the H200's host when attention
+# counted as two of a GPT-2 block's 9 operations (benchmarks/results/cuda_h200.json); per
 # operation as counted now (8 a block) it is 9/8 of the figure measured
 _OPS_RECOUNT = 9 / 8
 _H200_OP_OVERHEAD = 44e-6 * _OPS_RECOUNT  # s per described operation (forward; backward twice), the H200's host
@@ -55,16 +55,16 @@ def _gpu(name: str, *, peak_half: float, peak_fp32: float, hbm: float, memory_gi
 
 
 MACHINES: dict[str, Machine] = {
-    # rows of BY_WORLD_FIELDS from `benchmarks/planner_validation.py --calibrate` on 2026-11-26 (see _OPS_RECOUNT)
+    # rows of BY_WORLD_FIELDS from `benchmarks/planner_validation.py --calibrate` on 2026-11-26 (each sample of
+    # a micro-benchmark at least 50 ms long, so that ranks beyond the cores share them while it is timed)
     "cpu-2core": Machine(
-        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.02e+10, alpha_intra=1e-5, beta_intra=1e-10,
-        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.45e+09, attn_rate=5.75e+08,
-        update_per_tensor=1.8e-05, mem_bandwidth=1.27e+10, op_overhead=1.22e-05 * _OPS_RECOUNT, memory_gib=0.0, cores=2,
-        by_world=tuple(row[:-1] + (row[-1] * _OPS_RECOUNT,) for row in (
-                  (1, 8.02e+10, 1.45e+09, 5.75e+08, 1e-05, 1e-10, 1.8e-05, 1.27e+10, 1.22e-05),
-                  (2, 7.6e+10, 1.25e+09, 5.38e+08, 0.000789, 4.45e-10, 1.87e-05, 5.79e+09, 1.28e-05),
-                  (4, 3.86e+10, 9.76e+08, 5.37e+08, 0.00112, 3.39e-10, 3.02e-05, 9.42e+09, 2.57e-05),
-                  (8, 1.45e+10, 7.64e+08, 4.08e+08, 0.00127, 5.14e-10, 3.69e-05, 7.01e+09, 1.97e-05)))),
+        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=7.26e+10, alpha_intra=1e-5, beta_intra=1e-10,
+        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.46e+09, attn_rate=5.32e+08,
+        update_per_tensor=1.6e-05, mem_bandwidth=1.34e+10, op_overhead=1.64e-05, memory_gib=0.0, cores=2,
+        by_world=((1, 7.26e+10, 1.46e+09, 5.32e+08, 1e-05, 1e-10, 1.6e-05, 1.34e+10, 1.64e-05),
+                  (2, 7.31e+10, 1.74e+09, 5.63e+08, 0.001, 3.67e-10, 2.65e-05, 1.01e+10, 1.63e-05),
+                  (4, 3.14e+10, 8.31e+08, 2.56e+08, 0.00104, 4.32e-10, 2.67e-05, 6.15e+09, 5.17e-05),
+                  (8, 1.27e+10, 3.92e+08, 1.28e+08, 0.000829, 5.69e-10, 6.29e-05, 4.15e+09, 8.75e-05))),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
                          alpha_intra=10e-6, node_nic_gbs=7),

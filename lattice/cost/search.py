@@ -242,17 +242,19 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
 def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: Machine, batch: int,
                   **kw) -> tuple[float, float]:
     """(compute, bubble) of a pipeline whose ranks outnumber the cores they share: a stage that
-    waits leaves its core to the busy ones, so the step's compute is every rank's work over the
-    cores (each micro-batch through every block once, and through the first and last parts once,
-    at the rates of a rank with a core of its own), unless the schedule's critical path, run at
-    those rates, is longer: the difference is the bubble."""
-    alone = machine.at(machine.cores)
-    one, two = (_priced_blocks(cfg, stage, blocks=k, batch=batch, machine=alone, topology=lay.topology, **kw)
-                for k in (1, 2))
-    per_block = (two["forward_compute"] + two["backward_compute"]) - (one["forward_compute"] + one["backward_compute"])
-    parts = one["forward_compute"] + one["backward_compute"] - per_block
-    work = m * (cfg.n_layers * per_block + parts) * lay.world_size / lay.pp  # every rank of one stage's share
-    shared = work / machine.cores
+    waits leaves its core to the busy ones, so the step's compute is a rank's mean work (each
+    micro-batch through its share of the blocks, and of the first and last parts) at the rates of
+    every rank sharing the cores (the world's calibration), unless the schedule's critical path, at
+    the rates of a rank with a core of its own, is longer: the difference is the bubble."""
+    def block_and_parts(at: Machine) -> tuple[float, float]:
+        one, two = (_priced_blocks(cfg, stage, blocks=k, batch=batch, machine=at, topology=lay.topology, **kw)
+                    for k in (1, 2))
+        per_block = (two["forward_compute"] + two["backward_compute"]) - (one["forward_compute"] + one["backward_compute"])
+        return per_block, one["forward_compute"] + one["backward_compute"] - per_block
+
+    per_block, parts = block_and_parts(machine.at(lay.world_size))
+    shared = m * (cfg.n_layers * per_block + parts) / lay.pp
+    per_block, parts = block_and_parts(machine.at(machine.cores))
     chunk = (math.ceil(cfg.n_layers / lay.pp) * per_block + parts) / v
     critical = (m * v + lay.pp - 1) * chunk
     return shared, max(0.0, critical - shared)
