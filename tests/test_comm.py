@@ -51,6 +51,11 @@ def _check_collectives():
         assert torch.equal(y, torch.cat([xs[r].chunk(world, 0)[rank] for r in range(world)], 1))
         expect_dx = torch.cat([ady[r].chunk(world, 1)[rank] for r in range(world)], 0)
         assert torch.allclose(dx, expect_dx)
+    # started and awaited later (3d's overlap, ZeRO's buckets); on gloo an all-to-all and a sum
+    # here, not gloo's reduce-scatter (lattice.parallel.comm._reduce_scatter_tensor)
+    started, work = comm.start_reduce_scatter(xs[rank].clone(), group)
+    work.wait()
+    assert torch.allclose(started, total_x[rank * 2:(rank + 1) * 2], rtol=0, atol=1e-14)
     n = world * 2 * 3
     by_op = {op: meter.total_elements(op=op, phase="forward") for op in
              ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")}
@@ -62,7 +67,8 @@ def _check_collectives():
 
 def test_collectives_forward_backward_and_metering_2_ranks():
     """Catches a wrong forward/backward pairing (e.g. all-gather whose backward does not sum the
-    partial gradients) or a collective that CommMeter miscounts."""
+    partial gradients), a collective that CommMeter miscounts, or a reduce-scatter whose pieces
+    are summed into the wrong rank's chunk."""
     assert all(run_distributed(2, _check_collectives))
 
 

@@ -114,7 +114,36 @@ def group_rank(group) -> int:
 
 # torch renamed the tensor forms of these collectives; use whichever this version has
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _SummedPieces:
+    """The Work of a reduce-scatter run as an all-to-all: wait() awaits the exchange, then sums
+    the n pieces received (every rank's piece of this rank's chunk) into the output."""
+
+    def __init__(self, work, pieces: torch.Tensor, out: torch.Tensor):
+        self.work, self.pieces, self.out = work, pieces, out
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        torch.sum(self.pieces.view(-1, *self.out.shape), 0, out=self.out)
+        return True
+
+
+def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.reduce_scatter_tensor(out, x)`, except on gloo, whose reduce-scatter clones x,
+    all-reduces all of it and keeps one chunk: twice the bytes a reduce-scatter needs. There the
+    chunks are exchanged by one all-to-all ((n-1)/n of x out and in, as a ring's reduce-scatter)
+    and each rank sums the n pieces of its own chunk, in rank order."""
+    if dist.get_backend(group) != "gloo":
+        return _native_reduce_scatter(out, x, group=group, async_op=async_op)
+    pieces = torch.empty_like(x)
+    summed = _SummedPieces(dist.all_to_all_single(pieces, x, group=group, async_op=async_op), pieces, out)
+    if async_op:
+        return summed
+    summed.wait()
+    return None
 
 # Plain (non-autograd) collectives that meter themselves; the autograd Functions below use them.
 
