@@ -8,8 +8,8 @@ backward per block, timed in alternating rounds, and the ratio of the medians.
     torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d            # lattice 1d
 
 Megatron-core's ColumnParallelLinear / RowParallelLinear (`pip install --no-deps megatron-core`;
-0.16.1 is the newest for Python 3.11) are the 1D peer (without sequence parallelism: Megatron's
-takes its buffers from CUDA). The 2D / 3D peer is Colossal-AI's legacy layers (LayerNorm2D/3D, Linear2D/3D: `pip install --no-deps
+0.16.1 is the newest for Python 3.11) are the 1D peer, always without sequence parallelism
+(Megatron's takes its buffers from CUDA); lattice's `-o sequence_parallel=True` then runs against it. The 2D / 3D peer is Colossal-AI's legacy layers (LayerNorm2D/3D, Linear2D/3D: `pip install --no-deps
 colossalai==0.5.0 peft accelerate galore_torch bitsandbytes` beside lattice; its pinned torch and
 transformers are not needed for these layers). It is never a dependency of lattice or its tests.
 Both blocks take their layout's activation pieces (2d: [B/q, T, h/q]; 3d: [B/q², T, h/q]),
@@ -139,14 +139,13 @@ def main():
 
     dist.init_process_group("gloo")
     h, n, B, T = args.hidden, args.heads, args.batch, args.seq
-    if args.peer == "megatron-1d" and options.get("sequence_parallel"):
-        raise SystemExit("peer_blocks.py: Megatron-core's sequence parallelism takes its buffers from CUDA "
-                         "(get_global_memory_buffer); on the CPU compare without -o sequence_parallel=True")
     if args.peer == "megatron-1d":
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        peer = megatron_block(h, n, world, bool(options.get("sequence_parallel")))
+        # Megatron's sequence parallelism takes its buffers from CUDA (get_global_memory_buffer), so
+        # on the CPU its block runs without it, whatever lattice's options
+        peer = megatron_block(h, n, world, sequence_parallel=False)
     else:
         from colossalai.legacy.initialize import launch as colossal_launch
 
@@ -164,8 +163,14 @@ def main():
     shape = mode.residual_shape(B, T)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x, dy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    # Megatron's layers take (T, B, h); the same values, transposed once outside the timing
-    peer_x, peer_dy = (x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()) if kind == "1d" else (x, dy)
+    # Megatron's layers take (T, B, h): the same values, transposed once outside the timing (with
+    # lattice's sequence parallelism, whose residual holds T/p of the tokens, values of their own)
+    if kind == "1d" and shape != (B, T, h):
+        peer_x, peer_dy = torch.randn(T, B, h, generator=gen), torch.randn(T, B, h, generator=gen)
+    elif kind == "1d":
+        peer_x, peer_dy = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()
+    else:
+        peer_x, peer_dy = x, dy
     blocks = {"lattice": mine, "peer": peer}
     times: dict[str, list[float]] = {name: [] for name in blocks}
 

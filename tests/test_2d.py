@@ -101,13 +101,14 @@ def _check_summa_products(q: int):
     from lattice.modes.kernels.summa import SummaGrid, summa_ab, summa_abt, summa_atb
 
     ctx = cached_init(mode="2d", tp=q * q)
-    grid = SummaGrid(ctx)
     gen = torch.Generator().manual_seed(1)
     M, K, N = 4 * q, 3 * q, 2 * q
     cases = {"ab": (summa_ab, (M, K), (K, N), lambda a, b: a @ b),
              "abt": (summa_abt, (M, K), (N, K), lambda a, b: a @ b.t()),
              "atb": (summa_atb, (M, K), (M, N), lambda a, b: a.t() @ b)}
-    for name, (fn, sa, sb, ref) in cases.items():
+    grids = [SummaGrid(ctx), SummaGrid(ctx, gathered=True), SummaGrid(ctx, gathered=True, keep=True)]
+    for (name, (fn, sa, sb, ref)), grid in ((case, g) for case in cases.items() for g in grids):
+        name = f"{name} gathered={grid.gathered} keep={grid.keep}"
         a = torch.randn(sa, generator=gen, dtype=torch.float64, requires_grad=True)
         b = torch.randn(sb, generator=gen, dtype=torch.float64, requires_grad=True)
         c = ref(a, b)
@@ -124,13 +125,28 @@ def _check_summa_products(q: int):
         assert torch.allclose(c_blk, block(c), rtol=1e-12, atol=1e-12), name
         assert torch.allclose(a_blk.grad, block(a.grad), rtol=1e-12, atol=1e-12), name
         assert torch.allclose(b_blk.grad, block(b.grad), rtol=1e-12, atol=1e-12), name
+    for grid in grids:  # a fused weight's column segments, each split in q x q blocks of its own
+        a = torch.randn(M, K, generator=gen, dtype=torch.float64, requires_grad=True)
+        bs = [torch.randn(K, N, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        dcs = [torch.randn(M, N, generator=gen, dtype=torch.float64) for _ in bs]
+        sum(((a @ b) * dc).sum() for b, dc in zip(bs, dcs)).backward()
+        a_blk, b_blks = block(a).requires_grad_(True), [block(b).requires_grad_(True) for b in bs]
+        c_blk = summa_ab(a_blk, tuple(b_blks), grid)
+        c_blk.backward(torch.cat([block(dc) for dc in dcs], 1))
+        expect = torch.cat([block(a.detach() @ b.detach()) for b in bs], 1)
+        name = f"segments gathered={grid.gathered} keep={grid.keep}"
+        assert torch.allclose(c_blk, expect, rtol=1e-12, atol=1e-12), name
+        assert torch.allclose(a_blk.grad, block(a.grad), rtol=1e-12, atol=1e-12), name
+        assert all(torch.allclose(mine.grad, block(b.grad), rtol=1e-12, atol=1e-12) for mine, b in zip(b_blks, bs)), name
     return True
 
 
 @pytest.mark.parametrize("world", [4, 9])
 def test_summa_products_and_their_gradients(world):
-    """C=AB, C=ABᵀ, C=AᵀB block by block against full matmuls, with gradients: catches a wrong
-    broadcast source, a reduce to the wrong rank or a backward that uses the wrong form (Eq. 1-3)."""
+    """C=AB, C=ABᵀ, C=AᵀB block by block against full matmuls, with gradients, in the broadcast and
+    all-gather forms and with the gathered operands kept: catches a wrong broadcast source, a
+    reduce to the wrong rank, a backward that uses the wrong form (Eq. 1-3) or a kept operand
+    reduce-scattered along the wrong axis."""
     assert all(run_distributed(world, _check_summa_products, math.isqrt(world)))
 
 
@@ -388,6 +404,14 @@ def test_non_square_tp_is_refused_without_processes():
     with pytest.raises(LatticeConfigError, match=r"tp=4 \(q=2\)"):
         lattice.plan("2d", tp=1)
     assert lattice.plan("2d", tp=9, dp=2).topology.shape == (2, 3, 3)
+
+
+def test_keep_gathered_without_the_all_gather_form_is_refused():
+    """keep_gathered keeps what the all-gather form gathered; with the broadcast form there is
+    nothing to keep, and a silent no-op would leave the user believing it ran."""
+    with pytest.raises(LatticeConfigError, match=r"keep_gathered=True .* summa='all_gather'"):
+        lattice.plan("2d", tp=4, keep_gathered=True)
+    assert lattice.plan("2d", tp=4, keep_gathered=True, summa="all_gather").options["keep_gathered"]
 
 
 # ----------------------------------------------------------------------------- placement

@@ -250,9 +250,22 @@ class Summa2D(Mode):
                "summa": Option("broadcast", "each product's collectives: q broadcasts of blocks and q reduces "
                                             "(broadcast, Alg. 1-3), or one all-gather of the q blocks and one "
                                             "reduce-scatter (all_gather: fewer, larger messages; q blocks held "
-                                            "during the product)", choices=("broadcast", "all_gather"))}
+                                            "during the product)", choices=("broadcast", "all_gather")),
+               "keep_gathered": Option(False, "with summa=all_gather: keep each linear's gathered input row and "
+                                              "weight column for backward (q times their blocks' memory until "
+                                              "backward), whose products then need one reduce-scatter each and "
+                                              "no all-gather")}
     test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2, "vectors": "replicated", "summa": "all_gather"},
+                    {"tp": 4, "summa": "all_gather", "keep_gathered": True},
                     {"tp": 4, "ranks_per_node": 2, "placement": "topology"})
+
+    @classmethod
+    def resolve_options(cls, given):
+        options = super().resolve_options(given)
+        if options["keep_gathered"] and options["summa"] != "all_gather":
+            raise LatticeConfigError("mode '2d' keep_gathered=True keeps what the all-gather form of SUMMA gathered: "
+                                     "give it with summa='all_gather' (--summa all_gather)")
+        return options
 
     @classmethod
     def mesh_axes(cls, tp, options):
@@ -286,7 +299,7 @@ class Summa2D(Mode):
         self.q = ctx.size(ROW)
         self.vocab_pad = round_up(cfg.vocab_size, self.q)
         self.grid = SummaGrid(ctx, replicated_vectors=ctx.options["vectors"] == "replicated",
-                              gathered=ctx.options["summa"] == "all_gather")
+                              gathered=ctx.options["summa"] == "all_gather", keep=ctx.options["keep_gathered"])
 
     @classmethod
     def check_config(cls, cfg, ctx):
@@ -400,9 +413,14 @@ class Summa2D(Mode):
         if bias and not self.grid.replicated:
             b.add("forward", "broadcast", (ROW,), out_features / q, 1, "bias")
             b.add("backward", "reduce", (ROW,), out_features / q, 1, "bias")
-        summa_product_terms(b, "linear", b.M, in_features, out_features, q, self.grid.gathered)
+        summa_product_terms(b, "linear", b.M, in_features, out_features, q, self.grid.gathered, self.grid.keep)
+        if self.grid.keep:  # the gathered input row and weight column, not the input
+            return (b.M * in_features + in_features * out_features) / q, b.M * out_features / q ** 2
         saved = 0 if input_saved else b.M * in_features / q ** 2
         return saved, b.M * out_features / q ** 2
+
+    def cost_keeps_input(self, block, position):
+        return not self.grid.keep
 
     def cost_lm_head(self, b):
         """logits (M, V') = X Eᵀ: forward Alg. 2 (q broadcasts of table blocks, q reduces of
@@ -427,16 +445,18 @@ class Summa2D(Mode):
         return b.B * b.h
 
 
-def summa_product_terms(b, site, M, K, N, q, gathered=False):
+def summa_product_terms(b, site, M, K, N, q, gathered=False, keep=False):
     """C = A B with A [M, K], B [K, N] on a q x q mesh (Alg. 1): q broadcasts of A blocks along
     the row (axis COL) and of B blocks along the column (axis ROW). Backward (Eq. 1): dA by Alg. 2
     (q broadcasts of B blocks, q reduces of A-sized blocks along the row) and dB by Alg. 3 (q
-    broadcasts of A blocks along the row, q reduces of B-sized blocks along the column)."""
+    broadcasts of A blocks along the row, q reduces of B-sized blocks along the column); with
+    `keep` (all-gather form) backward's gathers are forward's, kept: its two reduce-scatters alone."""
     a, w = M * K / q ** 2, K * N / q ** 2
     for phase, op, axis, elements in (("forward", "broadcast", COL, a), ("forward", "broadcast", ROW, w),
                                       ("backward", "broadcast", ROW, w), ("backward", "reduce", COL, a),
                                       ("backward", "broadcast", COL, a), ("backward", "reduce", ROW, w)):
-        summa_term(b, gathered, phase, op, (axis,), q * elements, q, site)
+        if not (keep and phase == "backward" and op == "broadcast"):
+            summa_term(b, gathered, phase, op, (axis,), q * elements, q, site)
 
 
 def summa_term(b, gathered, phase, op, axes, elements, q, site=""):

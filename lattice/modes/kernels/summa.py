@@ -74,10 +74,16 @@ class SummaGrid:
     Groups are looked up on first use, so a model can be built from a planning context.
     """
 
-    def __init__(self, ctx: ParallelContext, replicated_vectors: bool = False, gathered: bool = False):
+    def __init__(self, ctx: ParallelContext, replicated_vectors: bool = False, gathered: bool = False,
+                 keep: bool = False):
         self.ctx = ctx
         self.replicated = replicated_vectors  # row-0 vectors on every row instead (Summa2D's option vectors)
         self.gathered = gathered  # the products' all-gather form (Summa2D's option summa="all_gather")
+        # C = A B in the all-gather form saves the gathered A_i· and B_·j for backward (Summa2D's
+        # option keep_gathered)
+        self.keep = keep
+        if keep and not gathered:
+            raise ValueError("keep applies to the all-gather form (gathered=True)")
         self.q = ctx.size(MeshAxis.ROW)
         self.i = ctx.coord(MeshAxis.ROW)
         self.j = ctx.coord(MeshAxis.COL)
@@ -170,6 +176,22 @@ def summa_atb_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tenso
     return c
 
 
+def _gathered_ab(a: torch.Tensor, b: torch.Tensor, g: SummaGrid):
+    """Algorithm 1 in the all-gather form, with what it gathered: (C_ij, A_i·, B_·j)."""
+    A, B = raw_all_gather(a.contiguous(), g.row, 1), raw_all_gather(b.contiguous(), g.col, 0)
+    return torch.mm(A, B), A, B
+
+
+def _kept_ab_grads(dc: torch.Tensor, A: torch.Tensor, B: torch.Tensor, g: SummaGrid, need_a: bool, need_b: bool):
+    """C = A B's gradients from forward's gathered A_i· and B_·j, without gathering them again:
+    dA = dC_ij B_·jᵀ holds rank (i, l)'s term of every l, reduce-scattered along the row (Alg. 2's
+    all-gather form); dB = A_i·ᵀ dC_ij, rank (l, j)'s, reduce-scattered down the column (Alg. 3's).
+    One reduce-scatter each, in the order every rank runs them (A's first)."""
+    da = raw_reduce_scatter(torch.mm(dc, B.t()), g.row, 1) if need_a else None
+    db = raw_reduce_scatter(torch.mm(A.t(), dc), g.col, 0) if need_b else None
+    return da, db
+
+
 # Each form's backward is two products of the other forms (Eq. 1-3), listed as (form, first
 # operand, second operand) over the names a, b (the forward's operands) and dc (C's gradient):
 #   C = A B:   dA = dC Bᵀ,  dB = Aᵀ dC
@@ -190,11 +212,18 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def forward(ctx, form, a, b, grid):
         ctx.form, ctx.grid = form, grid
+        ctx.kept = form == "ab" and grid.keep
+        if ctx.kept:
+            c, A, B = _gathered_ab(a, b, grid)
+            ctx.save_for_backward(A, B)
+            return c
         ctx.save_for_backward(a, b)
         return _FORWARD[form](a, b, grid)
 
     @staticmethod
     def backward(ctx, dc):
+        if ctx.kept:
+            return None, *_kept_ab_grads(dc, *ctx.saved_tensors, ctx.grid, *ctx.needs_input_grad[1:3]), None
         a, b = ctx.saved_tensors
         operands = {"a": a, "b": b, "dc": dc}
         grads = [_FORWARD[form](operands[x], operands[y], ctx.grid) if ctx.needs_input_grad[k + 1] else None
@@ -209,12 +238,19 @@ class _SummaSegments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, grid, *bs):
-        ctx.grid = grid
+        ctx.grid, ctx.widths = grid, [b.shape[-1] for b in bs]
+        if grid.keep:  # the gathered operands instead (the segments' columns side by side in B_·j)
+            c, A, B = _gathered_ab(a, torch.cat(bs, dim=-1), grid)
+            ctx.save_for_backward(A, B)
+            return c
         ctx.save_for_backward(a, *bs)
         return summa_ab_raw(a, torch.cat(bs, dim=-1), grid)
 
     @staticmethod
     def backward(ctx, dc):
+        if ctx.grid.keep:
+            da, db = _kept_ab_grads(dc, *ctx.saved_tensors, ctx.grid, ctx.needs_input_grad[0], True)
+            return da, None, *db.split(ctx.widths, dim=-1)
         a, *bs = ctx.saved_tensors
         da = summa_abt_raw(dc, torch.cat(bs, dim=-1), ctx.grid) if ctx.needs_input_grad[0] else None
         db = summa_atb_raw(a, dc, ctx.grid)
