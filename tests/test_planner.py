@@ -220,3 +220,15 @@ def test_a_classifier_is_planned_without_pipeline_or_context_parallelism():
     plan = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=8, precisions=("bf16",))
     assert plan.ranked
     assert all(p.choice.layout.pp == 1 and p.choice.layout.cp == 1 for p in plan.ranked)
+
+
+def test_a_pipeline_hop_under_context_parallelism_sends_its_share_of_the_sequence():
+    """Each cp rank of a stage holds T/cp of every sequence and sends only that to the next stage;
+    pricing the hop with the whole sequence (cp ignored) made `plan --pp --cp` overprice it cp-fold."""
+    from lattice.cost.pipeline import p2p_piece
+
+    cfg = model_config("gpt2", "small", vocab_size=2048)  # T 128, h 192
+    for cp in (1, 2, 4):
+        lay = Layout("1d", tp=2, pp=2, cp=cp, microbatches=2, pp_scatter_gather=False)
+        # a replica's 8 sequences in 2 micro-batches: 4 x T/cp tokens x h, whole on each 1d rank
+        assert p2p_piece(cfg, lay, batch=8) == 4 * (128 // cp) * 192

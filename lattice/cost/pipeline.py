@@ -16,10 +16,11 @@ from lattice.parallel.pipeline import PipelineConfig, batch_problem
 
 def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> float:
     """Elements of one micro-batch's residual piece that a tensor rank of the pipelined `layout`
-    sends to the next stage: B/m · T · h over the layout's residual split (the cost model's
-    figure), divided by the t tensor ranks that replicate it under the scatter/gather optimisation."""
+    sends to the next stage: B/m · T/cp · h over the layout's residual split (the cost model's
+    figure; `batch` is a replica's), divided by the t tensor ranks that replicate it under the
+    scatter/gather optimisation."""
     pcfg, stage = layout.pipeline, layout.stage_layout()
-    piece = estimate(cfg, stage, batch=batch // pcfg.m, seq=seq).residual_elements
+    piece = estimate(cfg, stage, batch=batch // pcfg.m, seq=(seq or cfg.seq_len) // layout.cp).residual_elements
     replicated = get_mode(layout.mode)(cfg, stage.context()).residual_replicated
     return piece / layout.tp if pcfg.scatter_gather and replicated and layout.tp > 1 else piece
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from lattice.cost.machine import Machine
 from lattice.cost.model import estimate, spans_nodes
-from lattice.cost.pipeline import in_flight
+from lattice.cost.pipeline import in_flight, p2p_piece
 from lattice.modes import available_modes, get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError, MeshAxis
@@ -220,10 +220,10 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                        ranks_per_node=lay.ranks_per_node)
         f = _priced_blocks(cfg, stage, blocks=math.ceil(cfg.n_layers / lay.pp), batch=replica // m, machine=machine,
                            topology=lay.topology, **kw)
-        c = estimate(dataclasses.replace(cfg, n_layers=1), stage, batch=replica // m, **kw)
-        piece = c.residual_elements / (lay.tp if pcfg.scatter_gather and get_mode(lay.mode).residual_replicated else 1)
+        piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
+        itemsize = 2 if choice.precision == "bf16" else 4  # the activations' dtype, as estimate sets it
         alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
-        hop = 2 * (alpha + piece * c.itemsize * beta)  # the activation forward, its gradient backward
+        hop = 2 * (alpha + piece * itemsize * beta)  # the activation forward, its gradient backward
         chunk = (f["forward_compute"] + f["backward_compute"] + f["tensor"] + f["context"] + f["overlapped"]) / v
         # m v slots of a chunk's micro-batch and its hop, and pp - 1 more (the bubble)
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
