@@ -232,3 +232,16 @@ def test_a_pipeline_hop_under_context_parallelism_sends_its_share_of_the_sequenc
         lay = Layout("1d", tp=2, pp=2, cp=cp, microbatches=2, pp_scatter_gather=False)
         # a replica's 8 sequences in 2 micro-batches: 4 x T/cp tokens x h, whole on each 1d rank
         assert p2p_piece(cfg, lay, batch=8) == 4 * (128 // cp) * 192
+
+
+def test_a_pipeline_on_shared_cores_computes_at_the_rates_of_the_whole_world():
+    """With 8 ranks on 2 cores, dp=8 and pp=2 x dp=4 with 2 micro-batches give every rank the
+    same work (the whole model on one sequence, or half of it on two), so their compute terms
+    agree; pricing the pipeline at the rates of a rank with a core of its own (the world of 2)
+    made it ~35% cheaper than it measures."""
+    cfg = model_config("gpt2", "small", vocab_size=2048)
+    machine = MACHINES["cpu-2core"]
+    flat = price(cfg, Choice(Layout("serial", dp=8, ranks_per_node=8)), batch=8, machine=machine)
+    piped = price(cfg, Choice(Layout("serial", dp=4, pp=2, microbatches=2, ranks_per_node=8)), batch=8,
+                  machine=machine)
+    assert piped.terms["compute"] == pytest.approx(flat.terms["compute"], rel=1e-9)
