@@ -141,7 +141,7 @@ class Cost:
             n = self.term_ranks(t)
             if t.axes not in span:
                 span[t.axes] = self.spans_nodes(t.axes)
-            alpha, beta = machine.link(span[t.axes], t.op)
+            alpha, beta = machine.link(span[t.axes])
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
             out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
         return out

@@ -77,7 +77,7 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) ->
     piece = p2p_piece(cfg, layout, batch=batch)
     stage_p2p = [_stage_p2p(cfg, layout, batch, s) for s in range(pp)]
     inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
-    alpha, beta = machine.link(inter, "send")
+    alpha, beta = machine.link(inter)
     hop = 2 * (alpha + piece * c.itemsize * beta)  # activation forward, gradient backward
     slots = pcfg.m * pcfg.v + pp - 1
     pipeline_time = slots * (slot / pcfg.v + hop)
