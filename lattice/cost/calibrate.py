@@ -93,8 +93,20 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         weights = 1 / np.array(ys)
         (alpha, beta), *_ = np.linalg.lstsq(np.array(rows) * weights[:, None], np.array(ys) * weights, rcond=None)
         alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-12)
+        # one point-to-point exchange between compute, as a cp ring's step (each rank sends to the
+        # next and receives from the one before): its latency beyond its bytes
+        rank, small = dist.get_rank(), torch.randn(4096)
+        incoming = torch.empty_like(small)
+
+        def exchange():
+            ops = [dist.P2POp(dist.isend, small, (rank + 1) % p), dist.P2POp(dist.irecv, incoming, (rank - 1) % p)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        alpha_send = max(timed(lambda: loop(exchange)) - timed(lambda: loop(None)), 1e-6) / 8 - small.numel() * 4 * beta
+        alpha_send = max(alpha_send, alpha)
     else:
-        alpha, beta = 1e-5, 1e-10
+        alpha, beta, alpha_send = 1e-5, 1e-10, 0.0
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
         params = [nn.Parameter(t) for t in tensors]
@@ -108,13 +120,13 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    costs = torch.tensor([alpha, beta, per_tensor, op_overhead], dtype=torch.float64)
+    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    alpha, beta, per_tensor, op_overhead = costs.tolist()
+    alpha, beta, per_tensor, op_overhead, alpha_send = costs.tolist()
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
-                             mem_bandwidth=float(rates[3]), op_overhead=op_overhead)
+                             mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send)
 
 
 def _op_overhead(timed) -> float:

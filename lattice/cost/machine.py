@@ -76,7 +76,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
-                   "mem_bandwidth", "op_overhead")
+                   "mem_bandwidth", "op_overhead", "alpha_send")
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,9 @@ class Machine:
     # the framework's time per operation a family describes (a norm, a linear, attention: each a
     # handful of calls through Python, autograd and the dispatcher), forward; backward twice
     op_overhead: float = 0.0
+    # the latency of one point-to-point exchange between compute (a cp ring's step), where it
+    # exceeds α (0: α): with more ranks than cores both ends must be scheduled
+    alpha_send: float = 0.0
     # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
     # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.search prices that)
     cores: int = 0
@@ -127,9 +130,11 @@ class Machine:
         return dataclasses.replace(self, **row, alpha_inter=max(row["alpha_intra"], self.alpha_inter),
                                    beta_inter=max(row["beta_intra"], self.beta_inter), by_world=())
 
-    def link(self, across_nodes: bool) -> tuple[float, float]:
-        """(α, β) of a message inside a node or between nodes."""
-        return (self.alpha_inter, self.beta_inter) if across_nodes else (self.alpha_intra, self.beta_intra)
+    def link(self, across_nodes: bool, op: str = "") -> tuple[float, float]:
+        """(α, β) of a message of `op` inside a node or between nodes ("send": a ring's
+        point-to-point exchange between compute, at alpha_send where that is larger)."""
+        alpha, beta = (self.alpha_inter, self.beta_inter) if across_nodes else (self.alpha_intra, self.beta_intra)
+        return (max(alpha, self.alpha_send) if op == "send" else alpha), beta
 
     def with_precision(self, precision: str) -> "Machine":
         """This machine's rates for `precision` (refused where it has none)."""

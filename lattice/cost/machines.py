@@ -4,7 +4,7 @@ process on this CPU), at published rates or this repository's micro-benchmarks:
 - `cpu-2core`: this 2-core machine, gloo, one thread per rank, calibrated by
   `python benchmarks/planner_validation.py --calibrate` (matrix products, attention and elementwise
   operators at the per-rank shapes of a p-way split, α and β from collectives between compute,
-  AdamW; every sample at least 50 ms) at 1, 2, 4 and 8 ranks: where ranks outnumber the cores they
+  a point-to-point exchange's latency between compute, AdamW; every sample at least 50 ms) at 1, 2, 4 and 8 ranks: where ranks outnumber the cores they
   share them, and every collective waits for its ranks to be scheduled (`Machine.by_world`).
 - `frontera-rtx` (Optimus's testbed: 4 Quadro RTX 5000 per node, PCIe, InfiniBand FDR),
   `longhorn-v100` (the 3D paper's: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR),
@@ -61,10 +61,11 @@ MACHINES: dict[str, Machine] = {
         "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=7.26e+10, alpha_intra=1e-5, beta_intra=1e-10,
         alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.46e+09, attn_rate=5.32e+08,
         update_per_tensor=1.6e-05, mem_bandwidth=1.34e+10, op_overhead=1.64e-05, memory_gib=0.0, cores=2,
-        by_world=((1, 7.26e+10, 1.46e+09, 5.32e+08, 1e-05, 1e-10, 1.6e-05, 1.34e+10, 1.64e-05),
-                  (2, 7.31e+10, 1.74e+09, 5.63e+08, 0.001, 3.67e-10, 2.65e-05, 1.01e+10, 1.63e-05),
-                  (4, 3.14e+10, 8.31e+08, 2.56e+08, 0.00104, 4.32e-10, 2.67e-05, 6.15e+09, 5.17e-05),
-                  (8, 1.27e+10, 3.92e+08, 1.28e+08, 0.000829, 5.69e-10, 6.29e-05, 4.15e+09, 8.75e-05))),
+        # (alpha_send, the last column, from a run of --calibrate half an hour after the others)
+        by_world=((1, 7.26e+10, 1.46e+09, 5.32e+08, 1e-05, 1e-10, 1.6e-05, 1.34e+10, 1.64e-05, 0.0),
+                  (2, 7.31e+10, 1.74e+09, 5.63e+08, 0.001, 3.67e-10, 2.65e-05, 1.01e+10, 1.63e-05, 0.000653),
+                  (4, 3.14e+10, 8.31e+08, 2.56e+08, 0.00104, 4.32e-10, 2.67e-05, 6.15e+09, 5.17e-05, 0.0023),
+                  (8, 1.27e+10, 3.92e+08, 1.28e+08, 0.000829, 5.69e-10, 6.29e-05, 4.15e+09, 8.75e-05, 0.00482))),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
                          alpha_intra=10e-6, node_nic_gbs=7),

@@ -141,7 +141,9 @@ class Cost:
             n = self.term_ranks(t)
             if t.axes not in span:
                 span[t.axes] = self.spans_nodes(t.axes)
-            alpha, beta = machine.link(span[t.axes])
+            # a cp ring's exchanges wait for both neighbours between compute (alpha_send); a
+            # pipeline's hops are priced at α, as the validation measured them
+            alpha, beta = machine.link(span[t.axes], "send" if t.site.endswith("ring") else "")
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
             out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
         return out
