@@ -145,6 +145,7 @@ def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async
     summed.wait()
     return None
 
+
 # Plain (non-autograd) collectives that meter themselves; the autograd Functions below use them.
 
 

@@ -132,7 +132,7 @@ def summa_ab_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor
     [A_i0 .. A_i,q-1] (the row's blocks side by side) times [B_0j; ..; B_q-1,j] (the column's)."""
     a, b = a.contiguous(), b.contiguous()
     if g.gathered:
-        return torch.mm(raw_all_gather(a, g.row, 1), raw_all_gather(b, g.col, 0))
+        return _gathered_ab(a, b, g)[0]
     a_buf, b_buf = g.workspace.pair(a.numel(), b.numel(), a.dtype, a.device)
     c = None
     for l in range(g.q):
