@@ -60,7 +60,7 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
     by hand with torch.distributed, lattice.training.optim's norm and clip, torch's AdamW) and the
     distributed optimizer at each stage; full weights and moments of both, and the distributed
     optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
-    block in backward). The plain run's first loss and gradients are checked against the serial
+    block in backward and gathers the updated weights beside the next forward). The plain run's first loss and gradients are checked against the serial
     model's on the whole global batch."""
     ctx, cfg, weights, replica_step = _replicas(layout, torch.float64, family)
     dp, d = ctx.dp, ctx.coord(MeshAxis.DP)
@@ -90,12 +90,15 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
         ref_opt.step()
     ref_weights, ref_moments = ref.full_state_dict(), checkpoint.gather_optimizer(ref, ref_opt)
     out = {"clipped": min(ref_norms) > CLIP, "to_serial": to_serial}
-    for stage in stages:  # stage 2 with activation checkpointing: its recomputation must not re-fire a bucket
+    # stage 2 with activation checkpointing: its recomputation must not re-fire a bucket; and with
+    # overlap_param_gather: a forward that reads a weight before its bucket's gather is awaited
+    # (a loss head's, a pipeline stage's mirror of the table) steps from stale rows
+    for stage in stages:
         model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=stage == 2)
         model.load_full_state_dict(weights)
         leave_cp = ctx.cp > 1 and ctx.pipeline is None  # the Trainer's way: one reduction over dp x cp
         opt = ZeroOptimizer(model, ctx, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=stage,
-                            hooks=ctx.pipeline is None, cp_summed=not leave_cp)
+                            hooks=ctx.pipeline is None, cp_summed=not leave_cp, overlap_param_gather=stage == 2)
         norms = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -113,6 +116,7 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
                     calls, elements = measured[k]
                     measured[k] = (calls - v["calls"], elements - v["elements"])
                 measured = {k: v for k, v in measured.items() if v[0]}
+        opt.finish_param_gathers()  # (the last step's gathers: full_state_dict reads the weights directly)
         moments = checkpoint.gather_optimizer(model, opt)
         owned = sum(t.numel() for key, _, t, _ in opt.checkpoint_tensors(True)
                     if key.startswith("optimizer/exp_avg/"))
@@ -183,6 +187,46 @@ def assert_zero_equals_ddp_and_serial(layout: dict, family: str = "gpt2") -> Non
           f"{max(r['to_serial'] for r in results):.1e}; weights, moments, norms after {STEPS} steps to plain "
           f"data parallelism {worst:.1e}; rank 0's first step metered "
           f"{sum(e for _, e in results[0][1]['measured'].values()):,} elements = cost model")
+
+
+def _overlapped_against_waited(layout: dict, family: str) -> dict:
+    """Three AdamW steps of the same float64 model, one bucket per parameter, with the all-gather
+    of updated weights awaited in the step and overlapped with the next forward: the largest
+    difference of the full weights, the buckets, and those no module's forward read."""
+    ctx, cfg, weights, replica_step = _replicas(layout, torch.float64, family)
+    full = {}
+    for overlap in (False, True):
+        model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+        model.load_full_state_dict(weights)
+        opt = ZeroOptimizer(model, ctx, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=1, bucket_bytes=1,
+                            hooks=ctx.pipeline is None, overlap_param_gather=overlap)
+        for step in range(STEPS):
+            opt.zero_grad()
+            replica_step(model, step)
+            opt.reduce_grads()
+            opt.step()
+        model.state_dict()  # whose pre-hook awaits the last step's gathers (full_state_dict reads the weights)
+        full[overlap] = model.full_state_dict()
+    order = opt.overlap.issue_order()
+    return {"diff": max(float((full[True][k] - full[False][k]).abs().max()) for k in full[False]),
+            "buckets": len(order), "unread": len(order) - len(dict.fromkeys(opt.overlap.seen))}
+
+
+@pytest.mark.parametrize("family,layout", [("gpt2", {"mode": "serial", "dp": 2, "pp": 2, "microbatches": 2}),
+                                           ("llama", {"mode": "1d", "tp": 2, "dp": 2})],
+                         ids=["gpt2-pp2-dp2", "llama-1d-dp2"])
+def test_overlapped_param_gather_equals_the_gather_in_the_step(family, layout):
+    """Catches a forward that reads a weight before its bucket's all-gather is awaited: a bucket
+    awaited after the first module reading it, or one read other than by a module's forward
+    (the last stage's mirror of the tied table, a loss head) left to the end. Weights after three
+    steps with overlap_param_gather equal those with the gather awaited in the step, exactly;
+    each parameter its own bucket."""
+    results = run_distributed(_world(layout), _overlapped_against_waited, layout, family)
+    for rank, r in enumerate(results):
+        assert r["diff"] == 0.0, (rank, r)
+        assert r["buckets"] > 4, (rank, r)
+    if layout.get("pp", 1) > 1:  # the last stage's mirror of the table is read by the head alone
+        assert any(r["unread"] for r in results), results
 
 
 RUN = dict(model="tiny", vocab_size=512, batch_size=8, lr=3e-3, warmup=2, grad_clip=0.3, eval_interval=100,

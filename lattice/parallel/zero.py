@@ -40,6 +40,7 @@ is its own master copy: the piece AdamW updates is a view into the parameter. Wi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ from torch import nn
 
 from lattice.parallel.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, byte_buckets
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
@@ -135,11 +137,13 @@ class ZeroOptimizer:
     the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients, 0 nothing
     (for the fp32 master rows of bf16 weights alone). `hooks`: start each bucket's reduction
     from backward (off under a pipeline schedule, whose micro-batches accumulate).
-    `reduce_dtype`: of the gradient reduction (default the master rows')."""
+    `reduce_dtype`: of the gradient reduction (default the master rows'). `overlap_param_gather`:
+    the all-gather of updated weights runs beside the next forward (lattice.parallel.param_gather);
+    read the weights other than by a forward only after `finish_param_gathers()`."""
 
     def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
                  hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None,
-                 cp_summed: bool = True):
+                 cp_summed: bool = True, overlap_param_gather: bool = False):
         if stage not in ZERO_STAGES:
             raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
                                      f"got {stage}")
@@ -187,6 +191,11 @@ class ZeroOptimizer:
                             lambda p, bucket=bucket: self._grad_ready(bucket, p))
         self._next = 0  # the first bucket not launched yet: buckets start in plan order on every rank
         self._arm()
+        self.overlap = None
+        if overlap_param_gather and self.shards > 1:
+            bucket_of = {id(piece.param): i for i, b in enumerate(self.buckets) for piece in b.pieces}
+            self.overlap = ParamGatherOverlap(getattr(model, "_model", model), bucket_of, len(self.buckets))
+            model.register_state_dict_pre_hook(lambda *_: self.finish_param_gathers())
 
     # ---- torch.optim.Optimizer's face, for the trainer and checkpoints
     @property
@@ -308,7 +317,9 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on the owned rows (fp32 master rows of bf16 weights are then rounded into the
-        weights), then every replica gathers every rank's updated rows."""
+        weights), then every replica gathers every rank's updated rows (beside the next forward
+        with `overlap_param_gather`)."""
+        self.finish_param_gathers()
         self.inner.step()
         if self.separate_masters:
             self.params_from_masters()
@@ -328,29 +339,49 @@ class ZeroOptimizer:
     def _gather_rows(self) -> None:
         if self.shards == 1:
             return
-        for bucket in self.buckets:
-            gathered = self._gather(bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1],
-                                    self.param_dtype, phase="optimizer")
-            for piece in bucket.pieces:
-                for r, rows, segment in self._rows_by_shard(piece, piece.param.detach(), gathered):
-                    if r != self.shard:
-                        rows.copy_(segment)
+        self.finish_param_gathers()
+        for i in (range(len(self.buckets)) if self.overlap is None else self.overlap.issue_order()):
+            bucket = self.buckets[i]
+            gathered, work = self._gather(bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1],
+                                          self.param_dtype, phase="optimizer", wait=False)
+            finish = functools.partial(self._take_rows, bucket, gathered, work)
+            if self.overlap is None:
+                finish()
+            else:
+                self.overlap.start(i, finish)
 
-    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None) -> torch.Tensor:
+    @torch.no_grad()
+    def _take_rows(self, bucket: _Bucket, gathered: torch.Tensor, work) -> None:
+        """Copy the other ranks' updated rows of the bucket into the weights, once gathered."""
+        if work is not None:
+            work.wait()
+        for piece in bucket.pieces:
+            for r, rows, segment in self._rows_by_shard(piece, piece.param.detach(), gathered):
+                if r != self.shard:
+                    rows.copy_(segment)
+
+    def finish_param_gathers(self) -> None:
+        """Await every all-gather of updated weights still running (`overlap_param_gather`),
+        for a reader of the weights other than the forward."""
+        if self.overlap is not None:
+            self.overlap.finish()
+
+    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None, wait: bool = True):
         """(shards, segment): every dp rank's segment of the bucket, each holding `owned(piece)`
-        (this rank's rows of each parameter, or None for zeros); metered when `phase` is given."""
+        (this rank's rows of each parameter, or None for zeros); metered when `phase` is given.
+        With wait=False, (that tensor, the all-gather's work to await before reading it)."""
         mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
         for piece in bucket.pieces:
             rows = owned(piece) if piece.master is not None else None
             if rows is not None:
                 mine[piece.offset:piece.offset + piece.numel] = rows.reshape(-1)
         if self.shards == 1:
-            return mine.view(1, -1)
+            return mine.view(1, -1) if wait else (mine.view(1, -1), None)
         gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
         if phase is not None:
             record("all_gather", self.group, gathered.numel(), dtype, phase=phase)
-        _all_gather_tensor(gathered.view(-1), mine, group=self.group)
-        return gathered
+        work = _all_gather_tensor(gathered.view(-1), mine, group=self.group, async_op=not wait)
+        return gathered if wait else (gathered, work)
 
     def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
         """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching
@@ -366,6 +397,7 @@ class ZeroOptimizer:
     def masters_from_params(self) -> None:
         """Take the weights as they are now (after weights were loaded into the model) as the
         master rows."""
+        self.finish_param_gathers()
         if self.separate_masters:
             for piece in self.pieces.values():
                 if piece.master is not None:
@@ -377,6 +409,7 @@ class ZeroOptimizer:
         (under bf16, its fp32 master rows instead), and its rows of both AdamW moments when
         `with_moments`; a tensor holds the rows [first row, first row + len) of the parameter's
         local shard, shaped like them."""
+        self.finish_param_gathers()
         for piece in self.pieces.values():
             if not self.separate_masters:
                 yield f"model/{piece.name}", piece.name, piece.param.detach(), 0
@@ -403,6 +436,7 @@ class ZeroOptimizer:
     def full_local_moments(self) -> dict[str, dict[str, torch.Tensor | None]]:
         """{key: {name: this rank's whole local shard of the moment}}, gathered over dp (a
         collective over the dp group; None before the first step), for comparisons and export."""
+        self.finish_param_gathers()
         out = {"exp_avg": {}, "exp_avg_sq": {}}
         stepped = any(self.inner.state.values())
         for bucket in self.buckets:

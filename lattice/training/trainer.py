@@ -286,7 +286,8 @@ class Trainer:
             self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None,
                                            reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
-                                           cp_summed=ctx.pipeline is not None)
+                                           cp_summed=ctx.pipeline is not None,
+                                           overlap_param_gather=cfg.overlap_param_gather is not False)
         else:
             self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                             weight_decay=cfg.weight_decay)
@@ -445,6 +446,7 @@ class Trainer:
         finally:
             heartbeat.stop()
             metrics.close()
+        self._finish_param_gathers()  # the weights are whole when fit returns
         if val_loss is None and stopped_by is None:
             val_loss = self.evaluate()
         if stopped_by is None and self.step < cfg.steps:
@@ -471,10 +473,17 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _finish_param_gathers(self) -> None:
+        """Await the all-gathers of updated weights that --overlap-param-gather leaves to the next
+        forward, before the weights are read otherwise."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.finish_param_gathers()
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike) -> Path:
         """Write a layout-independent checkpoint of this step (a collective: every rank must call
         it); see lattice.checkpoint.run_checkpoints. Returns where it is (being) written."""
+        self._finish_param_gathers()
         where = self.checkpoints.save(path, step=self.step, elapsed=self.elapsed)
         self._saved_step = self.step
         return where
