@@ -357,11 +357,40 @@ def test_bf16_weights_with_fp32_master_rows_follow_the_textbook_recipe():
             assert r["reduced"] == {("all_reduce" if stage == 0 else "reduce_scatter", 4)}, (rank, stage, r)
 
 
+def _bf16_reduction_metered(layout: dict) -> dict:
+    """One step of bf16 weights whose gradients are reduced in bf16 (--grad-reduce-dtype bf16),
+    ZeRO-1: the collectives' calls and bytes, metered and from the cost model."""
+    ctx, cfg, weights, replica_step = _replicas(layout, torch.float32)
+    model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16)
+    model.load_full_state_dict(weights)
+    opt = ZeroOptimizer(model, ctx, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=1, reduce_dtype=torch.bfloat16)
+    with lattice.CommMeter() as meter:
+        replica_step(model, 0)
+        opt.reduce_grads()
+        opt.step()
+    analytic = lattice.cost.estimate(cfg, layout["mode"], batch=REPLICA_BATCH, seq=T, rank=ctx.rank, zero=1,
+                                     precision="bf16", grad_reduce_dtype="bf16",
+                                     **{k: v for k, v in layout.items() if k != "mode"})
+    return {"measured": {k: (v["calls"], v["elements"], v["bytes"]) for k, v in meter.summary().items() if v["calls"]},
+            "modelled": {k: (v["calls"], v["elements"], v["bytes"]) for k, v in analytic.summary().items() if v["calls"]}}
+
+
+def test_a_bf16_gradient_reduction_is_priced_at_its_own_bytes():
+    """Catches a cost model that prices --grad-reduce-dtype bf16's reduce-scatter at the fp32
+    master rows' 4 bytes (or buckets it by them): ZeRO-1 of bf16 weights at dp = 2, the metered
+    calls and bytes of one step equal the cost model's, the reduce-scatter at 2 bytes an element."""
+    for rank, r in enumerate(run_distributed(2, _bf16_reduction_metered, {"mode": "serial", "dp": 2})):
+        assert r["measured"] == r["modelled"], (rank, r)
+        calls, elements, nbytes = r["measured"][("backward", "reduce_scatter", 2)]
+        assert calls >= 1 and nbytes == 2 * elements > 0, (rank, r)
+
+
 @pytest.mark.parametrize("given,named", [
     ({"precision": "bf16", "dtype": "float64"}, "--dtype float64"),
     ({"precision": "bf16", "bf16": True}, "--bf16"),
     ({"grad_reduce_dtype": "bf16"}, "--precision bf16"),
     ({"zero": 3}, "zero must be one of"),
+    ({"overlap_param_gather": True}, "--zero 1 or 2"),
 ])
 def test_refuses_what_the_optimizer_cannot_do(given, named):
     """Catches a bf16 run silently combined with float64 weights or with autocast, a bf16

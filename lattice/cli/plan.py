@@ -27,7 +27,7 @@ from lattice.modes import available_modes, parallel_modes
 from lattice.modes.layout import PIPELINE_SETTINGS
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.zero import ZERO_STAGES
-from lattice.training.config import PRECISIONS
+from lattice.training.config import PRECISIONS, REDUCE_DTYPES
 
 
 AUTO_MACHINE = "h100-node"
@@ -51,6 +51,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "default fp32, and with --auto every precision the machine has a rate for")
     p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
                    help="distributed optimizer stage over --dp (as in train): its traffic and memory per rank")
+    p.add_argument("--grad-reduce-dtype", default="fp32", choices=REDUCE_DTYPES,
+                   help="with --precision bf16: the gradients' reduction over dp in bf16 (as in train), priced at 2 "
+                        "bytes an element (default fp32)")
+    p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --zero 1 or 2: the all-gather of updated weights beside the next forward (as in train; "
+                        "default on with --zero)")
     p.add_argument("--machine", default=None, metavar="PRESET|JSON",
                    help=f"a preset ({', '.join(MACHINES)}) or Machine fields as inline JSON or a JSON file (e.g. a "
                         f"calibration from `lattice bench`); default: the papers' 4-GPU-node cluster, with --auto "
@@ -96,6 +102,11 @@ def run_plan(args) -> int:
         return _run_auto(args, cfg, batch=args.batch)
     if args.precision is None:
         args.precision = "fp32"
+    if args.grad_reduce_dtype != "fp32" and args.precision != "bf16":
+        raise LatticeConfigError("--grad-reduce-dtype bf16 reduces bf16 gradients; it needs --precision bf16")
+    if args.overlap_param_gather and not args.zero:
+        raise LatticeConfigError("--overlap-param-gather overlaps the distributed optimizer's all-gather of updated "
+                                 "weights with the next forward; it needs --zero 1 or 2")
     if args.table1:
         print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
         return 0
@@ -115,7 +126,8 @@ def run_plan(args) -> int:
         return 0
     c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
                  activation_checkpointing=args.activation_checkpointing, zero=args.zero,
-                 precision=args.precision)
+                 precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
+                 overlap_param_gather=args.overlap_param_gather)
     print(format_cost(c, machine))
     return 0
 

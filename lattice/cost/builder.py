@@ -407,16 +407,17 @@ class CostBuilder:
         if c.pipeline is not None:
             pipeline_terms(self)
         state = 4 if mixed else c.itemsize
+        reduced = 2 if mixed and c.grad_reduce_dtype == "bf16" else state  # the gradient reduction's element
         ranks = dp * self.cp  # holding the same shards of other tokens
         coords = c.topology.coords(c.rank)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            for _, _, segment in plan_buckets(self.model, shards, itemsize=state, cp_summed=not reduces_cp):
+            for _, _, segment in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp):
                 if shards > 1:
-                    self.add("backward", "reduce_scatter", (DP, CP), shards * segment, 1, "grads", itemsize=state)
+                    self.add("backward", "reduce_scatter", (DP, CP), shards * segment, 1, "grads", itemsize=reduced)
                     self.add("optimizer", "all_gather", (DP, CP), shards * segment, 1, "grads")
                 elif ranks > 1:
-                    self.add("backward", "all_reduce", (DP, CP), segment, 1, "grads", itemsize=state)
+                    self.add("backward", "all_reduce", (DP, CP), segment, 1, "grads", itemsize=reduced)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
             grads = c.memory["parameters"] / c.itemsize
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,

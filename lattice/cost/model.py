@@ -86,6 +86,8 @@ class Cost:
     zero: int = 0  # the distributed optimizer's stage (lattice.parallel.zero); 0: DDP
     precision: str = "fp32"  # "bf16": bf16 weights with fp32 master rows (lattice.parallel.zero), else `itemsize` throughout
     rank: int = 0  # the global rank whose share this is
+    overlap_param_gather: bool = False  # ZeRO's all-gather of updated weights beside the next forward
+    grad_reduce_dtype: str = "fp32"  # "bf16": bf16 weights' gradients reduced in bf16 (--grad-reduce-dtype)
     padded: bool = False  # batches with an attention mask (whose copies attention saves)
 
     def _select(self, phase=None, op=None, site=None):
@@ -184,11 +186,14 @@ class Cost:
             out["step"] = out["forward"] + out["backward"]
             return out
         # AdamW reads parameter, gradient and two moments and writes three of them back (under
-        # ZeRO of this rank's rows alone, and then the all-gather of the updated weights)
+        # ZeRO of this rank's rows alone, and then the all-gather of the updated weights, which
+        # with overlap_param_gather runs beside the next step's forward: hidden up to its compute)
         updated = (self.memory["optimizer"] / (3 if self.precision == "bf16" else 2) if self.zero or self.precision == "bf16"
                    else self.memory["parameters"])
+        gather = self.comm_time(machine, "optimizer")
+        out["update_overlapped"] = min(gather, out["forward_compute"]) if self.overlap_param_gather else 0.0
         out["update"] = (self.param_tensors * machine.update_per_tensor + 7 * updated / machine.mem_bandwidth
-                         + self.comm_time(machine, "optimizer"))
+                         + gather - out["update_overlapped"])
         out["step"] = out["forward"] + out["backward"] + out["update"]
         return out
 
@@ -219,7 +224,8 @@ def _meta_model(cfg, layout: Layout, rank: int):
 
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
-             zero: int = 0, precision: str = "fp32", padded: bool = False, **layout_kwargs) -> Cost:
+             zero: int = 0, precision: str = "fp32", padded: bool = False, overlap_param_gather: bool | None = None,
+             grad_reduce_dtype: str = "fp32", **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
@@ -232,7 +238,9 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     and all-gather replace the data-parallel all-reduce and whose moments are this rank's rows;
     `precision` "bf16": bf16 weights and activations with fp32 master rows, moments and
     gradient reduction (then `dtype` is bf16). `padded`: the batches carry an attention mask,
-    whose copies every masked attention saves (padding costs no communication)."""
+    whose copies every masked attention saves (padding costs no communication).
+    `overlap_param_gather` (default: with ZeRO, as the Trainer) and `grad_reduce_dtype`: as
+    `lattice train`'s flags."""
     if precision == "bf16":
         dtype = torch.bfloat16
     ctx, model = _meta_model(cfg, as_layout(layout, layout_kwargs), rank)
@@ -241,6 +249,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
                 activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,
                 target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
-                precision=precision, padded=padded)
+                precision=precision, padded=padded, grad_reduce_dtype=grad_reduce_dtype,
+                overlap_param_gather=bool(zero) if overlap_param_gather is None else overlap_param_gather)
     CostBuilder(cost, model).build()
     return cost

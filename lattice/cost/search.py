@@ -149,8 +149,10 @@ class Plan:
 def _figures(c, machine: Machine) -> dict[str, float]:
     """A Cost's figures as one flat dict (seconds and bytes), which extrapolates term by term."""
     t = c.time(machine)
-    out = {k: t[k] for k in ("forward_compute", "backward_compute", "update")}
+    out = {k: t[k] for k in ("forward_compute", "backward_compute")}
     out["overlapped"] = -(t.get("forward_overlapped", 0.0) + t.get("backward_overlapped", 0.0))
+    # ZeRO's all-gather beside the next forward: the update's whole, its hidden part apart (once a step)
+    out["update"], out["update_overlapped"] = t["update"] + t["update_overlapped"], -t["update_overlapped"]
     groups = dict.fromkeys(COMM_GROUPS, 0.0)
     for term, seconds in c.term_times(machine):
         if term.phase in ("forward", "backward"):
@@ -235,6 +237,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
     terms["update"] += _trainer_scalars(lay, choice, machine)
+    terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
     return Priced(choice, sum(terms.values()), terms, memory)
 
