@@ -387,6 +387,12 @@ class PipelineModel(nn.Module):
         self._model.train(mode)
         return self
 
+    @property
+    def summed_between_stages(self) -> tuple[str, ...]:
+        """The parameters whose gradients `sync_grads` sums over the stages (a shared table and
+        its mirror, copies on every stage): complete only after the schedule."""
+        return tuple(self.parts_.shared) + tuple(self.parts_.everywhere)
+
     def is_mirror(self, name: str) -> bool:
         """A parameter this rank keeps as a copy of another stage's (the tied table on the last
         stage): it trains like the original but counts only once."""

@@ -23,9 +23,11 @@ all-gather together move the words of the all-reduce they replace (2(d-1)/d per 
 
 Stage 2 also drops each full gradient once its bucket is reduced, so only the 1/d slices stay
 until the step. Parameters whose gradient a later sum completes (`ShardSpec.grad_sum`, the
-in-replica sums of sync_grads) sit in buckets that `reduce_grads` starts after those sums; under
-a pipeline schedule, which accumulates micro-batches, and under context parallelism, whose sums
-over cp complete every gradient, every bucket starts there.
+in-replica sums of sync_grads, a pipeline's sums between stages) sit in buckets that
+`reduce_grads` starts after those sums; under context parallelism, whose sums over cp complete
+every gradient, every bucket starts there. Under a pipeline schedule, whose micro-batches
+accumulate, a bucket starts once each of its gradients accumulated m times: in the last
+micro-batch's backward, while the schedule drains.
 
 bf16 weights (`--precision bf16`) get fp32 master rows: gradients are reduced in fp32 (bf16 as
 an option), AdamW updates the master rows and their moments, and the updated rows are rounded
@@ -83,13 +85,15 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
     the order backward produces their gradients), at most `max_bytes` of them per bucket
     (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
-    parallelism sync_grads sums every gradient over cp, which makes every bucket late. Pure: the
-    cost model plans a meta model with it."""
+    parallelism sync_grads sums every gradient over cp, which makes every bucket late; a
+    pipeline's sums between stages make their parameters late. Pure: the cost model plans a
+    meta model with it."""
     params = dict(model.named_parameters())
     early, late = [], []
     every_late = model.ctx.cp > 1 and cp_summed
+    between_stages = set(getattr(model, "summed_between_stages", ()))
     for name in reversed(list(params)):
-        (late if every_late or model.specs[name].grad_sum else early).append(name)
+        (late if every_late or model.specs[name].grad_sum or name in between_stages else early).append(name)
     out = []
     for is_late, names in ((False, early), (True, late)):
         for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
@@ -125,7 +129,7 @@ class _Bucket:
     pieces: list[_Piece]
     segment: int
     late: bool
-    waiting: set = field(default_factory=set)  # parameters whose gradient is not ready yet
+    waiting: dict = field(default_factory=dict)  # id(parameter) -> accumulations its gradient still awaits
     flat: torch.Tensor | None = None  # the rank-major gradients being reduced
     reduced: torch.Tensor | None = None  # this rank's segment of their average
     work: object = None
@@ -136,18 +140,21 @@ class ZeroOptimizer:
     """AdamW (decay on matrices only, as lattice.training.optim.make_optimizer) with its state split over
     the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients, 0 nothing
     (for the fp32 master rows of bf16 weights alone). `hooks`: start each bucket's reduction
-    from backward (off under a pipeline schedule, whose micro-batches accumulate).
+    from backward, once each of its gradients accumulated `accumulations` times (a pipeline's
+    micro-batches: in the last one's backward). `grad_scale`: multiplies the gradients as a
+    bucket lays them out (the Trainer's weight of a replica's share of the labelled targets,
+    under a pipeline, where it cannot weight the loss).
     `reduce_dtype`: of the gradient reduction (default the master rows'). `overlap_param_gather`:
     the all-gather of updated weights runs beside the next forward (lattice.parallel.param_gather);
     read the weights other than by a forward only after `finish_param_gathers()`."""
 
     def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
                  hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None,
-                 cp_summed: bool = True, overlap_param_gather: bool = False):
+                 cp_summed: bool = True, overlap_param_gather: bool = False, accumulations: int = 1):
         if stage not in ZERO_STAGES:
             raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
                                      f"got {stage}")
-        self.model, self.ctx, self.stage = model, ctx, stage
+        self.model, self.ctx, self.stage, self.accumulations, self.grad_scale = model, ctx, stage, accumulations, 1.0
         # the ranks that hold the same shards of other tokens: the dp replicas and, under context
         # parallelism, the cp ranks of each (Megatron's data-parallel group with cp); the
         # reduction averages over dp and sums over cp, unless sync_grads summed over cp already
@@ -216,14 +223,22 @@ class ZeroOptimizer:
 
     def _arm(self) -> None:
         for bucket in self.buckets:
-            bucket.waiting = {id(piece.param) for piece in bucket.pieces}
+            bucket.waiting = {id(piece.param): self.accumulations for piece in bucket.pieces}
             bucket.flat = bucket.reduced = bucket.work = None
             bucket.launched = False
         self._next = 0
 
     # ---- gradients
     def _grad_ready(self, bucket: _Bucket, param) -> None:
-        bucket.waiting.discard(id(param))
+        left = bucket.waiting.get(id(param))
+        if left is None:  # accumulated after its bucket's reduction started: that gradient would be lost
+            name = next(piece.name for piece in bucket.pieces if piece.param is param)
+            raise RuntimeError(f"{name}'s gradient accumulated more than accumulations={self.accumulations} times in "
+                               f"one step; pass ZeroOptimizer(accumulations=...) the backward passes of a step")
+        if left > 1:
+            bucket.waiting[id(param)] = left - 1
+            return
+        del bucket.waiting[id(param)]
         while self._next < len(self.buckets):  # launch in plan order, as far as the ready ones go
             nxt = self.buckets[self._next]
             if nxt.late or nxt.waiting:
@@ -245,6 +260,8 @@ class ZeroOptimizer:
                 segment.copy_(rows)
             if self.stage != 1:  # stage 2 keeps the slices alone; stage 0 the reduced copy alone
                 piece.param.grad = None
+        if self.grad_scale != 1.0:
+            flat.mul_(self.grad_scale)
         if self.divisor > 1:
             flat.div_(self.divisor)
         if self.shards > 1:

@@ -284,7 +284,8 @@ class Trainer:
                                      f"train --resume` convert it")
         if cfg.distributed_optimizer:  # ZeRO over the dp replicas, or fp32 master rows of bf16 weights
             self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay, stage=cfg.zero, hooks=ctx.pipeline is None,
+                                           weight_decay=cfg.weight_decay, stage=cfg.zero,
+                                           accumulations=ctx.pipeline.m if ctx.pipeline is not None else 1,
                                            reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                            cp_summed=ctx.pipeline is not None,
                                            overlap_param_gather=cfg.overlap_param_gather is not False)
@@ -346,12 +347,14 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.pipeline is not None:  # the schedule runs forward and backward of every micro-batch
+            if cfg.distributed_optimizer:  # its buckets start in the last micro-batch's backward: it weights them
+                self.optimizer.grad_scale = weight
             with autocast(self.ctx, cfg.bf16):
                 loss = torch.tensor(self.model.forward_backward(x, y, **inputs), dtype=torch.float64)
             if weight != 1.0:
                 loss = loss * weight
                 for p in self.model.parameters():
-                    if p.grad is not None:
+                    if p.grad is not None and not cfg.distributed_optimizer:
                         p.grad.mul_(weight)
             if not cfg.distributed_optimizer:
                 self._average_over_replicas()
