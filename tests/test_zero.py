@@ -426,10 +426,12 @@ def test_a_bf16_gradient_reduction_is_priced_at_its_own_bytes():
     ({"grad_reduce_dtype": "bf16"}, "--precision bf16"),
     ({"zero": 3}, "zero must be one of"),
     ({"overlap_param_gather": True}, "--zero 1 or 2"),
+    ({"overlap_grad_reduce": False}, "DDP always overlaps"),
 ])
 def test_refuses_what_the_optimizer_cannot_do(given, named):
     """Catches a bf16 run silently combined with float64 weights or with autocast, a bf16
-    gradient reduction asked of fp32 gradients, and a ZeRO stage that does not exist: each is
-    one line naming the flag, before any process group."""
+    gradient reduction asked of fp32 gradients, a ZeRO stage that does not exist, and ZeRO's
+    overlaps asked of a run without it: each is one line naming the flag, before any process
+    group."""
     with pytest.raises(LatticeConfigError, match=named.replace("-", r"\-")):
         TrainConfig(**given)

@@ -92,6 +92,11 @@ class TrainConfig:
     zero: int = flag(0, "distributed optimizer over the --dp replicas: 1 splits the AdamW moments (ZeRO-1, Megatron's "
                         "distributed optimizer), 2 also the gradients; 0 keeps everything on every replica (DDP)",
                      choices=lambda: ZERO_STAGES, group="training")
+    overlap_grad_reduce: bool | None = flag(None, "with the distributed optimizer (--zero, --precision bf16): each "
+                                                  "bucket's reduction starts in backward once its gradients are "
+                                                  "complete (under a pipeline, in the last micro-batch's), rather than "
+                                                  "after backward (Megatron-LM's --overlap-grad-reduce; default: on, "
+                                                  "as measured faster)", group="training")
     overlap_param_gather: bool | None = flag(None, "with --zero 1 or 2: each bucket's all-gather of updated weights "
                                                    "runs beside the next forward, awaited before the first layer reading "
                                                    "it (Megatron-LM's --overlap-param-gather; default: on with --zero 1 "
@@ -149,6 +154,9 @@ class TrainConfig:
         if self.zero not in ZERO_STAGES:
             raise LatticeConfigError(f"zero must be one of {ZERO_STAGES} (1: optimizer state split over dp, 2: and the "
                                      f"gradients), got {self.zero!r}")
+        if self.overlap_grad_reduce is not None and not self.distributed_optimizer:
+            raise LatticeConfigError("--overlap-grad-reduce times the distributed optimizer's reductions (--zero 1 or 2, "
+                                     "or --precision bf16); without it DDP always overlaps its all-reduce with backward")
         if self.overlap_param_gather and self.zero == 0:
             raise LatticeConfigError("--overlap-param-gather overlaps the distributed optimizer's all-gather of updated "
                                      "weights with the next forward; it needs --zero 1 or 2")

@@ -285,6 +285,7 @@ class Trainer:
         if cfg.distributed_optimizer:  # ZeRO over the dp replicas, or fp32 master rows of bf16 weights
             self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay, stage=cfg.zero,
+                                           hooks=cfg.overlap_grad_reduce is not False,
                                            accumulations=ctx.pipeline.m if ctx.pipeline is not None else 1,
                                            reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                            cp_summed=ctx.pipeline is not None,
