@@ -190,9 +190,11 @@ def overheads(ctx) -> dict:
     for blocks in (1, 2):
         cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=blocks)
         model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16)
-        opt = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=0)
         tokens = torch.randint(0, 16, (1, 4)).to(ctx.device)
-        fb.append(timed(lambda: model.forward_backward(tokens, tokens)))
+        fb.append(timed(lambda: model.forward_backward(tokens, tokens)))  # (gradients accumulate: no optimizer yet)
+        opt = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=0)
+        model.forward_backward(tokens, tokens)
+        opt.reduce_grads()  # the master rows' gradients, which every timed step then applies
         step.append(timed(opt.step))
         c = estimate(cfg, "serial", batch=1)
         ops.append(c.ops["forward"] + c.ops["backward"])
