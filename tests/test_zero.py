@@ -14,7 +14,8 @@ import lattice
 import lattice.cost
 from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.models import get_arch
-from lattice.parallel.zero import ZeroOptimizer, memory_per_rank, owned_rows, zero_shards
+from lattice.parallel.zero import ZeroOptimizer
+from lattice.parallel.zero_layout import memory_per_rank, owned_rows, zero_shards
 from lattice.training.optim import clip_grads, grad_norm, make_optimizer
 from lattice.training.trainer import TrainConfig, Trainer
 

@@ -64,7 +64,8 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
     import torch
 
     from lattice.models import build_model
-    from lattice.parallel.zero import ZERO_STAGES, memory_per_rank, zero_shards
+    from lattice.parallel.zero import ZERO_STAGES
+    from lattice.parallel.zero_layout import memory_per_rank, zero_shards
 
     layout = layout_from_args(args)
     topo = layout.topology

@@ -12,7 +12,7 @@ from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
-from lattice.parallel.zero import memory_per_rank, plan_buckets
+from lattice.parallel.zero_layout import memory_per_rank, plan_buckets
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket

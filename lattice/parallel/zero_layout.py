@@ -1,0 +1,90 @@
+"""Where ZeRO's split puts each parameter's rows (lattice.parallel.zero): which rows a dp rank
+owns, the gradient buckets, and the bytes a rank keeps at each stage. Pure functions of a model's
+shard specs and shapes: the cost model plans a meta model with them, the optimizer a real one."""
+
+from __future__ import annotations
+
+import math
+
+from lattice.parallel.context import MeshAxis
+from lattice.parallel.sharding import GRAD_BUCKET_BYTES, byte_buckets
+
+
+def rows_of(shape) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor split along dim 0."""
+    if len(shape) == 0:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def rows_per_shard(rows: int, dp: int) -> int:
+    """⌈rows/dp⌉: the rows every dp rank's segment reserves for a parameter."""
+    return -(-rows // dp)
+
+
+def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
+    """[r0, r1): the rows of dim 0 dp rank r owns (⌈rows/dp⌉ each, the last ones fewer or none)."""
+    per = rows_per_shard(rows, dp)
+    r0 = min(r * per, rows)
+    return r0, min(r0 + per, rows)
+
+
+def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
+                 cp_summed: bool = True) -> list[tuple[bool, list[str], int]]:
+    """The gradient buckets of this rank's parameters: (late, names, segment), where `segment` is
+    the elements each dp rank receives of the bucket (the bucket holds dp × segment) and `late`
+    marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
+    the order backward produces their gradients), at most `max_bytes` of them per bucket
+    (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
+    parallelism sync_grads sums every gradient over cp, which makes every bucket late; a
+    pipeline's sums between stages make their parameters late. Pure: the cost model plans a
+    meta model with it."""
+    params = dict(model.named_parameters())
+    early, late = [], []
+    every_late = model.ctx.cp > 1 and cp_summed
+    between_stages = set(getattr(model, "summed_between_stages", ()))
+    for name in reversed(list(params)):
+        (late if every_late or model.specs[name].grad_sum or name in between_stages else early).append(name)
+    out = []
+    for is_late, names in ((False, early), (True, late)):
+        for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
+                                   max_bytes):
+            segment = 0
+            for n in names_:
+                rows, width = rows_of(params[n].shape)
+                segment += rows_per_shard(rows, dp) * width
+            out.append((is_late, names_, segment))
+    return out
+
+
+def zero_shards(ctx) -> tuple[int, int]:
+    """(shards, this rank's shard) of ZeRO's split: over dp x cp, in group-rank order."""
+    return ctx.dp * ctx.cp, ctx.coord(MeshAxis.DP) * ctx.cp + ctx.coord(MeshAxis.CP)
+
+
+def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
+                    master_itemsize: int | None = None) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
+    its shards, a meta model will do) for ZeRO `stage` 0, 1 or 2 over `dp` replicas, with
+    `itemsize`-byte weights (under cp: dp x cp shards, `zero_shards`) and, given `master_itemsize`
+    (bf16 weights: 4), master rows, moments
+    and reduced gradients of that size. Per parameter, up to rows that do not divide by d:
+    fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2); bf16 weights with fp32 masters
+    18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d (stage 2)."""
+    state = master_itemsize or itemsize
+    mixed = master_itemsize is not None and master_itemsize != itemsize
+    shards, shard = (dp, dp_rank) if stage else (1, 0)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    owned = 0
+    for p in params:
+        rows, width = rows_of(p.shape)
+        r0, r1 = owned_rows(rows, shards, shard)
+        owned += (r1 - r0) * width
+    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state))
+    if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
+        grads = state * reduced + (itemsize * numel if stage == 1 else 0)
+    else:  # the gradient itself, or (stage 2) only the reduced slice
+        grads = itemsize * (reduced if stage == 2 else numel)
+    return {"parameters": itemsize * numel, "gradients": grads,
+            "optimizer": (3 if mixed else 2) * state * owned}
