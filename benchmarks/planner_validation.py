@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -138,6 +139,9 @@ def main() -> int:
     p.add_argument("--preset", action="store_true", help="predict with the preset's rates as stored (default: "
                                                           "calibrated afresh before each case)")
     p.add_argument("--calibrate", action="store_true", help="print the calibration rows of each world size and stop")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each case in this many separate worlds (the median is judged) and report how well "
+                        "the repeats agree with each other: the ceiling of the Spearman and error figures")
     p.add_argument("-o", "--out", default=None)
     args = p.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -160,7 +164,9 @@ def main() -> int:
             layouts = [{"layout": c.choice.layout.record(), "zero": c.choice.zero,
                         "activation_checkpointing": c.choice.checkpointing} for c in chosen]
             started = time.time()
-            measured = spawn(n, _measure_world, shape, layouts, args.rounds, args.steps, timeout=3600)[0]["step_s"]
+            repeats = [spawn(n, _measure_world, shape, layouts, args.rounds, args.steps, timeout=3600)[0]["step_s"]
+                       for _ in range(args.repeat)]
+            measured = [statistics.median(times) for times in zip(*repeats)]
             predicted = [c.step_s for c in chosen]
             best = min(measured)
             first = measured[0] / best  # the planner's first choice against the measured best
@@ -172,6 +178,13 @@ def main() -> int:
                     "seconds": time.time() - started, "by_world": [list(row) for row in machine.by_world],
                     "runs": [{"setup": c.choice.describe(), "predicted_s": pr, "measured_s": me}
                              for c, pr, me in zip(chosen, predicted, measured)]}
+            if args.repeat > 1:  # the same layouts measured again: how far the measurement agrees with itself
+                again = list(itertools.combinations(repeats, 2))
+                case.update(repeats=repeats, repeat_spearman=min(_spearman(a, b) for a, b in again),
+                            repeat_median_abs_difference=statistics.median(
+                                abs(x - y) / ((x + y) / 2) for a, b in again for x, y in zip(a, b)))
+                print(f"{shape} p={n}: {args.repeat} repeats agree with Spearman {case['repeat_spearman']:.2f}, "
+                      f"median |difference| {case['repeat_median_abs_difference']:.1%}", flush=True)
             cases.append(case)
             print(f"{shape} p={n}: {len(plan.ranked)} feasible, {len(chosen)} measured; first choice / measured best "
                   f"{first:.3f}; Spearman {rho:.2f}; median |error| {case['median_abs_error']:.1%} "
@@ -185,6 +198,13 @@ def main() -> int:
                "median_abs_error": statistics.median(map(abs, errors)), "runs": len(errors)}
     print(f"first choice within 5% of the measured best: {within} of {len(cases)} cases; Spearman min "
           f"{summary['spearman_min']:.2f}; median |error| {summary['median_abs_error']:.1%} over {len(errors)} runs")
+    if args.repeat > 1:
+        summary["repeat_spearman_min"] = min(c["repeat_spearman"] for c in cases)
+        summary["repeat_spearman_below_0.8"] = sum(c["repeat_spearman"] < 0.8 for c in cases)
+        summary["repeat_median_abs_difference"] = statistics.median(c["repeat_median_abs_difference"] for c in cases)
+        print(f"repeats against each other: Spearman min {summary['repeat_spearman_min']:.2f} (below 0.8 in "
+              f"{summary['repeat_spearman_below_0.8']} of {len(cases)} cases); median |difference| "
+              f"{summary['repeat_median_abs_difference']:.1%}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": preset.name, "calibration": "stored" if args.preset else "fresh, per case",
