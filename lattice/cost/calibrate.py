@@ -107,6 +107,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         alpha_send = max(alpha_send, alpha)
     else:
         alpha, beta, alpha_send = 1e-5, 1e-10, 0.0
+    skew = _skew(cfg, batch) if p > 1 else 0.0
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
         params = [nn.Parameter(t) for t in tensors]
@@ -126,7 +127,39 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
-                             mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send)
+                             mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
+                             skew=skew)
+
+
+def _skew(cfg, batch: int, samples: int = 12) -> float:
+    """Machine.skew: the median over samples of (the slowest rank's time) / (the mean rank's) - 1
+    for one forward and backward of a serial one-block GPT-2 of `cfg`'s width, heads, sequence
+    and vocabulary on this rank's share of the batch (batch / p sequences, no communication),
+    every rank starting it together after a barrier, as the ranks of a step start each stretch of
+    compute after a synchronisation."""
+    from lattice.models import build_model
+    from lattice.models.gpt2 import GPTConfig
+    from lattice.modes.layout import Layout
+
+    p = dist.get_world_size()
+    block = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                      n_layers=1)
+    model = build_model(block, Layout("serial").context())
+    g = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, cfg.vocab_size, (max(1, batch // p), cfg.seq_len + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    model.forward_backward(x, y)
+    ratios = []
+    for _ in range(samples):
+        dist.barrier()
+        t = time.perf_counter()
+        model.forward_backward(x, y)
+        mine = time.perf_counter() - t
+        slowest, total = torch.tensor(mine, dtype=torch.float64), torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total)
+        ratios.append(float(slowest) / (float(total) / p))
+    return max(statistics.median(ratios) - 1, 0.0)
 
 
 def _op_overhead(timed) -> float:

@@ -76,7 +76,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
-                   "mem_bandwidth", "op_overhead", "alpha_send")
+                   "mem_bandwidth", "op_overhead", "alpha_send", "skew")
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,11 @@ class Machine:
     # the latency of one point-to-point exchange between compute (a cp ring's step), where it
     # exceeds α (0: α): with more ranks than cores both ends must be scheduled
     alpha_send: float = 0.0
+    # where ranks share cores, the scheduler does not share them evenly over tens of milliseconds
+    # and every synchronisation waits for the slowest rank: how much longer the slowest rank's ~30 ms
+    # segment of compute takes than the mean rank's, started together (0: a device per rank); the
+    # step's forward and backward take that fraction more
+    skew: float = 0.0
     # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
     # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.search prices that)
     cores: int = 0

@@ -182,8 +182,9 @@ class Cost:
                 out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + hidden
                 out[f"{phase}_comm"] -= hidden
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
+        out["skew"] = machine.skew * (out["forward"] + out["backward"])  # waiting for the slowest rank
         if stem:
-            out["step"] = out["forward"] + out["backward"]
+            out["step"] = out["forward"] + out["backward"] + out["skew"]
             return out
         # AdamW reads parameter, gradient and two moments and writes three of them back (under
         # ZeRO of this rank's rows alone, and then the all-gather of the updated weights, which
@@ -194,7 +195,7 @@ class Cost:
         out["update_overlapped"] = min(gather, out["forward_compute"]) if self.overlap_param_gather else 0.0
         out["update"] = (self.param_tensors * machine.update_per_tensor + 7 * updated / machine.mem_bandwidth
                          + gather - out["update_overlapped"])
-        out["step"] = out["forward"] + out["backward"] + out["update"]
+        out["step"] = out["forward"] + out["backward"] + out["skew"] + out["update"]
         return out
 
 

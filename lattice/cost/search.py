@@ -36,7 +36,7 @@ MAX_CP = 8  # context parallelism beyond this many ranks per sequence is not sea
 MAX_MICROBATCH_CHOICES = 2  # micro-batch counts per pipeline depth: the largest ones
 USABLE_MEMORY = 0.9  # of a device's memory: the rest for the runtime, workspaces and fragmentation
 COMM_GROUPS = ("tensor", "context", "data", "pipeline")
-TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "update")  # a Priced step's terms, in print order
+TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "skew", "update")  # a Priced step's terms, in print order
 
 
 def _group(site: str) -> str:
@@ -236,6 +236,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                                                               batch=replica // m, **kw)
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
+    # ranks sharing cores: every synchronisation waits for the slowest (Machine.skew)
+    terms["skew"] = machine.at(lay.world_size).skew * sum(v for k, v in terms.items() if k != "update")
     terms["update"] += _trainer_scalars(lay, choice, machine)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
