@@ -44,8 +44,9 @@ def _megatron(zero: int, dp: int, precision: str) -> float:
     return 16.0 if zero == 0 else 8 + 8 / dp
 
 
-def _held_bytes(model, optimizer) -> dict[str, int]:
-    """Bytes of the distinct storages behind the parameters, the gradients and the optimizer state."""
+def _held_bytes(model, optimizer, buffers=()) -> dict[str, int]:
+    """Bytes of the distinct storages behind the parameters, the gradients and the optimizer state
+    (and `buffers`: other tensors the rank holds, counted where no earlier one shares their storage)."""
     seen: set[int] = set()
 
     def count(tensors) -> int:
@@ -67,6 +68,8 @@ def _held_bytes(model, optimizer) -> dict[str, int]:
                if piece.master is not None and getattr(optimizer, "separate_masters", False)]
     out["optimizer"] = count([t for state in optimizer.state.values() for t in state.values()
                               if hasattr(t, "untyped_storage") and t.dim() > 0] + masters)
+    if buffers:
+        out["buffers"] = count(buffers)
     return out
 
 

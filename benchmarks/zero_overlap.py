@@ -28,22 +28,13 @@ LEVERS = ("overlap_param_gather", "overlap_grad_reduce")
 
 
 def _held(model, opt) -> int:
-    seen, total = set(), 0
-    tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
-    for piece in opt.pieces.values():
-        if piece.master is not None and piece.master.grad is not None:
-            tensors.append(piece.master.grad)
-    tensors += [t for state in opt.state.values() for t in state.values() if hasattr(t, "untyped_storage")]
-    for bucket in opt.buckets:
-        tensors += [t for t in (bucket.flat, bucket.reduced) if t is not None]
+    """zero_memory's count, with the buffers of the reductions and gathers in flight."""
+    from zero_memory import _held_bytes
+
+    buffers = [t for bucket in opt.buckets for t in (bucket.flat, bucket.reduced) if t is not None]
     if opt.overlap is not None:
-        tensors += [finish.args[1] for finish in opt.overlap.pending.values()]  # (bucket, gathered, work)
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+        buffers += [finish.args[1] for finish in opt.overlap.pending.values()]  # (bucket, gathered, work)
+    return sum(_held_bytes(model, opt, buffers).values())
 
 
 def _world(layout: dict, model: str, zero: int, rounds: int, steps: int) -> dict:

@@ -312,8 +312,9 @@ class ZeroOptimizer:
         self.finish_param_gathers()
         for i in (range(len(self.buckets)) if self.overlap is None else self.overlap.issue_order()):
             bucket = self.buckets[i]
-            gathered, work = self._gather(bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1],
-                                          self.param_dtype, phase="optimizer", wait=False)
+            gathered, work = self._start_gather(
+                bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1], self.param_dtype,
+                phase="optimizer")
             finish = functools.partial(self._take_rows, bucket, gathered, work)
             if self.overlap is None:
                 finish()
@@ -336,22 +337,28 @@ class ZeroOptimizer:
         if self.overlap is not None:
             self.overlap.finish()
 
-    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None, wait: bool = True):
+    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None) -> torch.Tensor:
         """(shards, segment): every dp rank's segment of the bucket, each holding `owned(piece)`
-        (this rank's rows of each parameter, or None for zeros); metered when `phase` is given.
-        With wait=False, (that tensor, the all-gather's work to await before reading it)."""
+        (this rank's rows of each parameter, or None for zeros); metered when `phase` is given."""
+        gathered, work = self._start_gather(bucket, owned, dtype, phase)
+        if work is not None:
+            work.wait()
+        return gathered
+
+    def _start_gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None):
+        """`_gather`'s all-gather, started: (its output, the work to await before reading it;
+        None with one shard)."""
         mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)
         for piece in bucket.pieces:
             rows = owned(piece) if piece.master is not None else None
             if rows is not None:
                 mine[piece.offset:piece.offset + piece.numel] = rows.reshape(-1)
         if self.shards == 1:
-            return mine.view(1, -1) if wait else (mine.view(1, -1), None)
+            return mine.view(1, -1), None
         gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
         if phase is not None:
             record("all_gather", self.group, gathered.numel(), dtype, phase=phase)
-        work = _all_gather_tensor(gathered.view(-1), mine, group=self.group, async_op=not wait)
-        return gathered if wait else (gathered, work)
+        return gathered, _all_gather_tensor(gathered.view(-1), mine, group=self.group, async_op=True)
 
     def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
         """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching
