@@ -132,6 +132,29 @@ def test_parameter_bytes_equal_the_storage_every_rank_allocates(mode):
             assert modelled == sum(storages.values()), (layout, rank)
 
 
+
+def test_the_update_prices_the_trainers_norm_and_clip_per_tensor_of_the_real_model():
+    """Catches the step's gradient norm and clipping going unpriced (a few ms a step for a model of
+    many small tensors, several times that where ranks share cores) or priced per tensor of some
+    other count: raising Machine.norm_per_tensor adds it once per parameter tensor the rank really
+    builds, and the bytes three passes over its gradients (a read for the norm, a read and a write
+    for clipping) at mem_bandwidth."""
+    import dataclasses
+
+    cfg = lattice.GPTConfig(**CFG)
+    base = cost.Machine("m", flop_rate=1e12, alpha_intra=1e-6, beta_intra=1e-10, alpha_inter=1e-5,
+                        beta_inter=1e-9, ranks_per_node=4, mem_bandwidth=1e12)
+    for mode, layout in (("serial", {}), ("1d", {"tp": 2})):
+        ctx = lattice.plan(mode, rank=0, **layout)
+        params = list(lattice.GPT(cfg, ctx).parameters())
+        c = cost.estimate(cfg, mode, batch=8, rank=0, **layout)
+        slow = dataclasses.replace(base, norm_per_tensor=1e-3)
+        narrow = dataclasses.replace(base, mem_bandwidth=base.mem_bandwidth / 2)
+        per_tensor = c.time(slow)["update"] - c.time(base)["update"]
+        assert per_tensor == pytest.approx(len(params) * 1e-3), mode
+        passes = c.time(narrow)["update"] - c.time(base)["update"]  # (7 of AdamW, 3 of the norm and clip)
+        assert passes == pytest.approx((7 + 3) * sum(p.numel() * 4 for p in params) / base.mem_bandwidth), mode
+
 def _measure(mode, n, options, ckpt):
     cfg = lattice.GPTConfig(**CFG)
     ctx = cached_init(mode=mode, tp=n, **options)

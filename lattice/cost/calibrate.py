@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.cost.machine import Machine, message_steps, wire_factor
+from lattice.parallel.sharding import weighted_square_sum
 
 #: the shortest sample of a micro-benchmark, in seconds of one rank's time
 SAMPLE_S = 0.05
@@ -23,7 +24,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
     micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
     attention and elementwise operators (LayerNorm, GELU, bias add, cross-entropy), each forward and
-    backward at this world's per-rank sizes; α and β from collectives; AdamW's update."""
+    backward at this world's per-rank sizes; α and β from collectives; AdamW's update and the
+    gradient norm and clipping before it."""
     import numpy as np
 
     p = dist.get_world_size()
@@ -116,19 +118,29 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         return torch.optim.AdamW(params, lr=1e-4, foreach=True).step
 
     per_tensor = timed(adam([torch.randn(8) for _ in range(32)])) / 32
+    # the gradient norm and clipping the Trainer runs before it, per tensor (lattice.training.optim)
+    with_grads = [nn.Parameter(torch.randn(8)) for _ in range(32)]
+    for q in with_grads:
+        q.grad = torch.randn_like(q)
+
+    def norm_and_clip():
+        norm = weighted_square_sum([(q.grad, 1) for q in with_grads], torch.float32, None).sqrt()
+        nn.utils.clip_grads_with_norm_(with_grads, 1.0, norm, foreach=True)
+
+    norm_per_tensor = timed(norm_and_clip) / 32
     big = max(1, 12 * h * h * cfg.n_layers // p)
     mem_bw = 7 * big * 4 / max(timed(adam([torch.randn(big)])) - per_tensor, 1e-9)
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send], dtype=torch.float64)
+    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    alpha, beta, per_tensor, op_overhead, alpha_send = costs.tolist()
+    alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor = costs.tolist()
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
-                             skew=skew)
+                             skew=skew, norm_per_tensor=norm_per_tensor)
 
 
 def _skew(cfg, batch: int, samples: int = 12) -> float:

@@ -76,7 +76,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
-                   "mem_bandwidth", "op_overhead", "alpha_send", "skew")
+                   "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor")
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,9 @@ class Machine:
     attn_rate: float = 1e9
     update_per_tensor: float = 0.0
     mem_bandwidth: float = 10e9
+    # the Trainer's gradient norm and clipping (lattice.training.optim: grad_norm, clip_grads), per
+    # gradient tensor; beyond it each reads every gradient twice and writes it once at mem_bandwidth
+    norm_per_tensor: float = 0.0
     pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
     # what the α-β-F model misses, each fitted to micro-benchmark or published curves (never to the
     # step times the planner is judged on):
@@ -153,6 +156,7 @@ class Machine:
     def describe(self) -> str:
         return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "
                 f"G elements/s, attention {self.attn_rate / 1e9:.3g} G scores/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
+                f"norm and clip {self.norm_per_tensor * 1e6:.3g} µs per tensor + "
                 f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "

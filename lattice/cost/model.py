@@ -193,8 +193,9 @@ class Cost:
                    else self.memory["parameters"])
         gather = self.comm_time(machine, "optimizer")
         out["update_overlapped"] = min(gather, out["forward_compute"]) if self.overlap_param_gather else 0.0
-        out["update"] = (self.param_tensors * machine.update_per_tensor + 7 * updated / machine.mem_bandwidth
-                         + gather - out["update_overlapped"])
+        # before it the gradient norm reads each gradient and clipping reads and writes it
+        out["update"] = (self.param_tensors * (machine.update_per_tensor + machine.norm_per_tensor)
+                         + (7 + 3) * updated / machine.mem_bandwidth + gather - out["update_overlapped"])
         out["step"] = out["forward"] + out["backward"] + out["skew"] + out["update"]
         return out
 

@@ -231,6 +231,21 @@ def all_reduce_grads(params: list[nn.Parameter], group, divide_by: int = 1) -> N
         p.grad = part.view_as(p).clone()
 
 
+@torch.no_grad()
+def weighted_square_sum(grads: list[tuple[torch.Tensor, int]], acc: torch.dtype, device) -> torch.Tensor:
+    """Σ ||g||² / replicas over (gradient, replicas) pairs, in `acc`, shape (1,): one fused norm
+    per group of equal replica count (torch._foreach_norm, as torch.nn.utils.get_total_norm) rather
+    than a handful of kernels per tensor, which dominate for a model of many small tensors."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for g, replicas in grads:
+        groups.setdefault(replicas, []).append(g)
+    sq = torch.zeros(1, dtype=acc, device=device)
+    for replicas, tensors in groups.items():
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=acc))
+        sq += norms.pow(2).sum() / replicas
+    return sq
+
+
 def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
     """The parameters this rank holds whose spec declares `grad_sum`, as (axes, names) buckets
     of at most GRAD_BUCKET_BYTES, in spec order (the same on every rank of a group)."""

@@ -52,7 +52,7 @@ from torch import nn
 from lattice.parallel.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
-from lattice.parallel.sharding import GRAD_BUCKET_BYTES
+from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
 from lattice.parallel.zero_layout import owned_rows, plan_buckets, rows_of, rows_per_shard, zero_shards
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
@@ -266,11 +266,11 @@ class ZeroOptimizer:
         mirror not at all; summed over the dp group (when split over it), then over the model
         replica's."""
         acc = torch.promote_types(self.model.dtype, torch.float32)
-        sq = torch.zeros(1, dtype=acc, device=self.ctx.device)
         topo = self.ctx.topology
-        for piece in self.pieces.values():
-            if piece.master is not None and not self.model.is_mirror(piece.name):
-                sq += piece.master.grad.to(acc).pow(2).sum() / self.model.specs[piece.name].replicas(topo)
+        sq = weighted_square_sum([(piece.master.grad, self.model.specs[piece.name].replicas(topo))
+                                  for piece in self.pieces.values()
+                                  if piece.master is not None and not self.model.is_mirror(piece.name)], acc,
+                                 self.ctx.device)
         if self.shards > 1:  # (with one shard every replica holds every row already)
             sq = raw_all_reduce(sq, self.group)  # (a cp rank's rows count 1/cp, and the replica's sum has cp of them)
         return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
@@ -278,10 +278,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def clip(self, norm: torch.Tensor, max_norm: float) -> None:
         """Scale the owned gradients by min(1, max_norm / norm), as lattice.training.optim.clip_grads."""
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for piece in self.pieces.values():
-            if piece.master is not None:
-                piece.master.grad.mul_(scale)
+        torch.nn.utils.clip_grads_with_norm_([piece.master for piece in self.pieces.values() if piece.master is not None],
+                                             max_norm, norm, foreach=True)
 
     # ---- the update
     @torch.no_grad()

@@ -9,6 +9,7 @@ import math
 import torch
 
 from lattice.parallel.comm import raw_all_reduce
+from lattice.parallel.sharding import weighted_square_sum
 
 
 def make_optimizer(model, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
@@ -39,17 +40,14 @@ def grad_norm(model, ctx) -> torch.Tensor:
     model replica's group. After the data-parallel sync every replica holds the same gradients,
     so one replica's norm is the global one."""
     acc = torch.promote_types(model.dtype, torch.float32)
-    sq = torch.zeros((), dtype=acc, device=ctx.device)
-    for name, p in model.named_parameters():
-        if p.grad is not None and not model.is_mirror(name):
-            sq += p.grad.detach().to(acc).pow(2).sum() / model.specs[name].replicas(ctx.topology)
-    return raw_all_reduce(sq.reshape(1), ctx.model_group()).reshape(()).sqrt()
+    sq = weighted_square_sum([(p.grad.detach(), model.specs[name].replicas(ctx.topology))
+                              for name, p in model.named_parameters()
+                              if p.grad is not None and not model.is_mirror(name)], acc, ctx.device)
+    return raw_all_reduce(sq, ctx.model_group()).reshape(()).sqrt()
 
 
 @torch.no_grad()
 def clip_grads(model, norm: torch.Tensor, max_norm: float) -> None:
-    """Scale every gradient by min(1, max_norm / norm) (the global norm, so every rank alike)."""
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(scale)
+    """Scale every gradient by min(1, max_norm / norm) (the global norm, so every rank alike), in
+    one fused multiply per device and dtype."""
+    torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm, foreach=True)
