@@ -124,7 +124,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         q.grad = torch.randn_like(q)
 
     def norm_and_clip():
-        norm = weighted_square_sum([(q.grad, 1) for q in with_grads], torch.float32, None).sqrt()
+        norm = weighted_square_sum([(q.grad, 1) for q in with_grads], torch.float32, None).reshape(()).sqrt()
         nn.utils.clip_grads_with_norm_(with_grads, 1.0, norm, foreach=True)
 
     norm_per_tensor = timed(norm_and_clip) / 32
