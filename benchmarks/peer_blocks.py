@@ -6,6 +6,7 @@ backward per block, timed in alternating rounds, and the ratio of the medians.
     torchrun --nproc-per-node 8 benchmarks/peer_blocks.py --peer colossal-3d -o keep_gathered=True
     torchrun --nproc-per-node 4 benchmarks/peer_blocks.py --peer colossal-2d            # lattice 2d, q = 2
     torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d            # lattice 1d
+    torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d --layers 4 # the whole model
 
 Megatron-core's ColumnParallelLinear / RowParallelLinear (`pip install --no-deps megatron-core`;
 0.16.1 is the newest for Python 3.11) are the 1D peer, always without sequence parallelism
@@ -15,6 +16,12 @@ transformers are not needed for these layers). It is never a dependency of latti
 Both blocks take their layout's activation pieces (2d: [B/q, T, h/q]; 3d: [B/q², T, h/q]),
 attention runs on each rank's n/q heads, and the time is the slowest rank's. One thread per
 rank, as `lattice bench` runs.
+
+With `--layers L` (1D only) the whole GPT-2 instead: token embedding split over the vocabulary,
+learned positions, L blocks, the final LayerNorm, the head tied to the token embedding and the
+vocabulary-parallel cross-entropy, forward + backward of the loss on (B, T) tokens: lattice's GPT
+against the same model from Megatron-core's layers (VocabParallelEmbedding, the blocks above, a
+ColumnParallelLinear head given the embedding's weight, vocab_parallel_cross_entropy).
 """
 
 from __future__ import annotations
@@ -93,6 +100,34 @@ def megatron_block(h: int, n: int, tp: int, sequence_parallel: bool):
     return Block()
 
 
+def megatron_gpt(h: int, n: int, tp: int, vocab: int, T: int, layers: int):
+    """GPT-2 from Megatron-core's layers, as its GPTModel assembles it without pipeline or
+    sequence parallelism: a (B, T) batch in, the mean token loss out."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                                 params_dtype=torch.float32, gradient_accumulation_fusion=False)
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = VocabParallelEmbedding(vocab, h, init_method=nn.init.xavier_normal_, config=config)
+            self.wpe = nn.Embedding(T, h)
+            self.blocks = nn.ModuleList(megatron_block(h, n, tp, sequence_parallel=False) for _ in range(layers))
+            self.ln_f = nn.LayerNorm(h)
+            self.head = ColumnParallelLinear(h, vocab, config=config, init_method=nn.init.xavier_normal_, bias=False,
+                                             gather_output=False, skip_weight_param_allocation=True)
+
+        def forward(self, tokens, targets):  # (B, T) each
+            x = (self.wte(tokens) + self.wpe.weight[:tokens.shape[1]]).transpose(0, 1).contiguous()  # (T, B, h)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.ln_f(x), weight=self.wte.weight)[0]  # (T, B, V/p)
+            return vocab_parallel_cross_entropy(logits, targets.t().contiguous()).mean()
+
+    return GPT()
+
 def lattice_block(mode: str, tp: int, options: dict, h: int, n: int, T: int):
     """Block 0 of lattice's GPT-2 in `mode`, its mode, and the block's in-replica gradient sums
     (what sync_grads runs for its parameters after backward: replicated vectors' sums over their
@@ -122,6 +157,9 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=0,
+                        help="time the whole GPT-2 of this many blocks (forward + backward of the loss), 1D only")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary of the whole model (--layers)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="forward + backward per block per round")
     parser.add_argument("--warmup", type=int, default=3)
@@ -130,6 +168,8 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, torch.profiler's top operations of both blocks on rank 0")
     args = parser.parse_args()
+    if args.layers and args.peer != "megatron-1d":
+        parser.error("--layers (the whole model) is for --peer megatron-1d")
     torch.set_num_threads(1)
     kind = args.peer.split("-")[1]
     world = int(os.environ["WORLD_SIZE"])
@@ -145,7 +185,8 @@ def main():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         # Megatron's sequence parallelism takes its buffers from CUDA (get_global_memory_buffer), so
         # on the CPU its block runs without it, whatever lattice's options
-        peer = megatron_block(h, n, world, sequence_parallel=False)
+        peer = (megatron_gpt(h, n, world, args.vocab, T, args.layers) if args.layers else
+                megatron_block(h, n, world, sequence_parallel=False))
     else:
         from colossalai.legacy.initialize import launch as colossal_launch
 
@@ -159,43 +200,61 @@ def main():
         finally:
             dist.init_process_group = init
         peer = colossal_block(kind, h, n)
-    mine, mode, sync_grads = lattice_block(kind, world, options, h, n, T)
-    shape = mode.residual_shape(B, T)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    x, dy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    # Megatron's layers take (T, B, h): the same values, transposed once outside the timing (with
-    # lattice's sequence parallelism, whose residual holds T/p of the tokens, values of their own)
-    if kind == "1d" and shape != (B, T, h):
-        peer_x, peer_dy = torch.randn(T, B, h, generator=gen), torch.randn(T, B, h, generator=gen)
-    elif kind == "1d":
-        peer_x, peer_dy = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()
-    else:
-        peer_x, peer_dy = x, dy
-    blocks = {"lattice": mine, "peer": peer}
-    times: dict[str, list[float]] = {name: [] for name in blocks}
+    if args.layers:  # the whole model: the same tokens into both, the loss's backward
+        import lattice
 
-    def run(block, steps):
+        cfg = lattice.GPTConfig(vocab_size=args.vocab, seq_len=T, d_model=h, n_heads=n, n_layers=args.layers)
+        model = lattice.GPT(cfg, lattice.init(kind, tp=world, **options))
+        tokens, targets = (torch.randint(0, args.vocab, (B, T), generator=torch.Generator().manual_seed(0))
+                           for _ in range(2))
+
+        def lattice_step():
+            model(tokens, targets).backward()
+            model.sync_grads()
+
+        steps = {"lattice": lattice_step, "peer": lambda: peer(tokens, targets).backward()}
+    else:
+        mine, mode, sync_grads = lattice_block(kind, world, options, h, n, T)
+        shape = mode.residual_shape(B, T)
+        x, dy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        # Megatron's layers take (T, B, h): the same values, transposed once outside the timing (with
+        # lattice's sequence parallelism, whose residual holds T/p of the tokens, values of their own)
+        if kind == "1d" and shape != (B, T, h):
+            peer_x, peer_dy = torch.randn(T, B, h, generator=gen), torch.randn(T, B, h, generator=gen)
+        elif kind == "1d":
+            peer_x, peer_dy = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()
+        else:
+            peer_x, peer_dy = x, dy
+
+        def lattice_step():
+            mine(x.clone().requires_grad_()).backward(dy)
+            sync_grads()
+
+        steps = {"lattice": lattice_step, "peer": lambda: peer(peer_x.clone().requires_grad_()).backward(peer_dy)}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+
+    def run(step, count):
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(steps):
-            inp = (x if block is mine else peer_x).clone().requires_grad_()
-            block(inp).backward(dy if block is mine else peer_dy)
-            if block is mine:
-                sync_grads()
-        elapsed = torch.tensor((time.perf_counter() - start) / steps)
+        for _ in range(count):
+            step()
+        elapsed = torch.tensor((time.perf_counter() - start) / count)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
         return float(elapsed)
 
-    for block in blocks.values():
-        run(block, args.warmup)
+    for step in steps.values():
+        run(step, args.warmup)
     for r in range(args.rounds):
-        for name in (list(blocks) if r % 2 == 0 else list(reversed(blocks))):
-            times[name].append(run(blocks[name], args.steps))
+        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+            times[name].append(run(steps[name], args.steps))
     if dist.get_rank() == 0:
         label = f"lattice {kind}" + "".join(f" {k}={v}" for k, v in options.items())
-        print(f"GPT-2 block, hidden {h}, {n} heads, batch {B} x {T}, p = {world}, gloo, 1 thread per rank; "
-              f"forward + backward per block, ms, {args.rounds} alternating rounds of {args.steps}:")
-        for name in blocks:
+        what = f"GPT-2 of {args.layers} blocks, vocabulary {args.vocab}" if args.layers else "GPT-2 block"
+        print(f"{what}, hidden {h}, {n} heads, batch {B} x {T}, p = {world}, gloo, 1 thread per rank; "
+              f"forward + backward per {'step' if args.layers else 'block'}, ms, {args.rounds} alternating rounds "
+              f"of {args.steps}:")
+        for name in steps:
             who = label if name == "lattice" else ("Megatron-core 1D" if kind == "1d" else
                                                    f"Colossal-AI legacy {kind.upper()}")
             print(f"  {who:<40} " + " ".join(f"{t * 1e3:8.2f}" for t in times[name])
@@ -206,12 +265,12 @@ def main():
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for name, block in blocks.items():
+        for name, step in steps.items():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                run(block, args.steps)
+                run(step, args.steps)
             if dist.get_rank() == 0:
                 print(f"\n{name}: top operations on rank 0 over {args.steps} forward + backward")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=40))
     dist.destroy_process_group()
 
 

@@ -83,8 +83,11 @@ class CostBuilder:
         every tensor its operation saves for backward, so that recomputation under activation
         checkpointing, which stops after the layer's last saved tensor, may not repeat it."""
         in_layer = self.region == "layer"
-        where = "loss" if site == "loss" else (f"layer.{site}" if in_layer else self.region)
-        if not self.forced and ((where == "embedding" and not self.first) or (where in ("head", "loss") and not self.last)):
+        # (outside a layer, site "hidden": the region's term run beside the weight gradients' products)
+        where = ("loss" if site == "loss" else f"layer.{site}" if in_layer else
+                 f"{self.region}.hidden" if site == "hidden" else self.region)
+        part = where.split(".")[0]
+        if not self.forced and ((part == "embedding" and not self.first) or (part in ("head", "loss") and not self.last)):
             return  # a pipeline stage without that part
         if where != "grads":
             calls, elements = calls * self.repeat, elements * self.repeat

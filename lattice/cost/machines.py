@@ -58,15 +58,15 @@ MACHINES: dict[str, Machine] = {
     # rows of BY_WORLD_FIELDS from `benchmarks/planner_validation.py --calibrate` on 2026-11-26 (each sample of
     # a micro-benchmark at least 50 ms long, so that ranks beyond the cores share them while it is timed)
     "cpu-2core": Machine(
-        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=7.26e+10, alpha_intra=1e-5, beta_intra=1e-10,
-        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.46e+09, attn_rate=5.32e+08,
-        update_per_tensor=1.6e-05, mem_bandwidth=1.34e+10, op_overhead=1.64e-05, memory_gib=0.0, cores=2,
-        # (alpha_send, the next-to-last column, from a run of --calibrate half an hour after the others;
-        # skew, the last, from one on 2026-11-26 at 07:25)
-        by_world=((1, 7.26e+10, 1.46e+09, 5.32e+08, 1e-05, 1e-10, 1.6e-05, 1.34e+10, 1.64e-05, 0.0, 0.0),
-                  (2, 7.31e+10, 1.74e+09, 5.63e+08, 0.001, 3.67e-10, 2.65e-05, 1.01e+10, 1.63e-05, 0.000653, 0.025),
-                  (4, 3.14e+10, 8.31e+08, 2.56e+08, 0.00104, 4.32e-10, 2.67e-05, 6.15e+09, 5.17e-05, 0.0023, 0.116),
-                  (8, 1.27e+10, 3.92e+08, 1.28e+08, 0.000829, 5.69e-10, 6.29e-05, 4.15e+09, 8.75e-05, 0.00482, 0.162))),
+        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.22e+10, alpha_intra=1e-5, beta_intra=1e-10,
+        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=2.61e+09, attn_rate=5.67e+08,
+        update_per_tensor=1.51e-05, mem_bandwidth=1.33e+10, op_overhead=2.11e-05, norm_per_tensor=4.12e-06,
+        memory_gib=0.0, cores=2,
+        # (one run of --calibrate on 2026-11-26 at 08:50, all columns)
+        by_world=((1, 8.22e+10, 2.61e+09, 5.67e+08, 1e-05, 1e-10, 1.51e-05, 1.33e+10, 2.11e-05, 0, 0, 4.12e-06),
+                  (2, 7.64e+10, 1.56e+09, 5.53e+08, 0.000789, 4.17e-10, 1.56e-05, 1.69e+10, 1.92e-05, 0.00158, 0.0369, 4.46e-06),
+                  (4, 3.34e+10, 7.29e+08, 2.83e+08, 0.000866, 3.76e-10, 4.94e-05, 7.83e+09, 3.67e-05, 0.00223, 0.117, 8.28e-06),
+                  (8, 1.47e+10, 3.78e+08, 1.39e+08, 0.000787, 5.38e-10, 7.72e-05, 3.86e+09, 8.84e-05, 0.00521, 0.217, 9.87e-06))),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
                          alpha_intra=10e-6, node_nic_gbs=7),

@@ -184,15 +184,20 @@ class VocabParallelLMHead(TiedHead):
     x (B, T, h) replicated, or (B, T/p, h) with sequence parallel (all-gathered over T first).
     """
 
-    def __init__(self, cfg, ctx, embedding, sequence_parallel, bias: bool = False):
+    def __init__(self, cfg, ctx, embedding, sequence_parallel, async_grad_allreduce, bias: bool = False):
         # every rank scores every token against its vocabulary rows: the bias gradient is whole
         super().__init__(cfg, ctx, embedding, vocab_spec(cfg, ctx),
                          vocab_bias_spec(cfg, (MeshAxis.TP,), ctx.size(MeshAxis.TP)) if bias else None)
         self.ctx, self.sp, self.vocab_size = ctx, sequence_parallel, cfg.vocab_size
+        self.async_allreduce = async_grad_allreduce
         self.vocab_start, _ = vocab_range(cfg, ctx)
 
     def _local_logits(self, x):  # -> (B, T, V_local) of this rank's vocabulary rows
         group = tp_group(self.ctx)
+        if self.async_allreduce and not self.sp and group is not None:
+            # a column-parallel product: dX's all-reduce beside dTable's product, the step's largest
+            dtype = compute_dtype(x)
+            return self.add_bias(_ColumnProduct.apply(x.to(dtype), group, self.table().to(dtype).t()))
         x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)
         return self.add_bias(x @ self.table().t())
 
@@ -274,7 +279,7 @@ class Megatron1D(Mode):
                       grad_sum=(MeshAxis.TP,) if self.sp else ())
 
     def lm_head(self, embedding, *, bias=False):
-        return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp, bias)
+        return VocabParallelLMHead(self.cfg, self.ctx, embedding, self.sp, self.async_grad_allreduce, bias)
 
     def residual_shape(self, batch, seq):
         return (batch, seq // self.p if self.sp else seq, self.cfg.d_model)
@@ -359,8 +364,8 @@ class Megatron1D(Mode):
         cross-entropy: three per-token values all-reduced (max, then Σe^x and the target logit in
         one call). Saves the whole head input and this rank's softmax columns."""
         act, N, TP = b.M * b.h, b.M, MeshAxis.TP
-        if not self.sp:
-            b.add("backward", "all_reduce", (TP,), act)
+        if not self.sp:  # with async_grad_allreduce beside the table gradient's product
+            b.add("backward", "all_reduce", (TP,), act, site="hidden" if self.async_grad_allreduce else "")
         else:
             b.add("forward", "all_gather", (TP,), act)
             b.add("backward", "reduce_scatter", (TP,), act)

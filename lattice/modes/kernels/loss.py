@@ -35,18 +35,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, vocab_size):  # (N, V_local), (N,) -> (N,)
+        # every full-size temporary costs a pass over N·V_local values (and, fresh from the
+        # allocator, its pages): one is made, z - m, and exponentiated in place
         z = upcast(logits)
         n_local = z.shape[1]
-        padding = torch.arange(vocab_start, vocab_start + n_local, device=z.device) >= vocab_size
-        z = z.masked_fill(padding, float("-inf"))
+        if vocab_start + n_local > vocab_size:  # this rank's slice ends in padding columns
+            padding = torch.arange(vocab_start, vocab_start + n_local, device=z.device) >= vocab_size
+            z = z.masked_fill(padding, float("-inf"))
         top = comm.raw_all_reduce(z.max(dim=1).values, group, op=torch.distributed.ReduceOp.MAX)  # (N,)
-        shifted = z - top.unsqueeze(1)
-        exp = shifted.exp()
         local_target = targets - vocab_start
         here = (local_target >= 0) & (local_target < n_local)
         local_target = local_target.masked_fill(~here, 0)
-        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
+        target_logit = z.gather(1, local_target.unsqueeze(1)).squeeze(1) - top
         target_logit = torch.where(here, target_logit, torch.zeros_like(target_logit))  # (N,)
+        exp = torch.sub(z, top.unsqueeze(1)).exp_()
         sums = comm.raw_all_reduce(torch.stack([exp.sum(dim=1), target_logit]), group)  # (2, N)
         softmax = exp.div_(sums[0].unsqueeze(1))
         labelled = targets != IGNORE_INDEX
@@ -58,11 +60,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         softmax, local_target, here = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target.clamp_min(0)] -= here.to(grad.dtype)
         dloss = dloss.masked_fill(local_target < 0, 0.0)
-        return (grad * dloss.unsqueeze(1)).to(ctx.dtype), None, None, None, None
+        grad = softmax * dloss.unsqueeze(1)  # (the saved softmax stays intact for a second backward)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target.clamp_min(0)] -= here.to(grad.dtype) * dloss
+        return grad.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int,
