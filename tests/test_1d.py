@@ -301,3 +301,26 @@ def test_dropout_streams_per_region():
         assert losses[0] != losses[2], losses  # dp replicas, same batch: different masks
         for _, rank_replicated in results:
             assert all(rank_replicated.values()), rank_replicated
+
+
+def test_vocab_parallel_loss_equals_pytorch_and_refuses_a_second_backward():
+    """Catches the loss kernel's backward, which overwrites its saved softmax in place, going
+    wrong: on one rank its loss and the logits' gradient equal F.cross_entropy's, with an ignored
+    target and two padding columns past the vocabulary (gradient 0 there), and a second backward
+    through the same graph raises instead of returning a gradient of the overwritten softmax."""
+    import torch.nn.functional as F
+
+    from lattice.modes.kernels.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+    targets = torch.tensor([1, 2, 7, IGNORE_INDEX, 0, 5])
+    loss = vocab_parallel_cross_entropy(z * 1.0, targets, None, 0, 8)  # columns 8 and 9: padding
+    want = F.cross_entropy(z[:, :8], targets, reduction="none", ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(loss, want)
+    (grad,) = torch.autograd.grad(loss.sum(), z, retain_graph=True)
+    (want_grad,) = torch.autograd.grad(want.sum(), z)
+    torch.testing.assert_close(grad, want_grad)
+    assert grad[:, 8:].abs().max() == 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss.sum(), z)

@@ -121,6 +121,28 @@ class _ColumnProduct(torch.autograd.Function):
         return dx, None, *dw.split(ctx.widths, dim=-1)
 
 
+
+class _TableProduct(torch.autograd.Function):
+    """The tied head's product against this rank's vocabulary rows E_r (V/p, h): Z = X E_rᵀ, X
+    replicated. Backward: dX = Σ_ranks dZ E_r (all-reduce), started before dE_r = dZᵀ X is
+    computed and awaited after it, as `_ColumnProduct`; dE_r comes out in the table's own (V/p, h)
+    layout, so the embedding's gradient adds to it without a strided pass."""
+
+    @staticmethod
+    def forward(ctx, x, group, table):  # x (..., h), table (V/p, h) -> (..., V/p)
+        ctx.group = group
+        ctx.save_for_backward(x, table)
+        return x @ table.t()
+
+    @staticmethod
+    def backward(ctx, dz):
+        x, table = ctx.saved_tensors
+        dx, work = comm.start_all_reduce(dz @ table, ctx.group)
+        dtable = dz.reshape(-1, dz.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        if work is not None:
+            work.wait()
+        return dx, None, dtable
+
 class ColumnParallelLinear(nn.Module):
     """y = x W + b with W (in, [stack,] out) split over TP along its last dim (out).
 
@@ -197,7 +219,7 @@ class VocabParallelLMHead(TiedHead):
         if self.async_allreduce and not self.sp and group is not None:
             # a column-parallel product: dX's all-reduce beside dTable's product, the step's largest
             dtype = compute_dtype(x)
-            return self.add_bias(_ColumnProduct.apply(x.to(dtype), group, self.table().to(dtype).t()))
+            return self.add_bias(_TableProduct.apply(x.to(dtype), group, self.table().to(dtype)))
         x = comm.all_gather(x, group, 1) if self.sp else comm.copy_to_group(x, group)
         return self.add_bias(x @ self.table().t())
 

@@ -61,7 +61,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss):
         softmax, local_target, here = ctx.saved_tensors
         dloss = dloss.masked_fill(local_target < 0, 0.0)
-        grad = softmax * dloss.unsqueeze(1)  # (the saved softmax stays intact for a second backward)
+        # in place on the saved softmax, the forward's own temporary (a second backward through
+        # this graph is refused by autograd's version check on it)
+        grad = softmax.mul_(dloss.unsqueeze(1))
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_target.clamp_min(0)] -= here.to(grad.dtype) * dloss
         return grad.to(ctx.dtype), None, None, None, None
