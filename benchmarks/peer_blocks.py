@@ -128,6 +128,7 @@ def megatron_gpt(h: int, n: int, tp: int, vocab: int, T: int, layers: int):
 
     return GPT()
 
+
 def lattice_block(mode: str, tp: int, options: dict, h: int, n: int, T: int):
     """Block 0 of lattice's GPT-2 in `mode`, its mode, and the block's in-replica gradient sums
     (what sync_grads runs for its parameters after backward: replicated vectors' sums over their

@@ -132,7 +132,6 @@ def test_parameter_bytes_equal_the_storage_every_rank_allocates(mode):
             assert modelled == sum(storages.values()), (layout, rank)
 
 
-
 def test_the_update_prices_the_trainers_norm_and_clip_per_tensor_of_the_real_model():
     """Catches the step's gradient norm and clipping going unpriced (a few ms a step for a model of
     many small tensors, several times that where ranks share cores) or priced per tensor of some
@@ -154,6 +153,7 @@ def test_the_update_prices_the_trainers_norm_and_clip_per_tensor_of_the_real_mod
         assert per_tensor == pytest.approx(len(params) * 1e-3), mode
         passes = c.time(narrow)["update"] - c.time(base)["update"]  # (7 of AdamW, 3 of the norm and clip)
         assert passes == pytest.approx((7 + 3) * sum(p.numel() * 4 for p in params) / base.mem_bandwidth), mode
+
 
 def _measure(mode, n, options, ckpt):
     cfg = lattice.GPTConfig(**CFG)

@@ -121,7 +121,6 @@ class _ColumnProduct(torch.autograd.Function):
         return dx, None, *dw.split(ctx.widths, dim=-1)
 
 
-
 class _TableProduct(torch.autograd.Function):
     """The tied head's product against this rank's vocabulary rows E_r (V/p, h): Z = X E_rᵀ, X
     replicated. Backward: dX = Σ_ranks dZ E_r (all-reduce), started before dE_r = dZᵀ X is
@@ -142,6 +141,7 @@ class _TableProduct(torch.autograd.Function):
         if work is not None:
             work.wait()
         return dx, None, dtable
+
 
 class ColumnParallelLinear(nn.Module):
     """y = x W + b with W (in, [stack,] out) split over TP along its last dim (out).
