@@ -3,6 +3,8 @@ the layouts, and against what the modes actually communicate, hold and save (Com
 parameters a rank builds, the tensors autograd keeps)."""
 
 import argparse
+import dataclasses
+import math
 import re
 
 import pytest
@@ -76,6 +78,39 @@ def test_alpha_beta_picks_inter_node_constants_when_a_group_spans_nodes():
                       for t in c.terms if t.phase == "forward")
         assert c.comm_time(m, "forward") == pytest.approx(by_hand)
 
+
+
+def test_each_collective_is_priced_at_its_own_rates_where_the_machine_has_them():
+    """Catches `Machine.collectives` ignored (gloo's all-reduce priced at a broadcast's latency), a
+    collective priced at another's rates, or a group across nodes priced at a node's collective rates:
+    a 2D layer's broadcasts and all-reduces priced by hand, the all-reduce at its own (α, β) and the
+    broadcast at the machine's, inside a node; both at the inter-node constants across nodes."""
+    cfg = lattice.GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=8, n_layers=1)
+    plain = cost.Machine("m", flop_rate=1e12, alpha_intra=1e-6, beta_intra=1e-10, alpha_inter=1e-5,
+                         beta_inter=1e-9, ranks_per_node=4)
+    m = dataclasses.replace(plain, collectives=(("all_reduce", 3e-4, 2e-9),))
+    by_steps = {"broadcast": lambda n: (math.ceil(math.log2(n)), math.log2(n)),
+                "reduce": lambda n: (math.ceil(math.log2(n)), math.log2(n)),
+                "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+                "all_gather": lambda n: (n - 1, (n - 1) / n), "reduce_scatter": lambda n: (n - 1, (n - 1) / n)}
+    for rpn in (4, 2):
+        c = cost.estimate(cfg, "2d", batch=2, tp=4, ranks_per_node=rpn)
+        ops = {t.op for t in c.terms if t.phase == "forward"}
+        assert {"broadcast", "all_reduce"} <= ops, ops
+        by_hand = 0.0
+        for t in c.terms:
+            if t.phase != "forward":
+                continue
+            n = c.term_ranks(t)
+            if c.spans_nodes(t.axes):
+                alpha, beta = 1e-5, 1e-9
+            else:
+                alpha, beta = (3e-4, 2e-9) if t.op == "all_reduce" else (1e-6, 1e-10)
+            steps, words = by_steps[t.op](n)
+            by_hand += t.calls * steps * alpha + t.bytes * words * beta
+        assert c.comm_time(m, "forward") == pytest.approx(by_hand)
+        assert c.comm_time(m, "forward") > c.comm_time(plain, "forward")
+        assert any(c.spans_nodes(t.axes) for t in c.terms) == (rpn == 2)
 
 def test_plan_command_refuses_a_layout_that_cannot_exist(capsys):
     """Catches `lattice plan` crashing with a traceback (or printing a plan) for an impossible

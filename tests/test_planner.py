@@ -170,8 +170,13 @@ def test_machine_presets_and_files():
         assert estimate(cfg, "serial", batch=2).time(machine)["step"] > 0, name
     m = machine_named(json.dumps({"flop_rate": 1e12, "alpha_intra": 1e-6, "beta_intra": 1e-10, "alpha_inter": 1e-5,
                                   "beta_inter": 1e-9, "ranks_per_node": 8,
-                                  "by_world": [[1, 1e12, 1e9, 1e9, 1e-6, 1e-10], [8, 2e11, 1e9, 1e9, 1e-3, 1e-10]]}))
+                                  "by_world": [[1, 1e12, 1e9, 1e9, 1e-6, 1e-10],
+                                               [8, 2e11, 1e9, 1e9, 1e-3, 1e-10, 1e-5, 1e10, 0, 0, 0, 0,
+                                                [["all_reduce", 2e-3, 3e-10]]]]}))
     assert m.at(1).flop_rate == 1e12 and m.at(6).flop_rate == 2e11 and m.at(2).flop_rate == 1e12
+    hash(m)  # a Machine file's nested lists became tuples
+    assert m.at(8).link(False, "all_reduce") == (2e-3, 3e-10) and m.at(8).link(False, "broadcast") == (1e-3, 1e-10)
+    assert m.at(8).link(True, "all_reduce") == (1e-3, 1e-9) and m.at(1).link(False, "all_reduce") == (1e-6, 1e-10)
     with pytest.raises(LatticeConfigError, match="no preset"):
         machine_named("no-such-machine")
     assert isinstance(MACHINES["cpu-2core"], Machine)

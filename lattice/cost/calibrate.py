@@ -74,8 +74,9 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     op_overhead = _op_overhead(timed)
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
-    # by least squares on the time a loop gains from its collectives
-    rows, ys = [], []
+    # by least squares on the time a loop gains from its collectives; α and β of all-reduce and
+    # broadcast together, and each collective's own (Machine.collectives)
+    collectives = ()
     if p > 1:
         chunk_a, chunk_b = mats[0]  # about the compute between two collectives of a step
 
@@ -85,16 +86,14 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 if coll is not None:
                     coll()
 
-        for numel in (16, 4096, 65536, 1 << 20, 1 << 22):  # up to a gradient bucket's size
-            x = torch.randn(numel)
-            for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("broadcast", lambda: dist.broadcast(x, 0))):
-                rows.append([message_steps(op, p), wire_factor(op, p) * numel * 4])
-                ys.append(max(timed(lambda: loop(fn)) - timed(lambda: loop(None)), 1e-6) / 8)
-        # on relative error, so that the latency of small messages is fitted as closely as the
-        # bandwidth of large ones (an unweighted fit gives the largest all of the say)
-        weights = 1 / np.array(ys)
-        (alpha, beta), *_ = np.linalg.lstsq(np.array(rows) * weights[:, None], np.array(ys) * weights, rcond=None)
-        alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-12)
+        samples = {}  # op -> [(steps, wire bytes, seconds)]
+        for numel in (16, 4096, 65536, 1 << 18, 1 << 20, 1 << 22):  # CommMeter's buffer, up to a gradient bucket's size
+            numel = p * -(-numel // p)
+            for op, fn in _collectives(numel, p):
+                seconds = max(timed(lambda: loop(fn)) - timed(lambda: loop(None)), 1e-6) / 8
+                samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
+        alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
+        collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
         # one point-to-point exchange between compute, as a cp ring's step (each rank sends to the
         # next and receives from the one before): its latency beyond its bytes
         rank, small = dist.get_rank(), torch.randn(4096)
@@ -140,7 +139,31 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
-                             skew=skew, norm_per_tensor=norm_per_tensor)
+                             skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives)
+
+
+def _collectives(numel: int, p: int) -> list:
+    """(op, call) of each collective the layouts run, on a CommMeter buffer of `numel` elements
+    (the gathered output of an all-gather, the whole input of a reduce-scatter)."""
+    from lattice.parallel.comm import _all_gather_tensor, _reduce_scatter_tensor
+
+    whole, piece = torch.randn(numel), torch.randn(numel // p)
+    return [("all_reduce", lambda: dist.all_reduce(whole)), ("broadcast", lambda: dist.broadcast(whole, 0)),
+            ("reduce", lambda: dist.reduce(whole, 0)), ("all_gather", lambda: _all_gather_tensor(whole, piece)),
+            ("reduce_scatter", lambda: _reduce_scatter_tensor(piece, whole)),
+            ("all_to_all", lambda: dist.all_to_all_single(piece.new_empty(numel), whole))]
+
+
+def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(α, β) of t = steps·α + bytes·β by least squares on relative error, so that the latency of
+    small messages is fitted as closely as the bandwidth of large ones (an unweighted fit gives
+    the largest all of the say)."""
+    import numpy as np
+
+    a = np.array([r[:2] for r in rows], dtype=float)
+    y = np.array([r[2] for r in rows], dtype=float)
+    (alpha, beta), *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+    return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
 def _skew(cfg, batch: int, samples: int = 12) -> float:

@@ -76,7 +76,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
-                   "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor")
+                   "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives")
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,11 @@ class Machine:
     # segment of compute takes than the mean rank's, started together (0: a device per rank); the
     # step's forward and backward take that fraction more
     skew: float = 0.0
+    # each collective's own (α, β) inside a node, where they differ from one another: ((op, α, β), ...).
+    # gloo's all-reduce of a few bytes between two ranks takes six times a broadcast's latency and
+    # its all-gather moves a byte at a third of a broadcast's rate, which one α and one β fitted to
+    # all of them misprice by up to 3x; an op not listed (a point-to-point send) uses alpha_intra, beta_intra
+    collectives: tuple = ()
     # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
     # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.search prices that)
     cores: int = 0
@@ -139,9 +144,14 @@ class Machine:
                                    beta_inter=max(row["beta_intra"], self.beta_inter), by_world=())
 
     def link(self, across_nodes: bool, op: str = "") -> tuple[float, float]:
-        """(α, β) of a message of `op` inside a node or between nodes ("send": a ring's
-        point-to-point exchange between compute, at alpha_send where that is larger)."""
-        alpha, beta = (self.alpha_inter, self.beta_inter) if across_nodes else (self.alpha_intra, self.beta_intra)
+        """(α, β) of a message of `op` inside a node (the collective's own where `collectives` has
+        it) or between nodes ("send": a ring's point-to-point exchange between compute, at
+        alpha_send where that is larger)."""
+        if across_nodes:
+            alpha, beta = self.alpha_inter, self.beta_inter
+        else:
+            alpha, beta = next(((a, b) for name, a, b in self.collectives if name == op),
+                               (self.alpha_intra, self.beta_intra))
         return (max(alpha, self.alpha_send) if op == "send" else alpha), beta
 
     def with_precision(self, precision: str) -> "Machine":

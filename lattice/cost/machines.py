@@ -104,6 +104,7 @@ def machine_named(spec: str) -> Machine:
     if required - set(values):
         raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
                                  f"{', '.join(sorted(required))}")
-    if "by_world" in values:
-        values["by_world"] = tuple(tuple(row) for row in values["by_world"])
-    return Machine(**{"name": "given", **values})
+    def frozen(value):  # JSON's lists as the tuples a Machine holds (compared, hashed)
+        return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+
+    return Machine(**{"name": "given", **{k: frozen(v) for k, v in values.items()}})

@@ -144,8 +144,10 @@ class Cost:
             if t.axes not in span:
                 span[t.axes] = self.spans_nodes(t.axes)
             # a cp ring's exchanges wait for both neighbours between compute (alpha_send); a
-            # pipeline's hops are priced at α, as the validation measured them
-            alpha, beta = machine.link(span[t.axes], "send" if t.site.endswith("ring") else "")
+            # pipeline's hops are priced at α, as the validation measured them; a collective at
+            # its own rates where the machine has them
+            kind = "send" if t.site.endswith("ring") else ("" if t.op == "send" else t.op)
+            alpha, beta = machine.link(span[t.axes], kind)
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
             out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
         return out

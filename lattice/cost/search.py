@@ -280,7 +280,7 @@ def _trainer_scalars(lay: Layout, choice: Choice, machine: Machine) -> float:
     for axes in groups:
         n = math.prod(topo.size(a) for a in axes)
         if n > 1:
-            seconds += 2 * (n - 1) * here.link(spans_nodes(topo, axes))[0]
+            seconds += 2 * (n - 1) * here.link(spans_nodes(topo, axes), "all_reduce")[0]
     return seconds
 
 
