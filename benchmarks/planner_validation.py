@@ -11,8 +11,10 @@ times, and over every run the median |error| of the predicted step time.
 
 The predictions use the `cpu-2core` machine preset with its rates calibrated afresh just before
 each case is measured (`--preset`: as stored), by `--calibrate`'s micro-benchmarks (matrix
-products, attention, elementwise operators, collectives between compute, AdamW) at that case's
-shape, never from the step times judged here.
+products, attention, elementwise operators, each collective between compute, AdamW) at that case's
+shape, never from the step times judged here. The planner ranks with the calibration before; the
+times it predicts are then priced at the mean of that calibration and one right after the
+measurement, since this machine's speed drifts by up to a fifth within minutes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lattice.bench.world import spawn
 from lattice.cost.machine import BY_WORLD_FIELDS
 from lattice.cost.machines import machine_named
 from lattice.cost.plan import model_config
-from lattice.cost.search import search
+from lattice.cost.search import price, search
 
 BATCH = 8
 #: the shapes: the gpt2 `small` preset, a wide and a deep GPT-2, and a Llama with grouped-query attention
@@ -66,6 +68,18 @@ def _rows(shape: str, worlds: list[int], verbose: bool = False) -> list[tuple]:
         if verbose:
             print(json.dumps(m), flush=True)
     return rows
+
+
+def _mean_row(a: tuple, b: tuple) -> tuple:
+    """The mean of two calibrations of one world size (rows of BY_WORLD_FIELDS), field by field and,
+    in the collectives' column, collective by collective."""
+    def mean(x, y):
+        if isinstance(x, tuple):
+            return tuple(mean(u, v) for u, v in zip(x, y))
+        return x if isinstance(x, str) else (x + y) / 2
+
+    assert a[0] == b[0], (a[0], b[0])
+    return (a[0],) + tuple(mean(x, y) for x, y in zip(a[1:], b[1:]))
 
 
 def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> dict:
@@ -167,6 +181,12 @@ def main() -> int:
             repeats = [spawn(n, _measure_world, shape, layouts, args.rounds, args.steps, timeout=3600)[0]["step_s"]
                        for _ in range(args.repeat)]
             measured = [statistics.median(times) for times in zip(*repeats)]
+            if not args.preset:  # the machine's speed drifts while the steps are timed: calibrated again after
+                # them, each layout is predicted at the mean of the rates before and after (the planner's
+                # ranking, and so its first choice, is the one made before)
+                machine = dataclasses.replace(machine, by_world=tuple(
+                    _mean_row(a, b) for a, b in zip(machine.by_world, _rows(shape, sorted({preset.cores or n, n})))))
+                chosen = [price(cfg, c.choice, batch=BATCH, machine=machine) for c in chosen]
             predicted = [c.step_s for c in chosen]
             best = min(measured)
             first = measured[0] / best  # the planner's first choice against the measured best

@@ -184,7 +184,8 @@ class Cost:
                 out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + hidden
                 out[f"{phase}_comm"] -= hidden
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
-        out["skew"] = machine.skew * (out["forward"] + out["backward"])  # waiting for the slowest rank
+        # waiting for the slowest rank's compute (the collectives' calibration already waits for it)
+        out["skew"] = machine.skew * (out["forward_compute"] + out["backward_compute"])
         if stem:
             out["step"] = out["forward"] + out["backward"] + out["skew"]
             return out

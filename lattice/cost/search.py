@@ -236,8 +236,9 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                                                               batch=replica // m, **kw)
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
-    # ranks sharing cores: every synchronisation waits for the slowest (Machine.skew)
-    terms["skew"] = machine.at(lay.world_size).skew * sum(v for k, v in terms.items() if k != "update")
+    # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew;
+    # the collectives' calibration, between compute on every rank, already waits for it)
+    terms["skew"] = machine.at(lay.world_size).skew * (terms["compute"] + terms["bubble"])
     terms["update"] += _trainer_scalars(lay, choice, machine)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
