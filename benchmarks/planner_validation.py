@@ -141,6 +141,48 @@ def _chosen(ranked: list, limit: int) -> list:
     return head + [rest[int(i * step)] for i in range(limit - len(head))]
 
 
+def _frozen(value):  # a JSON calibration row's lists as the Machine's tuples
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def _reprice(paths: list[str], out: str | None, preset: str) -> int:
+    """Each measured layout of the runs in `paths` priced by the cost model as it is now, at its
+    case's stored calibration (the one its predictions used), beside the step measured then."""
+    cases, errors = [], []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        for case in run["cases"]:
+            cfg = _config(case["shape"])
+            machine = dataclasses.replace(machine_named(preset),
+                                          by_world=_frozen(case["by_world"]))
+            plan = search(cfg, gpus=case["p"], machine=machine, batch=BATCH, ranks_per_node=case["p"],
+                          precisions=(machine.precision,))
+            now = {c.choice.describe(): c.step_s for c in plan.ranked}
+            runs = [{**r, "predicted_s": now[r["setup"]]} for r in case["runs"] if r["setup"] in now]
+            dropped = len(case["runs"]) - len(runs)
+            predicted, measured = [r["predicted_s"] for r in runs], [r["measured_s"] for r in runs]
+            errs = [(pr - me) / me for pr, me in zip(predicted, measured)]
+            errors += errs
+            cases.append({**case, "runs": runs, "spearman": _spearman(predicted, measured),
+                          "median_abs_error": statistics.median(map(abs, errs)), "repriced_from": path})
+            print(f"{case['shape']} p={case['p']} ({path}): first choice / measured best {case['first_over_best']:.3f}; "
+                  f"Spearman {cases[-1]['spearman']:.2f}; median |error| {cases[-1]['median_abs_error']:.1%}"
+                  + (f"; {dropped} layouts the model no longer prices" if dropped else ""), flush=True)
+    summary = {"cases": len(cases), "first_choice_within_5pct": sum(c["first_over_best"] <= 1.05 for c in cases),
+               "spearman_min": min(c["spearman"] for c in cases), "spearman_at_least_0.8": sum(
+                   c["spearman"] >= 0.8 for c in cases),
+               "median_abs_error": statistics.median(map(abs, errors)), "runs": len(errors)}
+    print(f"first choice within 5% of the measured best: {summary['first_choice_within_5pct']} of {len(cases)} cases; "
+          f"Spearman min {summary['spearman_min']:.2f} (>= 0.8 in {summary['spearman_at_least_0.8']}); median |error| "
+          f"{summary['median_abs_error']:.1%} over {len(errors)} runs")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"machine": "repriced", "calibration": "stored, per case", "summary": summary, "cases": cases},
+                      f, indent=1)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
@@ -157,7 +199,12 @@ def main() -> int:
                    help="measure each case in this many separate worlds (the median is judged) and report how well "
                         "the repeats agree with each other: the ceiling of the Spearman and error figures")
     p.add_argument("-o", "--out", default=None)
+    p.add_argument("--reprice", nargs="+", metavar="RUN.json",
+                   help="price the layouts of earlier runs again with the model as it is now, at each case's stored "
+                        "calibration, and report the figures (no step is measured; first choices stay the runs')")
     args = p.parse_args()
+    if args.reprice:
+        return _reprice(args.reprice, args.out, args.machine)
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.calibrate:
         rows = _rows("gpt2-small", [1] + ranks, verbose=True)

@@ -75,6 +75,24 @@ def test_price_without_a_pipeline_is_the_cost_models_step(layout, zero, ckpt, sc
         assert priced.memory[k] == pytest.approx(v, rel=1e-9), k
 
 
+@pytest.mark.parametrize("layout", [Layout("1d", tp=4), Layout("serial", dp=2, pp=2, microbatches=4)])
+def test_skew_waits_for_compute_not_for_collectives(layout):
+    """Catches Machine.skew (the slowest rank's compute beyond the mean's) charged on communication
+    too, which the collectives' calibration already prices with its waits (1d tp = 8 with sequence
+    parallelism was predicted at twice its measured step so): a machine ten times slower to
+    communicate adds no skew, and the skew is the fraction of the compute alone."""
+    cfg = small(n_layers=4)
+    skewed = dataclasses.replace(MACHINE, skew=0.25)
+    slow_wire = dataclasses.replace(skewed, alpha_intra=10 * MACHINE.alpha_intra, beta_intra=10 * MACHINE.beta_intra)
+    fast, slow = (price(cfg, Choice(layout), batch=8, machine=m) for m in (skewed, slow_wire))
+    assert slow.step_s > fast.step_s
+    assert slow.terms["skew"] == pytest.approx(fast.terms["skew"], rel=1e-12)
+    assert fast.terms["skew"] == pytest.approx(0.25 * fast.terms["compute"], rel=1e-12)
+    if layout.pp == 1:
+        t = estimate(cfg, layout, batch=8).time(skewed)
+        assert t["skew"] == pytest.approx(0.25 * (t["forward_compute"] + t["backward_compute"]), rel=1e-12)
+
+
 def test_kernel_term_adds_each_linear_products_overhead():
     """Catches the per-kernel term counting the wrong products: GPT-2 runs 4 linear layers per
     block (qkv, attention out, MLP in, MLP out), so forward pays 4 L kernel_flops / F more and

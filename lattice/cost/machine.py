@@ -170,7 +170,8 @@ class Machine:
                 f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "
-                f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce")
+                f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce"
+                + "".join(f"; {op} α = {a * 1e6:.3g} µs, β = 1/({1e-9 / b:.3g} GB/s)" for op, a, b in self.collectives))
 
 
 # A GPU cluster like the papers' (4 GPUs per node: Frontera RTX, Longhorn V100), for projections.

@@ -58,15 +58,22 @@ MACHINES: dict[str, Machine] = {
     # rows of BY_WORLD_FIELDS from `benchmarks/planner_validation.py --calibrate` on 2026-11-26 (each sample of
     # a micro-benchmark at least 50 ms long, so that ranks beyond the cores share them while it is timed)
     "cpu-2core": Machine(
-        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.22e+10, alpha_intra=1e-5, beta_intra=1e-10,
-        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=2.61e+09, attn_rate=5.67e+08,
-        update_per_tensor=1.51e-05, mem_bandwidth=1.33e+10, op_overhead=2.11e-05, norm_per_tensor=4.12e-06,
+        "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.18e+10, alpha_intra=1e-5, beta_intra=1e-10,
+        alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=2.67e+09, attn_rate=5.98e+08,
+        update_per_tensor=1.51e-05, mem_bandwidth=1.5e+10, op_overhead=1.52e-05, norm_per_tensor=3.89e-06,
         memory_gib=0.0, cores=2,
-        # (one run of --calibrate on 2026-11-26 at 08:50, all columns)
-        by_world=((1, 8.22e+10, 2.61e+09, 5.67e+08, 1e-05, 1e-10, 1.51e-05, 1.33e+10, 2.11e-05, 0, 0, 4.12e-06),
-                  (2, 7.64e+10, 1.56e+09, 5.53e+08, 0.000789, 4.17e-10, 1.56e-05, 1.69e+10, 1.92e-05, 0.00158, 0.0369, 4.46e-06),
-                  (4, 3.34e+10, 7.29e+08, 2.83e+08, 0.000866, 3.76e-10, 4.94e-05, 7.83e+09, 3.67e-05, 0.00223, 0.117, 8.28e-06),
-                  (8, 1.47e+10, 3.78e+08, 1.39e+08, 0.000787, 5.38e-10, 7.72e-05, 3.86e+09, 8.84e-05, 0.00521, 0.217, 9.87e-06))),
+        # (one run of --calibrate on 2026-11-26 at 12:01, all columns; the last, each collective's (α, β))
+        by_world=((1, 8.18e+10, 2.67e+09, 5.98e+08, 1e-05, 1e-10, 1.51e-05, 1.5e+10, 1.52e-05, 0, 0, 3.89e-06,
+                   ()),
+                  (2, 7.86e+10, 1.64e+09, 6.16e+08, 0.000714, 3.22e-10, 1.47e-05, 1.32e+10, 1.51e-05, 0.000714, 0.0155, 4.1e-06,
+                   (("all_reduce", 0.00102, 5.24e-10), ("broadcast", 0.000581, 2.84e-10), ("reduce", 0.00113, 7e-10),
+                    ("all_gather", 0.000898, 1.39e-09), ("reduce_scatter", 0.000878, 1.03e-09), ("all_to_all", 0.000836, 8.8e-10))),
+                  (4, 3.81e+10, 9.46e+08, 2.89e+08, 0.000867, 3.24e-10, 3.05e-05, 9.82e+09, 3.9e-05, 0.00185, 0.0834, 4.93e-06,
+                   (("all_reduce", 0.00112, 5.73e-10), ("broadcast", 0.000712, 2.82e-10), ("reduce", 0.00212, 3.07e-10),
+                    ("all_gather", 0.00137, 8.89e-10), ("reduce_scatter", 0.000739, 1.02e-09), ("all_to_all", 0.000798, 8.69e-10))),
+                  (8, 1.42e+10, 4.16e+08, 1.34e+08, 0.000965, 4.86e-10, 6.42e-05, 4.01e+09, 8.78e-05, 0.00426, 0.26, 8.04e-06,
+                   (("all_reduce", 0.00157, 9.44e-10), ("broadcast", 0.000734, 4.44e-10), ("reduce", 0.00453, 3.65e-10),
+                    ("all_gather", 0.00173, 1.17e-09), ("reduce_scatter", 0.0007, 1.64e-09), ("all_to_all", 0.000636, 1.27e-09))))),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
                          alpha_intra=10e-6, node_nic_gbs=7),

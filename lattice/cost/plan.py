@@ -61,7 +61,7 @@ def format_cost(c: Cost, machine: Machine) -> str:
                   f"GFLOP (matrix products); elementwise {c.elementwise['forward'] / 1e6:.2f} + "
                   f"{c.elementwise['backward'] / 1e6:.2f} M elements",
               "  memory: " + ", ".join(f"{k} {v / 2 ** 20:.2f} MiB" for k, v in c.memory.items()),
-              "", f"  time on {machine.describe()}:"]
+              "", f"  time on {machine.at(c.topology.world_size).describe()}:"]  # the rates its ranks see
     t = c.time(machine)
     lines.append("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()))
     return "\n".join(lines)
@@ -86,7 +86,7 @@ def format_pipeline(cfg, layout: Layout, *, batch: int, machine: Machine) -> str
         mib = (e["forward"] + e["backward"]) * r["itemsize"] / 2 ** 20
         lines.append(f"  {s:<7}{blocks:<22}{e['forward']:>18,.0f}{e['backward']:>18,.0f}{mib:>9.3f}{k:>11}"
                      f"{k * r['per_microbatch_activations'] / 2 ** 20:>17.2f}")
-    lines += ["", f"  time on {machine.describe()}:",
+    lines += ["", f"  time on {machine.at(layout.world_size).describe()}:",
               f"  micro-batch slot {r['slot_s'] * 1e3:.3f} ms + stage hop {r['p2p_s'] * 1e3:.3f} ms, "
               f"step {r['step_s'] * 1e3:.3f} ms"]
     return "\n".join(lines)
@@ -167,7 +167,7 @@ def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine
     limit = plan.memory_limit
     per_node = f"{ranks_per_node} per node" if gpus > ranks_per_node else "on one node"
     refused = sum(sum(r.values()) for r in plan.refused.values())
-    lines = [f"{cfg}", f"{gpus} ranks {per_node}, global batch {batch} x {cfg.seq_len} tokens, on {machine.describe()}",
+    lines = [f"{cfg}", f"{gpus} ranks {per_node}, global batch {batch} x {cfg.seq_len} tokens, on {machine.at(gpus).describe()}",
              f"memory per rank: {'no limit' if limit is None else f'{limit / 2 ** 30:,.1f} GiB'}; priced {plan.priced} "
              f"setups in {plan.seconds:.1f} s: {len(plan.ranked)} fit, {plan.over_memory} over the memory limit at "
              f"every ZeRO stage and with activation checkpointing, {refused} layouts refused", ""]

@@ -238,7 +238,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         memory["activations"] *= in_flight(pcfg, 0) / v
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew;
     # the collectives' calibration, between compute on every rank, already waits for it)
-    terms["skew"] = machine.at(lay.world_size).skew * (terms["compute"] + terms["bubble"])
+    terms["skew"] = machine.at(lay.world_size).skew * terms["compute"]
     terms["update"] += _trainer_scalars(lay, choice, machine)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
