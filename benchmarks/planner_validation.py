@@ -30,7 +30,7 @@ import time
 import lattice
 from lattice.bench.world import spawn
 from lattice.cost.machine import BY_WORLD_FIELDS
-from lattice.cost.machines import machine_named
+from lattice.cost.machines import frozen, machine_named
 from lattice.cost.plan import model_config
 from lattice.cost.search import price, search
 
@@ -141,10 +141,6 @@ def _chosen(ranked: list, limit: int) -> list:
     return head + [rest[int(i * step)] for i in range(limit - len(head))]
 
 
-def _frozen(value):  # a JSON calibration row's lists as the Machine's tuples
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
-
-
 def _reprice(paths: list[str], out: str | None, preset: str) -> int:
     """Each measured layout of the runs in `paths` priced by the cost model as it is now, at its
     case's stored calibration (the one its predictions used), beside the step measured then."""
@@ -155,7 +151,7 @@ def _reprice(paths: list[str], out: str | None, preset: str) -> int:
         for case in run["cases"]:
             cfg = _config(case["shape"])
             machine = dataclasses.replace(machine_named(preset),
-                                          by_world=_frozen(case["by_world"]))
+                                          by_world=frozen(case["by_world"]))
             plan = search(cfg, gpus=case["p"], machine=machine, batch=BATCH, ranks_per_node=case["p"],
                           precisions=(machine.precision,))
             now = {c.choice.describe(): c.step_s for c in plan.ranked}

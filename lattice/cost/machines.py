@@ -92,6 +92,11 @@ MACHINES: dict[str, Machine] = {
 }
 
 
+def frozen(value):
+    """JSON's lists (a file's by_world rows, their collectives) as the tuples a Machine holds (compared, hashed)."""
+    return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+
+
 def machine_named(spec: str) -> Machine:
     """A preset by name, or a Machine from a JSON file or inline JSON (e.g. a calibration that
     `lattice bench` wrote; `by_world` as a list of [ranks, F, elementwise, attention, α, β])."""
@@ -111,7 +116,4 @@ def machine_named(spec: str) -> Machine:
     if required - set(values):
         raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
                                  f"{', '.join(sorted(required))}")
-    def frozen(value):  # JSON's lists as the tuples a Machine holds (compared, hashed)
-        return tuple(frozen(v) for v in value) if isinstance(value, list) else value
-
     return Machine(**{"name": "given", **{k: frozen(v) for k, v in values.items()}})
