@@ -106,6 +106,40 @@ def test_kernel_term_adds_each_linear_products_overhead():
     assert b["backward_compute"] - a["backward_compute"] == pytest.approx(8 * 3 * 1e9 / MACHINE.flop_rate)
 
 
+@pytest.mark.parametrize("mode,tp,options,weights", [
+    ("serial", 1, {}, lambda h, L, V: 12 * h * h * L + h * V),
+    ("1d", 2, {}, lambda h, L, V: (12 * h * h * L + h * V) / 2),
+    ("2d", 4, {}, lambda h, L, V: (12 * h * h * L + h * V) / 2),
+    ("subgraph", 2, {"subgrids": 2}, lambda h, L, V: (4 * h * h / 2 + 8 * h * h) * L + h * V),
+])
+def test_kernel_rows_add_each_products_weight_piece_per_row(mode, tp, options, weights):
+    """Catches the row term counting the wrong weights or rows: a product of a K x N weight piece
+    on M rows is priced as one on M + r rows, so the forward pays 2 r (K N summed over its
+    products) FLOPs more. A block's weights are 12 h² (qkv 3h², out h², MLP 4h² and 4h²), the
+    tied head's h·V: 1d reads 1/tp of each once; 2D's SUMMA a 1/q² block in each of q products of
+    (B/q · T) rows; sub-graph's common layers (MLP, head) run whole weights on their rows, and
+    each sub-grid its 1/g of the attention projections on its own. Backward pays twice that."""
+    cfg = small(n_layers=3)
+    c = estimate(cfg, Layout(mode, tp=tp, options=options), batch=4)
+    plain = dataclasses.replace(MACHINE, kernel_flops=0.0, kernel_rows=0.0)
+    a, b = c.time(plain), c.time(dataclasses.replace(plain, kernel_rows=16.0))
+    read = weights(cfg.d_model, cfg.n_layers, cfg.vocab_size)  # V = 512 divides every split here
+    assert b["forward_compute"] - a["forward_compute"] == pytest.approx(2 * 16 * read / MACHINE.flop_rate)
+    assert b["backward_compute"] - a["backward_compute"] == pytest.approx(4 * 16 * read / MACHINE.flop_rate)
+
+
+def test_kernel_rows_fitted_from_two_row_counts():
+    """Catches a wrong solve of the calibration's row term: products timed at 1024 and 128 rows
+    that take (rows + 20) units give 20 back; a larger product slower per row than a smaller one
+    (out of cache) or a smaller no slower per row give 0, never a negative or infinite term."""
+    from lattice.cost.calibrate import _kernel_rows
+
+    assert _kernel_rows(1024, (1024 + 20) * 3e-6, 128, (128 + 20) * 3e-6) == pytest.approx(20.0)
+    assert _kernel_rows(1024, 1030 * 3e-6, 128, 120 * 3e-6) == 0.0
+    assert _kernel_rows(1024, 1024 * 3e-6, 128, 128 * 3e-6) == 0.0
+    assert _kernel_rows(1024, 1.0, 128, 2.0) == 0.0
+
+
 def test_search_covers_the_hand_enumerated_space_and_ranks_by_price():
     """Catches a search that skips feasible setups (a pp it never tries, a dp it drops): on 4 ranks
     of one node, every 1d and serial layout a hand enumeration lists (tp, pp with 1F1B at the largest

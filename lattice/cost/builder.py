@@ -18,8 +18,9 @@ DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
 # matrix-product FLOPs (attention's included), attention's products alone, elements through
 # elementwise operators, attention score elements, linear layers' products (kernels), operations
-# described (each a handful of framework calls: the per-operation overhead of Machine.op_overhead)
-WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls", "ops")
+# described (each a handful of framework calls: the per-operation overhead of Machine.op_overhead),
+# and the weight elements those products read, summed over them (Machine.kernel_rows)
+WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls", "ops", "product_weights")
 
 
 class CostBuilder:
@@ -107,6 +108,15 @@ class CostBuilder:
 
     def _work(self, kind: str, amount: float) -> None:
         self.work["layer" if self.region == "layer" else "other"][kind] += amount
+
+    def _products(self, block: str, flops: float, calls: int = 1) -> None:
+        """A linear layer's matrix products of `flops` in all on this rank (forward), over the rows
+        each of its products has here (`Mode.cost_product_rows`): their weight elements follow."""
+        self._work("flops", flops)
+        self._work("linear_calls", calls)
+        rows = self.mode.cost_product_rows(self, block)
+        if rows:  # (none on a rank the layout leaves out of these products)
+            self._work("product_weights", flops / (2 * rows))
 
     @contextmanager
     def on_this_stage(self):
@@ -199,8 +209,7 @@ class CostBuilder:
         self.save(saved)
         share = self.share.get(block, self.share["split"])
         replicated = self.share.get("replicated", self.share["split"])
-        self._work("flops", 2 * self.M * in_features * out_features * share)
-        self._work("linear_calls", 1)
+        self._products(block, 2 * self.M * in_features * out_features * share)
         if position == "in":
             self._work("elementwise", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
@@ -360,8 +369,7 @@ class CostBuilder:
         saved, out = self.mode.cost_dense(self, in_features, out_features, bias)
         share = self.share.get("dense", self.share["split"])
         self.save(saved + (out if activation != "relu" else 0))  # GELU saves its input
-        self._work("flops", 2 * self.M * in_features * out_features * share)
-        self._work("linear_calls", 1)
+        self._products("dense", 2 * self.M * in_features * out_features * share)
         self._work("elementwise", self.M * out_features * share * (2 if bias else 1))
         self.current, self.output_saved = out, False
 
@@ -373,7 +381,7 @@ class CostBuilder:
         if self.cp > 1 and self.c.pipeline is None:  # each rank's weighed mean loss summed over the cp group
             self.add("forward", "all_reduce", (CP,), 1, 1, "loss")
         share = self.share.get("head", self.share["split"])
-        self._work("flops", 2 * self.M * self.h * self.vocab_padded * share)
+        self._products("head", 2 * self.M * self.h * self.vocab_padded * share, calls=0)
         self._work("elementwise", 2 * self.M * self.vocab_padded * share)
 
     def classifier(self, num_labels: int, *, pooler: bool = False) -> None:
@@ -455,6 +463,6 @@ class CostBuilder:
             out[kind] = {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)}
         self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
         self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
-        self.c.linear_calls, self.c.ops = out["linear_calls"], out["ops"]
+        self.c.linear_calls, self.c.ops, self.c.product_weights = out["linear_calls"], out["ops"], out["product_weights"]
         self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
                        for kind in WORK_KINDS}

@@ -50,11 +50,20 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         inputs = [x.detach().requires_grad_() for x in inputs]
         return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
 
-    # matrix products of the per-rank shapes a p-way split of one layer gives
-    shapes = [(M, h, max(1, 3 * h // p)), (M, max(1, h // p), h), (M, h, max(1, 4 * h // p)), (M, max(1, 4 * h // p), h)]
-    mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
-    products = [fwd_bwd(torch.mm, a, b) for a, b in mats]
-    flop_rate = 3 * sum(2 * m * k * n for m, k, n in shapes) / timed(lambda: [f() for f in products])
+    # matrix products of the per-rank shapes a p-way split of one layer gives, on the batch's rows
+    # and on one sequence's (a pipeline's smallest micro-batch): t = 6·(rows + kernel_rows)·Σ k·n / F
+    def products_time(rows):
+        shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
+                  (rows, max(1, 4 * h // p), h)]
+        products = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+        return timed(lambda: [f() for f in products]), 6 * sum(k * n for _, k, n in shapes)
+
+    (t_batch, weights), (t_sequence, _) = products_time(M), products_time(T)
+    slowest = torch.tensor([t_batch, t_sequence], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    t_batch, t_sequence = slowest.tolist()
+    kernel_rows = _kernel_rows(M, t_batch, T, t_sequence)
+    flop_rate = weights * (M + kernel_rows) / t_batch
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
     q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
@@ -76,7 +85,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # broadcast together, and each collective's own (Machine.collectives)
     collectives = ()
     if p > 1:
-        chunk_a, chunk_b = mats[0]  # about the compute between two collectives of a step
+        chunk_a, chunk_b = torch.randn(M, h), torch.randn(h, max(1, 3 * h // p))  # about the compute between
+        # two collectives of a step
 
         def loop(coll, n=8):
             for _ in range(n):
@@ -130,14 +140,26 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor], dtype=torch.float64)
+    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor, kernel_rows],
+                         dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor = costs.tolist()
+    alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor, kernel_rows = costs.tolist()
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
-                             skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives)
+                             skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
+                             kernel_rows=kernel_rows)
+
+
+def _kernel_rows(rows: int, seconds: float, fewer: int, fewer_seconds: float) -> float:
+    """Machine.kernel_rows from the same products timed on `rows` and on `fewer` rows: the r with
+    seconds / fewer_seconds = (rows + r) / (fewer + r); 0 where the products on fewer rows run no
+    slower per row (a larger product that falls out of cache can run slower per row)."""
+    ratio = seconds / fewer_seconds
+    if fewer >= rows or not 1 < ratio < rows / fewer:
+        return 0.0
+    return (rows - ratio * fewer) / (ratio - 1)
 
 
 def _collectives(numel: int, p: int) -> list:

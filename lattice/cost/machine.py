@@ -76,7 +76,8 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
-                   "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives")
+                   "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
+                   "kernel_rows")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ class Machine:
     # a matrix product of f FLOPs runs at F·f/(f + kernel_flops) (a GPU's efficiency at small
     # per-kernel work: launch and tail), i.e. each product costs kernel_flops/F more
     kernel_flops: float = 0.0
+    # and each product of a weight piece K x N on M rows takes the time of M + kernel_rows rows (a
+    # CPU's: packing the weight into its kernel's blocks is fixed per product, amortised over its
+    # rows): a pipeline's micro-batch of one sequence runs its products at M/(M + kernel_rows) of F
+    kernel_rows: float = 0.0
     # the framework's time per operation a family describes (a norm, a linear, attention: each a
     # handful of calls through Python, autograd and the dispatcher), forward; backward twice
     op_overhead: float = 0.0
@@ -164,7 +169,9 @@ class Machine:
                                    other_precision_flop_rate=self.flop_rate)
 
     def describe(self) -> str:
-        return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s, elementwise {self.elem_rate / 1e9:.3g} "
+        return (f"{self.name}: F = {self.flop_rate / 1e9:.3g} GFLOP/s"
+                + (f" (a product of M rows at M/(M + {self.kernel_rows:.3g}) of it)" if self.kernel_rows else "")
+                + f", elementwise {self.elem_rate / 1e9:.3g} "
                 f"G elements/s, attention {self.attn_rate / 1e9:.3g} G scores/s, update {self.update_per_tensor * 1e6:.3g} µs per tensor + "
                 f"norm and clip {self.norm_per_tensor * 1e6:.3g} µs per tensor + "
                 f"{self.mem_bandwidth / 1e9:.3g} GB/s (per rank); intra-node α = {self.alpha_intra * 1e6:.3g} µs, "

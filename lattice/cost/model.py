@@ -76,6 +76,7 @@ class Cost:
     scores: dict[str, float] = field(default_factory=dict)  # attention score elements (B·n·T² share)
     linear_calls: dict[str, float] = field(default_factory=dict)  # matrix products of linear layers
     ops: dict[str, float] = field(default_factory=dict)  # operations the family describes (norms, linears, ...)
+    product_weights: dict[str, float] = field(default_factory=dict)  # weight elements the linear products read
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
@@ -163,11 +164,14 @@ class Cost:
         machine = machine.at(self.topology.world_size)
         work = self.stem if stem else {"flops": self.flops, "attention_flops": self.attention_flops,
                                        "elementwise": self.elementwise, "scores": self.scores,
-                                       "linear_calls": self.linear_calls, "ops": self.ops}
+                                       "linear_calls": self.linear_calls, "ops": self.ops,
+                                       "product_weights": self.product_weights}
         for phase in ("forward", "backward"):
             linear = work["flops"][phase] - work["attention_flops"][phase]
-            # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product
-            kernels = work["linear_calls"][phase] * machine.kernel_flops
+            # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product; and
+            # as if it had kernel_rows more rows: 2·kernel_rows FLOPs more per weight element it reads
+            kernels = (work["linear_calls"][phase] * machine.kernel_flops
+                       + 2 * machine.kernel_rows * work["product_weights"][phase])
             out[f"{phase}_compute"] = ((linear + kernels) / machine.flop_rate + work["scores"][phase] / machine.attn_rate
                                        + work["elementwise"][phase] / machine.elem_rate
                                        + work["ops"][phase] * machine.op_overhead)

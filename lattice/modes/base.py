@@ -269,6 +269,11 @@ class Mode:
         elementwise work on the residual stream; "split": the default), where not 1/p."""
         return {}
 
+    def cost_product_rows(self, b, block: str) -> float:
+        """Rows of each matrix product a linear layer of `block` ("attention", "mlp", "dense",
+        "head") runs on this rank (its weight piece is read once per product, whatever the rows)."""
+        return b.M
+
     def cost_embedding(self, b, positions: bool, types: int) -> None:
         """The embedding (and position table, with a token-type table of `types` rows, which move
         together): collectives and the index bytes saved."""

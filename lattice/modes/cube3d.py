@@ -415,6 +415,9 @@ class Cube3D(Mode):
             b.add("forward", "broadcast", plane, elements, calls, site)
             b.add("backward", "reduce", plane, elements, calls, site)
 
+    def cost_product_rows(self, b, block):
+        return b.M / self.q  # x gathered along one cube axis: (B/q · T) rows
+
     def cost_embedding(self, b, positions, types):
         """onehot(tokens) E with the swapped roles (table pieces gathered along i, rows
         reduce-scattered along j); wpe[:T] broadcast over its plane. Saves the token ids."""

@@ -377,6 +377,10 @@ class SubGraph(Mode):
             return 0.0, r_b
         return (b.B / (self.g * self.n_g) if self.common_all else r_b), r_b
 
+    def cost_product_rows(self, b, block):
+        r_c, r_b = self._rows(b)  # a branch's projections on its members' rows, the rest on common rows
+        return (r_b if block == "attention" and self.projections == "branch" else r_c) * b.T
+
     def cost_shares(self, b):
         r_c, r_b = self._rows(b)
         common = r_c / b.B

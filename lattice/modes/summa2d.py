@@ -382,6 +382,9 @@ class Summa2D(Mode):
     # Activations [B/q, T, h/q], weights in q x q blocks; SUMMA for every linear; bias, norm and
     # wpe vectors on row 0, broadcast down the column forward and reduced back in backward
     # (Fig. 5); norm and cross-entropy sums all-reduced along the row (§3.2.2).
+    def cost_product_rows(self, b, block):
+        return b.M / self.q  # each SUMMA step multiplies a (B/q · T)-row block
+
     def cost_embedding(self, b, positions, types):
         """SUMMA with the one-hot token matrix local to the row: q table-block (V'/q, h/q)
         broadcasts down the column, and the gradient's q reduces (Alg. 3); wpe hosted on row 0.
