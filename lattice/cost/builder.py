@@ -457,12 +457,8 @@ class CostBuilder:
         layer under activation checkpointing."""
         ckpt = self.c.checkpointing
         layers, other = self.work["layers"], self.work["other"]
-        out = {}
-        for kind in WORK_KINDS:
+        for kind in WORK_KINDS:  # Cost has a field of each kind's name
             fwd = layers[kind] + other[kind]
-            out[kind] = {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)}
-        self.c.flops, self.c.attention_flops = out["flops"], out["attention_flops"]
-        self.c.elementwise, self.c.scores = out["elementwise"], out["scores"]
-        self.c.linear_calls, self.c.ops, self.c.product_weights = out["linear_calls"], out["ops"], out["product_weights"]
+            setattr(self.c, kind, {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)})
         self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
                        for kind in WORK_KINDS}

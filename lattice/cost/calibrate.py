@@ -62,7 +62,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     slowest = torch.tensor([t_batch, t_sequence], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     t_batch, t_sequence = slowest.tolist()
-    kernel_rows = _kernel_rows(M, t_batch, T, t_sequence)
+    kernel_rows = _kernel_rows(M, t_batch, T, t_sequence)  # the same on every rank
     flop_rate = weights * (M + kernel_rows) / t_batch
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
@@ -140,10 +140,9 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor, kernel_rows],
-                         dtype=torch.float64)
+    costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor, kernel_rows = costs.tolist()
+    alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor = costs.tolist()
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lattice.cost.builder import DDP_BUCKET_BYTES, CostBuilder  # noqa: F401  (lattice.cost's names)
+from lattice.cost.builder import DDP_BUCKET_BYTES, WORK_KINDS, CostBuilder  # noqa: F401  (lattice.cost's names)
 from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
 from lattice.models import build_model
 from lattice.modes import get_mode
@@ -162,10 +162,7 @@ class Cost:
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
-        work = self.stem if stem else {"flops": self.flops, "attention_flops": self.attention_flops,
-                                       "elementwise": self.elementwise, "scores": self.scores,
-                                       "linear_calls": self.linear_calls, "ops": self.ops,
-                                       "product_weights": self.product_weights}
+        work = self.stem if stem else {kind: getattr(self, kind) for kind in WORK_KINDS}
         for phase in ("forward", "backward"):
             linear = work["flops"][phase] - work["attention_flops"][phase]
             # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product; and
