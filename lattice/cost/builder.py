@@ -431,6 +431,7 @@ class CostBuilder:
                     self.add("backward", "all_reduce", (DP, CP), segment, 1, "grads", itemsize=reduced)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
             grads = c.memory["parameters"] / c.itemsize
+            c.reduced_grad_bytes = c.memory["parameters"]  # read and written once into the buckets
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
                      max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))

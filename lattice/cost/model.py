@@ -89,6 +89,9 @@ class Cost:
     rank: int = 0  # the global rank whose share this is
     overlap_param_gather: bool = False  # ZeRO's all-gather of updated weights beside the next forward
     grad_reduce_dtype: str = "fp32"  # "bf16": bf16 weights' gradients reduced in bf16 (--grad-reduce-dtype)
+    # gradient bytes copied once into a flat buffer for the data-parallel all-reduce (DDP's buckets,
+    # whose gradients then stay views of them; a pipeline's flat all-reduce, likewise)
+    reduced_grad_bytes: float = 0.0
     padded: bool = False  # batches with an attention mask (whose copies attention saves)
 
     def _select(self, phase=None, op=None, site=None):
@@ -199,7 +202,8 @@ class Cost:
         out["update_overlapped"] = min(gather, out["forward_compute"]) if self.overlap_param_gather else 0.0
         # before it the gradient norm reads each gradient and clipping reads and writes it
         out["update"] = (self.param_tensors * (machine.update_per_tensor + machine.norm_per_tensor)
-                         + (7 + 3) * updated / machine.mem_bandwidth + gather - out["update_overlapped"])
+                         + ((7 + 3) * updated + 2 * self.reduced_grad_bytes) / machine.mem_bandwidth
+                         + gather - out["update_overlapped"])
         out["step"] = out["forward"] + out["backward"] + out["skew"] + out["update"]
         return out
 
