@@ -128,16 +128,23 @@ def test_kernel_rows_add_each_products_weight_piece_per_row(mode, tp, options, w
     assert b["backward_compute"] - a["backward_compute"] == pytest.approx(4 * 16 * read / MACHINE.flop_rate)
 
 
-def test_kernel_rows_fitted_from_two_row_counts():
-    """Catches a wrong solve of the calibration's row term: products timed at 1024 and 128 rows
-    that take (rows + 20) units give 20 back; a larger product slower per row than a smaller one
-    (out of cache) or a smaller no slower per row give 0, never a negative or infinite term."""
+def test_kernel_rows_fitted_over_the_row_counts():
+    """Catches a wrong fit of the calibration's row term: products timed at 64 to 512 rows that take
+    (rows + 20) units give 20 back, and with any one timing 15% off the fit stays within 10 rows
+    (the two-count solve it replaces gave 35 for the shortest); a larger product slower per row than a smaller one
+    (out of cache), a smaller no slower per row, or a single row count give 0, never a negative or
+    infinite term."""
     from lattice.cost.calibrate import _kernel_rows
 
-    assert _kernel_rows(1024, (1024 + 20) * 3e-6, 128, (128 + 20) * 3e-6) == pytest.approx(20.0)
-    assert _kernel_rows(1024, 1030 * 3e-6, 128, 120 * 3e-6) == 0.0
-    assert _kernel_rows(1024, 1024 * 3e-6, 128, 128 * 3e-6) == 0.0
-    assert _kernel_rows(1024, 1.0, 128, 2.0) == 0.0
+    rows = (64, 128, 256, 512)
+    assert _kernel_rows([(m, (m + 20) * 3e-6) for m in rows]) == pytest.approx(20.0)
+    for off in rows:
+        for factor in (0.85, 1.15):
+            noisy = [(m, (m + 20) * 3e-6 * (factor if m == off else 1.0)) for m in rows]
+            assert abs(_kernel_rows(noisy) - 20) < 10, (off, factor)
+    assert _kernel_rows([(m, m * (1 + m / 2048) * 3e-6) for m in rows]) == 0.0
+    assert _kernel_rows([(m, m * 3e-6) for m in rows]) == 0.0
+    assert _kernel_rows([(512, 1.0)]) == 0.0
 
 
 def test_search_covers_the_hand_enumerated_space_and_ranks_by_price():

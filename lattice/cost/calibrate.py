@@ -4,6 +4,7 @@ sweeps predict step times with it."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -50,19 +51,23 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         inputs = [x.detach().requires_grad_() for x in inputs]
         return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
 
-    # matrix products of the per-rank shapes a p-way split of one layer gives, on the batch's rows
-    # and on one sequence's (a pipeline's smallest micro-batch): t = 6·(rows + kernel_rows)·Σ k·n / F
+    # matrix products of the per-rank shapes a p-way split of one layer gives, on row counts from one
+    # sequence's (a pipeline's smallest micro-batch) to the batch's: t = 6·(rows + kernel_rows)·Σ k·n / F
     def products_time(rows):
         shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
                   (rows, max(1, 4 * h // p), h)]
         products = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
         return timed(lambda: [f() for f in products]), 6 * sum(k * n for _, k, n in shapes)
 
-    (t_batch, weights), (t_sequence, _) = products_time(M), products_time(T)
-    slowest = torch.tensor([t_batch, t_sequence], dtype=torch.float64)
+    # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank
+    row_counts = sorted({T, min(2 * T, M), max(T, M // 2), M})
+    timings = [products_time(rows) for rows in row_counts]
+    weights = timings[0][1]
+    slowest = torch.tensor([t for t, _ in timings], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    t_batch, t_sequence = slowest.tolist()
-    kernel_rows = _kernel_rows(M, t_batch, T, t_sequence)  # the same on every rank
+    seconds = slowest.tolist()
+    kernel_rows = _kernel_rows(list(zip(row_counts, seconds)))  # the same on every rank
+    t_batch = seconds[-1]
     flop_rate = weights * (M + kernel_rows) / t_batch
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
@@ -151,14 +156,19 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              kernel_rows=kernel_rows)
 
 
-def _kernel_rows(rows: int, seconds: float, fewer: int, fewer_seconds: float) -> float:
-    """Machine.kernel_rows from the same products timed on `rows` and on `fewer` rows: the r with
-    seconds / fewer_seconds = (rows + r) / (fewer + r); 0 where the products on fewer rows run no
-    slower per row (a larger product that falls out of cache can run slower per row)."""
-    ratio = seconds / fewer_seconds
-    if fewer >= rows or not 1 < ratio < rows / fewer:
-        return 0.0
-    return (rows - ratio * fewer) / (ratio - 1)
+def _kernel_rows(samples: list[tuple[int, float]]) -> float:
+    """Machine.kernel_rows from the same products timed on several row counts, (rows, seconds):
+    the median over pairs of counts of the r with t₂ / t₁ = (rows₂ + r) / (rows₁ + r), so that one
+    noisy timing moves it little (a single pair, or a least-squares line through all, lets a short
+    timing 15% off move r from 20 to 35). A pair whose smaller product runs no slower per row counts
+    0 (a larger product that falls out of cache can run slower per row); one whose larger product
+    runs no slower in all is noise and left out."""
+    solves = []
+    for (rows, seconds), (more, more_seconds) in itertools.combinations(sorted(samples), 2):
+        ratio = more_seconds / seconds
+        if more > rows and ratio > 1:
+            solves.append(max(0.0, (more - ratio * rows) / (ratio - 1)))
+    return statistics.median(solves) if solves else 0.0
 
 
 def _collectives(numel: int, p: int) -> list:
