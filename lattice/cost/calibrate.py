@@ -31,21 +31,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
 
     def timed(fn, n=reps):
-        # each sample repeats fn for at least SAMPLE_S, every rank the same number of times: a
-        # shorter one fits inside the scheduler's time slice, and where ranks outnumber the cores
-        # it would time one rank running alone rather than the ranks sharing them as in a step
-        t = time.perf_counter()
-        fn()
-        repeat = torch.tensor(math.ceil(SAMPLE_S / max(time.perf_counter() - t, 1e-6)))
-        dist.all_reduce(repeat, op=dist.ReduceOp.MAX)
-        out = []
-        for _ in range(n):
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(int(repeat)):
-                fn()
-            out.append((time.perf_counter() - t) / int(repeat))
-        return statistics.median(out)
+        return timed_in_turn([fn], n)[0]
 
     def fwd_bwd(fn, *inputs):  # one forward and backward of fn; the work counts 1 + 2
         inputs = [x.detach().requires_grad_() for x in inputs]
@@ -53,17 +39,20 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
 
     # matrix products of the per-rank shapes a p-way split of one layer gives, on row counts from one
     # sequence's (a pipeline's smallest micro-batch) to the batch's: t = 6·(rows + kernel_rows)·Σ k·n / F
-    def products_time(rows):
+    def products(rows):
         shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
                   (rows, max(1, 4 * h // p), h)]
-        products = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
-        return timed(lambda: [f() for f in products]), 6 * sum(k * n for _, k, n in shapes)
+        steps = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+        return (lambda: [f() for f in steps]), 6 * sum(k * n for _, k, n in shapes)
 
-    # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank
+    # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank,
+    # the row counts timed in turn after a round untimed: the first work of a process runs slower,
+    # and timed one after the other (the shortest first) the row term fitted 26-84 rows at 2 ranks
+    # where row counts timed in turn, warm, give 0-10
     row_counts = sorted({T, min(2 * T, M), max(T, M // 2), M})
-    timings = [products_time(rows) for rows in row_counts]
-    weights = timings[0][1]
-    slowest = torch.tensor([t for t, _ in timings], dtype=torch.float64)
+    runs = [products(rows) for rows in row_counts]
+    weights = runs[0][1]
+    slowest = torch.tensor(timed_in_turn([run for run, _ in runs], reps, warm_rounds=1), dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     seconds = slowest.tolist()
     kernel_rows = _kernel_rows(list(zip(row_counts, seconds)))  # the same on every rank
@@ -103,7 +92,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         for numel in (16, 4096, 65536, 1 << 18, 1 << 20, 1 << 22):  # CommMeter's buffer, up to a gradient bucket's size
             numel = p * -(-numel // p)
             for op, fn in _collectives(numel, p):
-                seconds = max(timed(lambda: loop(fn)) - timed(lambda: loop(None)), 1e-6) / 8
+                with_it, without = timed_in_turn([lambda: loop(fn), lambda: loop(None)], reps)
+                seconds = max(with_it - without, 1e-6) / 8
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
         alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
         collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
@@ -117,7 +107,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
 
-        alpha_send = max(timed(lambda: loop(exchange)) - timed(lambda: loop(None)), 1e-6) / 8 - small.numel() * 4 * beta
+        with_it, without = timed_in_turn([lambda: loop(exchange), lambda: loop(None)], reps)
+        alpha_send = max(with_it - without, 1e-6) / 8 - small.numel() * 4 * beta
         alpha_send = max(alpha_send, alpha)
     else:
         alpha, beta, alpha_send = 1e-5, 1e-10, 0.0
@@ -154,6 +145,34 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows)
+
+
+def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:
+    """Seconds per call of each of `fns` (zero-argument callables), every rank of the world running
+    them together: the median over n rounds, each round one sample of every fn in turn (starting
+    one later each round, as the validation interleaves its layouts), so that a drift of the
+    machine's speed falls on all of them alike, after `warm_rounds` rounds untimed. A sample
+    repeats its fn for at least SAMPLE_S, every rank the same number of times: a shorter one fits
+    inside the scheduler's time slice, and where ranks outnumber the cores it would time one rank
+    running alone rather than the ranks sharing them as in a step."""
+    first = []
+    for fn in fns:
+        t = time.perf_counter()
+        fn()
+        first.append(math.ceil(SAMPLE_S / max(time.perf_counter() - t, 1e-6)))
+    repeats = torch.tensor(first)
+    dist.all_reduce(repeats, op=dist.ReduceOp.MAX)
+    samples = [[] for _ in fns]
+    for r in range(warm_rounds + n):
+        for k in [(r + i) % len(fns) for i in range(len(fns))]:
+            repeat = int(repeats[k])
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(repeat):
+                fns[k]()
+            if r >= warm_rounds:
+                samples[k].append((time.perf_counter() - t) / repeat)
+    return [statistics.median(s) for s in samples]
 
 
 def _kernel_rows(samples: list[tuple[int, float]]) -> float:
