@@ -147,6 +147,26 @@ def test_kernel_rows_fitted_over_the_row_counts():
     assert _kernel_rows([(512, 1.0)]) == 0.0
 
 
+@pytest.mark.parametrize("layout", [Layout("1d", tp=2), Layout("serial", cp=2)])
+def test_overlap_hides_its_fraction_of_a_collective_beside_compute(layout):
+    """Catches the machine's overlap fraction left out of a hidden collective's price: a 1d
+    backward's input-gradient all-reduces beside the weight gradients' products and a cp ring's
+    exchanges beside attention hide all of the shorter of the two where copies and sums have
+    engines of their own (overlap 1) and only that fraction of it on a CPU whose ranks have no
+    spare core (the rest stays communication), so the step grows by exactly the part not hidden."""
+    cfg = small(n_layers=2)
+    c = estimate(cfg, layout, batch=4)
+    whole = c.time(MACHINE)
+    part = c.time(dataclasses.replace(MACHINE, overlap=0.25))
+    for phase in ("forward", "backward"):
+        hidden = whole.get(f"{phase}_overlapped", 0.0)
+        assert part.get(f"{phase}_overlapped", 0.0) == pytest.approx(0.25 * hidden)
+        assert part[f"{phase}_comm"] == pytest.approx(whole[f"{phase}_comm"] + 0.75 * hidden)
+    assert whole["backward_overlapped"] > 0
+    assert part["step"] == pytest.approx(whole["step"] + 0.75 * (whole["backward_overlapped"]
+                                                                 + whole.get("forward_overlapped", 0.0)))
+
+
 def _row_term_of_products_cold_then_drifting(sequential: bool) -> float:
     """The calibration's row term of four products that take (rows + 20) x 10 µs, twice as long at
     first and back to that over 0.6 s (a process's first work), timed in turn as `calibrate` times

@@ -110,8 +110,28 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         with_it, without = timed_in_turn([lambda: loop(exchange), lambda: loop(None)], reps)
         alpha_send = max(with_it - without, 1e-6) / 8 - small.numel() * 4 * beta
         alpha_send = max(alpha_send, alpha)
+        # how much of a collective compute beside it hides (a 1d backward's input-gradient all-reduce
+        # beside the weight gradient's product): of an activation's all-reduce, the time a loop
+        # saves by starting it before the product and awaiting it after, over the most it could
+        # save (the shorter of the two); on a CPU whose ranks have no spare core the collective's
+        # copies and sums take the core from the product
+        activation = torch.randn(M * max(1, h // 2))
+
+        def after():
+            for _ in range(8):
+                chunk_a @ chunk_b
+                dist.all_reduce(activation)
+
+        def beside():
+            for _ in range(8):
+                work = dist.all_reduce(activation, async_op=True)
+                chunk_a @ chunk_b
+                work.wait()
+
+        alone, in_turn, started = timed_in_turn([lambda: loop(None), after, beside], reps)
+        overlap = min(max((in_turn - started) / max(min(in_turn - alone, alone), 1e-9), 0.0), 1.0)
     else:
-        alpha, beta, alpha_send = 1e-5, 1e-10, 0.0
+        alpha, beta, alpha_send, overlap = 1e-5, 1e-10, 0.0, 1.0
     skew = _skew(cfg, batch) if p > 1 else 0.0
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
@@ -144,7 +164,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
-                             kernel_rows=kernel_rows)
+                             kernel_rows=kernel_rows, overlap=overlap)
 
 
 def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:

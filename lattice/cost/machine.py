@@ -77,7 +77,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
-                   "kernel_rows")
+                   "kernel_rows", "overlap")
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,11 @@ class Machine:
     # CPU's: packing the weight into its kernel's blocks is fixed per product, amortised over its
     # rows): a pipeline's micro-batch of one sequence runs its products at M/(M + kernel_rows) of F
     kernel_rows: float = 0.0
+    # the fraction of a collective's time that compute beside it hides (a layer's collective started
+    # before the weight gradients' products, a cp ring's exchange beside attention, ZeRO's gather
+    # beside the next forward), up to that compute's time: 1 where copies and sums have engines of
+    # their own; on a CPU whose ranks have no spare core they take it from the compute (calibrated)
+    overlap: float = 1.0
     # the framework's time per operation a family describes (a norm, a linear, attention: each a
     # handful of calls through Python, autograd and the dispatcher), forward; backward twice
     op_overhead: float = 0.0
@@ -178,6 +183,7 @@ class Machine:
                 f"β = 1/({1e-9 / self.beta_intra:.3g} GB/s); inter-node α = {self.alpha_inter * 1e6:.3g} µs, "
                 f"β = 1/({1e-9 / self.beta_inter:.3g} GB/s); {self.ranks_per_node} ranks per node; "
                 f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce"
+                + (f"; compute hides {self.overlap:.0%} of a collective beside it" if self.overlap < 1 else "")
                 + "".join(f"; {op} α = {a * 1e6:.3g} µs, β = 1/({1e-9 / b:.3g} GB/s)" for op, a, b in self.collectives))
 
 

@@ -161,7 +161,8 @@ class Cost:
         keys and values (site layer.ring), which travel while attention computes the block before,
         and the layers' collectives a layout starts before the weight gradients' products and
         awaits after them (sites ending in ".hidden"; the products are half of backward's linear
-        work) (`overlapped`: the seconds of them hidden so). With stem=True, the Transformer layers
+        work) (`overlapped`: the seconds of them hidden so, Machine.overlap of the shorter of the
+        collectives and that compute). With stem=True, the Transformer layers
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
@@ -179,12 +180,12 @@ class Cost:
             cp = self.topology.size(MeshAxis.CP)
             if cp > 1:  # each of the ring's cp - 1 sends beside one of its cp blocks of attention
                 attention = work["scores"][phase] / machine.attn_rate * (1 - 1 / cp)
-                out[f"{phase}_overlapped"] = min(self.comm_time(machine, phase, "layer.ring"), attention)
+                out[f"{phase}_overlapped"] = machine.overlap * min(self.comm_time(machine, phase, "layer.ring"), attention)
                 out[f"{phase}_comm"] -= out[f"{phase}_overlapped"]
             beside_products = sum(self.comm_time(machine, phase, site) for site in
                                   sorted({t.site for t in self.terms if t.phase == phase and t.site.endswith(".hidden")}))
             if beside_products:
-                hidden = min(beside_products, linear / 2 / machine.flop_rate)
+                hidden = machine.overlap * min(beside_products, linear / 2 / machine.flop_rate)
                 out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + hidden
                 out[f"{phase}_comm"] -= hidden
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
@@ -199,7 +200,7 @@ class Cost:
         updated = (self.memory["optimizer"] / (3 if self.precision == "bf16" else 2) if self.zero or self.precision == "bf16"
                    else self.memory["parameters"])
         gather = self.comm_time(machine, "optimizer")
-        out["update_overlapped"] = min(gather, out["forward_compute"]) if self.overlap_param_gather else 0.0
+        out["update_overlapped"] = machine.overlap * min(gather, out["forward_compute"]) if self.overlap_param_gather else 0.0
         # before it the gradient norm reads each gradient and clipping reads and writes it
         out["update"] = (self.param_tensors * (machine.update_per_tensor + machine.norm_per_tensor)
                          + ((7 + 3) * updated + 2 * self.reduced_grad_bytes) / machine.mem_bandwidth
