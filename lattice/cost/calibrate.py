@@ -48,7 +48,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank,
     # the row counts timed in turn after a round untimed: the first work of a process runs slower,
     # and timed one after the other (the shortest first) the row term fitted 26-84 rows at 2 ranks
-    # where row counts timed in turn, warm, give 0-10
+    # where row counts timed in turn, warm, give 6-31 (65 for gpt2-deep's smallest products)
     row_counts = sorted({T, min(2 * T, M), max(T, M // 2), M})
     runs = [products(rows) for rows in row_counts]
     weights = runs[0][1]
@@ -114,7 +114,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         # beside the weight gradient's product): of an activation's all-reduce, the time a loop
         # saves by starting it before the product and awaiting it after, over the most it could
         # save (the shorter of the two); on a CPU whose ranks have no spare core the collective's
-        # copies and sums take the core from the product
+        # copies and sums take the core from the product; the message is (M, h/2) elements
         activation = torch.randn(M * max(1, h // 2))
 
         def after():
