@@ -83,7 +83,13 @@ def _mean_row(a: tuple, b: tuple) -> tuple:
 
 
 def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> dict:
-    """In a world of p ranks: a Trainer per layout, then `rounds` rounds of `steps` steps of each."""
+    """In a world of p ranks: `rounds` rounds of `steps` steps of each layout, each turn on a
+    Trainer built for it (two steps of warm-up) whose process groups are destroyed after it: a
+    gloo group polls even while idle (~0.05% of a core each; the 70 or so of 14 layouts' cost
+    every rank 2-4% of a core), and at 8 ranks on 2 cores the groups of 12 idle layouts slowed the
+    timed ones' steps by 13-15%, which a run of one layout does not pay."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -92,29 +98,34 @@ def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> 
     from lattice.training.trainer import Trainer
 
     arch, sizes = SHAPES[shape]
-    trainers = []
-    for record in layouts:
-        layout = Layout(**record["layout"])
-        ctx = lattice.init(layout)
+
+    def turn(record: dict) -> float:
+        ctx = lattice.init(Layout(**record["layout"]))
         cfg = TrainConfig(arch=arch, **sizes, vocab_size=2048, batch_size=BATCH, steps=10 ** 6, warmup=1,
                           eval_interval=10 ** 6, checkpoint_interval=0, zero=record["zero"],
                           activation_checkpointing=record["activation_checkpointing"])
         trainer = Trainer(cfg, ctx)
         for _ in range(2):  # warm-up
             trainer.train_step()
-        trainers.append(trainer)
-    times = [[] for _ in trainers]
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        mean = torch.tensor((time.perf_counter() - t) / steps, dtype=torch.float64)
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        del trainer
+        gc.collect()
+        groups = {*ctx.mesh.get_all_groups(), *ctx.multi_axis_groups.values(), ctx.embedding_group}
+        for group in groups - {None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD}:  # (a mesh of the
+            # whole world may use the default group)
+            dist.destroy_process_group(group)
+        return float(mean)
+
+    times = [[] for _ in layouts]
     for r in range(rounds):
-        order = list(range(len(trainers)))
-        order = order[r % len(order):] + order[:r % len(order)]
-        for k in order:
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(steps):
-                trainers[k].train_step()
-            mean = torch.tensor((time.perf_counter() - t) / steps, dtype=torch.float64)
-            dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            times[k].append(float(mean))
+        order = list(range(len(layouts)))
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            times[k].append(turn(layouts[k]))
     return {"step_s": [statistics.median(t) for t in times], "rounds": times} if dist.get_rank() == 0 else {}
 
 

@@ -204,6 +204,78 @@ def test_products_timed_in_turn_after_a_warm_round_keep_the_row_term():
         assert abs(rank_rows - 20) < 10, rank_rows
 
 
+def test_skew_seconds_interpolates_the_wait_per_synchronisation():
+    """Catches Machine.skew_seconds reading its curve wrongly: the wait of a synchronisation after a
+    stretch of compute is linear between the measured stretches, through zero below the first and
+    along the last two beyond (never falling there), at the group size nearest by ratio; without a
+    curve it is skew x compute. Figures by hand from the two points (10 ms, 2 ms), (40 ms, 4 ms)."""
+    m = dataclasses.replace(MACHINE, skew=0.5, skew_curve=((2, 0.01, 0.002), (2, 0.04, 0.004),
+                                                           (8, 0.01, 0.005), (8, 0.04, 0.003)))
+    assert m.skew_seconds(0.08, {2: 4}) == pytest.approx(4 * (0.002 + 0.002 / 3))  # 20 ms stretches
+    assert m.skew_seconds(0.1, {2: 1}) == pytest.approx(0.004 + 0.06 * 0.002 / 0.03)  # beyond: along the last two
+    assert m.skew_seconds(0.005, {2: 1}) == pytest.approx(0.001)  # below: through zero
+    assert m.skew_seconds(0.1, {8: 1}) == pytest.approx(0.003)  # beyond a falling pair: no less than measured
+    # 4 ranks as near 8 as 2 (the larger then), 16 nearest 8: 20 ms stretches on (10, 5), (40, 3)
+    assert m.skew_seconds(0.08, {4: 2, 16: 2}) == pytest.approx(4 * (0.005 - 0.002 / 3))
+    assert m.skew_seconds(0.08, {}) == pytest.approx(0.0)
+    assert dataclasses.replace(m, skew_curve=()).skew_seconds(0.08, {2: 4}) == pytest.approx(0.04)
+
+
+FLAT_WAIT = dataclasses.replace(MACHINE, skew_curve=((2, 1e-9, 0.01), (2, 10.0, 0.01)))  # 10 ms at every sync
+
+
+@pytest.mark.parametrize("layout,syncs", [
+    # the gradients' all-reduce over dp, once
+    (Layout("serial", dp=4, ranks_per_node=4), 1),
+    # per micro-batch an activation out of stage 0 and its gradient back (2 m), the gradients over
+    # dp once; GPT-2's tied embedding (first and last stage) is reduced in the same flat all-reduce
+    (Layout("serial", dp=2, pp=2, microbatches=4, ranks_per_node=4), 2 * 4 + 1)])
+def test_skew_per_synchronisation_counts_a_steps_waits(layout, syncs):
+    """Catches the planner counting a step's synchronisations wrongly (the gradients' reduction per
+    micro-batch, a pipeline's hops left out): at a wait of 10 ms whatever the stretch, the skew is
+    10 ms times the synchronisations counted by hand."""
+    priced = price(small(n_layers=4), Choice(layout), batch=8, machine=FLAT_WAIT)
+    assert priced.terms["skew"] == pytest.approx(0.01 * syncs)
+
+
+def test_skew_per_synchronisation_extrapolates_with_depth():
+    """Catches the sync count drifting in the planner's depth extrapolation (one and two blocks, then
+    linear): 1d's per-layer collectives at 6 blocks give the skew the cost model of the whole model
+    counts."""
+    cfg, layout = small(n_layers=6), Layout("1d", tp=2, dp=2, ranks_per_node=4)
+    priced = price(cfg, Choice(layout), batch=16, machine=FLAT_WAIT)
+    whole = estimate(cfg, layout, batch=8).time(FLAT_WAIT)
+    assert whole["skew"] > 0.01 * 6 * 4  # at least forward's two and backward's two all-reduces per block
+    assert priced.terms["skew"] == pytest.approx(whole["skew"], rel=1e-12)
+
+
+def _waits_of_one_slow_rank() -> tuple:
+    import time
+
+    import torch.distributed as dist
+
+    from lattice.cost.calibrate import _skew_curve
+
+    pause = 0.002 if dist.get_rank() == 3 else 0.001
+    return _skew_curve(lambda: time.sleep(pause), stretches=(0.02, 0.06), samples=5)
+
+
+def test_skew_curve_waits_for_the_slowest_rank_of_each_group():
+    """Catches the calibration's wait per synchronisation taken over the wrong ranks (the whole
+    world for every group, or a group's mean): of 4 ranks whose stretch takes r ms and one 2r,
+    groups of 2 wait (r + 2r)/2 - 1.25r = 0.25r on average and the group of 4 waits 0.75r, i.e.
+    0.2 and 0.6 of the mean stretch (1.25r)."""
+    from multiproc import run_distributed
+
+    for curve in run_distributed(4, _waits_of_one_slow_rank):
+        by_group = {}
+        for ranks, stretch, wait in curve:
+            by_group.setdefault(ranks, []).append(wait / stretch)
+        assert sorted(by_group) == [2, 4]
+        assert all(abs(r - 0.2) < 0.06 for r in by_group[2]), by_group
+        assert all(abs(r - 0.6) < 0.1 for r in by_group[4]), by_group
+
+
 def test_search_covers_the_hand_enumerated_space_and_ranks_by_price():
     """Catches a search that skips feasible setups (a pp it never tries, a dp it drops): on 4 ranks
     of one node, every 1d and serial layout a hand enumeration lists (tp, pp with 1F1B at the largest

@@ -133,6 +133,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     else:
         alpha, beta, alpha_send, overlap = 1e-5, 1e-10, 0.0, 1.0
     skew = _skew(cfg, batch) if p > 1 else 0.0
+    chunk = torch.randn(M, h), torch.randn(h, max(1, 3 * h // p))
+    skew_curve = _skew_curve(lambda: chunk[0] @ chunk[1]) if p > 1 else ()
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
         params = [nn.Parameter(t) for t in tensors]
@@ -164,7 +166,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
-                             kernel_rows=kernel_rows, overlap=overlap)
+                             kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve)
 
 
 def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:
@@ -263,6 +265,42 @@ def _skew(cfg, batch: int, samples: int = 12) -> float:
         dist.all_reduce(total)
         ratios.append(float(slowest) / (float(total) / p))
     return max(statistics.median(ratios) - 1, 0.0)
+
+
+def _skew_curve(work, stretches=(0.002, 0.008, 0.032, 0.128), samples: int = 12) -> tuple:
+    """Machine.skew_curve: stretches of `work` (a zero-argument callable) repeated to about each of
+    `stretches` seconds of the mean rank's time, every rank starting together after a barrier as
+    after a synchronisation: the median over samples of the mean rank's time and, for each group
+    size g dividing the world (ranks g·i to g·i + g - 1), of the mean over groups of their slowest
+    rank's time beyond the mean rank's: ((g, stretch, wait), ...), the same on every rank."""
+    p = dist.get_world_size()
+    groups = [g for g in range(2, p + 1) if p % g == 0]
+
+    def sample(repeat: int) -> torch.Tensor:  # every rank's seconds for `repeat` calls, started together
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(repeat):
+            work()
+        mine = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(p)]
+        dist.all_gather(every, mine)
+        return torch.cat(every)
+
+    rows, repeat = [], 1
+    for stretch in stretches:
+        # a short stretch runs before the other ranks are scheduled, a long one shares the cores:
+        # the repeats that give the stretch are found by trying, twice
+        for _ in range(2):
+            mean = float(sample(repeat).mean())
+            repeat = max(1, round(repeat * stretch / max(mean, 1e-9)))
+        means, waits = [], {g: [] for g in groups}
+        for _ in range(samples):
+            times = sample(repeat)
+            means.append(float(times.mean()))
+            for g in groups:
+                waits[g].append(float(times.reshape(p // g, g).amax(1).mean()) - means[-1])
+        rows += [(g, statistics.median(means), max(statistics.median(waits[g]), 0.0)) for g in groups]
+    return tuple(rows)
 
 
 def _op_overhead(timed) -> float:

@@ -77,7 +77,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
-                   "kernel_rows", "overlap")
+                   "kernel_rows", "overlap", "skew_curve")
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,13 @@ class Machine:
     # segment of compute takes than the mean rank's, started together (0: a device per rank); the
     # step's forward and backward take that fraction more
     skew: float = 0.0
+    # the same wait measured per synchronisation, against the stretch of compute before it and the
+    # ranks it joins: ((group ranks, stretch s, slowest of the group beyond the mean rank, s), ...).
+    # Where ranks outnumber cores the wait is about a scheduler's slice, whatever the stretch
+    # (~8 ms at 8 ranks on 2 cores from stretches of 10 to 300 ms), so a fixed fraction of compute
+    # overcharges a step of few long stretches and undercharges one of many short ones; with a
+    # curve, the step's skew is that of its synchronisations (skew_seconds), else skew x compute
+    skew_curve: tuple = ()
     # each collective's own (α, β) inside a node, where they differ from one another: ((op, α, β), ...).
     # gloo's all-reduce of a few bytes between two ranks takes six times a broadcast's latency and
     # its all-gather moves a byte at a third of a broadcast's rate, which one α and one β fitted to
@@ -152,6 +159,30 @@ class Machine:
         del row["ranks"]
         return dataclasses.replace(self, **row, alpha_inter=max(row["alpha_intra"], self.alpha_inter),
                                    beta_inter=max(row["beta_intra"], self.beta_inter), by_world=())
+
+    def skew_seconds(self, compute: float, syncs: dict[int, float]) -> float:
+        """Seconds a step waits for its slowest ranks: with `skew_curve`, each of its `syncs`
+        ({group ranks: synchronisations per step}) after an equal share of the step's `compute`,
+        at the curve of the nearest group size (by ratio), linear in the stretch between its
+        measured points (through zero below the first, along the last two beyond); else
+        skew x compute."""
+        count = sum(syncs.values())
+        if not self.skew_curve:
+            return self.skew * compute
+        if count <= 0:  # ranks that never meet wait for none
+            return 0.0
+        stretch = compute / count
+        seconds = 0.0
+        for ranks, n in syncs.items():
+            near = min({row[0] for row in self.skew_curve}, key=lambda g: (abs(math.log(g / max(ranks, 1))), -g))
+            points = [(0.0, 0.0)] + sorted((s, e) for g, s, e in self.skew_curve if g == near)
+            (s0, e0), (s1, e1) = next(((a, b) for a, b in zip(points, points[1:]) if stretch <= b[0]), points[-2:])
+            slope = (e1 - e0) / max(s1 - s0, 1e-12)
+            if stretch > s1:  # beyond the longest stretch measured the wait is no less than there
+                seconds += n * (e1 + (stretch - s1) * max(slope, 0.0))
+            else:
+                seconds += n * max(0.0, e0 + (stretch - s0) * slope)
+        return seconds
 
     def link(self, across_nodes: bool, op: str = "") -> tuple[float, float]:
         """(α, β) of a message of `op` inside a node (the collective's own where `collectives` has

@@ -121,6 +121,21 @@ class Cost:
         """Point-to-point message steps per rank under the ring / tree algorithms."""
         return sum(t.calls * message_steps(t.op, self.term_ranks(t)) for t in self._select(phase, op, site))
 
+    def syncs(self, grads: bool = True) -> dict[int, float]:
+        """{group ranks: synchronisations per step} of forward and backward, each collective call one
+        (a layer's waits for its slowest rank), the gradients' reductions after backward one per
+        group (they start as backward frees buckets and are awaited together), or none with
+        grads=False (a pipeline's stage counts them once, not per micro-batch)."""
+        out: dict[int, float] = {}
+        for t in self.terms:
+            if t.phase in ("forward", "backward") and t.site != "grads":
+                out[self.term_ranks(t)] = out.get(self.term_ranks(t), 0.0) + t.calls
+        if grads:
+            for axes, ranks in {t.axes: self.term_ranks(t) for t in self.terms
+                                if t.site == "grads" and t.phase == "backward"}.items():
+                out[ranks] = out.get(ranks, 0.0) + 1
+        return out
+
     def summary(self) -> dict[tuple[str, str, int], dict[str, float]]:
         """{(phase, op, group size): {calls, elements, bytes}}, CommMeter.summary()'s shape."""
         out: dict = {}
@@ -189,8 +204,8 @@ class Cost:
                 out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + hidden
                 out[f"{phase}_comm"] -= hidden
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
-        # waiting for the slowest rank's compute (the collectives' calibration already waits for it)
-        out["skew"] = machine.skew * (out["forward_compute"] + out["backward_compute"])
+        # waiting for the slowest rank's compute at each synchronisation (Machine.skew_seconds)
+        out["skew"] = machine.skew_seconds(out["forward_compute"] + out["backward_compute"], self.syncs())
         if stem:
             out["step"] = out["forward"] + out["backward"] + out["skew"]
             return out

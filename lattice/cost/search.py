@@ -159,6 +159,10 @@ def _figures(c, machine: Machine) -> dict[str, float]:
             groups[_group(term.site)] += seconds
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
+    # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
+    grads = c.syncs(grads=False)
+    out.update({f"syncs_{n}": v for n, v in grads.items()})
+    out.update({f"grad_syncs_{n}": v - grads.get(n, 0.0) for n, v in c.syncs().items() if v != grads.get(n, 0.0)})
     return out
 
 
@@ -183,7 +187,7 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
     if blocks <= 2:
         return figures(blocks)
     one, two = figures(1), figures(2)
-    return {key: one[key] + (blocks - 1) * (two[key] - one[key]) for key in one}
+    return {key: one.get(key, 0.0) + (blocks - 1) * (two.get(key, 0.0) - one.get(key, 0.0)) for key in one | two}
 
 
 def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
@@ -236,9 +240,15 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                                                               batch=replica // m, **kw)
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
-    # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew;
-    # the collectives' calibration, between compute on every rank, already waits for it)
-    terms["skew"] = machine.at(lay.world_size).skew * terms["compute"]
+    # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
+    # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
+    syncs = {int(k[6:]): v * (lay.pipeline.m if lay.pp > 1 else 1) for k, v in f.items() if k.startswith("syncs_")}
+    for k, v in f.items():
+        if k.startswith("grad_syncs_"):
+            syncs[int(k[11:])] = syncs.get(int(k[11:]), 0.0) + v
+    if lay.pp > 1:
+        syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v
+    terms["skew"] = machine.at(lay.world_size).skew_seconds(terms["compute"], syncs)
     terms["update"] += _trainer_scalars(lay, choice, machine)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
