@@ -224,17 +224,20 @@ def test_skew_seconds_interpolates_the_wait_per_synchronisation():
 FLAT_WAIT = dataclasses.replace(MACHINE, skew_curve=((2, 1e-9, 0.01), (2, 10.0, 0.01)))  # 10 ms at every sync
 
 
-@pytest.mark.parametrize("layout,syncs", [
+@pytest.mark.parametrize("arch,layout,syncs", [
     # the gradients' all-reduce over dp, once
-    (Layout("serial", dp=4, ranks_per_node=4), 1),
-    # per micro-batch an activation out of stage 0 and its gradient back (2 m), the gradients over
-    # dp once; GPT-2's tied embedding (first and last stage) is reduced in the same flat all-reduce
-    (Layout("serial", dp=2, pp=2, microbatches=4, ranks_per_node=4), 2 * 4 + 1)])
-def test_skew_per_synchronisation_counts_a_steps_waits(layout, syncs):
+    ("gpt2", Layout("serial", dp=4, ranks_per_node=4), 1),
+    # per micro-batch an activation out of stage 0 and its gradient back (2 m); after the schedule
+    # the loss's broadcast from the last stage, the gradients over dp, and GPT-2's tied token table
+    # summed between the first stage and the last (lattice.parallel.pipeline: sync_grads)
+    ("gpt2", Layout("serial", dp=2, pp=2, microbatches=4, ranks_per_node=4), 2 * 4 + 3),
+    ("llama", Layout("serial", dp=2, pp=2, microbatches=4, ranks_per_node=4), 2 * 4 + 2)])
+def test_skew_per_synchronisation_counts_a_steps_waits(arch, layout, syncs):
     """Catches the planner counting a step's synchronisations wrongly (the gradients' reduction per
-    micro-batch, a pipeline's hops left out): at a wait of 10 ms whatever the stretch, the skew is
-    10 ms times the synchronisations counted by hand."""
-    priced = price(small(n_layers=4), Choice(layout), batch=8, machine=FLAT_WAIT)
+    micro-batch, a pipeline's hops or its sums after the schedule left out): at a wait of 10 ms
+    whatever the stretch, the skew is 10 ms times the synchronisations counted by hand."""
+    cfg = model_config(arch, "small", vocab_size=512, n_layers=4)
+    priced = price(cfg, Choice(layout), batch=8, machine=FLAT_WAIT)
     assert priced.terms["skew"] == pytest.approx(0.01 * syncs)
 
 
