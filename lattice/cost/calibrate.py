@@ -133,8 +133,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     else:
         alpha, beta, alpha_send, overlap = 1e-5, 1e-10, 0.0, 1.0
     skew = _skew(cfg, batch) if p > 1 else 0.0
-    chunk = torch.randn(M, h), torch.randn(h, max(1, 3 * h // p))
-    skew_curve = _skew_curve(lambda: chunk[0] @ chunk[1]) if p > 1 else ()
+    # the wait per synchronisation, after stretches of the collectives' loop's product
+    skew_curve = _skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
         params = [nn.Parameter(t) for t in tensors]

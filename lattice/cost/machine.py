@@ -131,9 +131,10 @@ class Machine:
     # the same wait measured per synchronisation, against the stretch of compute before it and the
     # ranks it joins: ((group ranks, stretch s, slowest of the group beyond the mean rank, s), ...).
     # Where ranks outnumber cores the wait is about a scheduler's slice, whatever the stretch
-    # (~8 ms at 8 ranks on 2 cores from stretches of 10 to 300 ms), so a fixed fraction of compute
-    # overcharges a step of few long stretches and undercharges one of many short ones; with a
-    # curve, the step's skew is that of its synchronisations (skew_seconds), else skew x compute
+    # (6-18 ms at 8 ranks on 2 cores after stretches of 8 to 320 ms: 77% to 6% of them), so a
+    # fixed fraction of compute overcharges a step of few long stretches and undercharges one of
+    # many short ones; with a curve, the step's skew is that of its synchronisations
+    # (skew_seconds), else skew x compute
     skew_curve: tuple = ()
     # each collective's own (α, β) inside a node, where they differ from one another: ((op, α, β), ...).
     # gloo's all-reduce of a few bytes between two ranks takes six times a broadcast's latency and
