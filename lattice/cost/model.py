@@ -123,17 +123,21 @@ class Cost:
 
     def syncs(self, grads: bool = True) -> dict[int, float]:
         """{group ranks: synchronisations per step} of forward and backward, each collective call one
-        (a layer's waits for its slowest rank), the gradients' reductions after backward one per
-        group (they start as backward frees buckets and are awaited together), or none with
-        grads=False (a pipeline's stage counts them once, not per micro-batch)."""
-        out: dict[int, float] = {}
+        (a layer's waits for its slowest rank), with the gradients' reductions (`grad_syncs`) or,
+        with grads=False, without them (a pipeline's stage counts them once, not per micro-batch)."""
+        out: dict[int, float] = self.grad_syncs() if grads else {}
         for t in self.terms:
             if t.phase in ("forward", "backward") and t.site != "grads":
                 out[self.term_ranks(t)] = out.get(self.term_ranks(t), 0.0) + t.calls
-        if grads:
-            for axes, ranks in {t.axes: self.term_ranks(t) for t in self.terms
-                                if t.site == "grads" and t.phase == "backward"}.items():
-                out[ranks] = out.get(ranks, 0.0) + 1
+        return out
+
+    def grad_syncs(self) -> dict[int, float]:
+        """{group ranks: synchronisations per step} of the gradients' reductions after backward, one
+        per group (they start as backward frees buckets and are awaited together)."""
+        out: dict[int, float] = {}
+        for ranks in {t.axes: self.term_ranks(t) for t in self.terms
+                      if t.site == "grads" and t.phase == "backward"}.values():
+            out[ranks] = out.get(ranks, 0.0) + 1
         return out
 
     def summary(self) -> dict[tuple[str, str, int], dict[str, float]]:

@@ -160,9 +160,8 @@ def _figures(c, machine: Machine) -> dict[str, float]:
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
-    grads = c.syncs(grads=False)
-    out.update({f"syncs_{n}": v for n, v in grads.items()})
-    out.update({f"grad_syncs_{n}": v - grads.get(n, 0.0) for n, v in c.syncs().items() if v != grads.get(n, 0.0)})
+    out.update({f"syncs_{n}": v for n, v in c.syncs(grads=False).items()})
+    out.update({f"grad_syncs_{n}": v for n, v in c.grad_syncs().items()})
     return out
 
 
