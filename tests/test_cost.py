@@ -312,3 +312,74 @@ def test_data_parallel_reduction_prices_one_copy_of_the_gradients_into_its_buffe
             c = cost.estimate(cfg, "serial", batch=8, rank=0, dp=dp, **layout)
             passes = c.time(narrow)["update"] - c.time(base)["update"]
             assert passes == pytest.approx((7 + 3 + (2 if dp > 1 else 0)) * held / base.mem_bandwidth), (layout, dp)
+
+
+# operators whose outputs are views, allocations, products or attention (priced apart), or the
+# embedding's gather and positions (which the builder leaves out)
+_NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "view", "_unsafe_view", "t", "transpose", "as_strided", "expand", "detach",
+                    "reshape", "permute", "split_with_sizes", "split", "slice", "select", "unsqueeze", "squeeze",
+                    "alias", "empty", "empty_like", "unbind", "_to_copy", "lift_fresh", "zeros", "arange", "embedding",
+                    "cos", "sin", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_elementwise_work_equals_the_elements_the_models_operators_write(arch):
+    """The builder's forward elementwise work against the elements every non-product operator of
+    the serial model writes in a forward, counted by a dispatch mode: catches a family's operators
+    the cost model leaves out (rotary embeddings on q and k, uncounted before) or counts once where
+    the model runs several (RMSNorm's three products of elements, counted as one before). The
+    cross-entropy counts two per logit in the model (its calibration's convention, one operator
+    here) and is left out by a vocabulary of 16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lattice.cost.plan import model_config
+    from lattice.models import build_model
+    from lattice.modes.layout import Layout
+
+    class Written(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in _NOT_ELEMENTWISE:
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(first, torch.Tensor):
+                    self.elements += first.numel()
+            return out
+
+    cfg = model_config(arch, "tiny", vocab_size=16, seq_len=128)
+    batch = 8  # 1024 rows: the weights' own elementwise work (a fused weight's concatenation) is ~2%
+    model = build_model(cfg, Layout("serial").context())
+    tokens = torch.randint(0, 16, (batch, cfg.seq_len))
+    with torch.no_grad(), Written() as written:
+        model(tokens, tokens)
+    priced = cost.estimate(cfg, "serial", batch=batch).elementwise["forward"]
+    assert priced == pytest.approx(written.elements, rel=0.05)
+
+
+def test_operation_overhead_is_calibrated_on_the_family_priced():
+    """`calibrate`'s time per operation comes from a tiny model of the configured family, not
+    always GPT-2: with a clock that counts the framework calls a forward and backward dispatch,
+    a Llama block's operations (RMSNorm as three products, rotary q and k, SwiGLU) make more
+    calls each than GPT-2's, and a config's own options (Qwen2's q/k/v biases) are kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lattice.cost.calibrate import _op_overhead
+    from lattice.cost.plan import model_config
+
+    class Calls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def calls_as_seconds(fn, n):
+        with Calls() as calls:
+            fn()
+        return float(calls.count)
+
+    per_op = {arch: _op_overhead(model_config(arch, "small", vocab_size=2048), calls_as_seconds)
+              for arch in ("gpt2", "llama", "qwen2")}
+    assert per_op["llama"] > 1.3 * per_op["gpt2"]
+    assert per_op["qwen2"] > per_op["llama"]  # three bias adds more per block

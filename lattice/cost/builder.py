@@ -189,7 +189,9 @@ class CostBuilder:
         """LayerNorm (kind "layer") or RMSNorm ("rms") of the residual stream."""
         self._next()
         self.save(self.mode.cost_norm(self, kind, bias))
-        self._work("elementwise", self.M * self.h * self.share.get("replicated", self.share["split"]))
+        # RMSNorm runs as three products of elements (x·x, x·rstd, weight), LayerNorm as one kernel
+        passes = 3 if kind == "rms" else 1
+        self._work("elementwise", passes * self.M * self.h * self.share.get("replicated", self.share["split"]))
         self.current, self.output_saved = self.residual, False
 
     def linear(self, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
@@ -239,6 +241,8 @@ class CostBuilder:
         T = self.T
         if rotary and self.cp == 1:
             self.save(2 * T * head_size)  # cos and sin of the positions
+        if rotary:  # on q and k: x·cos + rotate_half(x)·sin, rotate_half a negated half and a concatenation
+            self._work("elementwise", 4.5 * (q + kv))
         masked = self.c.padded and padding
         if self.cp > 1:
             self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window)

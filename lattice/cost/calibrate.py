@@ -69,10 +69,10 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     ew = fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
-    # the framework's time per operation a family describes: a serial GPT-2 of one and of two blocks
-    # at sizes whose work is negligible, the second block's time over its operations (forward, and
-    # backward's two per operation)
-    op_overhead = _op_overhead(timed)
+    # the framework's time per operation the family describes: a serial model of it of one and of two
+    # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
+    # and backward's two per operation)
+    op_overhead = _op_overhead(cfg, timed)
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
     # by least squares on the time a loop gains from its collectives; α and β of all-reduce and
@@ -303,20 +303,24 @@ def _skew_curve(work, stretches=(0.002, 0.008, 0.032, 0.128), samples: int = 12)
     return tuple(rows)
 
 
-def _op_overhead(timed) -> float:
+def _op_overhead(cfg, timed) -> float:
     """Seconds per operation of `Model.cost_layout` (forward; backward counts two), from a serial
-    GPT-2 of one and of two blocks at 8 features and 4 tokens."""
+    model of `cfg`'s family (its options kept) of one and of two blocks at the family's tiny
+    preset's sizes and 4 tokens. Per family, since its operations differ in how many framework
+    calls each makes: a Llama block (RMSNorm in three products of elements, rotary embeddings on
+    q and k, SwiGLU) took 2.5 times a GPT-2 block's time per operation here (31 against 12 us)."""
+    import dataclasses
+
     from lattice.cost.model import estimate
     from lattice.models import build_model
-    from lattice.models.gpt2 import GPTConfig
     from lattice.modes.layout import Layout
 
     times, ops = [], []
     for blocks in (1, 2):
-        cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=blocks)
-        model = build_model(cfg, Layout("serial").context())
+        tiny = dataclasses.replace(cfg, **{**type(cfg).presets["tiny"], "vocab_size": 16, "seq_len": 4, "n_layers": blocks})
+        model = build_model(tiny, Layout("serial").context())
         tokens = torch.randint(0, 16, (1, 4))
         times.append(timed(lambda: model.forward_backward(tokens, tokens), n=20))
-        c = estimate(cfg, "serial", batch=1)
+        c = estimate(tiny, "serial", batch=1)
         ops.append(c.ops["forward"] + c.ops["backward"])
     return max(times[1] - times[0], 0.0) / (ops[1] - ops[0])
