@@ -383,3 +383,44 @@ def test_operation_overhead_is_calibrated_on_the_family_priced():
               for arch in ("gpt2", "llama", "qwen2")}
     assert per_op["llama"] > 1.3 * per_op["gpt2"]
     assert per_op["qwen2"] > per_op["llama"]  # three bias adds more per block
+
+
+def test_each_elementwise_operator_is_priced_at_its_own_rate():
+    """A machine with a rate for tanh GELU alone prices GPT-2's GELU elements at it and the rest at
+    elem_rate: forward compute grows by exactly the GELU's elements, B·T·4h per block, at the
+    difference of the two rates. Catches the per-operator rates being ignored, or applied to
+    elements of other operators."""
+    from lattice.cost.plan import model_config
+
+    cfg = model_config("gpt2", "tiny", vocab_size=64)
+    batch = 2
+    c = cost.estimate(cfg, "serial", batch=batch)
+    base = cost.Machine("m", flop_rate=1e10, alpha_intra=1e-5, beta_intra=1e-9, alpha_inter=1e-5, beta_inter=1e-9,
+                        ranks_per_node=1, elem_rate=1e9)
+    slow_gelu = dataclasses.replace(base, elementwise_rates=(("gelu_tanh", 0.25e9),))
+    gelu_elements = cfg.n_layers * batch * cfg.seq_len * 4 * cfg.d_model
+    extra = slow_gelu.elementwise_rate("gelu_tanh"), base.elementwise_rate("gelu_tanh")
+    assert c.time(slow_gelu)["forward_compute"] - c.time(base)["forward_compute"] == pytest.approx(
+        gelu_elements / extra[0] - gelu_elements / extra[1], rel=1e-9)
+    assert c.time(slow_gelu)["backward_compute"] - c.time(base)["backward_compute"] == pytest.approx(
+        2 * (gelu_elements / extra[0] - gelu_elements / extra[1]), rel=1e-9)
+
+
+def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
+    """`calibrate`'s rate of each elementwise operator is elements over the time they add, not over
+    a call's whole time: with calls that take 100 µs plus 1 ns per element of their input, every
+    operator comes out at 3 (forward and backward) x its count per element (ELEMENTWISE_OPERATORS)
+    per ns. Catches the fixed time per call, which Machine.op_overhead prices already, counted
+    again in the rates (half a LayerNorm's time at a rank's share), and counts other than the builder's."""
+    import lattice.cost.calibrate as calibrate
+    from lattice.cost.builder import ELEMENTWISE_OPERATORS
+
+    def fwd_bwd(fn, *inputs):
+        return sum(t.numel() for t in inputs[:1])
+
+    monkeypatch.setattr(calibrate, "timed_in_turn", lambda runs, reps: [100e-6 + n * 1e-9 for n in runs])
+    rates = dict(calibrate._elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
+                                              fwd_bwd=fwd_bwd, reps=1))
+    assert set(rates) == set(ELEMENTWISE_OPERATORS)
+    for op, rate in rates.items():
+        assert rate == pytest.approx(3 * ELEMENTWISE_OPERATORS[op] * 1e9, rel=1e-9), op

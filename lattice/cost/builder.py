@@ -21,6 +21,17 @@ DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
 # described (each a handful of framework calls: the per-operation overhead of Machine.op_overhead),
 # and the weight elements those products read, summed over them (Machine.kernel_rows)
 WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls", "ops", "product_weights")
+# the elementwise operators whose elements are counted apart (work kinds "elementwise:<operator>",
+# Cost.elementwise_ops), each priced at its own rate where the machine has one (Machine.elementwise_rates),
+# with how many elements per element of its output the count takes (its forward's passes)
+ELEMENTWISE_OPERATORS = {
+    "layer_norm": 1,  # one kernel
+    "rms_norm": 3,  # x·x, x·rstd, weight (lattice.modes.kernels.layers.normalize_split_hidden)
+    "add": 1,  # a bias or the residual
+    "rotary": 4.5,  # on q and k: x·cos + rotate_half(x)·sin, rotate_half a negated half and a concatenation
+    "loss": 2,  # the cross-entropy per logit
+    **{f"{act}{gated}": 2 if gated else 1 for act in ("gelu_tanh", "gelu", "relu", "silu") for gated in ("", "_gated")},
+}
 
 
 class CostBuilder:
@@ -109,6 +120,14 @@ class CostBuilder:
     def _work(self, kind: str, amount: float) -> None:
         self.work["layer" if self.region == "layer" else "other"][kind] += amount
 
+    def _elementwise(self, operator: str, elements: float) -> None:
+        """`elements` of `operator`'s output on this rank (forward), counted as ELEMENTWISE_OPERATORS says."""
+        amount = ELEMENTWISE_OPERATORS[operator] * elements
+        self._work("elementwise", amount)
+        kind = f"elementwise:{operator}"
+        part = self.work["layer" if self.region == "layer" else "other"]
+        part[kind] = part.get(kind, 0.0) + amount
+
     def _products(self, block: str, flops: float, calls: int = 1) -> None:
         """A linear layer's matrix products of `flops` in all on this rank (forward), over the rows
         each of its products has here (`Mode.cost_product_rows`): their weight elements follow."""
@@ -154,7 +173,7 @@ class CostBuilder:
                 self.c.terms.append(Term("backward", t.op, t.axes, t.calls * count, t.elements * count, t.site,
                                          t.itemsize))
         for kind, amount in self.work["layer"].items():
-            self.work["layers"][kind] += count * amount
+            self.work["layers"][kind] = self.work["layers"].get(kind, 0.0) + count * amount
             self.work["layer"][kind] = 0.0
         self.layers_saved["elements"] += count * self.saved["layer"]
         self.layers_saved["ints"] += count * self.saved["layer_ints"]
@@ -189,9 +208,8 @@ class CostBuilder:
         """LayerNorm (kind "layer") or RMSNorm ("rms") of the residual stream."""
         self._next()
         self.save(self.mode.cost_norm(self, kind, bias))
-        # RMSNorm runs as three products of elements (x·x, x·rstd, weight), LayerNorm as one kernel
-        passes = 3 if kind == "rms" else 1
-        self._work("elementwise", passes * self.M * self.h * self.share.get("replicated", self.share["split"]))
+        self._elementwise("rms_norm" if kind == "rms" else "layer_norm",
+                          self.M * self.h * self.share.get("replicated", self.share["split"]))
         self.current, self.output_saved = self.residual, False
 
     def linear(self, in_features: int, out_features: int, *, block: str, position: str, bias: bool,
@@ -213,9 +231,9 @@ class CostBuilder:
         replicated = self.share.get("replicated", self.share["split"])
         self._products(block, 2 * self.M * in_features * out_features * share)
         if position == "in":
-            self._work("elementwise", self.M * out_features * (share if bias else 0))
+            self._elementwise("add", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
-            self._work("elementwise", self.M * out_features * replicated * (2 if bias else 1))
+            self._elementwise("add", self.M * out_features * replicated * (2 if bias else 1))
         self._set_length(length)
         self.previous, self.current, self.output_saved = self.current, out, False
 
@@ -241,8 +259,8 @@ class CostBuilder:
         T = self.T
         if rotary and self.cp == 1:
             self.save(2 * T * head_size)  # cos and sin of the positions
-        if rotary:  # on q and k: x·cos + rotate_half(x)·sin, rotate_half a negated half and a concatenation
-            self._work("elementwise", 4.5 * (q + kv))
+        if rotary:
+            self._elementwise("rotary", q + kv)
         masked = self.c.padded and padding
         if self.cp > 1:
             self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window)
@@ -363,7 +381,7 @@ class CostBuilder:
         saves_input = kind != "relu"
         own_output = 0 if self.mode.cost_keeps_input("mlp", "out") else out
         self.save((self.current + out) if gated else (self.current if saves_input else own_output))
-        self._work("elementwise", self.M * width * share * (2 if gated else 1))
+        self._elementwise(kind + ("_gated" if gated else ""), self.M * width * share)
         self.current, self.output_saved = out, False
 
     def dense(self, in_features: int, out_features: int, *, bias: bool, activation: str) -> None:
@@ -374,7 +392,8 @@ class CostBuilder:
         share = self.share.get("dense", self.share["split"])
         self.save(saved + (out if activation != "relu" else 0))  # GELU saves its input
         self._products("dense", 2 * self.M * in_features * out_features * share)
-        self._work("elementwise", self.M * out_features * share * (2 if bias else 1))
+        self._elementwise("add", self.M * out_features * share * (1 if bias else 0))
+        self._elementwise(activation, self.M * out_features * share)
         self.current, self.output_saved = out, False
 
     def lm_head(self) -> None:
@@ -386,7 +405,7 @@ class CostBuilder:
             self.add("forward", "all_reduce", (CP,), 1, 1, "loss")
         share = self.share.get("head", self.share["split"])
         self._products("head", 2 * self.M * self.h * self.vocab_padded * share, calls=0)
-        self._work("elementwise", 2 * self.M * self.vocab_padded * share)
+        self._elementwise("loss", self.M * self.vocab_padded * share)
 
     def classifier(self, num_labels: int, *, pooler: bool = False) -> None:
         """A head over the first token of every sequence (`Mode.pool`), run replicated: with
@@ -398,7 +417,7 @@ class CostBuilder:
         self.save(self.mode.cost_pool(self) + pooled + self.B * num_labels + 1)  # inputs, log-softmax, total weight
         self.save_ints(8 * self.B)  # the class ids
         self._work("flops", 2 * self.B * self.h * (num_labels + (self.h if pooler else 0)))
-        self._work("elementwise", 2 * self.B * num_labels)
+        self._elementwise("loss", self.B * num_labels)
 
     # ---- the step
     def build(self):
@@ -465,5 +484,10 @@ class CostBuilder:
         for kind in WORK_KINDS:  # Cost has a field of each kind's name
             fwd = layers[kind] + other[kind]
             setattr(self.c, kind, {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)})
-        self.c.stem = {kind: {"forward": layers[kind], "backward": (3 if ckpt else 2) * layers[kind]}
-                       for kind in WORK_KINDS}
+        by_operator = sorted({kind for kind in layers | other if kind.startswith("elementwise:")})
+        self.c.elementwise_ops = {
+            kind.split(":", 1)[1]: {"forward": layers.get(kind, 0.0) + other.get(kind, 0.0),
+                                    "backward": 2 * (layers.get(kind, 0.0) + other.get(kind, 0.0))
+                                    + (layers.get(kind, 0.0) if ckpt else 0)} for kind in by_operator}
+        self.c.stem = {kind: {"forward": layers.get(kind, 0.0), "backward": (3 if ckpt else 2) * layers.get(kind, 0.0)}
+                       for kind in WORK_KINDS + tuple(by_operator)}

@@ -77,7 +77,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
-                   "kernel_rows", "overlap", "skew_curve")
+                   "kernel_rows", "overlap", "skew_curve", "elementwise_rates")
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,12 @@ class Machine:
     # its all-gather moves a byte at a third of a broadcast's rate, which one α and one β fitted to
     # all of them misprice by up to 3x; an op not listed (a point-to-point send) uses alpha_intra, beta_intra
     collectives: tuple = ()
+    # each elementwise operator's own rate, where measured: ((operator, elements/s), ...), the
+    # elements as the cost model counts them (lattice.cost.builder.ELEMENTWISE_OPERATORS). On a CPU
+    # they differ by up to 5x (tanh GELU 1.7-2.3 ns per element, a residual add 0.4-0.9 ns), and
+    # elem_rate's mix, mostly the cross-entropy over the vocabulary, priced a GPT-2 block's GELU and
+    # LayerNorm at a quarter to a half of their time; an operator not listed runs at elem_rate
+    elementwise_rates: tuple = ()
     # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
     # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.search prices that)
     cores: int = 0
@@ -160,6 +166,10 @@ class Machine:
         del row["ranks"]
         return dataclasses.replace(self, **row, alpha_inter=max(row["alpha_intra"], self.alpha_inter),
                                    beta_inter=max(row["beta_intra"], self.beta_inter), by_world=())
+
+    def elementwise_rate(self, operator: str) -> float:
+        """Elements per second of one elementwise `operator` (Machine.elementwise_rates), else elem_rate."""
+        return dict(self.elementwise_rates).get(operator, self.elem_rate)
 
     def skew_seconds(self, compute: float, syncs: dict[int, float]) -> float:
         """Seconds a step waits for its slowest ranks: with `skew_curve`, each of its `syncs`

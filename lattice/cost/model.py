@@ -77,6 +77,8 @@ class Cost:
     linear_calls: dict[str, float] = field(default_factory=dict)  # matrix products of linear layers
     ops: dict[str, float] = field(default_factory=dict)  # operations the family describes (norms, linears, ...)
     product_weights: dict[str, float] = field(default_factory=dict)  # weight elements the linear products read
+    # `elementwise` by operator (lattice.cost.builder.ELEMENTWISE_OPERATORS), each at its own rate
+    elementwise_ops: dict[str, dict[str, float]] = field(default_factory=dict)
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
@@ -93,6 +95,12 @@ class Cost:
     # whose gradients then stay views of them; a pipeline's flat all-reduce, likewise)
     reduced_grad_bytes: float = 0.0
     padded: bool = False  # batches with an attention mask (whose copies attention saves)
+
+    @staticmethod
+    def _elementwise_seconds(work: dict, phase: str, machine) -> float:
+        """Each elementwise operator's elements at its rate (Machine.elementwise_rate)."""
+        return sum(n[phase] / machine.elementwise_rate(kind.split(":", 1)[1])
+                   for kind, n in work.items() if kind.startswith("elementwise:"))
 
     def _select(self, phase=None, op=None, site=None):
         return [t for t in self.terms if (phase is None or t.phase == phase) and (op is None or t.op == op)
@@ -185,7 +193,8 @@ class Cost:
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
-        work = self.stem if stem else {kind: getattr(self, kind) for kind in WORK_KINDS}
+        work = self.stem if stem else {**{kind: getattr(self, kind) for kind in WORK_KINDS},
+                                       **{f"elementwise:{op}": n for op, n in self.elementwise_ops.items()}}
         for phase in ("forward", "backward"):
             linear = work["flops"][phase] - work["attention_flops"][phase]
             # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product; and
@@ -193,7 +202,7 @@ class Cost:
             kernels = (work["linear_calls"][phase] * machine.kernel_flops
                        + 2 * machine.kernel_rows * work["product_weights"][phase])
             out[f"{phase}_compute"] = ((linear + kernels) / machine.flop_rate + work["scores"][phase] / machine.attn_rate
-                                       + work["elementwise"][phase] / machine.elem_rate
+                                       + self._elementwise_seconds(work, phase, machine)
                                        + work["ops"][phase] * machine.op_overhead)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             cp = self.topology.size(MeshAxis.CP)
