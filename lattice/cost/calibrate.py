@@ -24,9 +24,10 @@ SAMPLE_S = 0.05
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
     micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
-    attention and elementwise operators (LayerNorm, GELU, bias add, cross-entropy), each forward and
-    backward at this world's per-rank sizes; α and β of each collective; AdamW's update and the
-    gradient norm and clipping before it."""
+    attention and elementwise operators (a mix of LayerNorm, GELU, bias add and cross-entropy, and
+    each operator the cost model counts on its own), each forward and backward at this world's
+    per-rank sizes; the framework's time per operation on a tiny model of `cfg`'s family; α and β
+    of each collective; AdamW's update and the gradient norm and clipping before it."""
     p = dist.get_world_size()
     h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
 
