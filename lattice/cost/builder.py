@@ -118,15 +118,14 @@ class CostBuilder:
         self.saved["layer_ints" if self.region == "layer" else "ints"] += nbytes
 
     def _work(self, kind: str, amount: float) -> None:
-        self.work["layer" if self.region == "layer" else "other"][kind] += amount
+        part = self.work["layer" if self.region == "layer" else "other"]
+        part[kind] = part.get(kind, 0.0) + amount
 
     def _elementwise(self, operator: str, elements: float) -> None:
         """`elements` of `operator`'s output on this rank (forward), counted as ELEMENTWISE_OPERATORS says."""
         amount = ELEMENTWISE_OPERATORS[operator] * elements
         self._work("elementwise", amount)
-        kind = f"elementwise:{operator}"
-        part = self.work["layer" if self.region == "layer" else "other"]
-        part[kind] = part.get(kind, 0.0) + amount
+        self._work(f"elementwise:{operator}", amount)
 
     def _products(self, block: str, flops: float, calls: int = 1) -> None:
         """A linear layer's matrix products of `flops` in all on this rank (forward), over the rows
@@ -481,13 +480,14 @@ class CostBuilder:
         layer under activation checkpointing."""
         ckpt = self.c.checkpointing
         layers, other = self.work["layers"], self.work["other"]
-        for kind in WORK_KINDS:  # Cost has a field of each kind's name
-            fwd = layers[kind] + other[kind]
-            setattr(self.c, kind, {"forward": fwd, "backward": 2 * fwd + (layers[kind] if ckpt else 0)})
         by_operator = sorted({kind for kind in layers | other if kind.startswith("elementwise:")})
-        self.c.elementwise_ops = {
-            kind.split(":", 1)[1]: {"forward": layers.get(kind, 0.0) + other.get(kind, 0.0),
-                                    "backward": 2 * (layers.get(kind, 0.0) + other.get(kind, 0.0))
-                                    + (layers.get(kind, 0.0) if ckpt else 0)} for kind in by_operator}
+
+        def phases(kind):
+            fwd = layers.get(kind, 0.0) + other.get(kind, 0.0)
+            return {"forward": fwd, "backward": 2 * fwd + (layers.get(kind, 0.0) if ckpt else 0)}
+
+        for kind in WORK_KINDS:  # Cost has a field of each kind's name
+            setattr(self.c, kind, phases(kind))
+        self.c.elementwise_ops = {kind.split(":", 1)[1]: phases(kind) for kind in by_operator}
         self.c.stem = {kind: {"forward": layers.get(kind, 0.0), "backward": (3 if ckpt else 2) * layers.get(kind, 0.0)}
                        for kind in WORK_KINDS + tuple(by_operator)}

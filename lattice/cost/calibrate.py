@@ -71,8 +71,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
     # and each of them on its own, as the cost model counts it (Machine.elementwise_rates)
-    head_size = getattr(cfg, "head_size", h // cfg.n_heads)
-    operator_rates = _elementwise_rates(x, logits, head_size, T, fwd_bwd, reps)
+    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, fwd_bwd, reps)
     # the framework's time per operation the family describes: a serial model of it of one and of two
     # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
     # and backward's two per operation)

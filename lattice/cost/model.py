@@ -97,10 +97,9 @@ class Cost:
     padded: bool = False  # batches with an attention mask (whose copies attention saves)
 
     @staticmethod
-    def _elementwise_seconds(work: dict, phase: str, machine) -> float:
-        """Each elementwise operator's elements at its rate (Machine.elementwise_rate)."""
-        return sum(n[phase] / machine.elementwise_rate(kind.split(":", 1)[1])
-                   for kind, n in work.items() if kind.startswith("elementwise:"))
+    def _elementwise_seconds(by_operator: dict, phase: str, machine) -> float:
+        """Each elementwise operator's elements ({operator: {phase: elements}}) at its rate (Machine.elementwise_rate)."""
+        return sum(n[phase] / machine.elementwise_rate(op) for op, n in by_operator.items())
 
     def _select(self, phase=None, op=None, site=None):
         return [t for t in self.terms if (phase is None or t.phase == phase) and (op is None or t.op == op)
@@ -193,8 +192,9 @@ class Cost:
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
-        work = self.stem if stem else {**{kind: getattr(self, kind) for kind in WORK_KINDS},
-                                       **{f"elementwise:{op}": n for op, n in self.elementwise_ops.items()}}
+        work = self.stem if stem else {kind: getattr(self, kind) for kind in WORK_KINDS}
+        by_operator = ({kind.split(":", 1)[1]: n for kind, n in self.stem.items() if kind.startswith("elementwise:")}
+                       if stem else self.elementwise_ops)
         for phase in ("forward", "backward"):
             linear = work["flops"][phase] - work["attention_flops"][phase]
             # each product of f FLOPs at F·f/(f + kernel_flops): kernel_flops/F more per product; and
@@ -202,7 +202,7 @@ class Cost:
             kernels = (work["linear_calls"][phase] * machine.kernel_flops
                        + 2 * machine.kernel_rows * work["product_weights"][phase])
             out[f"{phase}_compute"] = ((linear + kernels) / machine.flop_rate + work["scores"][phase] / machine.attn_rate
-                                       + self._elementwise_seconds(work, phase, machine)
+                                       + self._elementwise_seconds(by_operator, phase, machine)
                                        + work["ops"][phase] * machine.op_overhead)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             cp = self.topology.size(MeshAxis.CP)
