@@ -211,14 +211,30 @@ def test_skew_seconds_interpolates_the_wait_per_synchronisation():
     curve it is skew x compute. Figures by hand from the two points (10 ms, 2 ms), (40 ms, 4 ms)."""
     m = dataclasses.replace(MACHINE, skew=0.5, skew_curve=((2, 0.01, 0.002), (2, 0.04, 0.004),
                                                            (8, 0.01, 0.005), (8, 0.04, 0.003)))
-    assert m.skew_seconds(0.08, {2: 4}) == pytest.approx(4 * (0.002 + 0.002 / 3))  # 20 ms stretches
-    assert m.skew_seconds(0.1, {2: 1}) == pytest.approx(0.004 + 0.06 * 0.002 / 0.03)  # beyond: along the last two
-    assert m.skew_seconds(0.005, {2: 1}) == pytest.approx(0.001)  # below: through zero
-    assert m.skew_seconds(0.1, {8: 1}) == pytest.approx(0.003)  # beyond a falling pair: no less than measured
+    assert m.skew_seconds(0.08, {2: 4}, collectives=4) == pytest.approx(4 * (0.002 + 0.002 / 3))  # 20 ms stretches
+    assert m.skew_seconds(0.1, {2: 1}, collectives=1) == pytest.approx(0.004 + 0.06 * 0.002 / 0.03)  # beyond: along the last two
+    assert m.skew_seconds(0.005, {2: 1}, collectives=1) == pytest.approx(0.001)  # below: through zero
+    assert m.skew_seconds(0.1, {8: 1}, collectives=1) == pytest.approx(0.003)  # beyond a falling pair: no less than measured
     # 4 ranks as near 8 as 2 (the larger then), 16 nearest 8: 20 ms stretches on (10, 5), (40, 3)
-    assert m.skew_seconds(0.08, {4: 2, 16: 2}) == pytest.approx(4 * (0.005 - 0.002 / 3))
-    assert m.skew_seconds(0.08, {}) == pytest.approx(0.0)
-    assert dataclasses.replace(m, skew_curve=()).skew_seconds(0.08, {2: 4}) == pytest.approx(0.04)
+    assert m.skew_seconds(0.08, {4: 2, 16: 2}, collectives=4) == pytest.approx(4 * (0.005 - 0.002 / 3))
+    assert m.skew_seconds(0.08, {}, collectives=0) == pytest.approx(0.0)
+    assert dataclasses.replace(m, skew_curve=()).skew_seconds(0.08, {2: 4}, collectives=4) == pytest.approx(0.04)
+
+
+def test_only_collectives_pay_the_time_a_collective_takes_longer_after_longer_compute():
+    """Catches Machine.wake_curve charged to the wrong synchronisations or read wrongly: a
+    collective after a stretch of compute longer than the curve's first point (where α and β were
+    fitted) pays the curve's rise there, linear between points and flat beyond the last; a
+    pipeline's point-to-point hops (syncs that are not `collectives`) pay none. Figures by hand from
+    the points (1 ms, 0.5 ms), (4 ms, 0.8 ms), (16 ms, 0.9 ms), with no skew (a flat zero curve)."""
+    m = dataclasses.replace(MACHINE, skew_curve=((2, 0.01, 0.0), (2, 0.04, 0.0)),
+                            wake_curve=((0.004, 0.0008), (0.001, 0.0005), (0.016, 0.0009)))
+    # 20 ms over 10 syncs: 2 ms stretches, 0.5 + (2 - 1) / 3 x 0.3 = 0.6 ms, 0.1 ms beyond α's
+    assert m.skew_seconds(0.02, {2: 10}, collectives=4) == pytest.approx(4 * 0.0001)
+    assert m.skew_seconds(0.02, {2: 10}, collectives=0) == pytest.approx(0.0)
+    assert m.skew_seconds(0.0005, {2: 1}, collectives=1) == pytest.approx(0.0)  # below the first point
+    assert m.skew_seconds(0.1, {2: 1}, collectives=1) == pytest.approx(0.0004)  # beyond the last: flat
+    assert dataclasses.replace(m, wake_curve=()).skew_seconds(0.02, {2: 10}, collectives=4) == 0.0
 
 
 FLAT_WAIT = dataclasses.replace(MACHINE, skew_curve=((2, 1e-9, 0.01), (2, 10.0, 0.01)))  # 10 ms at every sync
@@ -239,6 +255,24 @@ def test_skew_per_synchronisation_counts_a_steps_waits(arch, layout, syncs):
     cfg = model_config(arch, "small", vocab_size=512, n_layers=4)
     priced = price(cfg, Choice(layout), batch=8, machine=FLAT_WAIT)
     assert priced.terms["skew"] == pytest.approx(0.01 * syncs)
+
+
+@pytest.mark.parametrize("arch,layout,collectives", [
+    ("gpt2", Layout("serial", dp=4, ranks_per_node=4), 1),
+    # of the pipeline's syncs above, not its 2 m hops: the loss's broadcast, the gradients over dp
+    # and GPT-2's tied table (Llama has none)
+    ("gpt2", Layout("serial", dp=2, pp=2, microbatches=4, ranks_per_node=4), 3),
+    ("llama", Layout("serial", dp=2, pp=2, microbatches=4, ranks_per_node=4), 2)])
+def test_a_pipelines_hops_pay_no_collectives_wake(arch, layout, collectives):
+    """Catches the planner charging Machine.wake_curve to a pipeline's point-to-point hops (it made
+    the 2-rank pipelines, already priced high, 15-20% dearer) or leaving out a collective: with
+    no skew and a collective 10 ms longer after any stretch, the skew term is 10 ms times the
+    collectives counted by hand."""
+    cfg = model_config(arch, "small", vocab_size=512, n_layers=4)
+    machine = dataclasses.replace(MACHINE, skew_curve=((2, 1e-9, 0.0), (2, 10.0, 0.0)),
+                                  wake_curve=((1e-12, 0.0), (1e-11, 0.01)))
+    priced = price(cfg, Choice(layout), batch=8, machine=machine)
+    assert priced.terms["skew"] == pytest.approx(0.01 * collectives)
 
 
 def test_skew_per_synchronisation_extrapolates_with_depth():

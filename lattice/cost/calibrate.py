@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
 import time
 
@@ -133,8 +134,23 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
 
         alone, in_turn, started = timed_in_turn([lambda: loop(None), after, beside], reps)
         overlap = min(max((in_turn - started) / max(min(in_turn - alone, alone), 1e-9), 0.0), 1.0)
+        # an activation's all-reduce after 1, 4, 16 and 64 of the loop's products: its time against
+        # the stretch of compute before it (Machine.wake_curve), where every rank has a core of its
+        # own; where they share the cores no core idles and the wait is the skew's (skew_curve)
+        wake_curve = []
+        for products in (1, 4, 16, 64) if p <= len(os.sched_getaffinity(0)) else ():
+            def stretches(coll, products=products):
+                for _ in range(8):
+                    for _ in range(products):
+                        chunk_a @ chunk_b
+                    if coll:
+                        dist.all_reduce(activation)
+
+            with_it, without = timed_in_turn([lambda: stretches(True), lambda: stretches(False)], reps)
+            wake_curve.append((without / 8, max(with_it - without, 0.0) / 8))
+        wake_curve = tuple(wake_curve)
     else:
-        alpha, beta, alpha_send, overlap = 1e-5, 1e-10, 0.0, 1.0
+        alpha, beta, alpha_send, overlap, wake_curve = 1e-5, 1e-10, 0.0, 1.0, ()
     skew = _skew(cfg, batch) if p > 1 else 0.0
     # the wait per synchronisation, after stretches of the collectives' loop's product
     skew_curve = _skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
@@ -171,7 +187,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
-                             elementwise_rates=elementwise_rates)
+                             elementwise_rates=elementwise_rates, wake_curve=wake_curve)
 
 
 def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int):

@@ -77,7 +77,7 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
-                   "kernel_rows", "overlap", "skew_curve", "elementwise_rates")
+                   "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve")
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,14 @@ class Machine:
     # many short ones; with a curve, the step's skew is that of its synchronisations
     # (skew_seconds), else skew x compute
     skew_curve: tuple = ()
+    # a collective's own time against the stretch of compute before it, where every rank has a core
+    # of its own: ((stretch s, seconds per collective), ...), the first at the stretch the
+    # collectives' α and β were fitted after (one product of the loop). The longer the ranks compute
+    # apart, the longer gloo's threads take to meet: at 2 ranks on 2 cores an all-reduce of 196 KB
+    # took 0.74 ms after 0.08 ms of products, 0.94 after 0.32 and 1.09 after 1.27, and a 1d step of
+    # gpt2-deep makes 37 of them; each collective after a longer stretch pays the difference
+    # (skew_seconds), a pipeline's point-to-point hop none. Empty where ranks share cores (none idles)
+    wake_curve: tuple = ()
     # each collective's own (α, β) inside a node, where they differ from one another: ((op, α, β), ...).
     # gloo's all-reduce of a few bytes between two ranks takes six times a broadcast's latency and
     # its all-gather moves a byte at a third of a broadcast's rate, which one α and one β fitted to
@@ -171,19 +179,20 @@ class Machine:
         """Elements per second of one elementwise `operator` (Machine.elementwise_rates), else elem_rate."""
         return dict(self.elementwise_rates).get(operator, self.elem_rate)
 
-    def skew_seconds(self, compute: float, syncs: dict[int, float]) -> float:
+    def skew_seconds(self, compute: float, syncs: dict[int, float], *, collectives: float) -> float:
         """Seconds a step waits for its slowest ranks: with `skew_curve`, each of its `syncs`
         ({group ranks: synchronisations per step}) after an equal share of the step's `compute`,
         at the curve of the nearest group size (by ratio), linear in the stretch between its
         measured points (through zero below the first, along the last two beyond); else
-        skew x compute."""
+        skew x compute. Of the syncs, `collectives` (the collective calls, not a pipeline's hops)
+        each also take longer after that stretch than α says (wake_seconds)."""
         count = sum(syncs.values())
         if not self.skew_curve:
             return self.skew * compute
         if count <= 0:  # ranks that never meet wait for none
             return 0.0
         stretch = compute / count
-        seconds = 0.0
+        seconds = collectives * self.wake_seconds(stretch)
         for ranks, n in syncs.items():
             near = min({row[0] for row in self.skew_curve}, key=lambda g: (abs(math.log(g / max(ranks, 1))), -g))
             points = [(0.0, 0.0)] + sorted((s, e) for g, s, e in self.skew_curve if g == near)
@@ -194,6 +203,21 @@ class Machine:
             else:
                 seconds += n * max(0.0, e0 + (stretch - s0) * slope)
         return seconds
+
+    def wake_seconds(self, stretch: float) -> float:
+        """What one collective after `stretch` seconds of compute takes beyond one after the
+        stretch `wake_curve` starts at (which α and β include): linear between its points, flat
+        beyond the last, none below the first or without a curve."""
+        if len(self.wake_curve) < 2:
+            return 0.0
+        points = sorted(self.wake_curve)
+        base = points[0][1]
+        if stretch <= points[0][0]:
+            return 0.0
+        for (s0, t0), (s1, t1) in zip(points, points[1:]):
+            if stretch <= s1:
+                return max(0.0, t0 + (stretch - s0) * (t1 - t0) / max(s1 - s0, 1e-12) - base)
+        return max(0.0, points[-1][1] - base)
 
     def link(self, across_nodes: bool, op: str = "") -> tuple[float, float]:
         """(α, β) of a message of `op` inside a node (the collective's own where `collectives` has

@@ -218,7 +218,9 @@ class Cost:
                 out[f"{phase}_comm"] -= hidden
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
         # waiting for the slowest rank's compute at each synchronisation (Machine.skew_seconds)
-        out["skew"] = machine.skew_seconds(out["forward_compute"] + out["backward_compute"], self.syncs())
+        syncs = self.syncs()
+        out["skew"] = machine.skew_seconds(out["forward_compute"] + out["backward_compute"], syncs,
+                                           collectives=sum(syncs.values()))
         if stem:
             out["step"] = out["forward"] + out["backward"] + out["skew"]
             return out

@@ -245,12 +245,14 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     for k, v in f.items():
         if k.startswith("grad_syncs_"):
             syncs[int(k[11:])] = syncs.get(int(k[11:]), 0.0) + v
+    collectives = sum(syncs.values())
     if lay.pp > 1:  # and after the schedule the loss's broadcast over the stages, the sums of what
         # every stage holds over them and of a tied table between the first and the last (once each)
         parts = _meta_model(dataclasses.replace(cfg, n_layers=1), stage, 0)[1].parts()
         syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v + bool(parts.shared)
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
-    terms["skew"] = machine.at(lay.world_size).skew_seconds(terms["compute"], syncs)
+        collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
+    terms["skew"] = machine.at(lay.world_size).skew_seconds(terms["compute"], syncs, collectives=collectives)
     terms["update"] += _trainer_scalars(lay, choice, machine)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
