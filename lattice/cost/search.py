@@ -219,6 +219,11 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                  **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
                  "update": f["update"]}
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
+        if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
+            where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
+            terms.update(_rank_mean(cfg, lay, mean=True, machine=machine, **where))
+            own_core = _rank_mean(cfg, lay, mean=False, machine=machine.at(machine.cores), **where)["compute"]
+            terms["bubble"] = max(0.0, own_core - terms["compute"])
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
@@ -237,6 +242,9 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         if machine.cores and lay.world_size > machine.cores:
             terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, machine=machine,
                                                               batch=replica // m, **kw)
+            if lay.tp > 1:  # the update of the mean rank too
+                terms["update"] = _rank_mean(cfg, stage, blocks=math.ceil(cfg.n_layers / lay.pp), mean=True,
+                                             batch=replica // m, machine=machine, topology=lay.topology, **kw)["update"]
         memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
         memory["activations"] *= in_flight(pcfg, 0) / v
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
@@ -259,22 +267,37 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     return Priced(choice, sum(terms.values()), terms, memory)
 
 
+def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[str, float]:
+    """{"compute": forward and backward seconds, "update": the update's} of `_priced_blocks`: rank
+    0's, or with `mean` the mean over the ranks of its tensor group (where its ranks' work differs:
+    with common="subgrid" sub-graph's common layers and their parameters are on one sub-grid; dp
+    and cp ranks work alike)."""
+    topo = layout.topology
+    ranks = topo.group_members(topo.tensor_axes, 0) if mean else [0]
+    out = {"compute": 0.0, "update": 0.0}
+    for rank in ranks:
+        f = _priced_blocks(cfg, layout, blocks=blocks, rank=rank, **kw)
+        out["compute"] += (f["forward_compute"] + f["backward_compute"]) / len(ranks)
+        out["update"] += f["update"] / len(ranks)
+    return out
+
+
 def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: Machine, batch: int,
                   **kw) -> tuple[float, float]:
-    """(compute, bubble) of a pipeline whose ranks outnumber the cores they share: a stage that
-    waits leaves its core to the busy ones, so the step's compute is a rank's mean work (each
-    micro-batch through its share of the blocks, and of the first and last parts) at the rates of
-    every rank sharing the cores (the world's calibration), unless the schedule's critical path, at
+    """(compute, bubble) of a layout whose ranks outnumber the cores they share: a rank that waits
+    (a pipeline's stage, a sub-grid without common work) leaves its core to the busy ones, so the
+    step's compute is a rank's mean work (each micro-batch through its share of the blocks, and of
+    the first and last parts; the mean over the tensor group's ranks) at the rates of every rank
+    sharing the cores (the world's calibration), unless the schedule's critical path, rank 0's at
     the rates of a rank with a core of its own, is longer: the difference is the bubble."""
-    def block_and_parts(at: Machine) -> tuple[float, float]:
-        one, two = (_priced_blocks(cfg, stage, blocks=k, batch=batch, machine=at, topology=lay.topology, **kw)
-                    for k in (1, 2))
-        per_block = (two["forward_compute"] + two["backward_compute"]) - (one["forward_compute"] + one["backward_compute"])
-        return per_block, one["forward_compute"] + one["backward_compute"] - per_block
+    def block_and_parts(at: Machine, mean: bool) -> tuple[float, float]:
+        one, two = (_rank_mean(cfg, stage, blocks=k, batch=batch, machine=at, topology=lay.topology, mean=mean,
+                               **kw)["compute"] for k in (1, 2))
+        return two - one, 2 * one - two
 
-    per_block, parts = block_and_parts(machine.at(lay.world_size))
+    per_block, parts = block_and_parts(machine.at(lay.world_size), mean=True)
     shared = m * (cfg.n_layers * per_block + parts) / lay.pp
-    per_block, parts = block_and_parts(machine.at(machine.cores))
+    per_block, parts = block_and_parts(machine.at(machine.cores), mean=False)
     chunk = (math.ceil(cfg.n_layers / lay.pp) * per_block + parts) / v
     critical = (m * v + lay.pp - 1) * chunk
     return shared, max(0.0, critical - shared)
