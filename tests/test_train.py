@@ -55,8 +55,8 @@ def test_resume_is_bitwise_exact(tmp_path, form):
     assert [int(r["step"]) for r in rows] == list(range(1, 21))
 
 
-def _layout_run(mode: str, tp: int, dp: int, steps: int):
-    ctx = cached_init(mode=mode, tp=tp, dp=dp)
+def _layout_run(mode: str, tp: int, dp: int, steps: int, **options):
+    ctx = cached_init(mode=mode, tp=tp, dp=dp, **options)
     trainer = Trainer(TrainConfig(**TINY, steps=steps), ctx)
     with lattice.CommMeter() as meter:
         rows = [trainer.train_step()]
@@ -95,6 +95,15 @@ def test_tensor_parallel_mode_follows_serial_trajectory(mode, tp):
     """Catches a sharded gradient norm that counts replicated shards more than once (clipping is
     active, so a wrong norm changes the trajectory) and layout-dependent training."""
     _compare_with_serial(run_distributed(tp, _layout_run, mode, tp, 1, 3), 3)
+
+
+def test_data_parallel_ranks_holding_no_parameters_follow_serial_trajectory():
+    """Catches the Trainer wrapping a rank that holds no parameters in DDP, which refuses it (the
+    planner's validation crashed on such a layout): with common="subgrid" and projections="common"
+    sub-graph's second sub-grid runs attention alone, and with dp = 2 both its ranks hold nothing
+    while the first sub-grid's are averaged as usual."""
+    _compare_with_serial(run_distributed(4, _layout_run, "subgraph", 2, 2, 3, common="subgrid",
+                                         projections="common"), 3)
 
 
 def test_grad_norm_and_clipping_match_plain_pytorch():

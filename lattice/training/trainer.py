@@ -314,7 +314,11 @@ class Trainer:
         # the reduction over the ranks holding the same shards of other tokens sums over cp too
         # (one collective over dp x cp, as Megatron's); sync_grads then leaves cp alone
         self.reduces_cp = ctx.pipeline is None and (cfg.distributed_optimizer or ctx.dp > 1)
-        if ctx.dp > 1 and ctx.pipeline is None and not cfg.distributed_optimizer:
+        self.ddp_averages = ctx.dp > 1 and ctx.pipeline is None and not cfg.distributed_optimizer
+        # a rank holding no parameters has nothing to average, and neither has the rest of its dp
+        # group, which holds the same pieces (sub-graph's sub-grids but the first with
+        # common="subgrid" and projections="common": their branch is attention alone); DDP refuses it
+        if self.ddp_averages and any(p.requires_grad for p in self.model.parameters()):
             from torch.nn.parallel import DistributedDataParallel
 
             group = ctx.group(MeshAxis.DP, MeshAxis.CP)  # DDP's average over dp x cp of cp x the loss
@@ -367,7 +371,8 @@ class Trainer:
                 loss = self.engine(x, y, **inputs)
                 if weight != 1.0:  # DDP averages the gradients of the weighted loss
                     loss = loss * weight
-            if self.engine is not self.model and self.ctx.cp > 1:  # DDP averages over dp x cp: a sum over cp
+            if self.ddp_averages and self.ctx.cp > 1:  # DDP averages over dp x cp: a sum over cp (every rank
+                # of the replica seeds its backward alike, whether DDP wraps it or it holds no parameters)
                 (loss * self.ctx.cp).backward()
             else:
                 loss.backward()
