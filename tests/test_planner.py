@@ -204,37 +204,6 @@ def test_products_timed_in_turn_after_a_warm_round_keep_the_row_term():
         assert abs(rank_rows - 20) < 10, rank_rows
 
 
-def _rates_of_products_with_a_fixed_time_per_call() -> tuple[float, float]:
-    """calibrate's (kernel_rows, F) of kernels that take (rows + 10) x 10 µs and, through autograd,
-    3 ms more per call on 512 rows, of 1 FLOP per row."""
-    import time
-
-    from lattice.cost.calibrate import _product_rates
-
-    def busy(seconds):  # busy, as a product is (a sleep overshoots by a fixed time)
-        def run():
-            until = time.perf_counter() + seconds
-            while time.perf_counter() < until:
-                pass
-        return run
-
-    return _product_rates(lambda rows: busy((rows + 10) * 1e-5), busy(522e-5 + 3e-3), [64, 128, 256, 512], 1.0, 5)
-
-
-def test_the_row_term_of_products_leaves_autograds_time_per_call_to_the_operations():
-    """Catches calibrate fitting kernel_rows on products through autograd, whose fixed time per
-    call op_overhead already prices per operation: counted again as rows it fitted 50-90 rows at 2
-    ranks where the kernels alone give 7-10, and pipelines of one- and two-sequence micro-batches
-    were priced up to 36% above their steps. Kernels of (rows + 10) units give 10 rows back (a fit
-    on the autograd calls, 3 ms more each, would give about 300), and F is the autograd call's
-    rate on 512 rows: (512 + 10) / 8.22 ms."""
-    from multiproc import run_distributed
-
-    for kernel_rows, flop_rate in run_distributed(2, _rates_of_products_with_a_fixed_time_per_call):
-        assert abs(kernel_rows - 10) < 8, kernel_rows
-        assert flop_rate == pytest.approx((512 + 10) / (522e-5 + 3e-3), rel=0.1)
-
-
 def test_skew_seconds_interpolates_the_wait_per_synchronisation():
     """Catches Machine.skew_seconds reading its curve wrongly: the wait of a synchronisation after a
     stretch of compute is linear between the measured stretches, through zero below the first and

@@ -41,29 +41,25 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
 
     # matrix products of the per-rank shapes a p-way split of one layer gives, on row counts from one
     # sequence's (a pipeline's smallest micro-batch) to the batch's: t = 6·(rows + kernel_rows)·Σ k·n / F
-    def shapes(rows):
-        return [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
-                (rows, max(1, 4 * h // p), h)]
+    def products(rows):
+        shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
+                  (rows, max(1, 4 * h // p), h)]
+        steps = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+        return (lambda: [f() for f in steps]), 6 * sum(k * n for _, k, n in shapes)
 
-    weights = 6 * sum(k * n for _, k, n in shapes(1))
-
-    def products(rows):  # forward and backward through autograd, as a model step runs them
-        steps = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes(rows)]
-        return lambda: [f() for f in steps]
-
-    def kernels(rows):  # the same three products a linear makes, called directly
-        operands = [(torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)) for m, k, n in shapes(rows)]
-        return lambda: [(a @ b, g @ b.T, a.T @ g) for a, b, g in operands]
-
-    # kernel_rows from the kernels alone on one sequence's rows up to the batch's, F from the products
-    # through autograd on the batch's: autograd's fixed time per call is the framework's, which
-    # op_overhead prices per operation, and counted again as rows it fitted 50-90 rows at 2 ranks
-    # where the kernels give 7-10 (pipelines of one- and two-sequence micro-batches then priced up to
-    # 36% above their steps). The slowest rank's seconds, the row counts timed in turn after a round
-    # untimed: the first work of a process runs slower, and timed one after the other (the shortest
-    # first) the row term fitted 26-84 rows at 2 ranks where row counts timed in turn, warm, give 6-31
-    kernel_rows, flop_rate = _product_rates(kernels, products(M), sorted({T, min(2 * T, M), max(T, M // 2), M}),
-                                            weights, reps)
+    # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank,
+    # the row counts timed in turn after a round untimed: the first work of a process runs slower,
+    # and timed one after the other (the shortest first) the row term fitted 26-84 rows at 2 ranks
+    # where row counts timed in turn, warm, give 6-31 (65 for gpt2-deep's smallest products)
+    row_counts = sorted({T, min(2 * T, M), max(T, M // 2), M})
+    runs = [products(rows) for rows in row_counts]
+    weights = runs[0][1]
+    slowest = torch.tensor(timed_in_turn([run for run, _ in runs], reps, warm_rounds=1), dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    seconds = slowest.tolist()
+    kernel_rows = _kernel_rows(list(zip(row_counts, seconds)))  # the same on every rank
+    t_batch = seconds[-1]
+    flop_rate = weights * (M + kernel_rows) / t_batch
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
     q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
@@ -259,19 +255,6 @@ def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:
             if r >= warm_rounds:
                 samples[k].append((time.perf_counter() - t) / repeat)
     return [statistics.median(s) for s in samples]
-
-
-def _product_rates(kernels, products, row_counts: list[int], weights: float, reps: int) -> tuple[float, float]:
-    """(Machine.kernel_rows, flop_rate): the row term from `kernels(rows)` (a callable of the
-    products alone) on each of `row_counts`, and F from `products` (the same through autograd) on
-    the last, the largest, of `weights` FLOPs per row: weights·(rows + kernel_rows)/seconds. The
-    slowest rank's seconds (the same on every rank), all timed in turn after a round untimed."""
-    runs = [kernels(rows) for rows in row_counts] + [products]
-    slowest = torch.tensor(timed_in_turn(runs, reps, warm_rounds=1), dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    seconds = slowest.tolist()
-    kernel_rows = _kernel_rows(list(zip(row_counts, seconds)))
-    return kernel_rows, weights * (row_counts[-1] + kernel_rows) / seconds[-1]
 
 
 def _kernel_rows(samples: list[tuple[int, float]]) -> float:
