@@ -147,6 +147,45 @@ def test_kernel_rows_fitted_over_the_row_counts():
     assert _kernel_rows([(512, 1.0)]) == 0.0
 
 
+def _ring_send_latency_check(batch: int, beta: float) -> tuple[float, int]:
+    import lattice.cost.calibrate as calibrate
+    from lattice.models.llama import LlamaConfig
+
+    ran = []
+
+    def timed_in_turn(fns, reps, warm_rounds=0):  # each timed function run once: the ring must turn
+        ran.extend(fn() is None for fn in fns)
+        return [7.0e-3, 0.4e-3]  # ring attention forward and backward, one causal block
+
+    real = calibrate.timed_in_turn
+    calibrate.timed_in_turn = timed_in_turn
+    try:
+        cfg = LlamaConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1,
+                          intermediate_size=64)
+        return calibrate._ring_send_latency(cfg, batch, beta, reps=1), len(ran)
+    finally:
+        calibrate.timed_in_turn = real
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_ring_send_is_priced_from_ring_attention_beyond_its_blocks(world):
+    """Catches Machine.alpha_send calibrated from anything but the ring it prices: ring attention
+    of a cp pair taking 7.0 ms forward and backward where one causal block takes 0.4 ms is 1.5
+    blocks of attention (its own causal block, half of the other's) and four sends (one forward,
+    three backward): (7.0 - 0.6) / 4 = 1.6 ms a send, less its keys and values at β (GQA: 2 of 4
+    heads; a cp = 2 rank's share: 2·8/world sequences of 16 positions of 8 dimensions, 4 bytes
+    each). At 4 ranks the pairs (0, 1) and (2, 3) turn their rings at once."""
+    from multiproc import run_distributed
+
+    beta = 1e-8
+    sequences = 2 * 8 // world
+    kv_bytes = 2 * sequences * 2 * 16 * 8 * 4
+    results = run_distributed(world, _ring_send_latency_check, 8, beta)
+    for latency, ran in results:
+        assert ran == 2
+        assert latency == pytest.approx(1.6e-3 - kv_bytes * beta, rel=1e-9)
+
+
 @pytest.mark.parametrize("layout", [Layout("1d", tp=2), Layout("serial", cp=2)])
 def test_overlap_hides_its_fraction_of_a_collective_beside_compute(layout):
     """Catches the machine's overlap fraction left out of a hidden collective's price: a 1d

@@ -101,18 +101,23 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
         alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
         collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
-        # one point-to-point exchange between compute, as a cp ring's step (each rank sends to the
-        # next and receives from the one before): its latency beyond its bytes
-        rank, small = dist.get_rank(), torch.randn(4096)
-        incoming = torch.empty_like(small)
+        # the latency of one point-to-point exchange of a cp ring's step beyond its bytes: from ring
+        # attention itself where the ranks pair up (_ring_send_latency), else from an exchange
+        # between two of the loop's products
+        if p % 2 == 0:
+            alpha_send = _ring_send_latency(cfg, batch, beta, reps)
+        else:
+            rank, small = dist.get_rank(), torch.randn(4096)
+            incoming = torch.empty_like(small)
 
-        def exchange():
-            ops = [dist.P2POp(dist.isend, small, (rank + 1) % p), dist.P2POp(dist.irecv, incoming, (rank - 1) % p)]
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+            def exchange():
+                ops = [dist.P2POp(dist.isend, small, (rank + 1) % p),
+                       dist.P2POp(dist.irecv, incoming, (rank - 1) % p)]
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
 
-        with_it, without = timed_in_turn([lambda: loop(exchange), lambda: loop(None)], reps)
-        alpha_send = max(with_it - without, 1e-6) / 8 - small.numel() * 4 * beta
+            with_it, without = timed_in_turn([lambda: loop(exchange), lambda: loop(None)], reps)
+            alpha_send = max(with_it - without, 1e-6) / 8 - small.numel() * 4 * beta
         alpha_send = max(alpha_send, alpha)
         # how much of a collective compute beside it hides (a 1d backward's input-gradient all-reduce
         # beside the weight gradient's product): of an activation's all-reduce, the time a loop
@@ -132,8 +137,13 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 chunk_a @ chunk_b
                 work.wait()
 
-        alone, in_turn, started = timed_in_turn([lambda: loop(None), after, beside], reps)
-        overlap = min(max((in_turn - started) / max(min(in_turn - alone, alone), 1e-9), 0.0), 1.0)
+        if p < len(os.sched_getaffinity(0)):
+            alone, in_turn, started = timed_in_turn([lambda: loop(None), after, beside], reps)
+            overlap = min(max((in_turn - started) / max(min(in_turn - alone, alone), 1e-9), 0.0), 1.0)
+        else:  # no core to spare: in a step nothing hides (gpt2-deep's 1d tp=2 at 2 ranks on 2 cores took
+            # 86.1 ms with the input gradients' all-reduce beside the products and 79.7 ms after them,
+            # where this loop gained 50-100% of the shorter at times: its one product is not a step)
+            overlap = 0.0
         # an activation's all-reduce after 1, 4, 16 and 64 of the loop's products: its time against
         # the stretch of compute before it (Machine.wake_curve), where every rank has a core of its
         # own; where they share the cores no core idles and the wait is the skew's (skew_curve)
@@ -188,6 +198,39 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
                              elementwise_rates=elementwise_rates, wake_curve=wake_curve)
+
+
+def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
+    """Machine.alpha_send from a cp pair's ring attention (lattice.parallel.context_parallel),
+    forward and backward, every pair of the world at once, at a cp = 2 rank's share of the batch
+    (dp = p/2: 2·batch/p sequences, every head, half of each sequence): its time beyond its blocks'
+    attention (its own causal block and half of the other's: 1.5 causal blocks, timed alone) over
+    its four sends (one forward; backward the keys and values on and their gradients twice), less
+    each send's bytes at β. It holds what the ring does at each send beyond attention (each block
+    merged into the output by its log-sum-exp, the Python of each step, the wait for the slower
+    rank of the pair): at 2 ranks on 2 cores gpt2-deep's layer took 7.0 ms, its blocks 0.8 ms,
+    where an exchange of 16 KB between two products had put a send at 0.7 ms."""
+    from lattice.parallel.context_parallel import Ring, ring_attend
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([r, r + 1]) for r in range(0, p, 2)]  # every rank creates every group
+    ring = Ring.of([rank - rank % 2, rank - rank % 2 + 1], groups[rank // 2])
+    heads, kv_heads = cfg.n_heads, getattr(cfg, "n_kv_heads", None) or cfg.n_heads
+    B, T, hs = max(1, 2 * batch // p), 2 * max(1, cfg.seq_len // 4), cfg.head_size
+    q, k, v = torch.randn(B, heads, T, hs), torch.randn(B, kv_heads, T, hs), torch.randn(B, kv_heads, T, hs)
+
+    def fwd_bwd(fn):
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
+
+    expand = heads // kv_heads
+    ring_attention = fwd_bwd(lambda q, k, v: ring_attend(ring, q, k, v, causal=True))
+    block = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1), is_causal=True))
+    t_ring, t_block = timed_in_turn([ring_attention, block], reps, warm_rounds=1)
+    for group in groups:
+        dist.destroy_process_group(group)
+    return max(t_ring - 1.5 * t_block, 0.0) / 4 - 2 * k.numel() * k.element_size() * beta
 
 
 def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int):

@@ -120,8 +120,10 @@ class Machine:
     # the framework's time per operation a family describes (a norm, a linear, attention: each a
     # handful of calls through Python, autograd and the dispatcher), forward; backward twice
     op_overhead: float = 0.0
-    # the latency of one point-to-point exchange between compute (a cp ring's step), where it
-    # exceeds α (0: α): with more ranks than cores both ends must be scheduled
+    # the latency of one send of a cp ring's step, where it exceeds α (0: α): what a ring's
+    # attention takes beyond its blocks, per send (calibrate: on a cp pair's ring attention). Both
+    # ends must be scheduled, and each step merges its block into the output and runs its Python:
+    # at 2 ranks on 2 cores 1.3-1.6 ms where α is 0.2-0.7 ms
     alpha_send: float = 0.0
     # where ranks share cores, the scheduler does not share them evenly over tens of milliseconds
     # and every synchronisation waits for the slowest rank: how much longer the slowest rank's ~30 ms

@@ -50,9 +50,18 @@ class Ring:
     exchange of one tensor with them (send to the next, receive from the previous)."""
 
     def __init__(self, ctx: ParallelContext):
-        self.size, self.index = ctx.size(MeshAxis.CP), ctx.coord(MeshAxis.CP)
-        self.group = ctx.group(MeshAxis.CP)
-        members = ctx.topology.group_members(MeshAxis.CP, ctx.rank)
+        self._join(ctx.topology.group_members(MeshAxis.CP, ctx.rank), ctx.group(MeshAxis.CP), ctx.coord(MeshAxis.CP))
+
+    @classmethod
+    def of(cls, members: list[int], group) -> "Ring":
+        """The ring of the process group `group` of global ranks `members` (in ring order), this
+        rank among them, without a ParallelContext (the calibration's)."""
+        ring = cls.__new__(cls)
+        ring._join(members, group, members.index(dist.get_rank()))
+        return ring
+
+    def _join(self, members: list[int], group, index: int) -> None:
+        self.size, self.index, self.group = len(members), index, group
         self.next, self.prev = members[(self.index + 1) % self.size], members[(self.index - 1) % self.size]
 
     def start(self, x: torch.Tensor, tag: int = 0):
