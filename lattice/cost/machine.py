@@ -75,6 +75,17 @@ def algorithm(op: str, n: int, pipelined: bool) -> tuple[float, float]:
     return message_steps(op, n), wire_factor(op, n)
 
 
+def _along(points: list[tuple[float, float]], x: float, *, rising_beyond: bool) -> float:
+    """y at x (at or above the first point's) on the line through `points` (sorted by x, at least
+    two): linear between the two around x, never below 0; beyond the last, the last y, rising
+    along the slope of the last two where `rising_beyond` and that slope rises."""
+    (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if x <= b[0]), points[-2:])
+    slope = (y1 - y0) / max(x1 - x0, 1e-12)
+    if x > x1:
+        return y1 + ((x - x1) * max(slope, 0.0) if rising_beyond else 0.0)
+    return max(0.0, y0 + (x - x0) * slope)
+
+
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
                    "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve")
@@ -198,12 +209,8 @@ class Machine:
         for ranks, n in syncs.items():
             near = min({row[0] for row in self.skew_curve}, key=lambda g: (abs(math.log(g / max(ranks, 1))), -g))
             points = [(0.0, 0.0)] + sorted((s, e) for g, s, e in self.skew_curve if g == near)
-            (s0, e0), (s1, e1) = next(((a, b) for a, b in zip(points, points[1:]) if stretch <= b[0]), points[-2:])
-            slope = (e1 - e0) / max(s1 - s0, 1e-12)
-            if stretch > s1:  # beyond the longest stretch measured the wait is no less than there
-                seconds += n * (e1 + (stretch - s1) * max(slope, 0.0))
-            else:
-                seconds += n * max(0.0, e0 + (stretch - s0) * slope)
+            # beyond the longest stretch measured the wait is no less than there
+            seconds += n * _along(points, stretch, rising_beyond=True)
         return seconds
 
     def wake_seconds(self, stretch: float) -> float:
@@ -213,13 +220,9 @@ class Machine:
         if len(self.wake_curve) < 2:
             return 0.0
         points = sorted(self.wake_curve)
-        base = points[0][1]
         if stretch <= points[0][0]:
             return 0.0
-        for (s0, t0), (s1, t1) in zip(points, points[1:]):
-            if stretch <= s1:
-                return max(0.0, t0 + (stretch - s0) * (t1 - t0) / max(s1 - s0, 1e-12) - base)
-        return max(0.0, points[-1][1] - base)
+        return max(0.0, _along(points, stretch, rising_beyond=False) - points[0][1])
 
     def link(self, across_nodes: bool, op: str = "") -> tuple[float, float]:
         """(α, β) of a message of `op` inside a node (the collective's own where `collectives` has
