@@ -35,16 +35,12 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     def timed(fn, n=reps):
         return timed_in_turn([fn], n)[0]
 
-    def fwd_bwd(fn, *inputs):  # one forward and backward of fn; the work counts 1 + 2
-        inputs = [x.detach().requires_grad_() for x in inputs]
-        return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
-
     # matrix products of the per-rank shapes a p-way split of one layer gives, on row counts from one
     # sequence's (a pipeline's smallest micro-batch) to the batch's: t = 6·(rows + kernel_rows)·Σ k·n / F
     def products(rows):
         shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
                   (rows, max(1, 4 * h // p), h)]
-        steps = [fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+        steps = [_fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
         return (lambda: [f() for f in steps]), 6 * sum(k * n for _, k, n in shapes)
 
     # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank,
@@ -63,16 +59,16 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
     q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
-    attn = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    attn = _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
     attn_rate = 3 * heads * T * T / timed(attn)
     # elementwise operators on a rank's share of the activations and of the logits
     x, bias, logits = torch.randn(M, max(1, h // p)), torch.randn(max(1, h // p)), torch.randn(M, max(1, V // p))
     targets = torch.randint(0, logits.shape[1], (M,))
-    ew = fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
+    ew = _fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
     # and each of them on its own, as the cost model counts it (Machine.elementwise_rates)
-    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, fwd_bwd, reps)
+    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, _fwd_bwd, reps)
     # the framework's time per operation the family describes: a serial model of it of one and of two
     # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
     # and backward's two per operation)
@@ -200,6 +196,12 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              elementwise_rates=elementwise_rates, wake_curve=wake_curve)
 
 
+def _fwd_bwd(fn, *inputs):
+    """One forward and backward of fn on fresh leaves of `inputs` (the work counts 1 + 2)."""
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
+
+
 def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
     """Machine.alpha_send from a cp pair's ring attention (lattice.parallel.context_parallel),
     forward and backward, every pair of the world at once, at a cp = 2 rank's share of the batch
@@ -219,14 +221,10 @@ def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
     B, T, hs = max(1, 2 * batch // p), 2 * max(1, cfg.seq_len // 4), cfg.head_size
     q, k, v = torch.randn(B, heads, T, hs), torch.randn(B, kv_heads, T, hs), torch.randn(B, kv_heads, T, hs)
 
-    def fwd_bwd(fn):
-        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
-
     expand = heads // kv_heads
-    ring_attention = fwd_bwd(lambda q, k, v: ring_attend(ring, q, k, v, causal=True))
-    block = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
-        q, k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1), is_causal=True))
+    ring_attention = _fwd_bwd(lambda q, k, v: ring_attend(ring, q, k, v, causal=True), q, k, v)
+    block = _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1), is_causal=True), q, k, v)
     t_ring, t_block = timed_in_turn([ring_attention, block], reps, warm_rounds=1)
     for group in groups:
         dist.destroy_process_group(group)
