@@ -112,6 +112,47 @@ def test_each_collective_is_priced_at_its_own_rates_where_the_machine_has_them()
         assert c.comm_time(m, "forward") > c.comm_time(plain, "forward")
         assert any(c.spans_nodes(t.axes) for t in c.terms) == (rpn == 2)
 
+def test_a_collectives_wire_bytes_are_priced_on_its_measured_curve_inside_a_node():
+    """Catches Machine.collective_curves ignored (gloo's large all-reduces priced at a β fitted for
+    small ones too), read on a term's bytes in all rather than per call, or used between nodes: a
+    data-parallel step's gradient all-reduces inside a node priced by hand from the curve's points
+    (linear between them, along the last two beyond), and at α and β across nodes."""
+    cfg = lattice.GPTConfig(vocab_size=64, seq_len=8, d_model=512, n_heads=4, n_layers=8)  # 4 buckets of 25 MiB
+    plain = cost.Machine("m", flop_rate=1e12, alpha_intra=1e-6, beta_intra=1e-10, alpha_inter=1e-5,
+                         beta_inter=1e-9, ranks_per_node=4, collectives=(("all_reduce", 2e-6, 3e-10),))
+    c = cost.estimate(cfg, "serial", batch=4, dp=4, ranks_per_node=4)
+    grads = [t for t in c.terms if t.site == "grads"]
+    assert grads and all(t.op == "all_reduce" for t in grads) and sum(t.calls for t in grads) == 4, grads
+    wires = [t.bytes * 2 * 3 / 4 / t.calls for t in grads]  # a ring all-reduce of 4 ranks: 2·3/4 of its buffer
+    for points, along in (
+            # the calls between the points: 1 ns per byte up to half the largest call, 3 ns beyond
+            (((0.0, 0.0), (max(wires) / 2, max(wires) / 2 * 1e-9), (2 * max(wires), max(wires) * 5e-9)),
+             lambda x: x * 1e-9 if x <= max(wires) / 2 else max(wires) / 2 * 1e-9 + (x - max(wires) / 2) * 3e-9),
+            # every call beyond the last point: along the last two (2 ns per byte)
+            (((0.0, 0.0), (1.0, 1e-9), (2.0, 3e-9)), lambda x: 3e-9 + (x - 2.0) * 2e-9)):
+        m = dataclasses.replace(plain, collective_curves=(("all_reduce", points),))
+        by_hand = sum(t.calls * (2 * 3 * 2e-6 + along(w)) for t, w in zip(grads, wires))
+        assert sum(s for _, s in c.term_times(m, grads)) == pytest.approx(by_hand)
+        assert sum(s for _, s in c.term_times(plain, grads)) != pytest.approx(by_hand)
+        across = cost.estimate(cfg, "serial", batch=4, dp=4, ranks_per_node=2)
+        crossing = [t for t in across.terms if t.site == "grads"]
+        assert sum(s for _, s in across.term_times(m, crossing)) == pytest.approx(
+            sum(t.calls * 2 * 3 * 1e-5 + t.bytes * 2 * 3 / 4 * 1e-9 for t in crossing))
+
+
+def test_a_collectives_curve_is_its_time_beyond_its_latency_steps_at_each_size():
+    """Catches the calibration's collective curve holding the whole time of a call (its latency
+    steps then counted twice), another op's α subtracted, or its sizes out of order: samples whose
+    curve is worked out by hand."""
+    from lattice.cost.calibrate import _collective_curves
+
+    samples = {"all_reduce": [(6, 4000.0, 0.009), (6, 40.0, 0.0061)], "broadcast": [(2, 40.0, 0.0009)]}
+    curves = dict(_collective_curves(samples, {"all_reduce": 0.001, "broadcast": 0.0005}))
+    assert [w for w, _ in curves["all_reduce"]] == [40.0, 4000.0]
+    assert [t for _, t in curves["all_reduce"]] == pytest.approx([0.0001, 0.003])
+    assert curves["broadcast"] == ((40.0, 0.0),)  # 0.0009 - 2 x 0.0005 < 0
+
+
 def test_plan_command_refuses_a_layout_that_cannot_exist(capsys):
     """Catches `lattice plan` crashing with a traceback (or printing a plan) for an impossible
     layout instead of one line that names the fix."""

@@ -97,6 +97,9 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
         alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
         collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
+        # and each one's time beyond its latency steps at each size measured (Machine.collective_curves):
+        # the time per byte grows with the message, which one β fitted on relative error misses
+        collective_curves = _collective_curves(samples, {op: a for op, a, _ in collectives})
         # the latency of one point-to-point exchange of a cp ring's step beyond its bytes: from ring
         # attention itself where the ranks pair up (_ring_send_latency), else from an exchange
         # between two of the loop's products
@@ -156,7 +159,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
             wake_curve.append((without / 8, max(with_it - without, 0.0) / 8))
         wake_curve = tuple(wake_curve)
     else:
-        alpha, beta, alpha_send, overlap, wake_curve = 1e-5, 1e-10, 0.0, 1.0, ()
+        alpha, beta, alpha_send, overlap, wake_curve, collective_curves = 1e-5, 1e-10, 0.0, 1.0, (), ()
     skew = _skew(cfg, batch) if p > 1 else 0.0
     # the wait per synchronisation, after stretches of the collectives' loop's product
     skew_curve = _skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
@@ -193,7 +196,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
-                             elementwise_rates=elementwise_rates, wake_curve=wake_curve)
+                             elementwise_rates=elementwise_rates, wake_curve=wake_curve,
+                             collective_curves=collective_curves)
 
 
 def _fwd_bwd(fn, *inputs):
@@ -323,6 +327,13 @@ def _collectives(numel: int, p: int) -> list:
             ("reduce", lambda: dist.reduce(whole, 0)), ("all_gather", lambda: _all_gather_tensor(whole, piece)),
             ("reduce_scatter", lambda: _reduce_scatter_tensor(piece, whole)),
             ("all_to_all", lambda: dist.all_to_all_single(piece.new_empty(numel), whole))]
+
+
+def _collective_curves(samples: dict, latency: dict) -> tuple:
+    """Machine.collective_curves from the collectives' samples ({op: [(steps, wire bytes, seconds)]})
+    and each op's fitted α: at each size, the seconds beyond steps x α (never below 0)."""
+    return tuple((op, tuple(sorted((wire, max(seconds - steps * latency[op], 0.0)) for steps, wire, seconds in rows)))
+                 for op, rows in samples.items())
 
 
 def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:

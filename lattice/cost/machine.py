@@ -88,7 +88,8 @@ def _along(points: list[tuple[float, float]], x: float, *, rising_beyond: bool) 
 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
-                   "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve")
+                   "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve",
+                   "collective_curves")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,13 @@ class Machine:
     # its all-gather moves a byte at a third of a broadcast's rate, which one α and one β fitted to
     # all of them misprice by up to 3x; an op not listed (a point-to-point send) uses alpha_intra, beta_intra
     collectives: tuple = ()
+    # each collective's time per call beyond its latency steps (steps x its α) against the bytes a rank
+    # puts on the wire, where measured: ((op, ((wire bytes, seconds), ...)), ...), read between the
+    # points in place of bytes x β. On gloo the time per byte grows with the message: at 4 ranks on 2
+    # cores an all-reduce of 16.8 MB (25.2 MB on each rank's wire) took 29-31 ms where the α and β
+    # fitted over 64 B to 16.8 MB (on relative error, for the small messages' sake) say 21-26 ms,
+    # and a data-parallel step's gradient buckets are that size
+    collective_curves: tuple = ()
     # each elementwise operator's own rate, where measured: ((operator, elements/s), ...), the
     # elements as the cost model counts them (lattice.cost.builder.ELEMENTWISE_OPERATORS). On a CPU
     # they differ by up to 5x (tanh GELU 1.7-2.3 ns per element, a residual add 0.4-0.9 ns), and
@@ -234,6 +242,15 @@ class Machine:
             alpha, beta = next(((a, b) for name, a, b in self.collectives if name == op),
                                (self.alpha_intra, self.beta_intra))
         return (max(alpha, self.alpha_send) if op == "send" else alpha), beta
+
+    def wire_seconds(self, op: str, wire_bytes: float, beta: float) -> float:
+        """Seconds one call of `op` takes for `wire_bytes` on each rank's wire beyond its latency
+        steps: on `collective_curves` where it has the op (linear between its points, along the
+        last two beyond them), else at `beta` per byte."""
+        points = dict(self.collective_curves).get(op)
+        if not points or len(points) < 2:
+            return wire_bytes * beta
+        return _along(points, wire_bytes, rising_beyond=True)
 
     def with_precision(self, precision: str) -> "Machine":
         """This machine's rates for `precision` (refused where it has none)."""

@@ -166,7 +166,8 @@ class Cost:
 
     def term_times(self, machine: Machine, terms=None) -> list[tuple[Term, float]]:
         """Each term's seconds (every term, or `terms`): per call, its latency steps times α plus its
-        wire bytes times β, inside a node or between nodes where its group spans them."""
+        wire bytes times β, inside a node (its wire bytes on the machine's curve where it has one,
+        Machine.wire_seconds) or between nodes where its group spans them."""
         machine = machine.at(self.topology.world_size)
         out, span = [], {}
         for t in self.terms if terms is None else terms:
@@ -179,7 +180,10 @@ class Cost:
             kind = "send" if t.site.endswith("ring") else ("" if t.op == "send" else t.op)
             alpha, beta = machine.link(span[t.axes], kind)
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
-            out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
+            if span[t.axes] or t.calls <= 0:
+                out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
+            else:
+                out.append((t, t.calls * (steps * alpha + machine.wire_seconds(kind, t.bytes * words / t.calls, beta))))
         return out
 
     def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:
