@@ -112,6 +112,7 @@ def test_each_collective_is_priced_at_its_own_rates_where_the_machine_has_them()
         assert c.comm_time(m, "forward") > c.comm_time(plain, "forward")
         assert any(c.spans_nodes(t.axes) for t in c.terms) == (rpn == 2)
 
+
 def test_a_collectives_wire_bytes_are_priced_on_its_measured_curve_inside_a_node():
     """Catches Machine.collective_curves ignored (gloo's large all-reduces priced at a β fitted for
     small ones too), read on a term's bytes in all rather than per call, or used between nodes: a
@@ -124,6 +125,8 @@ def test_a_collectives_wire_bytes_are_priced_on_its_measured_curve_inside_a_node
     grads = [t for t in c.terms if t.site == "grads"]
     assert grads and all(t.op == "all_reduce" for t in grads) and sum(t.calls for t in grads) == 4, grads
     wires = [t.bytes * 2 * 3 / 4 / t.calls for t in grads]  # a ring all-reduce of 4 ranks: 2·3/4 of its buffer
+    across = cost.estimate(cfg, "serial", batch=4, dp=4, ranks_per_node=2)
+    crossing = [t for t in across.terms if t.site == "grads"]
     for points, along in (
             # the calls between the points: 1 ns per byte up to half the largest call, 3 ns beyond
             (((0.0, 0.0), (max(wires) / 2, max(wires) / 2 * 1e-9), (2 * max(wires), max(wires) * 5e-9)),
@@ -134,8 +137,6 @@ def test_a_collectives_wire_bytes_are_priced_on_its_measured_curve_inside_a_node
         by_hand = sum(t.calls * (2 * 3 * 2e-6 + along(w)) for t, w in zip(grads, wires))
         assert sum(s for _, s in c.term_times(m, grads)) == pytest.approx(by_hand)
         assert sum(s for _, s in c.term_times(plain, grads)) != pytest.approx(by_hand)
-        across = cost.estimate(cfg, "serial", batch=4, dp=4, ranks_per_node=2)
-        crossing = [t for t in across.terms if t.site == "grads"]
         assert sum(s for _, s in across.term_times(m, crossing)) == pytest.approx(
             sum(t.calls * 2 * 3 * 1e-5 + t.bytes * 2 * 3 / 4 * 1e-9 for t in crossing))
 
