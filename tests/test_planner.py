@@ -206,28 +206,33 @@ def test_overlap_hides_its_fraction_of_a_collective_beside_compute(layout):
                                                                  + whole.get("forward_overlapped", 0.0)))
 
 
-def _row_term_of_products_slow_at_first() -> float:
+def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> float:
     """The calibration's row term of four products that take (rows + 20) x 10 µs, twice as long at
-    first and back to that over 0.6 s (a process's first work), timed in turn as `calibrate` times
-    them."""
-    import time
+    first and back to that over 0.6 s (a process's first work), timed as `calibrate` times them
+    (else each row count's samples one after the other, cold, the shortest first). The products
+    advance a clock of their own in place of `time.perf_counter`, so that a loaded machine's
+    descheduling cannot stretch them (busy-waited, the fit came out 9 under a full test run)."""
+    import types
 
-    from lattice.cost.calibrate import _kernel_rows, timed_in_turn
+    import lattice.cost.calibrate as calibrate
 
-    start = time.perf_counter()
+    now = [0.0]
 
     def product(rows):
         def run():
-            now = time.perf_counter()
-            elapsed = now - start
-            until = now + (rows + 20) * 1e-5 * (1 + max(0.0, 1 - elapsed / 0.6))
-            while time.perf_counter() < until:  # busy, as a product is (a sleep overshoots by a fixed time)
-                pass
+            now[0] += (rows + 20) * 1e-5 * (1 + max(0.0, 1 - now[0] / 0.6))
         return run
 
     rows = (64, 128, 256, 512)
-    seconds = timed_in_turn([product(m) for m in rows], 5, warm_rounds=1)
-    return _kernel_rows(list(zip(rows, seconds)))
+    real_time, calibrate.time = calibrate.time, types.SimpleNamespace(perf_counter=lambda: now[0])
+    try:
+        if warm_and_in_turn:
+            seconds = calibrate.timed_in_turn([product(m) for m in rows], 5, warm_rounds=1)
+        else:
+            seconds = [calibrate.timed_in_turn([product(m)], 5)[0] for m in rows]
+    finally:
+        calibrate.time = real_time
+    return calibrate._kernel_rows(list(zip(rows, seconds)))
 
 
 def test_products_timed_in_turn_after_a_warm_round_keep_the_row_term():
@@ -235,12 +240,14 @@ def test_products_timed_in_turn_after_a_warm_round_keep_the_row_term():
     product, timed first while the process is new, came out slower per row and the row term fitted
     26-84 rows at 2 ranks where warm products timed in turn give 6-31 (pipelines of one-sequence
     micro-batches then priced 8-50% above their steps). Products of (rows + 20) units, slow at
-    first, must still give 20 back (each row count's samples one after the other, the shortest
-    first, gave 111-124 on these products)."""
+    first, must still give 20 back; timed one after the other, cold, the same products give 118
+    (111-124 when they were busy-waited)."""
     from multiproc import run_distributed
 
     for rank_rows in run_distributed(2, _row_term_of_products_slow_at_first):
-        assert abs(rank_rows - 20) < 10, rank_rows
+        assert abs(rank_rows - 20) < 5, rank_rows
+    for rank_rows in run_distributed(2, _row_term_of_products_slow_at_first, warm_and_in_turn=False):
+        assert rank_rows > 100, rank_rows
 
 
 def test_skew_seconds_interpolates_the_wait_per_synchronisation():
