@@ -115,10 +115,7 @@ def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> 
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         del trainer
         gc.collect()
-        groups = {*ctx.mesh.get_all_groups(), *ctx.multi_axis_groups.values(), ctx.embedding_group}
-        for group in groups - {None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD}:  # (a mesh of the
-            # whole world may use the default group)
-            dist.destroy_process_group(group)
+        ctx.destroy_groups()
         return float(mean)
 
     times = [[] for _ in layouts]

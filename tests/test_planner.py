@@ -542,3 +542,51 @@ def test_ranks_sharing_cores_compute_at_the_mean_of_their_tensor_groups_work():
         assert (compute[0] > 1.3 * compute[1]) == uneven  # sub-grid 0 runs the MLPs and the head
         assert priced.terms["compute"] == pytest.approx(sum(compute) / 2, rel=1e-9)
         assert priced.terms["update"] - _trainer_scalars(lay, Choice(lay), machine) == pytest.approx(sum(update) / 2)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
+def test_a_pipeline_schedule_pays_its_own_time_per_chunk_of_a_micro_batch(schedule, v):
+    """Catches Machine.pipeline_actions left out of a pipeline's price or charged per micro-batch
+    rather than per chunk: torch.distributed.pipelining's own time per chunk of one micro-batch
+    (on a tiny model at 4 ranks on 2 cores the pipelines measured 38-68 ms where their operations
+    and hops priced 26-41) is paid m v times on the pipeline term and once more on each of the
+    pp - 1 slots of the bubble, and only by the schedule it was measured for."""
+    cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=4)
+    lay = Layout("serial", pp=2, dp=2, microbatches=4, pp_schedule=schedule, ranks_per_node=4)
+    own = {"1f1b": 0.003, "interleaved": 0.005}
+    base = price(cfg, Choice(lay), batch=8, machine=MACHINE)
+    paid = price(cfg, Choice(lay), batch=8, machine=dataclasses.replace(MACHINE, pipeline_actions=tuple(own.items())))
+    assert paid.terms["pipeline"] - base.terms["pipeline"] == pytest.approx(4 * v * own[schedule])
+    assert paid.terms["bubble"] - base.terms["bubble"] == pytest.approx(1 * own[schedule])
+    other = dataclasses.replace(MACHINE, pipeline_actions=(("gpipe", 0.003),))
+    assert price(cfg, Choice(lay), batch=8, machine=other).step_s == pytest.approx(base.step_s)
+
+
+def _pipeline_actions_on_set_timings() -> tuple:
+    """`_pipeline_actions` on steps timed as if each schedule took 10 ms + 4 ms per micro-batch
+    (gpipe), 3 ms (1f1b) or 5 ms (interleaved), with op_overhead 10 µs and α 0.5 ms."""
+    import lattice.cost.calibrate as calibrate
+    from lattice.cost.plan import model_config
+
+    per_microbatch = {"gpipe": 0.004, "1f1b": 0.003, "interleaved": 0.005}
+    # the timed steps in calibrate's order: each schedule at 1 and 3 micro-batches per stage (p = 2)
+    fake = [0.01 + m * per_microbatch[s] for s in ("gpipe", "1f1b", "interleaved") for m in (2, 6)]
+    real, calibrate.timed_in_turn = calibrate.timed_in_turn, lambda fns, n: fake[:len(fns)]
+    try:
+        return calibrate._pipeline_actions(model_config("gpt2", "small", vocab_size=2048), 1e-5, 5e-4, 1)
+    finally:
+        calibrate.timed_in_turn = real
+
+
+def test_a_schedules_own_time_per_chunk_is_its_slope_beyond_the_chunks_operations_and_hop():
+    """Catches the calibration's pipeline_actions taken per micro-batch rather than per chunk
+    (interleaved runs two chunks of one block per micro-batch on each rank, the others one of two),
+    or with the chunk's operations or its hop left in. GPT-2's block is 8 operations forward (two
+    norms, four linears, attention, GELU) and backward counts each twice: 24 x 10 µs = 0.24 ms; the
+    hop 2 α = 1 ms. By hand: gpipe 4 - 2 x 0.24 - 1 = 2.52 ms, 1f1b 3 - 0.48 - 1 = 1.52 ms,
+    interleaved 5 / 2 - 0.24 - 1 = 1.26 ms."""
+    from multiproc import run_distributed
+
+    for actions in run_distributed(2, _pipeline_actions_on_set_timings):
+        got = dict(actions)
+        assert got == pytest.approx({"gpipe": 0.00252, "1f1b": 0.00152, "interleaved": 0.00126}, abs=1e-9), got

@@ -190,6 +190,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
     alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor = costs.tolist()
+    # a pipeline schedule's own time per chunk, on a tiny model cut into p stages (Machine.pipeline_actions)
+    pipeline_actions = _pipeline_actions(cfg, op_overhead, alpha, reps) if p > 1 else ()
     return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
@@ -197,7 +199,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
                              elementwise_rates=elementwise_rates, wake_curve=wake_curve,
-                             collective_curves=collective_curves)
+                             collective_curves=collective_curves, pipeline_actions=pipeline_actions)
 
 
 def _fwd_bwd(fn, *inputs):
@@ -413,6 +415,49 @@ def _skew_curve(work, stretches=(0.002, 0.008, 0.032, 0.128), samples: int = 12)
                 waits[g].append(float(times.reshape(p // g, g).amax(1).mean()) - means[-1])
         rows += [(g, statistics.median(means), max(statistics.median(waits[g]), 0.0)) for g in groups]
     return tuple(rows)
+
+
+def _pipeline_actions(cfg, op_overhead: float, alpha: float, reps: int) -> tuple:
+    """Machine.pipeline_actions: of each schedule, the seconds per chunk of one micro-batch beyond
+    the chunk's operations (op_overhead each) and its hop (2 α: the activation and its gradient,
+    of a few bytes here), from a model of `cfg`'s family at its tiny preset's sizes, 4 tokens, 2
+    blocks per rank, cut into p stages (chunks of 2 blocks, or of 1 interleaved): the slope of the
+    slowest rank's step over 1 and 3 micro-batches per stage, every rank at once."""
+    import dataclasses
+
+    import lattice
+    from lattice.cost.model import estimate
+    from lattice.models import build_model
+    from lattice.modes.layout import Layout
+    from lattice.parallel.pipeline import SCHEDULES
+
+    if getattr(cfg, "num_labels", 0):  # a classifier trains without a pipeline
+        return ()
+    p = dist.get_world_size()
+    # 2 blocks per rank: an encoder-decoder's p in each stack (n_decoder_layers 0: as many as the encoder)
+    stacks = 2 if hasattr(cfg, "n_decoder_layers") else 1
+    sizes = {**type(cfg).presets["tiny"], "vocab_size": 16, "seq_len": 4, "n_layers": 2 * p // stacks}
+    tiny = dataclasses.replace(cfg, **sizes, **({"n_decoder_layers": 0} if stacks == 2 else {}))
+    ops = [sum(estimate(dataclasses.replace(tiny, n_layers=k), "serial", batch=1).ops.values()) for k in (1, 2)]
+    per_block = (ops[1] - ops[0]) / stacks * op_overhead  # forward and backward (of a block of either stack)
+    counts = (p, 3 * p)
+    steps, contexts = [], []
+    for schedule in SCHEDULES:
+        for m in counts:
+            ctx = lattice.init(Layout("serial", pp=p, microbatches=m, pp_schedule=schedule))
+            model, tokens = build_model(tiny, ctx), torch.randint(0, 16, (m, 4))
+            steps.append(lambda model=model, tokens=tokens: model.forward_backward(tokens, tokens))
+            contexts.append(ctx)
+    seconds = torch.tensor(timed_in_turn(steps, reps), dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    for ctx in contexts:
+        ctx.destroy_groups()
+    actions = []
+    for k, schedule in enumerate(SCHEDULES):
+        v = Layout("serial", pp=p, microbatches=p, pp_schedule=schedule).pipeline.v
+        slope = float(seconds[2 * k + 1] - seconds[2 * k]) / (counts[1] - counts[0])  # per micro-batch
+        actions.append((schedule, max(slope / v - (2 // v) * per_block - 2 * alpha, 0.0)))
+    return tuple(actions)
 
 
 def _op_overhead(cfg, timed) -> float:

@@ -89,7 +89,7 @@ def _along(points: list[tuple[float, float]], x: float, *, rising_beyond: bool) 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
                    "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve",
-                   "collective_curves")
+                   "collective_curves", "pipeline_actions")
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,13 @@ class Machine:
     # fitted over 64 B to 16.8 MB (on relative error, for the small messages' sake) say 21-26 ms,
     # and a data-parallel step's gradient buckets are that size
     collective_curves: tuple = ()
+    # a pipeline schedule's own time per chunk of one micro-batch (its forward and backward, the
+    # stage's receives and sends around them) beyond the chunk's operations and its hop:
+    # ((schedule, seconds), ...). torch.distributed.pipelining runs each action through Python;
+    # on a tiny model at 4 ranks on 2 cores the pipelines took 38-68 ms a step where their operations
+    # and hops priced 26-41, and the interleaved schedule (a runtime of explicit send and receive
+    # actions) more per chunk than 1F1B; a schedule not listed costs its hop only
+    pipeline_actions: tuple = ()
     # each elementwise operator's own rate, where measured: ((operator, elements/s), ...), the
     # elements as the cost model counts them (lattice.cost.builder.ELEMENTWISE_OPERATORS). On a CPU
     # they differ by up to 5x (tanh GELU 1.7-2.3 ns per element, a residual add 0.4-0.9 ns), and
@@ -251,6 +258,11 @@ class Machine:
         if not points or len(points) < 2:
             return wire_bytes * beta
         return _along(points, wire_bytes, rising_beyond=True)
+
+    def pipeline_action(self, schedule: str) -> float:
+        """Seconds `schedule` takes per chunk of one micro-batch beyond its operations and hop
+        (Machine.pipeline_actions; 0 where not measured)."""
+        return dict(self.pipeline_actions).get(schedule, 0.0)
 
     def with_precision(self, precision: str) -> "Machine":
         """This machine's rates for `precision` (refused where it has none)."""

@@ -78,7 +78,8 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) ->
     stage_p2p = [_stage_p2p(cfg, layout, batch, s) for s in range(pp)]
     inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
     alpha, beta = machine.link(inter)
-    hop = 2 * (alpha + piece * c.itemsize * beta)  # activation forward, gradient backward
+    # activation forward, gradient backward, and the schedule's own time for the chunk
+    hop = 2 * (alpha + piece * c.itemsize * beta) + machine.pipeline_action(pcfg.schedule)
     slots = pcfg.m * pcfg.v + pp - 1
     pipeline_time = slots * (slot / pcfg.v + hop)
     update = t["update"]  # the stage's own parameters (its blocks and both end parts: an upper bound)

@@ -233,7 +233,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
         itemsize = 2 if choice.precision == "bf16" else 4  # the activations' dtype, as estimate sets it
         alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
-        hop = 2 * (alpha + piece * itemsize * beta)  # the activation forward, its gradient backward
+        # the activation forward, its gradient backward, and the schedule's own time for the chunk
+        hop = 2 * (alpha + piece * itemsize * beta) + machine.at(lay.world_size).pipeline_action(pcfg.schedule)
         chunk = (f["forward_compute"] + f["backward_compute"] + f["tensor"] + f["context"] + f["overlapped"]) / v
         # m v slots of a chunk's micro-batch and its hop, and pp - 1 more (the bubble)
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],

@@ -293,6 +293,17 @@ class ParallelContext:
         model replica's group without pipeline parallelism); None for one rank."""
         return self.group(*self.topology.tensor_axes)
 
+    def destroy_groups(self) -> None:
+        """Destroy the process groups this context made (every rank calls it): an idle gloo group
+        still polls (~0.05% of a core each), which a process building many layouts in turn pays
+        for all of them. The default group, which a mesh of the whole world may use, stays."""
+        import torch.distributed as dist
+
+        groups = {*(self.mesh.get_all_groups() if self.mesh is not None else ()), *self.multi_axis_groups.values(),
+                  self.embedding_group}
+        for group in groups - {None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD}:
+            dist.destroy_process_group(group)
+
     def describe(self) -> str:
         coords = ", ".join(f"{a.value}={c}" for a, c in self.coords.items())
         return f"rank {self.rank}/{self.world_size} mode={self.mode} ({coords})"
