@@ -425,10 +425,9 @@ def _pipeline_actions(cfg, op_overhead: float, alpha: float, reps: int) -> tuple
     slowest rank's step over 1 and 3 micro-batches per stage, every rank at once."""
     import dataclasses
 
-    import lattice
     from lattice.cost.model import estimate
     from lattice.models import build_model
-    from lattice.modes.layout import Layout
+    from lattice.modes.layout import Layout, init
     from lattice.parallel.pipeline import SCHEDULES
 
     if getattr(cfg, "num_labels", 0):  # a classifier trains without a pipeline
@@ -444,7 +443,7 @@ def _pipeline_actions(cfg, op_overhead: float, alpha: float, reps: int) -> tuple
     steps, contexts = [], []
     for schedule in SCHEDULES:
         for m in counts:
-            ctx = lattice.init(Layout("serial", pp=p, microbatches=m, pp_schedule=schedule))
+            ctx = init(Layout("serial", pp=p, microbatches=m, pp_schedule=schedule))
             model, tokens = build_model(tiny, ctx), torch.randint(0, 16, (m, 4))
             steps.append(lambda model=model, tokens=tokens: model.forward_backward(tokens, tokens))
             contexts.append(ctx)
