@@ -590,3 +590,61 @@ def test_a_schedules_own_time_per_chunk_is_its_slope_beyond_the_chunks_operation
     for actions in run_distributed(2, _pipeline_actions_on_set_timings):
         got = dict(actions)
         assert got == pytest.approx({"gpipe": 0.00252, "1f1b": 0.00152, "interleaved": 0.00126}, abs=1e-9), got
+
+
+def test_an_all_reduce_over_groups_smaller_than_the_world_is_priced_on_their_own_curve():
+    """Catches a dp = 2 or tp = 2 group's all-reduce at 4 ranks priced on the whole world's α and
+    curve at its wire bytes (two pairs' all-reduces of 4.2 MB each at 4 ranks on 2 cores took 7.1 ms
+    where that said 3.6): with Machine.group_curves each call of a group of 2 costs the curve at its
+    wire bytes (a pair's all-reduce puts its whole buffer on each rank's wire), figures by hand from
+    the points (0 B, 1 ms), (1 MB, 3 ms); the groups of the whole world, and every term without a
+    curve for its group size, keep their price."""
+    cfg = model_config("gpt2", "small", vocab_size=2048)
+    lay = Layout("1d", tp=2, dp=2, ranks_per_node=4)
+    cost = estimate(cfg, lay, batch=4)
+    curves = dataclasses.replace(MACHINE, group_curves=(("all_reduce", 2, ((0.0, 0.001), (1e6, 0.003))),))
+    before, after = cost.term_times(MACHINE), cost.term_times(curves)
+    pairs = 0
+    for (term, old), (same, new) in zip(before, after):
+        assert term is same
+        if term.op == "all_reduce" and cost.term_ranks(term) == 2:
+            pairs += 1
+            assert new == pytest.approx(term.calls * (0.001 + 0.002 * term.bytes / term.calls / 1e6)), term
+        else:
+            assert new == old, term
+    assert pairs >= 2  # the blocks' activations over tp, the gradients over dp
+    whole = estimate(cfg, Layout("serial", dp=4, ranks_per_node=4), batch=4)
+    every = dataclasses.replace(MACHINE, group_curves=(("all_reduce", 4, ((0.0, 1.0), (1e6, 1.0))),))
+    assert whole.term_times(every) == whole.term_times(MACHINE)
+
+
+def _group_curves_on_set_timings() -> tuple:
+    """`_group_curves` at 4 ranks with the loop's gain set to 8 x k ms for the k-th size."""
+    import lattice.cost.calibrate as calibrate
+
+    gains = iter(range(1, 100))
+
+    def fake(fns, n):
+        return [0.01 + 8e-3 * next(gains), 0.01]
+
+    real, calibrate.timed_in_turn = calibrate.timed_in_turn, fake
+    try:
+        return calibrate._group_curves(lambda coll: None, 1)
+    finally:
+        calibrate.timed_in_turn = real
+
+
+def test_the_group_curves_are_each_sizes_gain_per_call_at_a_ranks_wire_bytes():
+    """Catches the calibration's group curves at the wrong group sizes (at 4 ranks: pairs only; the
+    world's is the collective curve), at the buffer's bytes rather than a rank's wire bytes
+    (2 (n - 1)/n of them: the buffer itself for a pair) or per loop rather than per call (8 calls)."""
+    from multiproc import run_distributed
+
+    from lattice.cost.calibrate import COLLECTIVE_SIZES
+
+    expected = (("all_reduce", 2, tuple((numel * 4.0, k * 1e-3) for k, numel in enumerate(COLLECTIVE_SIZES, 1))),)
+    for curves in run_distributed(4, _group_curves_on_set_timings):
+        assert curves[0][:2] == expected[0][:2]
+        assert [w for w, _ in curves[0][2]] == [w for w, _ in expected[0][2]]
+        assert [t for _, t in curves[0][2]] == pytest.approx([t for _, t in expected[0][2]])
+        assert len(curves) == 1

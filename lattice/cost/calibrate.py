@@ -89,7 +89,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                     coll()
 
         samples = {}  # op -> [(steps, wire bytes, seconds)]
-        for numel in (16, 4096, 65536, 1 << 18, 1 << 20, 1 << 22):  # CommMeter's buffer, up to a gradient bucket's size
+        for numel in COLLECTIVE_SIZES:
             numel = p * -(-numel // p)
             for op, fn in _collectives(numel, p):
                 with_it, without = timed_in_turn([lambda: loop(fn), lambda: loop(None)], reps)
@@ -100,6 +100,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         # and each one's time beyond its latency steps at each size measured (Machine.collective_curves):
         # the time per byte grows with the message, which one β fitted on relative error misses
         collective_curves = _collective_curves(samples, {op: a for op, a, _ in collectives})
+        # and the all-reduce over groups smaller than the world, every group at once (Machine.group_curves)
+        group_curves = _group_curves(loop, reps)
         # the latency of one point-to-point exchange of a cp ring's step beyond its bytes: from ring
         # attention itself where the ranks pair up (_ring_send_latency), else from an exchange
         # between two of the loop's products
@@ -159,7 +161,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
             wake_curve.append((without / 8, max(with_it - without, 0.0) / 8))
         wake_curve = tuple(wake_curve)
     else:
-        alpha, beta, alpha_send, overlap, wake_curve, collective_curves = 1e-5, 1e-10, 0.0, 1.0, (), ()
+        alpha, beta, alpha_send, overlap, wake_curve, collective_curves, group_curves = 1e-5, 1e-10, 0.0, 1.0, (), (), ()
     skew = _skew(cfg, batch) if p > 1 else 0.0
     # the wait per synchronisation, after stretches of the collectives' loop's product
     skew_curve = _skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
@@ -199,7 +201,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
                              elementwise_rates=elementwise_rates, wake_curve=wake_curve,
-                             collective_curves=collective_curves, pipeline_actions=pipeline_actions)
+                             collective_curves=collective_curves, pipeline_actions=pipeline_actions,
+                             group_curves=group_curves)
 
 
 def _fwd_bwd(fn, *inputs):
@@ -329,6 +332,31 @@ def _collectives(numel: int, p: int) -> list:
             ("reduce", lambda: dist.reduce(whole, 0)), ("all_gather", lambda: _all_gather_tensor(whole, piece)),
             ("reduce_scatter", lambda: _reduce_scatter_tensor(piece, whole)),
             ("all_to_all", lambda: dist.all_to_all_single(piece.new_empty(numel), whole))]
+
+
+#: the CommMeter buffers (elements) the collectives are timed at, up to a gradient bucket's size
+COLLECTIVE_SIZES = (16, 4096, 65536, 1 << 18, 1 << 20, 1 << 22)
+
+
+def _group_curves(loop, reps: int) -> tuple:
+    """Machine.group_curves: the all-reduce over groups of each size that divides the world, from 2
+    up to half of it (groups of consecutive ranks, every group at once), at the collectives' sizes:
+    the time `loop` (8 products with a collective after each) gains from it, per call, against the
+    wire bytes of a rank (2 (n - 1)/n of the buffer)."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    curves = []
+    for n in (n for n in range(2, p // 2 + 1) if p % n == 0):
+        groups = [dist.new_group(list(range(first, first + n))) for first in range(0, p, n)]
+        mine, points = groups[rank // n], []
+        for numel in COLLECTIVE_SIZES:
+            buffer = torch.randn(numel)
+            with_it, without = timed_in_turn([lambda: loop(lambda: dist.all_reduce(buffer, group=mine)),
+                                              lambda: loop(None)], reps)
+            points.append((2 * (n - 1) / n * numel * 4, max(with_it - without, 1e-6) / 8))
+        for group in groups:
+            dist.destroy_process_group(group)
+        curves.append(("all_reduce", n, tuple(points)))
+    return tuple(curves)
 
 
 def _collective_curves(samples: dict, latency: dict) -> tuple:

@@ -89,7 +89,7 @@ def _along(points: list[tuple[float, float]], x: float, *, rising_beyond: bool) 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
                    "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve",
-                   "collective_curves", "pipeline_actions")
+                   "collective_curves", "pipeline_actions", "group_curves")
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,12 @@ class Machine:
     # and hops priced 26-41, and the interleaved schedule (a runtime of explicit send and receive
     # actions) more per chunk than 1F1B; a schedule not listed costs its hop only
     pipeline_actions: tuple = ()
+    # an all-reduce over groups smaller than the world, every group at once (a dp = 2 or tp = 2 group
+    # at 4 or 8 ranks): ((op, group ranks, ((wire bytes, seconds per call), ...)), ...), read in place
+    # of the world's α and curve. Where ranks share cores, the other groups' copies and sums take the
+    # cores too: at 4 ranks on 2 cores two pairs' all-reduces of 4.2 MB each took 7.1 ms, where the
+    # world's α and curve at a pair's wire bytes said 3.6; a group size not listed reads the world's
+    group_curves: tuple = ()
     # each elementwise operator's own rate, where measured: ((operator, elements/s), ...), the
     # elements as the cost model counts them (lattice.cost.builder.ELEMENTWISE_OPERATORS). On a CPU
     # they differ by up to 5x (tanh GELU 1.7-2.3 ns per element, a residual add 0.4-0.9 ns), and
@@ -258,6 +264,15 @@ class Machine:
         if not points or len(points) < 2:
             return wire_bytes * beta
         return _along(points, wire_bytes, rising_beyond=True)
+
+    def group_seconds(self, op: str, ranks: int, wire_bytes: float) -> float | None:
+        """Seconds one call of `op` over groups of `ranks` takes for `wire_bytes` on each rank's
+        wire, every group at once (Machine.group_curves: linear between its points, along the
+        last two beyond them); None where that group size is not calibrated."""
+        points = next((pts for name, n, pts in self.group_curves if name == op and n == ranks), None)
+        if not points or len(points) < 2:
+            return None
+        return _along(sorted(points), wire_bytes, rising_beyond=True)
 
     def pipeline_action(self, schedule: str) -> float:
         """Seconds `schedule` takes per chunk of one micro-batch beyond its operations and hop

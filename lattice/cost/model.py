@@ -167,7 +167,8 @@ class Cost:
     def term_times(self, machine: Machine, terms=None) -> list[tuple[Term, float]]:
         """Each term's seconds (every term, or `terms`): per call, its latency steps times α plus its
         wire bytes times β, inside a node (its wire bytes on the machine's curve where it has one,
-        Machine.wire_seconds) or between nodes where its group spans them."""
+        Machine.wire_seconds; a group smaller than the world on its group size's curve,
+        Machine.group_seconds) or between nodes where its group spans them."""
         machine = machine.at(self.topology.world_size)
         out, span = [], {}
         for t in self.terms if terms is None else terms:
@@ -182,8 +183,12 @@ class Cost:
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
             if span[t.axes] or t.calls <= 0:
                 out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
-            else:
-                out.append((t, t.calls * (steps * alpha + machine.wire_seconds(kind, t.bytes * words / t.calls, beta))))
+                continue
+            per_call = t.bytes * words / t.calls
+            # a group smaller than the world at its own calibration, where it has one
+            in_groups = machine.group_seconds(t.op, n, per_call) if n < self.topology.world_size else None
+            out.append((t, t.calls * (in_groups if in_groups is not None
+                                      else steps * alpha + machine.wire_seconds(kind, per_call, beta))))
         return out
 
     def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:
