@@ -352,7 +352,7 @@ def _group_curves(loop, reps: int) -> tuple:
             buffer = torch.randn(numel)
             with_it, without = timed_in_turn([lambda: loop(lambda: dist.all_reduce(buffer, group=mine)),
                                               lambda: loop(None)], reps)
-            points.append((2 * (n - 1) / n * numel * 4, max(with_it - without, 1e-6) / 8))
+            points.append((wire_factor("all_reduce", n) * numel * 4, max(with_it - without, 1e-6) / 8))
         for group in groups:
             dist.destroy_process_group(group)
         curves.append(("all_reduce", n, tuple(points)))
