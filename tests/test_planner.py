@@ -148,7 +148,7 @@ def test_kernel_rows_fitted_over_the_row_counts():
 
 
 def _ring_send_latency_check(batch: int, beta: float) -> tuple[float, int]:
-    import lattice.cost.calibrate as calibrate
+    import lattice.cost.calibrate_comm as calibrate
     from lattice.models.llama import LlamaConfig
 
     ran = []
@@ -215,6 +215,7 @@ def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> flo
     import types
 
     import lattice.cost.calibrate as calibrate
+    import lattice.cost.timing as timing
 
     now = [0.0]
 
@@ -224,14 +225,14 @@ def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> flo
         return run
 
     rows = (64, 128, 256, 512)
-    real_time, calibrate.time = calibrate.time, types.SimpleNamespace(perf_counter=lambda: now[0])
+    real_time, timing.time = timing.time, types.SimpleNamespace(perf_counter=lambda: now[0])
     try:
         if warm_and_in_turn:
-            seconds = calibrate.timed_in_turn([product(m) for m in rows], 5, warm_rounds=1)
+            seconds = timing.timed_in_turn([product(m) for m in rows], 5, warm_rounds=1)
         else:
-            seconds = [calibrate.timed_in_turn([product(m)], 5)[0] for m in rows]
+            seconds = [timing.timed_in_turn([product(m)], 5)[0] for m in rows]
     finally:
-        calibrate.time = real_time
+        timing.time = real_time
     return calibrate._kernel_rows(list(zip(rows, seconds)))
 
 
@@ -620,7 +621,7 @@ def test_an_all_reduce_over_groups_smaller_than_the_world_is_priced_on_their_own
 
 def _group_curves_on_set_timings() -> tuple:
     """`_group_curves` at 4 ranks with the loop's gain set to 8 x k ms for the k-th size."""
-    import lattice.cost.calibrate as calibrate
+    import lattice.cost.calibrate_comm as calibrate
 
     gains = iter(range(1, 100))
 
