@@ -270,7 +270,7 @@ def main() -> int:
                       f"{run['setup']}", flush=True)
             if args.out:  # after every case, so that a run cut short leaves the cases it finished
                 _write(args.out, preset.name, args, cases, errors)
-    summary = _write(args.out, preset.name, args, cases, errors) if args.out else _summary(cases, errors)
+    summary = _summary(cases, errors)  # (the JSON was written after the last case)
     within = summary["first_choice_within_5pct"]
     print(f"first choice within 5% of the measured best: {within} of {len(cases)} cases; Spearman min "
           f"{summary['spearman_min']:.2f}; median |error| {summary['median_abs_error']:.1%} over {len(errors)} runs")
@@ -292,12 +292,11 @@ def _summary(cases: list[dict], errors: list[float]) -> dict:
     return summary
 
 
-def _write(path: str, machine: str, args, cases: list[dict], errors: list[float]) -> dict:
-    summary = _summary(cases, errors)
+def _write(path: str, machine: str, args, cases: list[dict], errors: list[float]) -> None:
     with open(path, "w") as f:
         json.dump({"machine": machine, "calibration": "stored" if args.preset else "fresh, per case",
-                   "rounds": args.rounds or "6 at 2 ranks, 3 above", "summary": summary, "cases": cases}, f, indent=1)
-    return summary
+                   "rounds": args.rounds or "6 at 2 ranks, 3 above", "summary": _summary(cases, errors),
+                   "cases": cases}, f, indent=1)
 
 
 if __name__ == "__main__":
