@@ -19,6 +19,7 @@ from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.timing import _fwd_bwd, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
 
+
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
     micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
