@@ -466,3 +466,24 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
     assert set(rates) == set(ELEMENTWISE_OPERATORS)
     for op, rate in rates.items():
         assert rate == pytest.approx(3 * ELEMENTWISE_OPERATORS[op] * 1e9, rel=1e-9), op
+
+
+@pytest.mark.parametrize("arch,schedule", [("gpt2", "1f1b"), ("llama", "interleaved"), ("bert", "1f1b")])
+def test_a_pipeline_stages_flops_are_its_blocks_and_the_end_parts_it_holds(arch, schedule):
+    """Catches the step FLOPs a pipeline rank logs (its MFU) counted as one micro-batch's, or with
+    the embedding and the LM head on every stage: over the two stages of pp = 2 they must sum to the
+    model's step without a pipeline, and the last stage's exceed the first's by the head alone
+    (its blocks equal): forward 2·M·h·V and backward twice that on the batch's M tokens, with
+    BERT's dense h -> h transform before its head, 6·M·h² more."""
+    from lattice.modes.layout import Layout
+    from lattice.training.metrics import step_flops
+
+    cfg = cost_plan.model_config(arch, "small", vocab_size=512, n_layers=4)
+    virtual = {"pp_virtual": 2} if schedule == "interleaved" else {}
+    pipelined = Layout("serial", pp=2, microbatches=2, pp_schedule=schedule, **virtual)
+    stages = [step_flops(cfg, pipelined.context(rank), batch_size=4, activation_checkpointing=False) for rank in (0, 1)]
+    whole = step_flops(cfg, Layout("serial").context(0), batch_size=4, activation_checkpointing=False)
+    tokens, h, vocab = 4 * cfg.seq_len, cfg.d_model, 512
+    head = 6 * tokens * h * vocab + (6 * tokens * h * h if arch == "bert" else 0)
+    assert sum(stages) == pytest.approx(whole, rel=1e-12)
+    assert stages[1] - stages[0] == pytest.approx(head, rel=1e-12)

@@ -649,3 +649,38 @@ def test_the_group_curves_are_each_sizes_gain_per_call_at_a_ranks_wire_bytes():
         assert [w for w, _ in curves[0][2]] == [w for w, _ in expected[0][2]]
         assert [t for _, t in curves[0][2]] == pytest.approx([t for _, t in expected[0][2]])
         assert len(curves) == 1
+
+
+def test_a_pipeline_is_paced_by_its_slowest_stage_and_filled_by_the_others():
+    """Catches a pipeline priced with the embedding and the LM head on every stage (gpt2-small's
+    pp = 2 at 2 ranks was priced 22-42% above its measured step): the last stage, with the head,
+    sets the pace of the m micro-batches, and the first fills and drains the pipeline with one
+    micro-batch of its blocks and the embedding. Each stage's compute is the cost model's estimate
+    of that rank of the pipeline itself (one micro-batch through its blocks)."""
+    cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=4)
+    lay = Layout("serial", pp=2, microbatches=4, ranks_per_node=4)
+    priced = price(cfg, Choice(lay), batch=8, machine=MACHINE)
+    stage = []
+    for rank in (0, 1):
+        t = estimate(cfg, lay, batch=8, rank=rank).time(MACHINE.with_precision("fp32"))  # Choice's default
+        stage.append(t["forward_compute"] + t["backward_compute"])
+    assert stage[1] > stage[0]  # the head's products over a vocabulary of 2048
+    hop = priced.terms["pipeline"] / 4
+    assert priced.terms["compute"] == pytest.approx(4 * stage[1], rel=1e-9)
+    assert priced.terms["bubble"] - hop == pytest.approx(stage[0], rel=1e-9)
+
+
+def test_kernel_rows_and_rate_from_the_median_of_the_product_bursts():
+    """Catches the row term fitted from one burst of the products: the first, timed as the
+    calibration's world starts, fitted 70-75 rows for gpt2-deep at 2 ranks where two later bursts
+    of the same calibration gave 43-56. Of three bursts taking (rows + 50) x 1 µs, (rows + 150) x
+    1 µs and (rows + 50) x 1.3 µs, the row term is 50 and the rate the median of what each burst
+    gives the batch's products with it: weights x (512 + 50) over 562, 662 and 730.6 µs, the
+    second's."""
+    from lattice.cost.calibrate import _product_rates
+
+    rows = [64, 128, 256, 512]
+    bursts = [[(m + 50) * 1e-6 for m in rows], [(m + 150) * 1e-6 for m in rows], [(m + 50) * 1.3e-6 for m in rows]]
+    kernel_rows, rate = _product_rates(rows, bursts, weights=1e6)
+    assert kernel_rows == pytest.approx(50.0)
+    assert rate == pytest.approx(1e6 * 562 / 662e-6)

@@ -63,6 +63,8 @@ class CostBuilder:
         pcfg = c.pipeline
         if pcfg is None:
             self.blocks_here = range(len(model.pipeline_blocks()) if model.parts() else self.L)
+            if c.parts is not None:
+                self.first, self.last = c.parts
         else:  # one micro-batch through this rank's chunks, m times
             chunks = pcfg.chunks(len(model.pipeline_blocks()))
             mine = range(c.stage, len(chunks), pcfg.stages)

@@ -48,12 +48,15 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     row_counts = sorted({T, min(2 * T, M), max(T, M // 2), M})
     runs = [products(rows) for rows in row_counts]
     weights = runs[0][1]
-    slowest = torch.tensor(timed_in_turn([run for run, _ in runs], reps, warm_rounds=1), dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    seconds = slowest.tolist()
-    kernel_rows = _kernel_rows(list(zip(row_counts, seconds)))  # the same on every rank
-    t_batch = seconds[-1]
-    flop_rate = weights * (M + kernel_rows) / t_batch
+
+    def products_timed() -> list[float]:
+        slowest = torch.tensor(timed_in_turn([run for run, _ in runs], reps, warm_rounds=1), dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        return slowest.tolist()
+
+    # timed three times, at the start, the middle and the end of the calibration: right after another
+    # world's steps one burst fitted 152 rows for gpt2-deep at 2 ranks where others gave 54-96
+    bursts = [products_timed()]
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
     q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
@@ -160,6 +163,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         wake_curve = tuple(wake_curve)
     else:
         alpha, beta, alpha_send, overlap, wake_curve, collective_curves, group_curves = 1e-5, 1e-10, 0.0, 1.0, (), (), ()
+    bursts.append(products_timed())
     skew = _skew(cfg, batch) if p > 1 else 0.0
     # the wait per synchronisation, after stretches of the collectives' loop's product
     skew_curve = _skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
@@ -183,6 +187,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     norm_per_tensor = timed(norm_and_clip) / 32
     big = max(1, 12 * h * h * cfg.n_layers // p)
     mem_bw = 7 * big * 4 / max(timed(adam([torch.randn(big)])) - per_tensor, 1e-9)
+    bursts.append(products_timed())
+    kernel_rows, flop_rate = _product_rates(row_counts, bursts, weights)  # the same on every rank
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw, *(r for _, r in operator_rates)], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
@@ -240,6 +246,16 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     # (where noise makes the whole no slower than the half, the whole call's time bounds it)
     return [(op, 3 * ELEMENTWISE_OPERATORS[op] * (whole[op][1] - n) / (t2 - t1 if t2 > t1 else t2))
             for (op, (_, n)), t1, t2 in zip(half.items(), seconds[:k], seconds[k:])]
+
+
+def _product_rates(row_counts: list[int], bursts: list[list[float]], weights: float) -> tuple[float, float]:
+    """(Machine.kernel_rows, flop_rate) from the products timed in several bursts, each the seconds
+    of each row count (the largest the batch's, weights: 6·Σ k·n): the median of the bursts' row
+    terms, and the median over the bursts of the rate that row term gives the batch's products,
+    so that one burst timed while the machine was slow or uneven moves neither."""
+    kernel_rows = statistics.median(_kernel_rows(list(zip(row_counts, seconds))) for seconds in bursts)
+    flop_rate = statistics.median(weights * (row_counts[-1] + kernel_rows) / seconds[-1] for seconds in bursts)
+    return kernel_rows, flop_rate
 
 
 def _kernel_rows(samples: list[tuple[int, float]]) -> float:

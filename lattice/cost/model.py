@@ -84,6 +84,9 @@ class Cost:
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
     pipeline: object = None  # lattice.parallel.pipeline.PipelineConfig with pp > 1, and this rank's stage
     stage: int = 0
+    # without a pipeline: (first, last), whether the rank runs the model's first part (the embedding)
+    # and its last (the final norm and the head), as a pipeline's stage would (None: both)
+    parts: tuple[bool, bool] | None = None
     target_seq: int | None = None  # an encoder-decoder's target length (T5's decoder); seq is the source's
     residual_elements: float = 0.0  # this rank's piece of the residual stream between blocks
     zero: int = 0  # the distributed optimizer's stage (lattice.parallel.zero); 0: DDP
@@ -275,7 +278,7 @@ def _meta_model(cfg, layout: Layout, rank: int):
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
              zero: int = 0, precision: str = "fp32", padded: bool = False, overlap_param_gather: bool | None = None,
-             grad_reduce_dtype: str = "fp32", **layout_kwargs) -> Cost:
+             grad_reduce_dtype: str = "fp32", parts: tuple[bool, bool] | None = None, **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
@@ -290,16 +293,21 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     gradient reduction (then `dtype` is bf16). `padded`: the batches carry an attention mask,
     whose copies every masked attention saves (padding costs no communication).
     `overlap_param_gather` (default: with ZeRO, as the Trainer) and `grad_reduce_dtype`: as
-    `lattice train`'s flags."""
+    `lattice train`'s flags. `parts` (first, last), for a layout without a pipeline: the rank runs
+    only those of the model's end parts, as one stage of a pipeline would (the planner prices a
+    stage so)."""
     if precision == "bf16":
         dtype = torch.bfloat16
     ctx, model = _meta_model(cfg, as_layout(layout, layout_kwargs), rank)
+    if parts is not None and ctx.pipeline is not None:
+        raise ValueError("estimate(parts=...) is for a layout without a pipeline; a pipeline's stage holds its own parts")
     mode = ctx.mode
     itemsize = torch.empty((), dtype=dtype).element_size()
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
                 activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,
                 target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
                 precision=precision, padded=padded, grad_reduce_dtype=grad_reduce_dtype,
-                overlap_param_gather=bool(zero) if overlap_param_gather is None else overlap_param_gather)
+                overlap_param_gather=bool(zero) if overlap_param_gather is None else overlap_param_gather,
+                parts=parts)
     CostBuilder(cost, model).build()
     return cost

@@ -6,8 +6,8 @@ the model and the memory allow, priced by the cost model and ranked by predicted
 A candidate is a whole training setup: the mode and its options, tp, cp, pp with its schedule,
 virtual stages and micro-batches, dp, the ZeRO stage, precision, activation checkpointing and
 the rank placement. Each is priced from `lattice.cost.estimate` (see `price`: without a pipeline
-the estimate's step of rank 0, with one a stage priced as the tensor layout running its blocks
-and both end parts); a model deeper than two blocks is priced at one and two blocks and
+the estimate's step of rank 0, with one each stage priced as the tensor layout running its
+blocks and the end parts that stage holds); a model deeper than two blocks is priced at one and two blocks and
 extrapolated along the depth (every figure is linear in the blocks a rank holds but for the
 gradient buckets' count, which is rounded). What training refuses is never priced (the Trainer's
 own checks). Pruning: each (mode, tp) keeps its fastest option setting and its smallest in
@@ -192,11 +192,13 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
 def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     """Predicted seconds of one step of `choice` on `batch` sequences (global) and the memory of
     its fullest rank. Without a pipeline: the cost model's step. With pp stages (papers/002 §2.2):
-    a stage is priced as the tensor layout (with its dp and cp) running its L/pp blocks and both
-    end parts on one micro-batch of B/m sequences (an upper bound of the first and last stage);
-    the schedule takes m v + pp - 1 slots of one chunk's micro-batch plus the hop of its residual
-    piece to the next stage (activation forward, gradient backward), then the gradients'
-    reduction over dp and the update; the first stage holds the most micro-batches in flight."""
+    a stage is priced as the tensor layout (with its dp and cp) running its L/pp blocks on one
+    micro-batch of B/m sequences, the first stage with the embedding, the last with the head (an
+    encoder-decoder's each with both, an upper bound); the slowest stage takes m v slots of one
+    chunk's micro-batch, every other stage one more (filling and draining the pipeline), each
+    plus the hop of its residual piece to the next stage (activation forward, gradient
+    backward); then the gradients' reduction over dp and the update of the stage holding the
+    most. The memory is the fullest stage's with its micro-batches in flight."""
     lay = choice.layout
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
     machine = machine.with_precision(choice.precision)
@@ -228,26 +230,41 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
                        ranks_per_node=lay.ranks_per_node)
-        f = _priced_blocks(cfg, stage, blocks=math.ceil(cfg.n_layers / lay.pp), batch=replica // m, machine=machine,
-                           topology=lay.topology, **kw)
+        blocks = math.ceil(cfg.n_layers / lay.pp)
+        # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
+        kinds = _stage_parts(cfg, lay.pp)
+        figures = {parts: _priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
+                                         topology=lay.topology, parts=parts, **kw) for parts in set(kinds)}
         piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
         itemsize = 2 if choice.precision == "bf16" else 4  # the activations' dtype, as estimate sets it
         alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
         # the activation forward, its gradient backward, and the schedule's own time for the chunk
         hop = 2 * (alpha + piece * itemsize * beta) + machine.at(lay.world_size).pipeline_action(pcfg.schedule)
-        chunk = (f["forward_compute"] + f["backward_compute"] + f["tensor"] + f["context"] + f["overlapped"]) / v
-        # m v slots of a chunk's micro-batch and its hop, and pp - 1 more (the bubble)
+        chunks = [(figures[k]["forward_compute"] + figures[k]["backward_compute"] + figures[k]["tensor"]
+                   + figures[k]["context"] + figures[k]["overlapped"]) / v for k in kinds]
+        slowest = max(range(lay.pp), key=lambda s: (chunks[s], s))
+        f = figures[kinds[slowest]]
+        # the slowest stage's m v slots of a chunk's micro-batch and its hop, and one chunk and hop of
+        # every other stage (the bubble: filling and draining the pipeline); the gradients' reduction
+        # over dp and the update of the stage holding the most
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
-                 "context": m * f["context"], "data": f["data"], "pipeline": m * v * hop,
-                 "overlapped": m * f["overlapped"], "bubble": (lay.pp - 1) * (chunk + hop), "update": f["update"]}
+                 "context": m * f["context"], "data": max(g["data"] for g in figures.values()), "pipeline": m * v * hop,
+                 "overlapped": m * f["overlapped"],
+                 "bubble": sum(chunk + hop for s, chunk in enumerate(chunks) if s != slowest),
+                 "update": max(g["update"] for g in figures.values())}
         if machine.cores and lay.world_size > machine.cores:
             terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, machine=machine,
                                                               batch=replica // m, **kw)
             if lay.tp > 1:  # the update of the mean rank too
-                terms["update"] = _rank_mean(cfg, stage, blocks=math.ceil(cfg.n_layers / lay.pp), mean=True,
-                                             batch=replica // m, machine=machine, topology=lay.topology, **kw)["update"]
-        memory = {k[7:]: val for k, val in f.items() if k.startswith("memory_")}
-        memory["activations"] *= in_flight(pcfg, 0) / v
+                terms["update"] = _rank_mean(cfg, stage, blocks=blocks, mean=True, batch=replica // m, machine=machine,
+                                             topology=lay.topology, **kw)["update"]
+        # the memory of the fullest stage, each holding its micro-batches in flight
+        memories = []
+        for s, parts in enumerate(kinds):
+            memory = {k[7:]: val for k, val in figures[parts].items() if k.startswith("memory_")}
+            memory["activations"] *= in_flight(pcfg, s) / v
+            memories.append(memory)
+        memory = max(memories, key=lambda mem: sum(mem.values()))
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
     # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
     syncs = {int(k[6:]): v * (lay.pipeline.m if lay.pp > 1 else 1) for k, v in f.items() if k.startswith("syncs_")}
@@ -266,6 +283,15 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
     return Priced(choice, sum(terms.values()), terms, memory)
+
+
+def _stage_parts(cfg, pp: int) -> list:
+    """Of each of pp pipeline stages, the end parts it runs (`estimate`'s parts: first, last): the
+    embedding on the first, the head on the last; None (both) for an encoder-decoder, whose stages
+    are priced as its share of both stacks."""
+    if hasattr(cfg, "n_decoder_layers"):
+        return [None] * pp
+    return [(s == 0, s == pp - 1) for s in range(pp)]
 
 
 def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[str, float]:
@@ -291,16 +317,18 @@ def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: M
     the first and last parts; the mean over the tensor group's ranks) at the rates of every rank
     sharing the cores (the world's calibration), unless the schedule's critical path, rank 0's at
     the rates of a rank with a core of its own, is longer: the difference is the bubble."""
-    def block_and_parts(at: Machine, mean: bool) -> tuple[float, float]:
+    def block_and_parts(at: Machine, mean: bool, parts=None) -> tuple[float, float]:
         one, two = (_rank_mean(cfg, stage, blocks=k, batch=batch, machine=at, topology=lay.topology, mean=mean,
-                               **kw)["compute"] for k in (1, 2))
+                               parts=parts, **kw)["compute"] for k in (1, 2))
         return two - one, 2 * one - two
 
     per_block, parts = block_and_parts(machine.at(lay.world_size), mean=True)
     shared = m * (cfg.n_layers * per_block + parts) / lay.pp
-    per_block, parts = block_and_parts(machine.at(machine.cores), mean=False)
-    chunk = (math.ceil(cfg.n_layers / lay.pp) * per_block + parts) / v
-    critical = (m * v + lay.pp - 1) * chunk
+    # the critical path: the slowest stage's m v chunks and one chunk of every other stage
+    kinds = _stage_parts(cfg, lay.pp)
+    own = {k: block_and_parts(machine.at(machine.cores), mean=False, parts=k) for k in set(kinds)}
+    chunks = sorted((math.ceil(cfg.n_layers / lay.pp) * own[k][0] + own[k][1]) / v for k in kinds)
+    critical = m * v * chunks[-1] + sum(chunks[:-1])
     return shared, max(0.0, critical - shared)
 
 

@@ -307,8 +307,9 @@ class Bert(Model):
     def cost_layout(self, b):
         cfg = self.cfg
         h, inner = cfg.d_model, cfg.intermediate_size
-        b.embedding(positions=True, types=cfg.type_vocab_size)
-        b.norm("layer", bias=True)
+        if b.first:  # (a pipeline's first stage alone embeds, its last alone runs the head)
+            b.embedding(positions=True, types=cfg.type_vocab_size)
+            b.norm("layer", bias=True)
         with b.layer():
             b.linear(h, 3 * h, block="attention", position="in", bias=True)
             b.attention(heads=cfg.n_heads, kv_heads=cfg.n_heads, head_size=cfg.head_size, causal=False)
@@ -318,6 +319,8 @@ class Bert(Model):
             b.activation(inner, kind="gelu")
             b.linear(inner, h, block="mlp", position="out", bias=True)
             b.norm("layer", bias=True)
+        if not b.last:
+            return
         if cfg.num_labels:
             b.classifier(cfg.num_labels, pooler=True)
         else:

@@ -206,7 +206,8 @@ class GPT(DecoderLM):
 
     def cost_layout(self, b):
         cfg = self.cfg
-        b.embedding(positions=True)
+        if b.first:  # (a pipeline's first stage alone embeds, its last alone runs the head)
+            b.embedding(positions=True)
         with b.layer():
             b.norm("layer", bias=cfg.bias)
             b.linear(cfg.d_model, 3 * cfg.d_model, block="attention", position="in", bias=cfg.bias)
@@ -217,5 +218,6 @@ class GPT(DecoderLM):
             b.linear(cfg.d_model, 4 * cfg.d_model, block="mlp", position="in", bias=cfg.bias)
             b.activation(4 * cfg.d_model, kind="gelu_tanh")
             b.linear(4 * cfg.d_model, cfg.d_model, block="mlp", position="out", bias=cfg.bias)
-        b.norm("layer", bias=cfg.bias)
-        b.lm_head()
+        if b.last:
+            b.norm("layer", bias=cfg.bias)
+            b.lm_head()

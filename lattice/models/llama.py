@@ -259,7 +259,8 @@ class Llama(DecoderLM):
         hs, inner = cfg.head_size, cfg.intermediate_size
         options = cfg.attention_options()
         out_bias = options.get("out_bias", options["bias"])
-        b.embedding(positions=False)
+        if b.first:  # (a pipeline's first stage alone embeds, its last alone runs the head)
+            b.embedding(positions=False)
         with b.layer():
             b.norm("rms", bias=False)
             b.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hs, block="attention", position="in",
@@ -272,5 +273,6 @@ class Llama(DecoderLM):
             b.linear(cfg.d_model, 2 * inner, block="mlp", position="in", bias=False)
             b.activation(inner, kind="silu", gated=True)
             b.linear(inner, cfg.d_model, block="mlp", position="out", bias=False)
-        b.norm("rms", bias=False)
-        b.lm_head()
+        if b.last:
+            b.norm("rms", bias=False)
+            b.lm_head()

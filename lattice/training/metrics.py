@@ -25,7 +25,8 @@ def step_flops(model_config, ctx, *, batch_size: int, activation_checkpointing: 
 
     c = estimate(model_config, ctx.layout, batch=batch_size // ctx.dp, rank=ctx.rank, seq=lengths[0],
                  target_seq=lengths[1], activation_checkpointing=activation_checkpointing)
-    return c.flops["forward"] + c.flops["backward"]
+    # a pipeline stage's work is one micro-batch's through its chunks, and the step runs m of them
+    return (c.flops["forward"] + c.flops["backward"]) * (ctx.pipeline.m if ctx.pipeline is not None else 1)
 
 
 class Metrics:
