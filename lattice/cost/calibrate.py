@@ -54,8 +54,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         return slowest.tolist()
 
-    # timed three times, at the start, the middle and the end of the calibration: right after another
-    # world's steps one burst fitted 152 rows for gpt2-deep at 2 ranks where others gave 54-96
+    # timed three times, at the start, the middle and the end of the calibration: the first, as the
+    # world starts, fitted 70-75 rows for gpt2-deep at 2 ranks where the later two gave 43-56
     bursts = [products_timed()]
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)

@@ -315,8 +315,9 @@ def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: M
     (a pipeline's stage, a sub-grid without common work) leaves its core to the busy ones, so the
     step's compute is a rank's mean work (each micro-batch through its share of the blocks, and of
     the first and last parts; the mean over the tensor group's ranks) at the rates of every rank
-    sharing the cores (the world's calibration), unless the schedule's critical path, rank 0's at
-    the rates of a rank with a core of its own, is longer: the difference is the bubble."""
+    sharing the cores (the world's calibration), unless the schedule's critical path (the slowest
+    stage's m v chunks and one of every other stage's, each with the end parts it holds) at the
+    rates of a rank with a core of its own is longer: the difference is the bubble."""
     def block_and_parts(at: Machine, mean: bool, parts=None) -> tuple[float, float]:
         one, two = (_rank_mean(cfg, stage, blocks=k, batch=batch, machine=at, topology=lay.topology, mean=mean,
                                parts=parts, **kw)["compute"] for k in (1, 2))
