@@ -530,7 +530,7 @@ def test_ranks_sharing_cores_compute_at_the_mean_of_their_tensor_groups_work():
     pricing rank 0's work put gpt2-wide's tp=2 pp=2 dp=2 layout at +44% of its measured step on 8
     ranks of 2 cores. Its compute and update are the mean of each rank's as the cost model prices
     that rank alone at the world's rates; 1d, whose ranks work alike, keeps rank 0's."""
-    from lattice.cost.search import _trainer_scalars
+    from lattice.cost.pricing import _trainer_scalars
 
     cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=2)
     machine = MACHINES["cpu-2core"]

@@ -1,7 +1,8 @@
 """The analytic cost model: lattice.cost.model (one step of any family in any layout; .builder
 its operations), .machine (collective algorithms and the α-β-F machine), .calibrate (that machine
 fitted here), .pipeline (point-to-point traffic, in-flight micro-batches, tp x pp projections),
-.tables (the papers' tables) and .plan (`lattice plan`)."""
+.tables (the papers' tables), .pricing (a training setup's step and memory), .search (the planner)
+and .plan (`lattice plan`)."""
 
 from lattice.cost.machine import PAPER_CLUSTER, Machine, Term, message_steps, wire_factor
 from lattice.cost.model import DDP_BUCKET_BYTES, Cost, CostBuilder, estimate

@@ -190,7 +190,7 @@ class Machine:
     # LayerNorm at a quarter to a half of their time; an operator not listed runs at elem_rate
     elementwise_rates: tuple = ()
     # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
-    # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.search prices that)
+    # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.pricing prices that)
     cores: int = 0
     # calibrations at other world sizes on this node, rows of BY_WORLD_FIELDS (a prefix of them):
     # where ranks outnumber cores they share them, and every collective waits for its ranks

@@ -7,7 +7,7 @@ from dataclasses import fields as dataclass_fields
 
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.machines import machine_named
-from lattice.cost.search import TERMS
+from lattice.cost.pricing import TERMS
 from lattice.cost.model import Cost
 from lattice.cost.pipeline import in_flight, pipeline_projection
 from lattice.cost.tables import layer_table, optimus_table1

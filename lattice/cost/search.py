@@ -5,122 +5,29 @@ the model and the memory allow, priced by the cost model and ranked by predicted
 
 A candidate is a whole training setup: the mode and its options, tp, cp, pp with its schedule,
 virtual stages and micro-batches, dp, the ZeRO stage, precision, activation checkpointing and
-the rank placement. Each is priced from `lattice.cost.estimate` (see `price`: without a pipeline
-the estimate's step of rank 0, with one each stage priced as the tensor layout running its
-blocks and the end parts that stage holds); a model deeper than two blocks is priced at one and two blocks and
-extrapolated along the depth (every figure is linear in the blocks a rank holds but for the
-gradient buckets' count, which is rounded). What training refuses is never priced (the Trainer's
-own checks). Pruning: each (mode, tp) keeps its fastest option setting and its smallest in
-memory; ZeRO stages and checkpointing are tried in the order of the time they add, and the first
-that fits the memory is kept.
+the rank placement. Each is priced by `lattice.cost.pricing.price` (without a pipeline the
+estimate's step of rank 0, with one each stage priced as the tensor layout running its blocks
+and the end parts that stage holds). What training refuses is never priced (the Trainer's own
+checks). Pruning: each (mode, tp) keeps its fastest option setting and its smallest in memory;
+ZeRO stages and checkpointing are tried in the order of the time they add, and the first that
+fits the memory is kept.
 """
-
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from lattice.cost.machine import Machine
-from lattice.cost.model import _meta_model, estimate, spans_nodes
-from lattice.cost.pipeline import in_flight, p2p_piece
+from lattice.cost.pricing import Choice, Priced, price
 from lattice.modes import available_modes, get_mode
 from lattice.modes.layout import Layout
-from lattice.parallel.context import LatticeConfigError, MeshAxis
-from lattice.parallel.pipeline import batch_problem
+from lattice.parallel.context import LatticeConfigError
 
 MAX_CP = 8  # context parallelism beyond this many ranks per sequence is not searched
 MAX_MICROBATCH_CHOICES = 2  # micro-batch counts per pipeline depth: the largest ones
 USABLE_MEMORY = 0.9  # of a device's memory: the rest for the runtime, workspaces and fragmentation
-COMM_GROUPS = ("tensor", "context", "data", "pipeline")
-TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "skew", "update")  # a Priced step's terms, in print order
-
-
-def _group(site: str) -> str:
-    """Which communication a term is: of the tensor layout, of context parallelism, the gradients'
-    reduction over replicas (and the parameters' all-gather of ZeRO), or pipeline sends."""
-    if site in ("layer.ring", "layer.context") or site.startswith(("layer.ring.", "layer.context.")):
-        return "context"
-    if site == "grads":
-        return "data"
-    if site == "pipeline":
-        return "pipeline"
-    return "tensor"
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One training setup: the layout and what the Trainer adds to it."""
-
-    layout: Layout
-    zero: int = 0
-    precision: str = "fp32"
-    checkpointing: bool = False
-
-    def describe(self) -> str:
-        lay = self.layout
-        parts = [lay.mode if lay.mode == "serial" else f"{lay.mode} tp={lay.tp}"]
-        parts += [f"{k}={v}" for k, v in sorted(lay.options.items()) if v != get_mode(lay.mode).options[k].default]
-        if lay.cp > 1:
-            parts.append(f"cp={lay.cp}")
-        if lay.pp > 1:
-            pcfg = lay.pipeline
-            parts.append(f"pp={lay.pp} {pcfg.schedule}" + (f" v={pcfg.v}" if pcfg.schedule == "interleaved" else "")
-                         + f" m={pcfg.m}")
-        parts.append(f"dp={lay.dp}")
-        if self.zero:
-            parts.append(f"zero={self.zero}")
-        parts.append(self.precision)
-        if self.checkpointing:
-            parts.append("ckpt")
-        if lay.placement != "natural":
-            parts.append(f"{lay.placement} placement")
-        return " ".join(parts)
-
-    def train_flags(self) -> str:
-        """The `lattice train` flags of this setup."""
-        lay, out = self.layout, [f"--mode {self.layout.mode}"]
-        for name in ("tp", "cp", "pp", "dp"):
-            if getattr(lay, name) > 1:
-                out.append(f"--{name} {getattr(lay, name)}")
-        for key, value in sorted(lay.options.items()):
-            if value != get_mode(lay.mode).options[key].default:
-                flag = "--" + key.replace("_", "-")
-                out.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
-        if lay.pp > 1:
-            out.append(f"--microbatches {lay.pipeline.m} --pp-schedule {lay.pipeline.schedule}")
-            if lay.pipeline.schedule == "interleaved":
-                out.append(f"--pp-virtual {lay.pipeline.v}")
-        if lay.placement != "natural":
-            out.append(f"--placement {lay.placement}")
-        if self.zero:
-            out.append(f"--zero {self.zero}")
-        if self.precision != "fp32":
-            out.append(f"--precision {self.precision}")
-        if self.checkpointing:
-            out.append("--activation-checkpointing")
-        return " ".join(out)
-
-
-@dataclass
-class Priced:
-    choice: Choice
-    step_s: float
-    terms: dict[str, float]  # seconds of one step, by TERMS (overlapped <= 0)
-    memory: dict[str, float]  # bytes on the fullest rank: parameters, gradients, optimizer, activations, total
-
-    def as_dict(self) -> dict:
-        lay = self.choice.layout
-        return {"setup": self.choice.describe(), "train_flags": self.choice.train_flags(), "mode": lay.mode,
-                "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "options": dict(lay.options),
-                "microbatches": lay.pipeline.m if lay.pp > 1 else 1,
-                "schedule": lay.pipeline.schedule if lay.pp > 1 else None, "zero": self.choice.zero,
-                "precision": self.choice.precision, "activation_checkpointing": self.choice.checkpointing,
-                "placement": lay.placement, "step_s": self.step_s, "terms_s": self.terms,
-                "memory_bytes": self.memory}
 
 
 @dataclass
@@ -141,215 +48,6 @@ class Plan:
 
     def fits(self, priced: Priced) -> bool:
         return self.memory_limit is None or priced.memory["total"] <= self.memory_limit
-
-
-# ----------------------------------------------------------------------------- pricing
-
-
-def _figures(c, machine: Machine) -> dict[str, float]:
-    """A Cost's figures as one flat dict (seconds and bytes), which extrapolates term by term."""
-    t = c.time(machine)
-    out = {k: t[k] for k in ("forward_compute", "backward_compute")}
-    out["overlapped"] = -(t.get("forward_overlapped", 0.0) + t.get("backward_overlapped", 0.0))
-    # ZeRO's all-gather beside the next forward: the update's whole, its hidden part apart (once a step)
-    out["update"], out["update_overlapped"] = t["update"] + t["update_overlapped"], -t["update_overlapped"]
-    groups = dict.fromkeys(COMM_GROUPS, 0.0)
-    for term, seconds in c.term_times(machine):
-        if term.phase in ("forward", "backward"):
-            groups[_group(term.site)] += seconds
-    out.update(groups)
-    out.update({f"memory_{k}": v for k, v in c.memory.items()})
-    # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
-    out.update({f"syncs_{n}": v for n, v in c.syncs(grads=False).items()})
-    out.update({f"grad_syncs_{n}": v for n, v in c.grad_syncs().items()})
-    return out
-
-
-def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
-    """`_figures` of rank 0 of `layout` (no pipeline) running `blocks` of the model's blocks with
-    its first and last parts, its groups placed on nodes as in `topology`: from the model itself
-    when it is that shallow, else from one and two blocks, extrapolated along the depth (every
-    figure is linear in the blocks but the gradient buckets' count, which is rounded)."""
-
-    def figures(n):
-        c = estimate(dataclasses.replace(cfg, n_layers=n), layout, batch=batch, **kw)
-        c.topology = topology  # which groups span nodes, and the world the machine is seen by
-        return _figures(c, machine)
-
-    if hasattr(cfg, "n_decoder_layers"):  # an encoder-decoder: its share of both stacks, priced as it is
-        share = blocks / cfg.n_layers
-        stage_cfg = dataclasses.replace(cfg, n_layers=max(1, math.ceil(cfg.n_layers * share)),
-                                        n_decoder_layers=max(1, math.ceil(cfg.n_decoder_layers * share)))
-        c = estimate(stage_cfg, layout, batch=batch, **kw)
-        c.topology = topology
-        return _figures(c, machine)
-    if blocks <= 2:
-        return figures(blocks)
-    one, two = figures(1), figures(2)
-    return {key: one.get(key, 0.0) + (blocks - 1) * (two.get(key, 0.0) - one.get(key, 0.0)) for key in one | two}
-
-
-def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
-    """Predicted seconds of one step of `choice` on `batch` sequences (global) and the memory of
-    its fullest rank. Without a pipeline: the cost model's step. With pp stages (papers/002 §2.2):
-    a stage is priced as the tensor layout (with its dp and cp) running its L/pp blocks on one
-    micro-batch of B/m sequences, the first stage with the embedding, the last with the head (an
-    encoder-decoder's each with both, an upper bound); the slowest stage takes m v slots of one
-    chunk's micro-batch, every other stage one more (filling and draining the pipeline), each
-    plus the hop of its residual piece to the next stage (activation forward, gradient
-    backward); then the gradients' reduction over dp and the update of the stage holding the
-    most. The memory is the fullest stage's with its micro-batches in flight."""
-    lay = choice.layout
-    kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
-    machine = machine.with_precision(choice.precision)
-    replica = batch // lay.dp
-    if batch % lay.dp:
-        raise LatticeConfigError(f"a global batch of {batch} does not split over dp={lay.dp} replicas")
-    if getattr(cfg, "num_labels", 0) and (lay.pp > 1 or lay.cp > 1):
-        raise LatticeConfigError("a classifier trains with pp = 1 and cp = 1 (one target per sequence, scored whole)")
-    # what training refuses (lattice.training.trainer.check_run): micro-batches of zero sequences, a
-    # layout that cannot split a micro-batch (sub-graph's common layers), chunks of cp
-    for length in (n for n in (cfg.seq_len, getattr(cfg, "target_len", None)) if n):
-        if lay.cp > 1 and length % (2 * lay.cp):
-            raise LatticeConfigError(f"{length} tokens do not split into 2 cp = {2 * lay.cp} chunks")
-        problem = batch_problem(lay.pipeline, get_mode(lay.mode), lay.context(), replica, length // lay.cp)
-        if problem:
-            raise LatticeConfigError(problem)
-    if lay.pp == 1:
-        f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica, machine=machine, topology=lay.topology, **kw)
-        terms = {"compute": f["forward_compute"] + f["backward_compute"],
-                 **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
-                 "update": f["update"]}
-        memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
-        if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
-            where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
-            terms.update(_rank_mean(cfg, lay, mean=True, machine=machine, **where))
-            own_core = _rank_mean(cfg, lay, mean=False, machine=machine.at(machine.cores), **where)["compute"]
-            terms["bubble"] = max(0.0, own_core - terms["compute"])
-    else:
-        pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
-        stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
-                       ranks_per_node=lay.ranks_per_node)
-        blocks = math.ceil(cfg.n_layers / lay.pp)
-        # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
-        kinds = _stage_parts(cfg, lay.pp)
-        figures = {parts: _priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
-                                         topology=lay.topology, parts=parts, **kw) for parts in set(kinds)}
-        piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
-        itemsize = 2 if choice.precision == "bf16" else 4  # the activations' dtype, as estimate sets it
-        alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
-        # the activation forward, its gradient backward, and the schedule's own time for the chunk
-        hop = 2 * (alpha + piece * itemsize * beta) + machine.at(lay.world_size).pipeline_action(pcfg.schedule)
-        chunks = [(figures[k]["forward_compute"] + figures[k]["backward_compute"] + figures[k]["tensor"]
-                   + figures[k]["context"] + figures[k]["overlapped"]) / v for k in kinds]
-        slowest = max(range(lay.pp), key=lambda s: (chunks[s], s))
-        f = figures[kinds[slowest]]
-        # the slowest stage's m v slots of a chunk's micro-batch and its hop, and one chunk and hop of
-        # every other stage (the bubble: filling and draining the pipeline); the gradients' reduction
-        # over dp and the update of the stage holding the most
-        terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
-                 "context": m * f["context"], "data": max(g["data"] for g in figures.values()), "pipeline": m * v * hop,
-                 "overlapped": m * f["overlapped"],
-                 "bubble": sum(chunk + hop for s, chunk in enumerate(chunks) if s != slowest),
-                 "update": max(g["update"] for g in figures.values())}
-        if machine.cores and lay.world_size > machine.cores:
-            terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, machine=machine,
-                                                              batch=replica // m, **kw)
-            if lay.tp > 1:  # the update of the mean rank too
-                terms["update"] = _rank_mean(cfg, stage, blocks=blocks, mean=True, batch=replica // m, machine=machine,
-                                             topology=lay.topology, **kw)["update"]
-        # the memory of the fullest stage, each holding its micro-batches in flight
-        memories = []
-        for s, parts in enumerate(kinds):
-            memory = {k[7:]: val for k, val in figures[parts].items() if k.startswith("memory_")}
-            memory["activations"] *= in_flight(pcfg, s) / v
-            memories.append(memory)
-        memory = max(memories, key=lambda mem: sum(mem.values()))
-    # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
-    # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
-    syncs = {int(k[6:]): v * (lay.pipeline.m if lay.pp > 1 else 1) for k, v in f.items() if k.startswith("syncs_")}
-    for k, v in f.items():
-        if k.startswith("grad_syncs_"):
-            syncs[int(k[11:])] = syncs.get(int(k[11:]), 0.0) + v
-    collectives = sum(syncs.values())
-    if lay.pp > 1:  # and after the schedule the loss's broadcast over the stages, the sums of what
-        # every stage holds over them and of a tied table between the first and the last (once each)
-        parts = _meta_model(dataclasses.replace(cfg, n_layers=1), stage, 0)[1].parts()
-        syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v + bool(parts.shared)
-        syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
-        collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
-    terms["skew"] = machine.at(lay.world_size).skew_seconds(terms["compute"], syncs, collectives=collectives)
-    terms["update"] += _trainer_scalars(lay, choice, machine)
-    terms["overlapped"] += f["update_overlapped"]
-    memory["total"] = sum(memory.values())
-    return Priced(choice, sum(terms.values()), terms, memory)
-
-
-def _stage_parts(cfg, pp: int) -> list:
-    """Of each of pp pipeline stages, the end parts it runs (`estimate`'s parts: first, last): the
-    embedding on the first, the head on the last; None (both) for an encoder-decoder, whose stages
-    are priced as its share of both stacks."""
-    if hasattr(cfg, "n_decoder_layers"):
-        return [None] * pp
-    return [(s == 0, s == pp - 1) for s in range(pp)]
-
-
-def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[str, float]:
-    """{"compute": forward and backward seconds, "update": the update's} of `_priced_blocks`: rank
-    0's, or with `mean` the mean over the ranks of its tensor group (where its ranks' work differs:
-    with common="subgrid" sub-graph's common layers and their parameters are on one sub-grid; dp
-    and cp ranks work alike)."""
-    topo = layout.topology
-    ranks = topo.group_members(topo.tensor_axes, 0) if mean else [0]
-    out = {"compute": 0.0, "update": 0.0}
-    for rank in ranks:
-        f = _priced_blocks(cfg, layout, blocks=blocks, rank=rank, **kw)
-        out["compute"] += (f["forward_compute"] + f["backward_compute"]) / len(ranks)
-        out["update"] += f["update"] / len(ranks)
-    return out
-
-
-def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: Machine, batch: int,
-                  **kw) -> tuple[float, float]:
-    """(compute, bubble) of a layout whose ranks outnumber the cores they share: a rank that waits
-    (a pipeline's stage, a sub-grid without common work) leaves its core to the busy ones, so the
-    step's compute is a rank's mean work (each micro-batch through its share of the blocks, and of
-    the first and last parts; the mean over the tensor group's ranks) at the rates of every rank
-    sharing the cores (the world's calibration), unless the schedule's critical path (the slowest
-    stage's m v chunks and one of every other stage's, each with the end parts it holds) at the
-    rates of a rank with a core of its own is longer: the difference is the bubble."""
-    def block_and_parts(at: Machine, mean: bool, parts=None) -> tuple[float, float]:
-        one, two = (_rank_mean(cfg, stage, blocks=k, batch=batch, machine=at, topology=lay.topology, mean=mean,
-                               parts=parts, **kw)["compute"] for k in (1, 2))
-        return two - one, 2 * one - two
-
-    per_block, parts = block_and_parts(machine.at(lay.world_size), mean=True)
-    shared = m * (cfg.n_layers * per_block + parts) / lay.pp
-    # the critical path: the slowest stage's m v chunks and one chunk of every other stage
-    kinds = _stage_parts(cfg, lay.pp)
-    own = {k: block_and_parts(machine.at(machine.cores), mean=False, parts=k) for k in set(kinds)}
-    chunks = sorted((math.ceil(cfg.n_layers / lay.pp) * own[k][0] + own[k][1]) / v for k in kinds)
-    critical = m * v * chunks[-1] + sum(chunks[:-1])
-    return shared, max(0.0, critical - shared)
-
-
-def _trainer_scalars(lay: Layout, choice: Choice, machine: Machine) -> float:
-    """Seconds of the one-number all-reduces a Trainer step adds to the model's: the gradient norm
-    over the replica's ranks (and over dp x cp where ZeRO splits the rows), the loss's mean
-    over dp (lattice.training.trainer: grad_norm, dp_mean). Each is its ring's latency steps."""
-    here = machine.at(lay.world_size)
-    topo = lay.topology
-    groups = [tuple(a for a in topo.axis_names if a != MeshAxis.DP)]
-    if lay.dp > 1:
-        groups.append((MeshAxis.DP,))
-    if choice.zero and lay.dp * lay.cp > 1:  # (lattice.parallel.zero: ZeroOptimizer.grad_norm)
-        groups.append((MeshAxis.DP, MeshAxis.CP))
-    seconds = 0.0
-    for axes in groups:
-        n = math.prod(topo.size(a) for a in axes)
-        if n > 1:
-            seconds += 2 * (n - 1) * here.link(spans_nodes(topo, axes), "all_reduce")[0]
-    return seconds
 
 
 # ----------------------------------------------------------------------------- the space
