@@ -278,20 +278,21 @@ def test_plan_splits_refuses_empty_micro_batches_and_keeps_its_columns_apart(cap
     assert "fastest: tp=1 x pp=16" not in out
     assert cli.main(["plan", "--arch", "llama", "--model", "llama3-8b", "--splits", "16", "--batch", "32"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("     1  16")]
-    assert len(rows) == 1 and rows[0][:4] == ["1", "16", "16", "0.938"] and float(rows[0][4].replace(",", "")) > 1e5
+    assert len(rows) == 1 and rows[0][:4] == ["1", "16", "16", "0.938"] and float(rows[0][4].replace(",", "")) > 1e4
 
 
 def test_plan_splits_places_its_stages_on_the_nodes_asked_for(capsys):
     """Catches `lattice plan --splits` ignoring --ranks-per-node (every split priced as if on one
     node: 1d tp=16 at 575 ms against 1530 ms for the same model planned alone): its tp=16 x pp=1
-    row equals `lattice plan --tp 16` with the same placement, and differs from one node's."""
+    row equals the training step `lattice plan --tp 16` prints with the same placement (as
+    `plan --auto` prices it), and differs from one node's."""
     import re
 
     model = ["--arch", "gpt2", "--model", "medium", "--n-heads", "16", "--mode", "1d", "--batch", "8"]
     steps = {}
     for per_node in ("4", "16"):
         assert cli.main(["plan", *model, "--tp", "16", "--ranks-per-node", per_node]) == 0
-        alone = float(re.findall(r"step ([\d.]+) ms", capsys.readouterr().out)[-1])
+        alone = float(re.findall(r"as `plan --auto` prices it .*: ([\d.]+) ms", capsys.readouterr().out)[-1])
         assert cli.main(["plan", *model, "--splits", "16", "--ranks-per-node", per_node]) == 0
         row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["16", "1"])
         steps[per_node] = (alone, float(row[4].replace(",", "")))

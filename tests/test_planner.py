@@ -414,16 +414,18 @@ def test_no_micro_batch_of_zero_sequences_is_priced():
         assert lay.pp == 1 or 4 // lay.dp >= lay.pipeline.m
 
 
-def test_train_flags_of_a_choice_give_back_its_layout():
+@pytest.mark.parametrize("n_layers", [4, 6])
+def test_train_flags_of_a_choice_give_back_its_layout(n_layers):
     """Catches a suggested command line that would train another layout than the one priced: the
-    flags parse (as `lattice train` parses them) back into the same Layout."""
+    flags parse (as `lattice train` parses them) back into the same Layout (with 6 blocks, pp = 4
+    with its uneven split)."""
     import argparse
 
     from lattice.cli.arguments import add_layout_flags, layout_from_args
 
-    cfg = small(n_layers=4)
+    cfg = small(n_layers=n_layers)
     plan = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=4, precisions=("bf16",))
-    for p in plan.ranked[:40]:
+    for p in plan.ranked[:40] + [p for p in plan.ranked[40:] if p.choice.layout.pp_layers]:
         parser = argparse.ArgumentParser()
         add_layout_flags(parser)
         for flag in ("--zero", "--precision"):
@@ -651,23 +653,40 @@ def test_the_group_curves_are_each_sizes_gain_per_call_at_a_ranks_wire_bytes():
         assert len(curves) == 1
 
 
-def test_a_pipeline_is_paced_by_its_slowest_stage_and_filled_by_the_others():
+@pytest.mark.parametrize("n_layers, pp_layers", [(4, None), (5, (3, 2)), (5, (2, 3))])
+def test_a_pipeline_is_paced_by_its_slowest_stage_and_filled_by_the_others(n_layers, pp_layers):
     """Catches a pipeline priced with the embedding and the LM head on every stage (gpt2-small's
-    pp = 2 at 2 ranks was priced 22-42% above its measured step): the last stage, with the head,
-    sets the pace of the m micro-batches, and the first fills and drains the pipeline with one
-    micro-batch of its blocks and the embedding. Each stage's compute is the cost model's estimate
-    of that rank of the pipeline itself (one micro-batch through its blocks)."""
-    cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=4)
-    lay = Layout("serial", pp=2, microbatches=4, ranks_per_node=4)
+    pp = 2 at 2 ranks was priced 22-42% above its measured step), or with ceil(L / pp) blocks on
+    every stage of an uneven split: the slowest stage sets the pace of the m micro-batches, and
+    the other fills and drains the pipeline with one micro-batch of its blocks and its end part.
+    Each stage's compute is the cost model's estimate of that rank of the pipeline itself (one
+    micro-batch through its blocks)."""
+    cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=n_layers)
+    lay = Layout("serial", pp=2, microbatches=4, pp_layers=pp_layers, ranks_per_node=4)
     priced = price(cfg, Choice(lay), batch=8, machine=MACHINE)
     stage = []
     for rank in (0, 1):
         t = estimate(cfg, lay, batch=8, rank=rank).time(MACHINE.with_precision("fp32"))  # Choice's default
         stage.append(t["forward_compute"] + t["backward_compute"])
-    assert stage[1] > stage[0]  # the head's products over a vocabulary of 2048
+    if pp_layers is None:
+        assert stage[1] > stage[0]  # the head's products over a vocabulary of 2048
     hop = priced.terms["pipeline"] / 4
-    assert priced.terms["compute"] == pytest.approx(4 * stage[1], rel=1e-9)
-    assert priced.terms["bubble"] - hop == pytest.approx(stage[0], rel=1e-9)
+    assert priced.terms["compute"] == pytest.approx(4 * max(stage), rel=1e-9)
+    assert priced.terms["bubble"] - hop == pytest.approx(min(stage), rel=1e-9)
+
+
+def test_every_pipeline_the_search_ranks_splits_as_training_splits_it():
+    """Catches `plan --auto` ranking pp = 4 for a model of 6 blocks with the flags `--pp 4` alone,
+    which training refuses ("6 blocks do not split evenly into 4 stages"): an uneven split is
+    priced and suggested with its --pp-layers, the extra blocks off the stages with the end parts."""
+    cfg = small(n_layers=6)
+    plan = search(cfg, gpus=8, machine=MACHINE, batch=16, ranks_per_node=4, precisions=("bf16",))
+    pipelined = [p.choice.layout for p in plan.ranked if p.choice.layout.pp > 1]
+    assert {lay.pp for lay in pipelined} >= {2, 4}
+    for lay in pipelined:
+        counts = [len(c) for c in lay.pipeline.chunks(cfg.n_layers)]  # raises where training would
+        if lay.pp == 4:
+            assert lay.pipeline.v > 1 or counts == [1, 2, 2, 1]
 
 
 def test_kernel_rows_and_rate_from_the_median_of_the_product_bursts():

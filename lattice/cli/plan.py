@@ -20,6 +20,7 @@ from lattice.cost.model import estimate
 from lattice.cost.machines import MACHINES
 from lattice.cost.plan import (format_cost, format_pipeline, format_search, format_splits, format_table1,
                                machine_from_spec, model_config, mode_verdicts)
+from lattice.cost.pricing import Choice, price
 from lattice.cost.search import search
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
@@ -115,20 +116,26 @@ def run_plan(args) -> int:
         args.ranks_per_node = machine.ranks_per_node
     elif args.ranks_per_node != machine.ranks_per_node:
         machine = dataclasses.replace(machine, ranks_per_node=args.ranks_per_node)
+    # what the planner prices (lattice.cost.pricing.price): the setups that `plan --auto` ranks
+    setup = dict(zero=args.zero, precision=args.precision, checkpointing=args.activation_checkpointing)
     if args.splits:
-        print(format_splits(cfg, args.splits, batch=batch, machine=machine,
+        print(format_splits(cfg, args.splits, batch=batch, machine=machine, setup=setup,
                             layout_of=lambda tp, pp: layout_from_args(
                                 args, tp=tp, pp=pp, **({} if pp > 1 else dict.fromkeys(PIPELINE_SETTINGS)))))
         return 0
     layout = layout_from_args(args)
     if args.pp > 1:
-        print(format_pipeline(cfg, layout, batch=batch, machine=machine))
+        print(format_pipeline(cfg, layout, batch=batch, machine=machine, setup=setup))
         return 0
     c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
                  activation_checkpointing=args.activation_checkpointing, zero=args.zero,
                  precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
                  overlap_param_gather=args.overlap_param_gather)
     print(format_cost(c, machine))
+    if not (args.bf16 or args.grad_reduce_dtype != "fp32" or args.overlap_param_gather):  # what it prices
+        step = price(cfg, Choice(layout, **setup), batch=args.batch, machine=machine).step_s
+        print(f"  a training step as `plan --auto` prices it (the Trainer's one-number all-reduces and the waits "
+              f"for the slowest rank added): {step * 1e3:.3f} ms")
     return 0
 
 

@@ -1,17 +1,14 @@
 """Pipeline parallelism in the cost model (papers/002 §2.2, §3): the point-to-point traffic of
-each stage, the micro-batches it holds in flight, and a step's projected time for a tp x pp split."""
+each stage and the micro-batches it holds in flight (a pipelined step's time: lattice.cost.pricing)."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from lattice.cost.machine import Machine
 from lattice.cost.model import estimate
 from lattice.cost.stages import stage_sends
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
-from lattice.parallel.context import LatticeConfigError, MeshAxis
-from lattice.parallel.pipeline import PipelineConfig, batch_problem
+from lattice.parallel.context import MeshAxis
+from lattice.parallel.pipeline import PipelineConfig
 
 
 def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> float:
@@ -50,40 +47,3 @@ def in_flight(pcfg: PipelineConfig, stage: int) -> int:
     if pcfg.schedule == "1f1b":
         return min(m, p - stage)
     return min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)
-
-
-def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine) -> dict:
-    """One step of tp x pp ranks per replica (papers/002 §2.2, §3): each stage runs its L/pp
-    blocks on micro-batches of B/m sequences under the tensor layout (this module's estimate,
-    forward and backward; the embedding on the first stage and the head on the last); the
-    schedule takes (m + p - 1) micro-batch slots of the slowest stage, (m + (p - 1)/v) with
-    interleaving; each slot adds the point-to-point transfer of one residual piece (scatter /
-    gather applied) over the link between stages; the AdamW update follows."""
-    tp, pp, stage = layout.tp, layout.pp, layout.stage_layout()
-    if pp == 1:  # no pipeline: the whole batch through the tensor layout
-        c = estimate(cfg, stage, batch=batch)
-        return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": c.time(machine)["step"]}
-    pcfg = layout.pipeline
-    problem = batch_problem(pcfg, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
-    if problem:  # as training refuses it: no micro-batch of zero sequences
-        raise LatticeConfigError(f"{problem}; give each replica a multiple of {pcfg.m} sequences (--batch over "
-                                 f"--dp) or fewer --microbatches")
-    chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))  # an encoder-decoder's two stacks
-    blocks = max(len(c) for c in chunks)
-    stage_cfg = dataclasses.replace(cfg, n_layers=blocks)
-    c = estimate(stage_cfg, stage, batch=batch // pcfg.m)
-    t = c.time(machine)
-    slot = t["forward"] + t["backward"]  # one micro-batch through the slowest chunk (head included: an upper bound)
-    piece = p2p_piece(cfg, layout, batch=batch)
-    stage_p2p = [_stage_p2p(cfg, layout, batch, s) for s in range(pp)]
-    inter = tp * pp > machine.ranks_per_node  # stages on other nodes once a replica leaves its node
-    alpha, beta = machine.link(inter)
-    # activation forward, gradient backward, and the schedule's own time for the chunk
-    hop = 2 * (alpha + piece * c.itemsize * beta) + machine.pipeline_action(pcfg.schedule)
-    slots = pcfg.m * pcfg.v + pp - 1
-    pipeline_time = slots * (slot / pcfg.v + hop)
-    update = t["update"]  # the stage's own parameters (its blocks and both end parts: an upper bound)
-    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
-            "slot_s": slot / pcfg.v, "p2p_s": hop, "step_s": pipeline_time + update, "stage_p2p": stage_p2p,
-            "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
-            "pcfg": pcfg}

@@ -3,18 +3,21 @@ tp x pp split of N ranks, or Optimus Table 1, as text (the command itself is lat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields as dataclass_fields
 
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.machines import machine_named
-from lattice.cost.pricing import TERMS
-from lattice.cost.model import Cost
-from lattice.cost.pipeline import in_flight, pipeline_projection
+from lattice.cost.model import Cost, estimate
+from lattice.cost.pipeline import _stage_p2p, in_flight
+from lattice.cost.pricing import TERMS, Choice, price
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import get_arch
+from lattice.modes import get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
+from lattice.parallel.pipeline import batch_problem
 
 
 def model_config(arch: str, preset: str | None, **sizes):
@@ -67,8 +70,38 @@ def format_cost(c: Cost, machine: Machine) -> str:
     return "\n".join(lines)
 
 
-def format_pipeline(cfg, layout: Layout, *, batch: int, machine: Machine) -> str:
-    r = pipeline_projection(cfg, layout, batch=batch, machine=machine)
+def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine, setup: dict | None = None) -> dict:
+    """One step of `layout` (tp x pp ranks per replica, papers/002 §2.2, §3) on `batch` sequences
+    per replica, as the planner prices it (lattice.cost.pricing.price: each stage its blocks and
+    the end parts it holds, paced by the slowest), with what `lattice plan` shows beside it: the
+    split, each stage's point-to-point elements, a micro-batch's activations, and the step's
+    slot (one micro-batch through the slowest chunk) and hop (its residual piece to the next
+    stage and the gradient back). `setup`: Choice's zero, precision and checkpointing."""
+    tp, pp, setup = layout.tp, layout.pp, setup or {}
+    if pp > 1:
+        pcfg = layout.pipeline
+        problem = batch_problem(pcfg, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
+        if problem:  # as training refuses it: no micro-batch of zero sequences
+            raise LatticeConfigError(f"{problem}; give each replica a multiple of {pcfg.m} sequences (--batch over "
+                                     f"--dp) or fewer --microbatches")
+    priced = price(cfg, Choice(layout, **setup), batch=batch * layout.dp, machine=machine)
+    if pp == 1:
+        return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": priced.step_s}
+    slots, terms = pcfg.m * pcfg.v, priced.terms
+    chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))  # an encoder-decoder's two stacks
+    stage = dataclasses.replace(cfg, n_layers=max(len(c) for c in chunks))  # the deepest chunk with both ends
+    c = estimate(stage, layout.stage_layout(), batch=batch // pcfg.m, zero=priced.choice.zero,
+                 precision=priced.choice.precision, activation_checkpointing=priced.choice.checkpointing)
+    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
+            "slot_s": sum(terms[k] for k in ("compute", "tensor", "context", "overlapped")) / slots,
+            "p2p_s": terms["pipeline"] / slots, "step_s": priced.step_s,
+            "stage_p2p": [_stage_p2p(cfg, layout, batch, s) for s in range(pp)],
+            "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
+            "pcfg": pcfg}
+
+
+def format_pipeline(cfg, layout: Layout, *, batch: int, machine: Machine, setup: dict | None = None) -> str:
+    r = pipeline_projection(cfg, layout, batch=batch, machine=machine, setup=setup)
     mode, tp, pp = layout.mode, layout.tp, layout.pp
     pcfg = r["pcfg"]
     virtual = f" (v={r['v']})" if r["v"] > 1 else ""
@@ -92,16 +125,17 @@ def format_pipeline(cfg, layout: Layout, *, batch: int, machine: Machine) -> str
     return "\n".join(lines)
 
 
-def format_splits(cfg, ranks: int, *, batch: int, machine: Machine, layout_of) -> str:
+def format_splits(cfg, ranks: int, *, batch: int, machine: Machine, layout_of, setup: dict | None = None) -> str:
     """Megatron-LM's Fig. 9 as a projection: every tp x pp = ranks the layout and model allow;
-    `layout_of(tp, pp)` gives the Layout of each split."""
+    `layout_of(tp, pp)` gives the Layout of each split, `setup` Choice's zero, precision and
+    checkpointing."""
     rows = []
     mode = None
     for pp in [d for d in range(1, ranks + 1) if ranks % d == 0]:
         try:
             layout = layout_of(ranks // pp, pp)
             mode = layout.mode
-            rows.append(pipeline_projection(cfg, layout, batch=batch, machine=machine))
+            rows.append(pipeline_projection(cfg, layout, batch=batch, machine=machine, setup=setup))
         except LatticeConfigError as e:
             rows.append({"tp": ranks // pp, "pp": pp, "error": str(e)})
     lines = [f"{mode}: tp x pp = {ranks} ranks per replica, {cfg}, batch {batch}, on {machine.name}",
@@ -109,7 +143,7 @@ def format_splits(cfg, ranks: int, *, batch: int, machine: Machine, layout_of) -
     ok = [r for r in rows if "error" not in r]
     for r in rows:
         if "error" in r:
-            lines.append(f"  {r['tp']:>4}{r['pp']:>4}  does not fit: {r['error'][:100]}")
+            lines.append(f"  {r['tp']:>4}{r['pp']:>4}  does not fit: {r['error']}")  # whole: it names the fix
         else:
             lines.append(f"  {r['tp']:>4}{r['pp']:>4}{r['m']:>4}{r['bubble']:>8.3f}{r['step_s'] * 1e3:>14,.3f}")
     if ok:

@@ -58,7 +58,7 @@ class Choice:
         if lay.pp > 1:
             pcfg = lay.pipeline
             parts.append(f"pp={lay.pp} {pcfg.schedule}" + (f" v={pcfg.v}" if pcfg.schedule == "interleaved" else "")
-                         + f" m={pcfg.m}")
+                         + f" m={pcfg.m}" + (f" layers={','.join(map(str, lay.pp_layers))}" if lay.pp_layers else ""))
         parts.append(f"dp={lay.dp}")
         if self.zero:
             parts.append(f"zero={self.zero}")
@@ -83,6 +83,8 @@ class Choice:
             out.append(f"--microbatches {lay.pipeline.m} --pp-schedule {lay.pipeline.schedule}")
             if lay.pipeline.schedule == "interleaved":
                 out.append(f"--pp-virtual {lay.pipeline.v}")
+            if lay.pp_layers:
+                out.append(f"--pp-layers {','.join(map(str, lay.pp_layers))}")
         if lay.placement != "natural":
             out.append(f"--placement {lay.placement}")
         if self.zero:
@@ -161,13 +163,13 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
 def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     """Predicted seconds of one step of `choice` on `batch` sequences (global) and the memory of
     its fullest rank. Without a pipeline: the cost model's step. With pp stages (papers/002 §2.2):
-    a stage is priced as the tensor layout (with its dp and cp) running its L/pp blocks on one
-    micro-batch of B/m sequences, the first stage with the embedding, the last with the head (an
-    encoder-decoder's each with both, an upper bound); the slowest stage takes m v slots of one
-    chunk's micro-batch, every other stage one more (filling and draining the pipeline), each
-    plus the hop of its residual piece to the next stage (activation forward, gradient
-    backward); then the gradients' reduction over dp and the update of the stage holding the
-    most. The memory is the fullest stage's with its micro-batches in flight."""
+    a stage is priced as the tensor layout (with its dp and cp) running its blocks of the
+    pipeline's split on one micro-batch of B/m sequences, the first stage with the embedding, the
+    last with the head (an encoder-decoder's each with both, an upper bound); the slowest stage
+    takes m v slots of one chunk's micro-batch, every other stage one more (filling and draining
+    the pipeline), each plus the hop of its residual piece to the next stage (activation
+    forward, gradient backward); then the gradients' reduction over dp and the update of the
+    stage holding the most. The memory is the fullest stage's with its micro-batches in flight."""
     lay = choice.layout
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
     machine = machine.with_precision(choice.precision)
@@ -199,11 +201,11 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
                        ranks_per_node=lay.ranks_per_node)
-        blocks = math.ceil(cfg.n_layers / lay.pp)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
-        kinds = _stage_parts(cfg, lay.pp)
-        figures = {parts: _priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
-                                         topology=lay.topology, parts=parts, **kw) for parts in set(kinds)}
+        kinds = _stage_parts(cfg, lay)
+        figures = {(parts, blocks): _priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
+                                                   topology=lay.topology, parts=parts, **kw)
+                   for parts, blocks in set(kinds)}
         piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
         itemsize = 2 if choice.precision == "bf16" else 4  # the activations' dtype, as estimate sets it
         alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
@@ -225,12 +227,12 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
             terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, machine=machine,
                                                               batch=replica // m, **kw)
             if lay.tp > 1:  # the update of the mean rank too
-                terms["update"] = _rank_mean(cfg, stage, blocks=blocks, mean=True, batch=replica // m, machine=machine,
-                                             topology=lay.topology, **kw)["update"]
+                terms["update"] = _rank_mean(cfg, stage, blocks=max(b for _, b in kinds), mean=True, batch=replica // m,
+                                             machine=machine, topology=lay.topology, **kw)["update"]
         # the memory of the fullest stage, each holding its micro-batches in flight
         memories = []
-        for s, parts in enumerate(kinds):
-            memory = {k[7:]: val for k, val in figures[parts].items() if k.startswith("memory_")}
+        for s, kind in enumerate(kinds):
+            memory = {k[7:]: val for k, val in figures[kind].items() if k.startswith("memory_")}
             memory["activations"] *= in_flight(pcfg, s) / v
             memories.append(memory)
         memory = max(memories, key=lambda mem: sum(mem.values()))
@@ -254,13 +256,17 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     return Priced(choice, sum(terms.values()), terms, memory)
 
 
-def _stage_parts(cfg, pp: int) -> list:
-    """Of each of pp pipeline stages, the end parts it runs (`estimate`'s parts: first, last): the
-    embedding on the first, the head on the last; None (both) for an encoder-decoder, whose stages
-    are priced as its share of both stacks."""
+def _stage_parts(cfg, lay: Layout) -> list[tuple]:
+    """Of each pipeline stage of `lay`, (the end parts it runs, as `estimate`'s parts (first,
+    last), its blocks): the embedding on the first stage, the head on the last, the blocks of its
+    chunks in the pipeline's split (which raises where training would refuse it). An
+    encoder-decoder's stages: (None, its share of the encoder's blocks), priced as that share of
+    both stacks with both ends."""
+    pcfg = lay.pipeline
+    chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))
     if hasattr(cfg, "n_decoder_layers"):
-        return [None] * pp
-    return [(s == 0, s == pp - 1) for s in range(pp)]
+        return [(None, math.ceil(cfg.n_layers / lay.pp))] * lay.pp
+    return [((s == 0, s == lay.pp - 1), sum(len(c) for c in chunks[s::lay.pp])) for s in range(lay.pp)]
 
 
 def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[str, float]:
@@ -295,9 +301,9 @@ def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: M
     per_block, parts = block_and_parts(machine.at(lay.world_size), mean=True)
     shared = m * (cfg.n_layers * per_block + parts) / lay.pp
     # the critical path: the slowest stage's m v chunks and one chunk of every other stage
-    kinds = _stage_parts(cfg, lay.pp)
-    own = {k: block_and_parts(machine.at(machine.cores), mean=False, parts=k) for k in set(kinds)}
-    chunks = sorted((math.ceil(cfg.n_layers / lay.pp) * own[k][0] + own[k][1]) / v for k in kinds)
+    kinds = _stage_parts(cfg, lay)
+    own = {parts: block_and_parts(machine.at(machine.cores), mean=False, parts=parts) for parts, _ in set(kinds)}
+    chunks = sorted((blocks * own[parts][0] + own[parts][1]) / v for parts, blocks in kinds)
     critical = m * v * chunks[-1] + sum(chunks[:-1])
     return shared, max(0.0, critical - shared)
 

@@ -88,6 +88,18 @@ def _microbatch_counts(pp: int, replica: int, layers: int) -> list[tuple[int, st
     return out
 
 
+def _uneven_split(cfg, pp: int) -> tuple[int, ...] | None:
+    """The blocks of each of pp stages where the model's do not split evenly (training then needs
+    them as pp_layers), else None: the extra blocks on the middle stages first, then on the first
+    (beside the embedding), the last stage (beside the LM head) last."""
+    blocks = cfg.n_layers + getattr(cfg, "n_decoder_layers", 0)  # an encoder-decoder's two stacks
+    base, extra = divmod(blocks, pp)
+    if not extra:
+        return None
+    order = list(range(1, pp - 1)) + [0, pp - 1]
+    return tuple(base + (order.index(s) < extra) for s in range(pp))
+
+
 def _setups(lay: Layout, precision: str) -> list[Choice]:
     """ZeRO stages and activation checkpointing, least added time first (under the cost model
     each only adds time): the first whose memory fits is the layout's price."""
@@ -156,7 +168,8 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                 for placement in placements:
                     if placement != "natural" and (pp > 1 or cp > 1):
                         continue  # the topology-aware grids are of one replica's tensor ranks
-                    pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual) if pp > 1 else {}
+                    pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual,
+                                pp_layers=_uneven_split(cfg, pp)) if pp > 1 else {}
                     try:
                         lay = Layout(mode, tp=tp, cp=cp, pp=pp, dp=dp, options=options, placement=placement,
                                      ranks_per_node=rpn, **pipe)
