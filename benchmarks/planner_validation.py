@@ -35,6 +35,14 @@ from lattice.cost.plan import model_config
 from lattice.cost.search import price, search
 
 BATCH = 8
+ROUNDS_RULE = "6 at 2 ranks, 3 above"  # the default rounds per case, as default_rounds gives them
+
+
+def default_rounds(ranks: int) -> int:
+    """Rounds per case at `ranks` ranks (ROUNDS_RULE): at 2 ranks each rank has a core of its own,
+    so any other work on the host falls on one rank's steps alone and their medians move more from
+    round to round."""
+    return 6 if ranks <= 2 else 3
 #: the shapes: the gpt2 `small` preset, a wide and a deep GPT-2, and a Llama with grouped-query attention
 SHAPES = {
     "gpt2-small": ("gpt2", {"model": "small"}),
@@ -194,9 +202,8 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=14, help="layouts measured per case (the planner's top half of them, "
                                                           "the rest spread over its ranking)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="rounds per case (default: 6 at 2 ranks, 3 above; at 2 ranks each rank has a core of its "
-                        "own, so any other work on the host falls on one rank's steps alone and their medians "
-                        "move more from round to round)")
+                   help=f"rounds per case (default: {ROUNDS_RULE}; at 2 ranks each rank has a core of its own, so "
+                        f"any other work on the host falls on one rank's steps alone)")
     p.add_argument("--steps", type=int, default=3, help="steps per layout per round")
     p.add_argument("--machine", default="cpu-2core")
     p.add_argument("--preset", action="store_true", help="predict with the preset's rates as stored (default: "
@@ -232,7 +239,7 @@ def main() -> int:
             layouts = [{"layout": c.choice.layout.record(), "zero": c.choice.zero,
                         "activation_checkpointing": c.choice.checkpointing} for c in chosen]
             started = time.time()
-            rounds = args.rounds or (6 if n <= 2 else 3)
+            rounds = args.rounds or default_rounds(n)
             repeats = [spawn(n, _measure_world, shape, layouts, rounds, args.steps, timeout=3600)[0]["step_s"]
                        for _ in range(args.repeat)]
             measured = [statistics.median(times) for times in zip(*repeats)]
@@ -295,7 +302,7 @@ def _summary(cases: list[dict], errors: list[float]) -> dict:
 def _write(path: str, machine: str, args, cases: list[dict], errors: list[float]) -> None:
     with open(path, "w") as f:
         json.dump({"machine": machine, "calibration": "stored" if args.preset else "fresh, per case",
-                   "rounds": args.rounds or "6 at 2 ranks, 3 above", "summary": _summary(cases, errors),
+                   "rounds": args.rounds or ROUNDS_RULE, "summary": _summary(cases, errors),
                    "cases": cases}, f, indent=1)
 
 
