@@ -454,19 +454,26 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
     a call's whole time: with calls that take 100 µs plus 1 ns per element of their input, every
     operator comes out at 3 (forward and backward) x its count per element (ELEMENTWISE_OPERATORS)
     per ns. Catches the fixed time per call, which Machine.op_overhead prices already, counted
-    again in the rates (half a LayerNorm's time at a rank's share), and counts other than the builder's."""
+    again in the rates (half a LayerNorm's time at a rank's share), and counts other than the
+    builder's; and each operator timed on one input hot in the cache (GELU in half the time a
+    step's take) rather than cycling over inputs of COLD_POOL_BYTES."""
     import lattice.cost.calibrate as calibrate
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
 
-    def fwd_bwd(fn, *inputs):
-        return sum(t.numel() for t in inputs[:1])
+    inputs_of = {}  # (operator's function, input size) -> the distinct inputs it runs on
 
-    monkeypatch.setattr(calibrate, "timed_in_turn", lambda runs, reps: [100e-6 + n * 1e-9 for n in runs])
+    def fwd_bwd(fn, *inputs):
+        inputs_of.setdefault((fn, inputs[0].numel()), set()).add(id(inputs[0]))
+        return lambda: inputs[0].numel()
+
+    monkeypatch.setattr(calibrate, "timed_in_turn", lambda runs, reps: [100e-6 + run() * 1e-9 for run in runs])
     rates = dict(calibrate._elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
                                               fwd_bwd=fwd_bwd, reps=1))
     assert set(rates) == set(ELEMENTWISE_OPERATORS)
     for op, rate in rates.items():
         assert rate == pytest.approx(3 * ELEMENTWISE_OPERATORS[op] * 1e9, rel=1e-9), op
+    assert len(inputs_of) == 2 * len(ELEMENTWISE_OPERATORS)  # each operator at half and at all the rows
+    assert all(4 * numel * len(ids) >= calibrate.COLD_POOL_BYTES for (_, numel), ids in inputs_of.items())
 
 
 @pytest.mark.parametrize("arch,schedule", [("gpt2", "1f1b"), ("llama", "interleaved"), ("bert", "1f1b")])
@@ -488,3 +495,53 @@ def test_a_pipeline_stages_flops_are_its_blocks_and_the_end_parts_it_holds(arch,
     head = 6 * tokens * h * vocab + (6 * tokens * h * h if arch == "bert" else 0)
     assert sum(stages) == pytest.approx(whole, rel=1e-12)
     assert stages[1] - stages[0] == pytest.approx(head, rel=1e-12)
+
+
+def test_products_are_timed_as_the_three_plain_kernels_a_linear_runs(monkeypatch):
+    """Catches the calibration's products timed through autograd and a `.sum()`: the engine's
+    time per product (about 50 µs here, which Machine.op_overhead prices per operation already)
+    fitted as 55-75 more rows of kernel_rows at h = 96, where the kernels alone fit 7-19, and a
+    stride-0 output gradient slowing the backward's products (F 100 against 150 GFLOP/s). A
+    linear of X (m, k) by W (k, n) is timed as Y = X W, dX = dY Wᵀ and dW = Xᵀ dY, none of them
+    recording autograd."""
+    import lattice.cost.timing as timing
+
+    calls = []
+    real_mm = torch.mm
+
+    def mm(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape), a.requires_grad or b.requires_grad))
+        return real_mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    timing._products(6, 4, 10)()
+    assert calls == [((6, 4), (4, 10), False), ((6, 10), (10, 4), False), ((4, 6), (6, 10), False)]
+
+
+def test_fwd_bwd_starts_the_backward_from_a_gradient_of_the_outputs_own_layout():
+    """Catches the micro-benchmarks' backward started from `.sum()`: its gradient is a stride-0
+    expansion, on which the backward's kernels ran a product 10-20% slower than on a step's
+    contiguous gradient, and which no step's backward sees."""
+    from lattice.cost.timing import _fwd_bwd
+
+    seen = []
+    x = torch.randn(5, 3)
+    step = _fwd_bwd(lambda t: _Hooked.apply(t, seen), x)
+    step()
+    step()
+    assert len(seen) == 2 and all(g.shape == (5, 3) and g.is_contiguous() and g.stride() == (3, 1) for g in seen)
+    assert torch.equal(seen[0], seen[1])  # one gradient, drawn once
+
+
+class _Hooked(torch.autograd.Function):
+    """y = 2 t, its backward recording the gradient it is given."""
+
+    @staticmethod
+    def forward(ctx, t, seen):
+        ctx.seen = seen
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(g)
+        return 2 * g, None

@@ -5,6 +5,7 @@ sweeps predict step times with it."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import statistics
 
@@ -16,8 +17,12 @@ import torch.nn.functional as F
 from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, _collective_curves, _collectives, _fit, _group_curves,
                                          _ring_send_latency, _skew, _skew_curve)
 from lattice.cost.machine import Machine, message_steps, wire_factor
-from lattice.cost.timing import _fwd_bwd, timed_in_turn
+from lattice.cost.timing import _fwd_bwd, _products, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
+
+#: the inputs an elementwise operator is timed on, cycled: more than a core's cache (2 MiB of L2
+#: here), as the activations of a step are
+COLD_POOL_BYTES = 16 * 2 ** 20
 
 
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
@@ -38,13 +43,13 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     def products(rows):
         shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
                   (rows, max(1, 4 * h // p), h)]
-        steps = [_fwd_bwd(torch.mm, torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+        steps = [_products(m, k, n) for m, k, n in shapes]
         return (lambda: [f() for f in steps]), 6 * sum(k * n for _, k, n in shapes)
 
     # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank,
-    # the row counts timed in turn after a round untimed: the first work of a process runs slower,
-    # and timed one after the other (the shortest first) the row term fitted 26-84 rows at 2 ranks
-    # where row counts timed in turn, warm, give 6-31 (65 for gpt2-deep's smallest products)
+    # the row counts timed in turn after a round untimed: the first work of a process runs slower
+    # (timed one after the other, the shortest first, through autograd, the row term fitted 26-84
+    # rows at 2 ranks where in turn and warm it gave 6-31; as plain kernels, 7-19)
     row_counts = sorted({T, min(2 * T, M), max(T, M // 2), M})
     runs = [products(rows) for rows in row_counts]
     weights = runs[0][1]
@@ -56,6 +61,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
 
     # timed three times, at the start, the middle and the end of the calibration: the first, as the
     # world starts, fitted 70-75 rows for gpt2-deep at 2 ranks where the later two gave 43-56
+    # (through autograd)
     bursts = [products_timed()]
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
@@ -213,7 +219,11 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     """((operator, elements/s), ...) of every operator of lattice.cost.builder.ELEMENTWISE_OPERATORS,
     forward and backward (the work counts 1 + 2), counted as the builder counts it: on x (a rank's
     share of the activations; rotary on x's elements as heads of `head_size` over T positions) and
-    the cross-entropy on `logits`, timed in turn on every rank at once. The rate is the slope
+    the cross-entropy on `logits`, timed in turn on every rank at once, each call on the next of a
+    pool of inputs larger than a core's cache (COLD_POOL_BYTES), as a step's operators read what
+    the operators before them wrote among its other activations: on one input, hot in the cache,
+    GELU's forward and backward took half the time (252 against 495 µs on 512 x 96 here) and
+    gpt2-deep's operators in a model ran at about half the rates so timed. The rate is the slope
     between half those rows and all of them (a step's tensors are no larger): the time per call that does not grow with the elements
     is the framework's (Machine.op_overhead, which times it apart), and at a tensor-parallel
     rank's share it made up half of a LayerNorm's (1.9 ns per element on 512 x 48, 1.1 ns in the
@@ -224,12 +234,19 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
 
     cos, sin = torch.randn(T, head_size), torch.randn(T, head_size)
 
+    def pool(*shape) -> list[torch.Tensor]:
+        return [torch.randn(*shape) for _ in range(max(2, math.ceil(COLD_POOL_BYTES / (4 * math.prod(shape)))))]
+
+    def cycled(fn, tensors) -> callable:
+        steps = itertools.cycle([fwd_bwd(fn, t) for t in tensors])
+        return lambda: next(steps)()
+
     def runs(halves: int):
-        a = torch.randn(max(1, halves * x.shape[0] // 2), x.shape[1])
-        heads = torch.randn(max(1, halves * x.numel() // (2 * T * head_size)), T, head_size)  # (B·nh, T, hs)
-        z = torch.randn(max(1, halves * logits.shape[0] // 2), logits.shape[1])
-        targets = torch.randint(0, z.shape[1], (z.shape[0],))
-        w = torch.randn(a.shape[1])
+        a = pool(max(1, halves * x.shape[0] // 2), x.shape[1])
+        heads = pool(max(1, halves * x.numel() // (2 * T * head_size)), T, head_size)  # (B·nh, T, hs)
+        z = pool(max(1, halves * logits.shape[0] // 2), logits.shape[1])
+        targets = torch.randint(0, z[0].shape[1], (z[0].shape[0],))
+        w = torch.randn(a[0].shape[1])
         kernels = {"layer_norm": (lambda a: F.layer_norm(a, a.shape[-1:]), a),
                    "rms_norm": (lambda a: normalize_split_hidden(a, None, a.shape[-1], 1e-5, "rms") * w, a),
                    "add": (lambda a: a + w, a),
@@ -238,7 +255,7 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
         for name, act in ACTIVATIONS.items():
             kernels[name] = (act, a)
             kernels[f"{name}_gated"] = (lambda a, act=act: act(a) * a, a)
-        return {op: (fwd_bwd(fn, t), t.numel()) for op, (fn, t) in kernels.items()}
+        return {op: (cycled(fn, tensors), tensors[0].numel()) for op, (fn, tensors) in kernels.items()}
 
     half, whole = runs(1), runs(2)
     seconds = timed_in_turn([run for run, _ in half.values()] + [run for run, _ in whole.values()], reps)

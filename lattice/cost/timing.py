@@ -15,9 +15,34 @@ SAMPLE_S = 0.05
 
 
 def _fwd_bwd(fn, *inputs):
-    """One forward and backward of fn on fresh leaves of `inputs` (the work counts 1 + 2)."""
+    """One forward and backward of fn on fresh leaves of `inputs` (the work counts 1 + 2), the
+    backward from a gradient of the output's own shape, as in a step: from `.sum()` it would be a
+    stride-0 expansion, on which the backward's kernels ran a product 10-20% slower here."""
     inputs = [x.detach().requires_grad_() for x in inputs]
-    return lambda: torch.autograd.backward(fn(*inputs).sum(), inputs=inputs)
+    grad = []
+
+    def step():
+        out = fn(*inputs)
+        if not grad:
+            grad.append(torch.randn_like(out))
+        torch.autograd.backward(out, grad_tensors=grad[0], inputs=inputs)
+    return step
+
+
+def _products(m: int, k: int, n: int):
+    """A linear's three products as a step runs them, X (m, k) by W (k, n): Y = X W forward, and
+    dX = dY Wᵀ and dW = Xᵀ dY backward, as plain kernels. Through autograd each product would
+    add the engine's time per operation, which the cost model prices once, per operation
+    (Machine.op_overhead): here about 50 µs per product forward and backward, which a fit of
+    t = (rows + kernel_rows) · work / F took as 55-75 more rows at h = 96 where the kernels alone
+    fit 7-19."""
+    x, w, dy = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+
+    def step():
+        torch.mm(x, w)
+        torch.mm(dy, w.t())
+        torch.mm(x.t(), dy)
+    return step
 
 
 def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:
