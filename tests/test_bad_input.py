@@ -158,7 +158,9 @@ def test_every_rank_prints_the_line(workspace):
     torchrun's agent ends the other workers at its first look after one has failed (every 0.1 s
     by default), and on a loaded machine rank 1 reached its check later than that (CI: one
     refusal, rank 1 ended by SIGTERM). The agent here looks after 20 s: time for a rank that checks
-    to print, none for one stuck in a collective (its group's timeout is far longer)."""
+    to print, none for one stuck in a collective (its group's timeout is far longer). Also catches
+    the two ranks' lines run together on the pipe they share (a line written apart from its
+    newline: "...run firsterror: --out-dir ...", one line counted, in 1 of 3 runs here)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -61,6 +61,14 @@ DELEGATED = {
 # ----------------------------------------------------------------------------- train
 
 
+def print_error(message: str) -> None:
+    """`error: message` on stderr in one write. Under torchrun every rank prints its refusal to the
+    pipe they share, and `print` writes the newline apart: another rank's line then landed between
+    a line and its newline, two refusals on one line ("...run firsterror: --out-dir...")."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus, RunDir]:
     """A train request checked whole and decided without processes: the layout (and, with
     `nproc`, the processes the launcher is about to start), the checkpoint to resume and its
@@ -297,7 +305,7 @@ def cmd_train(args, argv: list[str]) -> int:
         then = ""
         if isinstance(e, sharded_checkpoint.WriteFailed) and sharded_checkpoint.complete(out):
             then = f"; then continue with: {run_dir.resume_command(argv, out)}"
-        print(f"error: {e}{then}", file=sys.stderr, flush=True)
+        print_error(f"{e}{then}")
         return 3
     except RuntimeError as e:  # a collective that timed out: name the rank that stopped making progress
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -307,8 +315,8 @@ def cmd_train(args, argv: list[str]) -> int:
         stalled = faults.stalled_ranks(out, ctx.world_size)
         where = (f"{last_collective['op']} over {last_collective['group_size']} ranks" if last_collective
                  else "a collective")
-        print(f"error: rank {ctx.rank}: {where} waited more than --dist-timeout {args.dist_timeout:g} s; {stalled} "
-              f"(stack dumps above)", file=sys.stderr, flush=True)
+        print_error(f"rank {ctx.rank}: {where} waited more than --dist-timeout {args.dist_timeout:g} s; {stalled} "
+                    f"(stack dumps above)")
         return 1
     finally:
         if lock is not None:
@@ -362,10 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             from lattice.checkpoint.files import START_FRESH
 
             message = message.replace(f", {START_FRESH}", "")
-        print(f"error: {message}", file=sys.stderr)
+        print_error(message)
         return 2
     except TrainingStopped as e:  # (train handles its own) a convert whose checkpoint could not be written
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 3
     except BrokenPipeError:  # `lattice info | head`: the reader left; stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
