@@ -43,6 +43,8 @@ def default_rounds(ranks: int) -> int:
     so any other work on the host falls on one rank's steps alone and their medians move more from
     round to round."""
     return 6 if ranks <= 2 else 3
+
+
 #: the shapes: the gpt2 `small` preset, a wide and a deep GPT-2, and a Llama with grouped-query attention
 SHAPES = {
     "gpt2-small": ("gpt2", {"model": "small"}),

@@ -114,9 +114,6 @@ class Priced:
                 "memory_bytes": self.memory}
 
 
-
-
-
 def _figures(c, machine: Machine) -> dict[str, float]:
     """A Cost's figures as one flat dict (seconds and bytes), which extrapolates term by term."""
     t = c.time(machine)
