@@ -653,6 +653,81 @@ def test_the_group_curves_are_each_sizes_gain_per_call_at_a_ranks_wire_bytes():
         assert len(curves) == 1
 
 
+def test_a_gradient_all_reduce_is_priced_at_its_measured_ratio_to_the_collective():
+    """Catches Machine.grad_sum_ratios ignored (a dp = 2 step's gradient sum of gpt2-deep priced
+    4.3 ms where the Trainer's took 8.5 at 2 ranks on 2 cores), applied to a layer's all-reduces
+    too, or read on the term's bytes in all rather than a call's wire bytes: with ratios through
+    (1 MB, 1) and (4 MB, 3) every gradient all-reduce costs its old price times the ratio at its
+    wire bytes, linear between the points and flat beyond them, worked out by hand; every other
+    term keeps its price."""
+    cfg = model_config("gpt2", "small", vocab_size=2048)
+    cost = estimate(cfg, Layout("1d", tp=2, dp=2, ranks_per_node=4), batch=4)
+    ratios = dataclasses.replace(MACHINE, grad_sum_ratios=((4e6, 3.0), (1e6, 1.0)))
+
+    def by_hand(wire):
+        return 1.0 if wire <= 1e6 else 3.0 if wire >= 4e6 else 1.0 + 2.0 * (wire - 1e6) / 3e6
+
+    assert [ratios.grad_sum_ratio(w) for w in (1e3, 1e6, 2.5e6, 4e6, 1e9)] == pytest.approx([1.0, 1.0, 2.0, 3.0, 3.0])
+    grads = 0
+    for (term, old), (same, new) in zip(cost.term_times(MACHINE), cost.term_times(ratios)):
+        assert term is same
+        if term.site == "grads" and term.op == "all_reduce":
+            grads += 1
+            wire = term.bytes * 2 * (2 - 1) / 2 / term.calls  # a pair's ring: its whole buffer once
+            assert new == pytest.approx(old * by_hand(wire)), term
+        else:
+            assert new == old, term
+    assert grads >= 1
+    assert cost.term_times(dataclasses.replace(MACHINE, grad_sum_ratios=((1e6, 2.0),))) == cost.term_times(MACHINE)
+
+
+def _grad_sums_on_a_set_clock() -> tuple:
+    """`_grad_sum_ratios` at 2 ranks with a clock that the all-reduce alone moves (1 ns per
+    element), what it runs recorded: ("stretch" | "barrier" | elements and buffer of an all-reduce)."""
+    import types
+
+    import torch
+
+    import lattice.cost.calibrate_comm as calibrate
+
+    now, calls, buffers = [0.0], [], []
+    real_reduce, real_barrier, real_time = calibrate.dist.all_reduce, calibrate.dist.barrier, calibrate.time
+
+    def all_reduce(x, op=None, **kw):
+        if x.dtype == torch.float64:  # the slowest rank's seconds: the real one
+            return real_reduce(x, op=op)
+        calls.append(x.numel())
+        buffers.append(x)
+        now[0] += x.numel() * 1e-9
+
+    calibrate.dist.all_reduce, calibrate.dist.barrier = all_reduce, lambda: calls.append("barrier")
+    calibrate.time = types.SimpleNamespace(perf_counter=lambda: now[0])
+    try:
+        looped = {n: n * 0.5e-9 for n in calibrate.GRAD_SUM_SIZES}
+        ratios = calibrate._grad_sum_ratios(lambda: calls.append("stretch"), looped, 3)
+    finally:
+        calibrate.dist.all_reduce, calibrate.dist.barrier, calibrate.time = real_reduce, real_barrier, real_time
+    return ratios, calls, len({id(b) for b in buffers}), len(buffers), [b.numel() for b in buffers]
+
+
+def test_the_gradient_sum_is_timed_after_compute_and_a_barrier_on_a_fresh_buffer():
+    """Catches the gradient sum timed back to back on one buffer (the loop the collectives' curves
+    come from, which priced gpt2-deep's 4.4 MB sum at half the Trainer's time), without the stretch
+    of compute and the barrier before each call, or its ratio taken at the buffer's bytes rather
+    than a rank's wire bytes (2 (n - 1)/n of them: the buffer itself for a pair): a clock only the
+    all-reduce moves (1 ns per element) against a loop of 0.5 ns per element gives 2 at every size."""
+    from multiproc import run_distributed
+
+    from lattice.cost.calibrate_comm import GRAD_SUM_SIZES
+
+    for ratios, calls, distinct, total, sizes in run_distributed(2, _grad_sums_on_a_set_clock):
+        assert [w for w, _ in ratios] == [n * 4.0 for n in GRAD_SUM_SIZES]
+        assert [r for _, r in ratios] == pytest.approx([2.0] * len(GRAD_SUM_SIZES))
+        assert calls == [c for n in GRAD_SUM_SIZES for _ in range(7) for c in ("stretch", "barrier", n)]
+        assert sizes == [n for n in GRAD_SUM_SIZES for _ in range(7)]
+        assert distinct == total  # each call on a buffer of its own, as a step's concatenated gradients
+
+
 @pytest.mark.parametrize("n_layers, pp_layers", [(4, None), (5, (3, 2)), (5, (2, 3))])
 def test_a_pipeline_is_paced_by_its_slowest_stage_and_filled_by_the_others(n_layers, pp_layers):
     """Catches a pipeline priced with the embedding and the LM head on every stage (gpt2-small's

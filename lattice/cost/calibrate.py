@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, _collective_curves, _collectives, _fit, _group_curves,
-                                         _ring_send_latency, _skew, _skew_curve)
+from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, _collective_curves, _collectives, _fit,
+                                         _grad_sum_ratios, _group_curves, _ring_send_latency, _skew, _skew_curve)
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.timing import _fwd_bwd, _products, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
@@ -95,13 +95,15 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 if coll is not None:
                     coll()
 
-        samples = {}  # op -> [(steps, wire bytes, seconds)]
-        for numel in COLLECTIVE_SIZES:
+        samples, looped = {}, {}  # op -> [(steps, wire bytes, seconds)]; all-reduce elements -> seconds
+        for numel in sorted(set(COLLECTIVE_SIZES) | set(GRAD_SUM_SIZES)):
             numel = p * -(-numel // p)
             for op, fn in _collectives(numel, p):
                 with_it, without = timed_in_turn([lambda: loop(fn), lambda: loop(None)], reps)
                 seconds = max(with_it - without, 1e-6) / 8
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
+                if op == "all_reduce":
+                    looped[numel] = seconds
         alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
         collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
         # and each one's time beyond its latency steps at each size measured (Machine.collective_curves):
@@ -109,6 +111,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         collective_curves = _collective_curves(samples, {op: a for op, a, _ in collectives})
         # and the all-reduce over groups smaller than the world, every group at once (Machine.group_curves)
         group_curves = _group_curves(loop, reps)
+        # and the gradients' sum as a step runs it, against that loop (Machine.grad_sum_ratios)
+        grad_sum_ratios = _grad_sum_ratios(lambda: [chunk_a @ chunk_b for _ in range(16)], looped, reps)
         # the latency of one point-to-point exchange of a cp ring's step beyond its bytes: from ring
         # attention itself where the ranks pair up (_ring_send_latency), else from an exchange
         # between two of the loop's products
@@ -169,6 +173,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         wake_curve = tuple(wake_curve)
     else:
         alpha, beta, alpha_send, overlap, wake_curve, collective_curves, group_curves = 1e-5, 1e-10, 0.0, 1.0, (), (), ()
+        grad_sum_ratios = ()
     bursts.append(products_timed())
     skew = _skew(cfg, batch) if p > 1 else 0.0
     # the wait per synchronisation, after stretches of the collectives' loop's product
@@ -212,7 +217,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
                              elementwise_rates=elementwise_rates, wake_curve=wake_curve,
                              collective_curves=collective_curves, pipeline_actions=pipeline_actions,
-                             group_curves=group_curves)
+                             group_curves=group_curves, grad_sum_ratios=grad_sum_ratios)
 
 
 def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int):

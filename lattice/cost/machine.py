@@ -89,7 +89,7 @@ def _along(points: list[tuple[float, float]], x: float, *, rising_beyond: bool) 
 BY_WORLD_FIELDS = ("ranks", "flop_rate", "elem_rate", "attn_rate", "alpha_intra", "beta_intra", "update_per_tensor",
                    "mem_bandwidth", "op_overhead", "alpha_send", "skew", "norm_per_tensor", "collectives",
                    "kernel_rows", "overlap", "skew_curve", "elementwise_rates", "wake_curve",
-                   "collective_curves", "pipeline_actions", "group_curves")
+                   "collective_curves", "pipeline_actions", "group_curves", "grad_sum_ratios")
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,12 @@ class Machine:
     # cores too: at 4 ranks on 2 cores two pairs' all-reduces of 4.2 MB each took 7.1 ms, where the
     # world's α and curve at a pair's wire bytes said 3.6; a group size not listed reads the world's
     group_curves: tuple = ()
+    # the gradients' sum over replicas as a step runs it (after backward, every rank's gradients
+    # copied into one buffer, summed, divided) over the same all-reduce timed back to back, which
+    # `collectives` and the curves above are: ((wire bytes, ratio), ...), read between the points
+    # (flat beyond them) for every gradient all-reduce (site "grads"). At 2 ranks on 2 cores the sum
+    # of gpt2-deep's 4.4 MB of gradients took 8.5 ms where the loop's all-reduce of it took 3.8-4.3
+    grad_sum_ratios: tuple = ()
     # each elementwise operator's own rate, where measured: ((operator, elements/s), ...), the
     # elements as the cost model counts them (lattice.cost.builder.ELEMENTWISE_OPERATORS). On a CPU
     # they differ by up to 5x (tanh GELU 1.7-2.3 ns per element, a residual add 0.4-0.9 ns), and
@@ -273,6 +279,14 @@ class Machine:
         if not points or len(points) < 2:
             return None
         return _along(sorted(points), wire_bytes, rising_beyond=True)
+
+    def grad_sum_ratio(self, wire_bytes: float) -> float:
+        """What a gradient all-reduce of `wire_bytes` takes over its collective's time
+        (Machine.grad_sum_ratios: linear between its points, flat beyond them; 1 without)."""
+        if len(self.grad_sum_ratios) < 2:
+            return 1.0
+        points = sorted(self.grad_sum_ratios)
+        return _along(points, min(max(wire_bytes, points[0][0]), points[-1][0]), rising_beyond=False)
 
     def pipeline_action(self, schedule: str) -> float:
         """Seconds `schedule` takes per chunk of one micro-batch beyond its operations and hop

@@ -190,8 +190,10 @@ class Cost:
             per_call = t.bytes * words / t.calls
             # a group smaller than the world at its own calibration, where it has one
             in_groups = machine.group_seconds(t.op, n, per_call) if n < self.topology.world_size else None
-            out.append((t, t.calls * (in_groups if in_groups is not None
-                                      else steps * alpha + machine.wire_seconds(kind, per_call, beta))))
+            seconds = in_groups if in_groups is not None else steps * alpha + machine.wire_seconds(kind, per_call, beta)
+            if t.site == "grads" and t.op == "all_reduce":  # the gradients' sum as a step runs it
+                seconds *= machine.grad_sum_ratio(per_call)
+            out.append((t, t.calls * seconds))
         return out
 
     def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:
