@@ -567,32 +567,46 @@ def test_a_pipeline_schedule_pays_its_own_time_per_chunk_of_a_micro_batch(schedu
 
 def _pipeline_actions_on_set_timings() -> tuple:
     """`_pipeline_actions` on steps timed as if each schedule took 10 ms + 4 ms per micro-batch
-    (gpipe), 3 ms (1f1b) or 5 ms (interleaved), with op_overhead 10 µs and α 0.5 ms."""
+    (gpipe), 3 ms (1f1b) or 5 ms (interleaved), against a price of 20 ms + 1 ms per micro-batch;
+    with what the price was asked: (sizes of the model, micro-batches, batch, the machine's actions)."""
     import lattice.cost.calibrate as calibrate
+    import lattice.cost.pricing as pricing
     from lattice.cost.plan import model_config
 
     per_microbatch = {"gpipe": 0.004, "1f1b": 0.003, "interleaved": 0.005}
     # the timed steps in calibrate's order: each schedule at 1 and 3 micro-batches per stage (p = 2)
     fake = [0.01 + m * per_microbatch[s] for s in ("gpipe", "1f1b", "interleaved") for m in (2, 6)]
+    asked = []
+
+    def fake_price(cfg, choice, *, batch, machine):
+        asked.append(((cfg.vocab_size, cfg.n_layers, cfg.d_model, cfg.seq_len), choice.layout.pipeline.m, batch,
+                      machine.pipeline_actions))
+        return pricing.Priced(choice, 0.02 + 0.001 * choice.layout.pipeline.m, {}, {})
+
     real, calibrate.timed_in_turn = calibrate.timed_in_turn, lambda fns, n: fake[:len(fns)]
+    real_price, pricing.price = pricing.price, fake_price
     try:
-        return calibrate._pipeline_actions(model_config("gpt2", "small", vocab_size=2048), 1e-5, 5e-4, 1)
+        machine = dataclasses.replace(MACHINE, pipeline_actions=(("1f1b", 1.0),))
+        cfg = model_config("gpt2", "small", vocab_size=2048, d_model=48, seq_len=16)
+        return calibrate._pipeline_actions(cfg, machine, 1), asked
     finally:
-        calibrate.timed_in_turn = real
+        calibrate.timed_in_turn, pricing.price = real, real_price
 
 
-def test_a_schedules_own_time_per_chunk_is_its_slope_beyond_the_chunks_operations_and_hop():
+def test_a_schedules_own_time_per_chunk_is_its_slope_beyond_its_price():
     """Catches the calibration's pipeline_actions taken per micro-batch rather than per chunk
     (interleaved runs two chunks of one block per micro-batch on each rank, the others one of two),
-    or with the chunk's operations or its hop left in. GPT-2's block is 8 operations forward (two
-    norms, four linears, attention, GELU) and backward counts each twice: 24 x 10 µs = 0.24 ms; the
-    hop 2 α = 1 ms. By hand: gpipe 4 - 2 x 0.24 - 1 = 2.52 ms, 1f1b 3 - 0.48 - 1 = 1.52 ms,
-    interleaved 5 / 2 - 0.24 - 1 = 1.26 ms."""
+    with the price's own growth per micro-batch left in, priced with the actions it is measuring,
+    or timed on a model other than the family's at its own width and sequence (the tiny preset's
+    ranks idle between chunks, which a step's do not: gpt2-wide's pipeline at 4 ranks grew 27.4 ms
+    per micro-batch where the tiny model's grew 5.6). By hand, against a price growing 1 ms per
+    micro-batch: gpipe 4 - 1 = 3 ms, 1f1b 3 - 1 = 2 ms, interleaved (5 - 1) / 2 = 2 ms."""
     from multiproc import run_distributed
 
-    for actions in run_distributed(2, _pipeline_actions_on_set_timings):
-        got = dict(actions)
-        assert got == pytest.approx({"gpipe": 0.00252, "1f1b": 0.00152, "interleaved": 0.00126}, abs=1e-9), got
+    for actions, asked in run_distributed(2, _pipeline_actions_on_set_timings):
+        assert dict(actions) == pytest.approx({"gpipe": 0.003, "1f1b": 0.002, "interleaved": 0.002}, abs=1e-9)
+        assert [(m, batch) for _, m, batch, _ in asked] == [(2, 2), (6, 6)] * 3
+        assert all(sizes == (16, 4, 48, 16) and not actions for sizes, _, _, actions in asked)
 
 
 def test_an_all_reduce_over_groups_smaller_than_the_world_is_priced_on_their_own_curve():

@@ -4,6 +4,7 @@ sweeps predict step times with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -207,17 +208,17 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     costs = torch.tensor([alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor], dtype=torch.float64)
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
     alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor = costs.tolist()
-    # a pipeline schedule's own time per chunk, on a tiny model cut into p stages (Machine.pipeline_actions)
-    pipeline_actions = _pipeline_actions(cfg, op_overhead, alpha, reps) if p > 1 else ()
-    return Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
+    machine = Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
                              beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
                              elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
                              mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
                              skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
                              kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
                              elementwise_rates=elementwise_rates, wake_curve=wake_curve,
-                             collective_curves=collective_curves, pipeline_actions=pipeline_actions,
+                             collective_curves=collective_curves,
                              group_curves=group_curves, grad_sum_ratios=grad_sum_ratios)
+    # a pipeline schedule's own time per chunk beyond its price at these rates (Machine.pipeline_actions)
+    return dataclasses.replace(machine, pipeline_actions=_pipeline_actions(cfg, machine, reps)) if p > 1 else machine
 
 
 def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int):
@@ -295,16 +296,20 @@ def _kernel_rows(samples: list[tuple[int, float]]) -> float:
     return statistics.median(solves) if solves else 0.0
 
 
-def _pipeline_actions(cfg, op_overhead: float, alpha: float, reps: int) -> tuple:
+def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     """Machine.pipeline_actions: of each schedule, the seconds per chunk of one micro-batch beyond
-    the chunk's operations (op_overhead each) and its hop (2 α: the activation and its gradient,
-    of a few bytes here), from a model of `cfg`'s family at its tiny preset's sizes, 4 tokens, 2
-    blocks per rank, cut into p stages (chunks of 2 blocks, or of 1 interleaved): the slope of the
-    slowest rank's step over 1 and 3 micro-batches per stage, every rank at once."""
+    what the cost model prices for it (its operations at `machine`'s rates and its hop), from a
+    pipeline of `cfg`'s own width and sequence (a vocabulary of 16), 2 blocks per rank cut into p
+    stages, micro-batches of one sequence: the slope of the slowest rank's step over p and 3p
+    micro-batches, every rank at once, less the slope of its price (lattice.cost.pricing.price,
+    no actions), per chunk. On the family's tiny preset the ranks idled between their chunks' few
+    operations, which a step's stages do not: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4
+    ms per micro-batch where its price grew 17.8, and the tiny model's grew 5.6."""
     import dataclasses
 
-    from lattice.cost.model import estimate
+    from lattice.cost.pricing import Choice, price
     from lattice.models import build_model
+    from lattice.models.registry import arch_of_config
     from lattice.modes.layout import Layout, init
     from lattice.parallel.pipeline import SCHEDULES
 
@@ -313,27 +318,34 @@ def _pipeline_actions(cfg, op_overhead: float, alpha: float, reps: int) -> tuple
     p = dist.get_world_size()
     # 2 blocks per rank: an encoder-decoder's p in each stack (n_decoder_layers 0: as many as the encoder)
     stacks = 2 if hasattr(cfg, "n_decoder_layers") else 1
-    sizes = {**type(cfg).presets["tiny"], "vocab_size": 16, "seq_len": 4, "n_layers": 2 * p // stacks}
-    tiny = dataclasses.replace(cfg, **sizes, **({"n_decoder_layers": 0} if stacks == 2 else {}))
-    ops = [sum(estimate(dataclasses.replace(tiny, n_layers=k), "serial", batch=1).ops.values()) for k in (1, 2)]
-    per_block = (ops[1] - ops[0]) / stacks * op_overhead  # forward and backward (of a block of either stack)
+    piped = dataclasses.replace(cfg, vocab_size=16, n_layers=2 * p // stacks,
+                                **({"n_decoder_layers": 0} if stacks == 2 else {}))
     counts = (p, 3 * p)
+    generator = torch.Generator().manual_seed(0)
+
+    def layout(schedule: str, m: int) -> Layout:
+        return Layout("serial", pp=p, microbatches=m, pp_schedule=schedule)
+
     steps, contexts = [], []
     for schedule in SCHEDULES:
         for m in counts:
-            ctx = init(Layout("serial", pp=p, microbatches=m, pp_schedule=schedule))
-            model, tokens = build_model(tiny, ctx), torch.randint(0, 16, (m, 4))
-            steps.append(lambda model=model, tokens=tokens: model.forward_backward(tokens, tokens))
+            ctx = init(layout(schedule, m))
+            tokens = torch.randint(0, 16, (m, cfg.seq_len), generator=generator)
+            targets = arch_of_config(piped).random_targets(piped, tokens, generator)
+            model = build_model(piped, ctx)
+            steps.append(lambda model=model, tokens=tokens, targets=targets: model.forward_backward(tokens, targets))
             contexts.append(ctx)
     seconds = torch.tensor(timed_in_turn(steps, reps), dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     for ctx in contexts:
         ctx.destroy_groups()
+    unpriced = dataclasses.replace(machine, pipeline_actions=())
     actions = []
     for k, schedule in enumerate(SCHEDULES):
-        v = Layout("serial", pp=p, microbatches=p, pp_schedule=schedule).pipeline.v
-        slope = float(seconds[2 * k + 1] - seconds[2 * k]) / (counts[1] - counts[0])  # per micro-batch
-        actions.append((schedule, max(slope / v - (2 // v) * per_block - 2 * alpha, 0.0)))
+        v = layout(schedule, p).pipeline.v
+        priced = [price(piped, Choice(layout(schedule, m)), batch=m, machine=unpriced).step_s for m in counts]
+        slope = float(seconds[2 * k + 1] - seconds[2 * k] - (priced[1] - priced[0])) / (counts[1] - counts[0])
+        actions.append((schedule, max(slope / v, 0.0)))  # per chunk of a micro-batch
     return tuple(actions)
 
 
