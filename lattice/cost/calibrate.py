@@ -209,14 +209,14 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     dist.all_reduce(costs, op=dist.ReduceOp.MAX)
     alpha, beta, per_tensor, op_overhead, alpha_send, norm_per_tensor = costs.tolist()
     machine = Machine(f"this machine, {p} processes", flop_rate=float(rates[0]), alpha_intra=alpha,
-                             beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
-                             elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
-                             mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
-                             skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
-                             kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
-                             elementwise_rates=elementwise_rates, wake_curve=wake_curve,
-                             collective_curves=collective_curves,
-                             group_curves=group_curves, grad_sum_ratios=grad_sum_ratios)
+                      beta_intra=beta, alpha_inter=alpha, beta_inter=beta, ranks_per_node=p,
+                      elem_rate=float(rates[1]), attn_rate=float(rates[2]), update_per_tensor=per_tensor,
+                      mem_bandwidth=float(rates[3]), op_overhead=op_overhead, alpha_send=alpha_send,
+                      skew=skew, norm_per_tensor=norm_per_tensor, collectives=collectives,
+                      kernel_rows=kernel_rows, overlap=overlap, skew_curve=skew_curve,
+                      elementwise_rates=elementwise_rates, wake_curve=wake_curve,
+                      collective_curves=collective_curves, group_curves=group_curves,
+                      grad_sum_ratios=grad_sum_ratios)
     # a pipeline schedule's own time per chunk beyond its price at these rates (Machine.pipeline_actions)
     return dataclasses.replace(machine, pipeline_actions=_pipeline_actions(cfg, machine, reps)) if p > 1 else machine
 

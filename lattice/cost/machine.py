@@ -171,11 +171,11 @@ class Machine:
     # and a data-parallel step's gradient buckets are that size
     collective_curves: tuple = ()
     # a pipeline schedule's own time per chunk of one micro-batch (its forward and backward, the
-    # stage's receives and sends around them) beyond the chunk's operations and its hop:
-    # ((schedule, seconds), ...). torch.distributed.pipelining runs each action through Python;
-    # on a tiny model at 4 ranks on 2 cores the pipelines took 38-68 ms a step where their operations
-    # and hops priced 26-41, and the interleaved schedule (a runtime of explicit send and receive
-    # actions) more per chunk than 1F1B; a schedule not listed costs its hop only
+    # stage's receives and sends around them) beyond what the rest of the model prices for the chunk
+    # (its operations and its hop): ((schedule, seconds), ...). torch.distributed.pipelining runs
+    # each action through Python, and where ranks share cores a stage that waits for its neighbour
+    # waits for the scheduler too: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4 ms per
+    # micro-batch where its price grew 17.8; a schedule not listed costs its hop only
     pipeline_actions: tuple = ()
     # an all-reduce over groups smaller than the world, every group at once (a dp = 2 or tp = 2 group
     # at 4 or 8 ranks): ((op, group ranks, ((wire bytes, seconds per call), ...)), ...), read in place
@@ -289,7 +289,7 @@ class Machine:
         return _along(points, min(max(wire_bytes, points[0][0]), points[-1][0]), rising_beyond=False)
 
     def pipeline_action(self, schedule: str) -> float:
-        """Seconds `schedule` takes per chunk of one micro-batch beyond its operations and hop
+        """Seconds `schedule` takes per chunk of one micro-batch beyond the chunk's price
         (Machine.pipeline_actions; 0 where not measured)."""
         return dict(self.pipeline_actions).get(schedule, 0.0)
 
