@@ -97,14 +97,14 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                     coll()
 
         samples, looped = {}, {}  # op -> [(steps, wire bytes, seconds)]; all-reduce elements -> seconds
-        for numel in sorted(set(COLLECTIVE_SIZES) | set(GRAD_SUM_SIZES)):
-            numel = p * -(-numel // p)
+        for size in sorted(set(COLLECTIVE_SIZES) | set(GRAD_SUM_SIZES)):
+            numel = p * -(-size // p)
             for op, fn in _collectives(numel, p):
                 with_it, without = timed_in_turn([lambda: loop(fn), lambda: loop(None)], reps)
                 seconds = max(with_it - without, 1e-6) / 8
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
-                if op == "all_reduce":
-                    looped[numel] = seconds
+                if op == "all_reduce":  # by the size asked: rounded to p's multiple where p does not divide it
+                    looped[size] = seconds
         alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
         collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
         # and each one's time beyond its latency steps at each size measured (Machine.collective_curves):
@@ -305,8 +305,6 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     no actions), per chunk. On the family's tiny preset the ranks idled between their chunks' few
     operations, which a step's stages do not: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4
     ms per micro-batch where its price grew 17.8, and the tiny model's grew 5.6."""
-    import dataclasses
-
     from lattice.cost.pricing import Choice, price
     from lattice.models import build_model
     from lattice.models.registry import arch_of_config
@@ -355,8 +353,6 @@ def _op_overhead(cfg, timed) -> float:
     preset's sizes and 4 tokens. Per family, since its operations differ in how many framework
     calls each makes: a Llama block (RMSNorm in three products of elements, rotary embeddings on
     q and k, SwiGLU) took 2.5 times a GPT-2 block's time per operation here (31 against 12 us)."""
-    import dataclasses
-
     from lattice.cost.model import estimate
     from lattice.models import build_model
     from lattice.modes.layout import Layout
