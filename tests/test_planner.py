@@ -547,6 +547,45 @@ def test_ranks_sharing_cores_compute_at_the_mean_of_their_tensor_groups_work():
         assert priced.terms["update"] - _trainer_scalars(lay, Choice(lay), machine) == pytest.approx(sum(update) / 2)
 
 
+def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_core_of_its_own():
+    """Catches pricing sub-graph's common layers, their gradients' sum and their update at the
+    world's rates for the mean rank when only sub-grid 0's 2 ranks do them at 8 ranks on 2 cores:
+    the 6 others wait and leave their cores, and a rank among 8 on 2 cores runs 5.3 times slower
+    than one with a core of its own, not 4. gpt2-wide's tp=8 (4 sub-grids, common on the first)
+    measured 174 ms a step where it was priced at 296, and the planner passed over the fastest
+    layout. With 2 sub-grids over 2 replicas 4 ranks run the common layers, more than the cores,
+    and the mean rank at the world's rates stays."""
+    from lattice.cost.pricing import _group, _trainer_scalars
+
+    cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=2)
+    machine = MACHINES["cpu-2core"]
+
+    def rank_figures(lay, rank, at):
+        c = estimate(cfg, lay, batch=8 // lay.dp, rank=rank)
+        c.topology = lay.topology
+        t = c.time(at)
+        data = sum(s for term, s in c.term_times(at) if _group(term.site) == "data")
+        return t["forward_compute"] + t["backward_compute"], t["update"] + t["update_overlapped"], data
+
+    few = Layout("subgraph", tp=8, options={"subgrids": 4, "common": "subgrid", "projections": "common"},
+                 ranks_per_node=8)
+    own, world = machine.at(2), machine.at(8)
+    busy, idle = rank_figures(few, 0, own), rank_figures(few, 2, own)
+    priced = price(cfg, Choice(few), batch=8, machine=machine).terms
+    assert idle[1] == idle[2] == 0  # rank 2 (sub-grid 1) holds no parameters
+    assert priced["compute"] == pytest.approx(rank_figures(few, 2, world)[0] + busy[0] - idle[0], rel=1e-9)
+    assert priced["data"] == pytest.approx(busy[2], rel=1e-9) and busy[2] > 0
+    scalars = _trainer_scalars(few, Choice(few), machine)  # the gradient norm's all-reduce of one number
+    assert priced["update"] - scalars == pytest.approx(busy[1], rel=1e-9)
+    assert busy[1] < rank_figures(few, 0, world)[1]
+
+    many = Layout("subgraph", tp=4, dp=2, options={"common": "subgrid"}, ranks_per_node=8)
+    ranks = [rank_figures(many, r, world) for r in range(4)]
+    priced = price(cfg, Choice(many), batch=8, machine=machine).terms
+    assert ranks[0][0] > 1.3 * ranks[2][0]  # sub-grid 0 (ranks 0, 1) runs the common layers
+    assert priced["compute"] == pytest.approx(sum(r[0] for r in ranks) / 4, rel=1e-9)
+
+
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
 def test_a_pipeline_schedule_pays_its_own_time_per_chunk_of_a_micro_batch(schedule, v):
     """Catches Machine.pipeline_actions left out of a pipeline's price or charged per micro-batch

@@ -191,9 +191,9 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
         if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
-            terms.update(_rank_mean(cfg, lay, mean=True, machine=machine, **where))
-            own_core = _rank_mean(cfg, lay, mean=False, machine=machine.at(machine.cores), **where)["compute"]
-            terms["bubble"] = max(0.0, own_core - terms["compute"])
+            shared = _uneven_ranks(cfg, lay, machine=machine, **where)
+            terms.update({k: shared[k] for k in ("compute", "update", "data")})
+            terms["bubble"] = max(0.0, shared["own_core_compute"] - terms["compute"])
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
@@ -278,6 +278,49 @@ def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[st
         f = _priced_blocks(cfg, layout, blocks=blocks, rank=rank, **kw)
         out["compute"] += (f["forward_compute"] + f["backward_compute"]) / len(ranks)
         out["update"] += f["update"] / len(ranks)
+    return out
+
+
+def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, float]:
+    """{"compute", "update", "data", "own_core_compute" (rank 0's at a core of its own)} of a layout
+    without a pipeline whose ranks outnumber the machine's cores. What every rank of the tensor
+    group does (the least compute of its ranks, and the update and gradients' sum where all hold
+    parameters) runs with every rank busy, at the world's rates. What only some ranks do (sub-graph
+    common="subgrid": its common layers, their parameters' sum and update are sub-grid 0's alone)
+    runs while the others wait and leave their cores: where those busy ranks (in every replica)
+    are no more than the cores, at the rates of a rank with a core of its own, the slowest of them
+    setting the pace; else they share the cores, the tensor group's mean at the world's rates. At
+    8 ranks on 2 cores a rank is 5.3 times slower than with a core of its own, not 4 (switching
+    between ranks): gpt2-wide's sub-graph (tp 8, 4 sub-grids, common on the first) took 121-125 ms
+    of forward and backward, 29-38 ms to sum its gradients and 12-17 ms to update on sub-grid 0's
+    two ranks; the world's rates for the mean rank had priced them at 144, 64 and 49 ms."""
+    topo = layout.topology
+    ranks = topo.group_members(topo.tensor_axes, 0)
+    copies = layout.world_size // len(ranks)  # the replicas and cp ranks, which work alike
+    own = machine.at(machine.cores)
+    world = [_priced_blocks(cfg, layout, rank=r, machine=machine, **kw) for r in ranks]
+    alone = [_priced_blocks(cfg, layout, rank=r, machine=own, **kw) for r in ranks]
+
+    def compute(f):
+        return f["forward_compute"] + f["backward_compute"]
+
+    def few_busy(values) -> bool:
+        busy = [v for v in values if v > 1e-4 * max(values)]
+        return 0 < len(busy) < len(values) and len(busy) * copies <= machine.cores
+
+    common = min(compute(f) for f in world)
+    extra = [compute(f) - common for f in world]
+    out = {"own_core_compute": compute(alone[0])}
+    if few_busy(extra):
+        least = min(compute(f) for f in alone)
+        out["compute"] = common + max(compute(f) - least for f in alone)
+    else:
+        out["compute"] = sum(compute(f) for f in world) / len(ranks)
+    for key in ("update", "data"):
+        if few_busy([f[key] for f in world]):
+            out[key] = max(f[key] for f in alone)
+        else:
+            out[key] = sum(f[key] for f in world) / len(ranks) if key == "update" else world[0][key]
     return out
 
 
