@@ -575,7 +575,7 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     assert idle[1] == idle[2] == 0  # rank 2 (sub-grid 1) holds no parameters
     assert priced["compute"] == pytest.approx(rank_figures(few, 2, world)[0] + busy[0] - idle[0], rel=1e-9)
     assert priced["data"] == pytest.approx(busy[2], rel=1e-9) and busy[2] > 0
-    scalars = _trainer_scalars(few, Choice(few), machine)  # the gradient norm's all-reduce of one number
+    scalars = _trainer_scalars(few, Choice(few), own)  # the gradient norm's all-reduce, the others waiting
     assert priced["update"] - scalars == pytest.approx(busy[1], rel=1e-9)
     assert busy[1] < rank_figures(few, 0, world)[1]
 

@@ -189,13 +189,17 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                  **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
                  "update": f["update"]}
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
+        meeting = machine.at(lay.world_size)  # the rates at which the step's ranks meet
         if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
             shared = _uneven_ranks(cfg, lay, machine=machine, **where)
             terms.update({k: shared[k] for k in ("compute", "update", "data")})
             terms["bubble"] = max(0.0, shared["own_core_compute"] - terms["compute"])
+            if shared["few_busy"]:  # the others wait in the collectives: none is held up by the scheduler
+                meeting = machine.at(machine.cores)
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
+        meeting = machine.at(lay.world_size)
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
                        ranks_per_node=lay.ranks_per_node)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
@@ -246,8 +250,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v + bool(parts.shared)
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
         collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
-    terms["skew"] = machine.at(lay.world_size).skew_seconds(terms["compute"], syncs, collectives=collectives)
-    terms["update"] += _trainer_scalars(lay, choice, machine)
+    terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives)
+    terms["update"] += _trainer_scalars(lay, choice, meeting)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
     return Priced(choice, sum(terms.values()), terms, memory)
@@ -282,7 +286,8 @@ def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[st
 
 
 def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, float]:
-    """{"compute", "update", "data", "own_core_compute" (rank 0's at a core of its own)} of a layout
+    """{"compute", "update", "data", "own_core_compute" (rank 0's at a core of its own), "few_busy"
+    (whether the uneven work runs on no more ranks than cores, below)} of a layout
     without a pipeline whose ranks outnumber the machine's cores. What every rank of the tensor
     group does (the least compute of its ranks, and the update and gradients' sum where all hold
     parameters) runs with every rank busy, at the world's rates. What only some ranks do (sub-graph
@@ -293,7 +298,10 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
     8 ranks on 2 cores a rank is 5.3 times slower than with a core of its own, not 4 (switching
     between ranks): gpt2-wide's sub-graph (tp 8, 4 sub-grids, common on the first) took 121-125 ms
     of forward and backward, 29-38 ms to sum its gradients and 12-17 ms to update on sub-grid 0's
-    two ranks; the world's rates for the mean rank had priced them at 144, 64 and 49 ms."""
+    two ranks; the world's rates for the mean rank had priced them at 144, 64 and 49 ms. With
+    few_busy the step's ranks meet as on a core each (`price`: skew and the Trainer's one-number
+    all-reduces at those rates): the waiting ranks are blocked in the collectives, not queued
+    behind the busy ones (its gradient norm took rank 0 2.5 ms, priced 21 at the world's α)."""
     topo = layout.topology
     ranks = topo.group_members(topo.tensor_axes, 0)
     copies = layout.world_size // len(ranks)  # the replicas and cp ranks, which work alike
@@ -310,8 +318,8 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
 
     common = min(compute(f) for f in world)
     extra = [compute(f) - common for f in world]
-    out = {"own_core_compute": compute(alone[0])}
-    if few_busy(extra):
+    out = {"own_core_compute": compute(alone[0]), "few_busy": few_busy(extra)}
+    if out["few_busy"]:
         least = min(compute(f) for f in alone)
         out["compute"] = common + max(compute(f) - least for f in alone)
     else:
