@@ -553,12 +553,20 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     the 6 others wait and leave their cores, and a rank among 8 on 2 cores runs 5.3 times slower
     than one with a core of its own, not 4. gpt2-wide's tp=8 (4 sub-grids, common on the first)
     measured 174 ms a step where it was priced at 296, and the planner passed over the fastest
-    layout. With 2 sub-grids over 2 replicas 4 ranks run the common layers, more than the cores,
-    and the mean rank at the world's rates stays."""
+    layout. Nor do the busy ranks wait for the others' scheduling at the collectives they share
+    with them: the waiting ranks are there first. With 2 sub-grids over 2 replicas 4 ranks run the
+    common layers, more than the cores, and the mean rank at the world's rates stays."""
     from lattice.cost.pricing import _group, _trainer_scalars
+
+    from lattice.cost.machine import BY_WORLD_FIELDS
 
     cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=2)
     machine = MACHINES["cpu-2core"]
+    # waits that depend on the group and the stretch (the preset's rows have none): 2 ms at 2 ranks,
+    # 6 at 4, after any stretch beyond 1 ms
+    curve = ((2, 0.001, 0.002), (2, 1.0, 0.002), (4, 0.001, 0.006), (4, 1.0, 0.006))
+    assert BY_WORLD_FIELDS.index("skew_curve") == 15 and all(len(row) == 14 for row in machine.by_world)
+    machine = dataclasses.replace(machine, by_world=tuple(row + (0.0, curve) for row in machine.by_world))
 
     def rank_figures(lay, rank, at):
         c = estimate(cfg, lay, batch=8 // lay.dp, rank=rank)
@@ -578,6 +586,13 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     scalars = _trainer_scalars(few, Choice(few), own)  # the gradient norm's all-reduce, the others waiting
     assert priced["update"] - scalars == pytest.approx(busy[1], rel=1e-9)
     assert busy[1] < rank_figures(few, 0, world)[1]
+    # the busy ranks wait for each other in their gradients' sum alone, on a core each
+    c = estimate(cfg, few, batch=8, rank=0)
+    c.topology = few.topology
+    grad_syncs = c.grad_syncs()
+    assert grad_syncs and sum(c.syncs(grads=False).values()) > 0
+    assert priced["skew"] == pytest.approx(own.skew_seconds(priced["compute"], grad_syncs,
+                                                            collectives=sum(grad_syncs.values())), rel=1e-9)
 
     many = Layout("subgraph", tp=4, dp=2, options={"common": "subgrid"}, ranks_per_node=8)
     ranks = [rank_figures(many, r, world) for r in range(4)]

@@ -190,16 +190,18 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                  "update": f["update"]}
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
         meeting = machine.at(lay.world_size)  # the rates at which the step's ranks meet
+        few_busy = False
         if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
             shared = _uneven_ranks(cfg, lay, machine=machine, **where)
             terms.update({k: shared[k] for k in ("compute", "update", "data")})
             terms["bubble"] = max(0.0, shared["own_core_compute"] - terms["compute"])
-            if shared["few_busy"]:  # the others wait in the collectives: none is held up by the scheduler
+            few_busy = shared["few_busy"]
+            if few_busy:  # the others wait in the collectives: none is held up by the scheduler
                 meeting = machine.at(machine.cores)
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
-        meeting = machine.at(lay.world_size)
+        meeting, few_busy = machine.at(lay.world_size), False
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
                        ranks_per_node=lay.ranks_per_node)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
@@ -240,6 +242,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
     # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
     syncs = {int(k[6:]): v * (lay.pipeline.m if lay.pp > 1 else 1) for k, v in f.items() if k.startswith("syncs_")}
+    if few_busy:  # the busy ranks meet waiting ones (who hold up none) but in their gradients' sum
+        syncs = {}
     for k, v in f.items():
         if k.startswith("grad_syncs_"):
             syncs[int(k[11:])] = syncs.get(int(k[11:]), 0.0) + v
