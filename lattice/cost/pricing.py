@@ -183,14 +183,13 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         problem = batch_problem(lay.pipeline, get_mode(lay.mode), lay.context(), replica, length // lay.cp)
         if problem:
             raise LatticeConfigError(problem)
+    meeting, few_busy = machine.at(lay.world_size), False  # the rates at which the step's ranks meet
     if lay.pp == 1:
         f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica, machine=machine, topology=lay.topology, **kw)
         terms = {"compute": f["forward_compute"] + f["backward_compute"],
                  **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
                  "update": f["update"]}
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
-        meeting = machine.at(lay.world_size)  # the rates at which the step's ranks meet
-        few_busy = False
         if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
             shared = _uneven_ranks(cfg, lay, machine=machine, **where)
@@ -201,7 +200,6 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                 meeting = machine.at(machine.cores)
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
-        meeting, few_busy = machine.at(lay.world_size), False
         stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
                        ranks_per_node=lay.ranks_per_node)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
