@@ -122,9 +122,12 @@ def _figures(c, machine: Machine) -> dict[str, float]:
     # ZeRO's all-gather beside the next forward: the update's whole, its hidden part apart (once a step)
     out["update"], out["update_overlapped"] = t["update"] + t["update_overlapped"], -t["update_overlapped"]
     groups = dict.fromkeys(COMM_GROUPS, 0.0)
+    out["tensor_loss"] = 0.0  # of the tensor term, the loss's (its one-number sums: `_uneven_ranks`)
     for term, seconds in c.term_times(machine):
         if term.phase in ("forward", "backward"):
             groups[_group(term.site)] += seconds
+            if term.site == "loss":
+                out["tensor_loss"] += seconds
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
@@ -165,7 +168,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     last with the head (an encoder-decoder's each with both, an upper bound); the slowest stage
     takes m v slots of one chunk's micro-batch, every other stage one more (filling and draining
     the pipeline), each plus the hop of its residual piece to the next stage (activation
-    forward, gradient backward); then the gradients' reduction over dp and the update of the
+    forward, gradient backward; where each rank has a core of its own the slowest stage's hops
+    in its steady state wait for none of the latency its lead over the others covers); then the gradients' reduction over dp and the update of the
     stage holding the most. The memory is the fullest stage's with its micro-batches in flight."""
     lay = choice.layout
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
@@ -193,7 +197,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
             shared = _uneven_ranks(cfg, lay, machine=machine, **where)
-            terms.update({k: shared[k] for k in ("compute", "update", "data")})
+            terms.update({k: shared[k] for k in ("compute", "update", "data", "tensor") if k in shared})
             terms["bubble"] = max(0.0, shared["own_core_compute"] - terms["compute"])
             few_busy = shared["few_busy"]
             if few_busy:  # the others wait in the collectives: none is held up by the scheduler
@@ -209,18 +213,25 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                    for parts, blocks in set(kinds)}
         piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
         itemsize = 2 if choice.precision == "bf16" else 4  # the activations' dtype, as estimate sets it
-        alpha, beta = machine.at(lay.world_size).link(spans_nodes(lay.topology, (MeshAxis.PP,)))
-        # the activation forward, its gradient backward, and the schedule's own time for the chunk
-        hop = 2 * (alpha + piece * itemsize * beta) + machine.at(lay.world_size).pipeline_action(pcfg.schedule)
+        here = machine.at(lay.world_size)
+        alpha, beta = here.link(spans_nodes(lay.topology, (MeshAxis.PP,)))
+        # the activation forward and its gradient backward (latency, wire), and the schedule's own time for the chunk
+        own = 2 * piece * itemsize * beta + here.pipeline_action(pcfg.schedule)
+        hop = 2 * alpha + own
         chunks = [(figures[k]["forward_compute"] + figures[k]["backward_compute"] + figures[k]["tensor"]
                    + figures[k]["context"] + figures[k]["overlapped"]) / v for k in kinds]
         slowest = max(range(lay.pp), key=lambda s: (chunks[s], s))
         f = figures[kinds[slowest]]
+        steady = hop  # a hop of the slowest stage's steady state
+        if v == 1 and not (machine.cores and lay.world_size > machine.cores):
+            # each rank on a core of its own: the other stages run ahead of the slowest by the
+            # difference of their chunks, and its inputs are there when it asks, up to the hops' latency
+            steady = max(own, hop - (chunks[slowest] - max(c for s, c in enumerate(chunks) if s != slowest)))
         # the slowest stage's m v slots of a chunk's micro-batch and its hop, and one chunk and hop of
         # every other stage (the bubble: filling and draining the pipeline); the gradients' reduction
         # over dp and the update of the stage holding the most
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
-                 "context": m * f["context"], "data": max(g["data"] for g in figures.values()), "pipeline": m * v * hop,
+                 "context": m * f["context"], "data": max(g["data"] for g in figures.values()), "pipeline": m * v * steady,
                  "overlapped": m * f["overlapped"],
                  "bubble": sum(chunk + hop for s, chunk in enumerate(chunks) if s != slowest),
                  "update": max(g["update"] for g in figures.values())}
@@ -289,7 +300,8 @@ def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[st
 
 def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, float]:
     """{"compute", "update", "data", "own_core_compute" (rank 0's at a core of its own), "few_busy"
-    (whether the uneven work runs on no more ranks than cores, below)} of a layout
+    (whether the uneven work runs on no more ranks than cores, below), and with few_busy
+    "tensor"} of a layout
     without a pipeline whose ranks outnumber the machine's cores. What every rank of the tensor
     group does (the least compute of its ranks, and the update and gradients' sum where all hold
     parameters) runs with every rank busy, at the world's rates. What only some ranks do (sub-graph
@@ -303,7 +315,8 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
     two ranks; the world's rates for the mean rank had priced them at 144, 64 and 49 ms. With
     few_busy the step's ranks meet as on a core each (`price`: skew and the Trainer's one-number
     all-reduces at those rates): the waiting ranks are blocked in the collectives, not queued
-    behind the busy ones (its gradient norm took rank 0 2.5 ms, priced 21 at the world's α)."""
+    behind the busy ones (its gradient norm took rank 0 2.5 ms, priced 21 at the world's α); so
+    are the loss's sums in the tensor term."""
     topo = layout.topology
     ranks = topo.group_members(topo.tensor_axes, 0)
     copies = layout.world_size // len(ranks)  # the replicas and cp ranks, which work alike
@@ -326,6 +339,10 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
         out["compute"] = common + max(compute(f) - least for f in alone)
     else:
         out["compute"] = sum(compute(f) for f in world) / len(ranks)
+    if out["few_busy"]:  # the loss's sums, which the busy ranks reach last (the others wait in them), as
+        # the Trainer's one-number all-reduces: gpt2-small's tp 8 with 4 sub-grids sums one number over
+        # its 8 ranks, priced 22.7 ms at the world's α
+        out["tensor"] = world[0]["tensor"] - world[0]["tensor_loss"] + max(f["tensor_loss"] for f in alone)
     for key in ("update", "data"):
         if few_busy([f[key] for f in world]):
             out[key] = max(f[key] for f in alone)
