@@ -253,7 +253,7 @@ def main() -> int:
                 preset, by_world=tuple(_rows(shape, sorted({preset.cores or n, n}))))
             plan = search(cfg, gpus=n, machine=machine, batch=BATCH, ranks_per_node=n,
                           precisions=(machine.precision,))
-            chosen = _chosen(plan.ranked, args.limit)
+            chosen, feasible = _chosen(plan.ranked, args.limit), len(plan.ranked)
             layouts = [{"layout": c.choice.layout.record(), "zero": c.choice.zero,
                         "activation_checkpointing": c.choice.checkpointing} for c in chosen]
             started = time.time()
@@ -277,7 +277,7 @@ def main() -> int:
             rho = _spearman(predicted, measured)
             errs = [(pr - me) / me for pr, me in zip(predicted, measured)]
             errors += errs
-            case = {"shape": shape, "p": n, "config": repr(cfg), "candidates": len(plan.ranked), "measured": len(chosen),
+            case = {"shape": shape, "p": n, "config": repr(cfg), "candidates": feasible, "measured": len(chosen),
                     "rounds": rounds,
                     "first_over_best": first, "first_over_best_before": first_before, "spearman": rho, "median_abs_error": statistics.median(map(abs, errs)),
                     "seconds": time.time() - started, "by_world": [list(row) for row in machine.by_world],
@@ -291,7 +291,7 @@ def main() -> int:
                 print(f"{shape} p={n}: {args.repeat} repeats agree with Spearman {case['repeat_spearman']:.2f}, "
                       f"median |difference| {case['repeat_median_abs_difference']:.1%}", flush=True)
             cases.append(case)
-            print(f"{shape} p={n}: {len(plan.ranked)} feasible, {len(chosen)} measured; first choice / measured best "
+            print(f"{shape} p={n}: {feasible} feasible, {len(chosen)} measured; first choice / measured best "
                   f"{first:.3f}" + (f" (at the calibration before: {first_before:.3f})" if first_before else "")
                   + f"; Spearman {rho:.2f}; median |error| {case['median_abs_error']:.1%} "
                   f"({case['seconds']:.0f} s)", flush=True)
