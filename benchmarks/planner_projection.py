@@ -25,7 +25,7 @@ import json
 
 from lattice.cost.machines import MACHINES
 from lattice.cost.plan import model_config
-from lattice.cost.search import Choice, _uneven_split, price, search
+from lattice.cost.search import Choice, uneven_split, price, search
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
 
@@ -71,7 +71,7 @@ def megatron(rows: list) -> None:
             pp = 64 // t
             try:
                 lay = Layout("1d" if t > 1 else "serial", tp=t, pp=pp, microbatches=batch, pp_schedule="1f1b",
-                             pp_layers=_uneven_split(cfg, pp), ranks_per_node=8) if pp > 1 else \
+                             pp_layers=uneven_split(cfg, pp), ranks_per_node=8) if pp > 1 else \
                     Layout("1d", tp=t, ranks_per_node=8)
                 p = price(cfg, Choice(lay, precision="bf16", checkpointing=True), batch=batch, machine=machine)
                 splits.append((t, pp, p.step_s, p.memory["total"] / 2 ** 30))

@@ -27,7 +27,7 @@ def p2p_elements(cfg, layout: Layout, *, batch: int, stage: int, seq: int | None
     return stage_sends(layout.pipeline, stage, p2p_piece(cfg, layout, batch=batch, seq=seq))
 
 
-def _stage_p2p(cfg, layout: Layout, batch: int, stage: int) -> dict[str, float]:
+def stage_p2p(cfg, layout: Layout, batch: int, stage: int) -> dict[str, float]:
     """What a rank of `stage` sends point-to-point in one step, from the cost model of that rank
     (every tensor crossing its boundaries: an encoder-decoder's decoder stages send the memory
     beside their stream)."""

@@ -9,7 +9,7 @@ from dataclasses import fields as dataclass_fields
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.machines import machine_named
 from lattice.cost.model import Cost, estimate
-from lattice.cost.pipeline import _stage_p2p, in_flight
+from lattice.cost.pipeline import stage_p2p, in_flight
 from lattice.cost.pricing import TERMS, Choice, price
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.data.corpus import DEFAULT_VOCAB
@@ -95,7 +95,7 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine, se
     return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
             "slot_s": sum(terms[k] for k in ("compute", "tensor", "context", "overlapped")) / slots,
             "p2p_s": terms["pipeline"] / slots, "step_s": priced.step_s,
-            "stage_p2p": [_stage_p2p(cfg, layout, batch, s) for s in range(pp)],
+            "stage_p2p": [stage_p2p(cfg, layout, batch, s) for s in range(pp)],
             "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
             "pcfg": pcfg}
 

@@ -88,7 +88,7 @@ def _microbatch_counts(pp: int, replica: int, layers: int) -> list[tuple[int, st
     return out
 
 
-def _uneven_split(cfg, pp: int) -> tuple[int, ...] | None:
+def uneven_split(cfg, pp: int) -> tuple[int, ...] | None:
     """The blocks of each of pp stages where the model's do not split evenly (training then needs
     them as pp_layers), else None: the extra blocks on the middle stages first, then on the first
     (beside the embedding), the last stage (beside the LM head) last."""
@@ -169,7 +169,7 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                     if placement != "natural" and (pp > 1 or cp > 1):
                         continue  # the topology-aware grids are of one replica's tensor ranks
                     pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual,
-                                pp_layers=_uneven_split(cfg, pp)) if pp > 1 else {}
+                                pp_layers=uneven_split(cfg, pp)) if pp > 1 else {}
                     try:
                         lay = Layout(mode, tp=tp, cp=cp, pp=pp, dp=dp, options=options, placement=placement,
                                      ranks_per_node=rpn, **pipe)
