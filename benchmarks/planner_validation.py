@@ -278,8 +278,8 @@ def main() -> int:
             errs = [(pr - me) / me for pr, me in zip(predicted, measured)]
             errors += errs
             case = {"shape": shape, "p": n, "config": repr(cfg), "candidates": feasible, "measured": len(chosen),
-                    "rounds": rounds,
-                    "first_over_best": first, "first_over_best_before": first_before, "spearman": rho, "median_abs_error": statistics.median(map(abs, errs)),
+                    "rounds": rounds, "first_over_best": first, "first_over_best_before": first_before,
+                    "spearman": rho, "median_abs_error": statistics.median(map(abs, errs)),
                     "seconds": time.time() - started, "by_world": [list(row) for row in machine.by_world],
                     "runs": [{"setup": c.choice.describe(), "predicted_s": pr, "measured_s": me}
                              for c, pr, me in zip(chosen, predicted, measured)]}

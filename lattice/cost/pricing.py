@@ -169,8 +169,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     takes m v slots of one chunk's micro-batch, every other stage one more (filling and draining
     the pipeline), each plus the hop of its residual piece to the next stage (activation
     forward, gradient backward; where each rank has a core of its own the slowest stage's hops
-    in its steady state wait for none of the latency its lead over the others covers); then the gradients' reduction over dp and the update of the
-    stage holding the most. The memory is the fullest stage's with its micro-batches in flight."""
+    in its steady state wait for none of the latency its lead over the others covers); then the
+    gradients' reduction over dp and the update of the stage holding the most. The memory is the fullest stage's with its micro-batches in flight."""
     lay = choice.layout
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
     machine = machine.with_precision(choice.precision)
@@ -188,16 +188,17 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         if problem:
             raise LatticeConfigError(problem)
     meeting, few_busy = machine.at(lay.world_size), False  # the rates at which the step's ranks meet
+    shares_cores = bool(machine.cores) and lay.world_size > machine.cores
     if lay.pp == 1:
         f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica, machine=machine, topology=lay.topology, **kw)
         terms = {"compute": f["forward_compute"] + f["backward_compute"],
                  **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
                  "update": f["update"]}
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
-        if machine.cores and lay.world_size > machine.cores and lay.tp > 1:  # as _shared_cores
+        if shares_cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
             shared = _uneven_ranks(cfg, lay, machine=machine, **where)
-            terms.update({k: shared[k] for k in ("compute", "update", "data", "tensor") if k in shared})
+            terms.update({k: shared[k] for k in ("compute", "update", "data", "tensor")})
             terms["bubble"] = max(0.0, shared["own_core_compute"] - terms["compute"])
             few_busy = shared["few_busy"]
             if few_busy:  # the others wait in the collectives: none is held up by the scheduler
@@ -223,7 +224,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         slowest = max(range(lay.pp), key=lambda s: (chunks[s], s))
         f = figures[kinds[slowest]]
         steady = hop  # a hop of the slowest stage's steady state
-        if v == 1 and not (machine.cores and lay.world_size > machine.cores):
+        if v == 1 and not shares_cores:
             # each rank on a core of its own: the other stages run ahead of the slowest by the
             # difference of their chunks, and its inputs are there when it asks, up to the hops' latency
             steady = max(own, hop - (chunks[slowest] - max(c for s, c in enumerate(chunks) if s != slowest)))
@@ -235,7 +236,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                  "overlapped": m * f["overlapped"],
                  "bubble": sum(chunk + hop for s, chunk in enumerate(chunks) if s != slowest),
                  "update": max(g["update"] for g in figures.values())}
-        if machine.cores and lay.world_size > machine.cores:
+        if shares_cores:
             terms["compute"], terms["bubble"] = _shared_cores(cfg, stage, lay, m=m, v=v, machine=machine,
                                                               batch=replica // m, **kw)
             if lay.tp > 1:  # the update of the mean rank too
@@ -299,9 +300,8 @@ def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[st
 
 
 def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, float]:
-    """{"compute", "update", "data", "own_core_compute" (rank 0's at a core of its own), "few_busy"
-    (whether the uneven work runs on no more ranks than cores, below), and with few_busy
-    "tensor"} of a layout
+    """{"compute", "tensor", "update", "data", "own_core_compute" (rank 0's at a core of its own),
+    "few_busy" (whether the uneven work runs on no more ranks than cores, below)} of a layout
     without a pipeline whose ranks outnumber the machine's cores. What every rank of the tensor
     group does (the least compute of its ranks, and the update and gradients' sum where all hold
     parameters) runs with every rank busy, at the world's rates. What only some ranks do (sub-graph
@@ -339,10 +339,11 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
         out["compute"] = common + max(compute(f) - least for f in alone)
     else:
         out["compute"] = sum(compute(f) for f in world) / len(ranks)
+    out["tensor"] = world[0]["tensor"]
     if out["few_busy"]:  # the loss's sums, which the busy ranks reach last (the others wait in them), as
         # the Trainer's one-number all-reduces: gpt2-small's tp 8 with 4 sub-grids sums one number over
         # its 8 ranks, priced 22.7 ms at the world's α
-        out["tensor"] = world[0]["tensor"] - world[0]["tensor_loss"] + max(f["tensor_loss"] for f in alone)
+        out["tensor"] += max(f["tensor_loss"] for f in alone) - world[0]["tensor_loss"]
     for key in ("update", "data"):
         if few_busy([f[key] for f in world]):
             out[key] = max(f[key] for f in alone)
