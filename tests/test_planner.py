@@ -237,6 +237,47 @@ def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> flo
     return calibrate._kernel_rows(list(zip(rows, seconds)))
 
 
+def _differences_under_drift() -> list[tuple[float, float]]:
+    """timed_differences of a collective's loop against the loop alone, on a clock of their own: the
+    loop's time drifts from round to round (0.1 s plus 0 to 0.9 s, the machine's speed), the
+    collective adds 10 ms plus 0 to 12 ms of its own noise."""
+    import types
+
+    import lattice.cost.timing as timing
+
+    now, calls = [0.0], {"with": 0, "without": 0}
+    drift = [0.0, 0.8, 0.1, 0.9, 0.2]  # seconds, per round
+    own = [0.0, 0.003, 0.006, 0.009, 0.012]
+
+    def timed(name, extra):
+        def run():
+            r = max(calls[name] - 1, 0)  # the first call sets the repeats (one: each is over SAMPLE_S)
+            calls[name] += 1
+            now[0] += 0.1 + drift[r] + (0.010 + own[r] if extra else 0.0)
+        return run
+
+    real_time, timing.time = timing.time, types.SimpleNamespace(perf_counter=lambda: now[0])
+    try:
+        return timing.timed_differences([(timed("with", True), timed("without", False))], 5)
+    finally:
+        timing.time = real_time
+
+
+def test_a_difference_of_timings_is_taken_within_each_round():
+    """Catches a calibration's extra time (a collective's wake after a stretch of compute, a
+    pipeline's growth per micro-batch) taken as the difference of two medians timed apart: where
+    the machine's speed drifts between rounds by more than the extra itself, each median is that
+    of the drift's middle round and their difference that round's extra alone (here 22 ms, the
+    round with 12 ms of the collective's own noise), not the median over rounds of the extra
+    (16 ms: 10 ms plus 0-12 of its own noise). The baseline is the loop alone's median: 0.1 s
+    plus the median drift of 0.2 s."""
+    from multiproc import run_distributed
+
+    for (baseline, extra), in run_distributed(1, _differences_under_drift):
+        assert baseline == pytest.approx(0.3)
+        assert extra == pytest.approx(0.016)
+
+
 def test_products_timed_in_turn_after_a_warm_round_keep_the_row_term():
     """Catches the calibration timing its row counts one after the other, cold: the shortest
     product, timed first while the process is new, came out slower per row and the row term fitted
@@ -643,8 +684,8 @@ def _pipeline_actions_on_set_timings() -> tuple:
     from lattice.cost.plan import model_config
 
     per_microbatch = {"gpipe": 0.004, "1f1b": 0.003, "interleaved": 0.005}
-    # the timed steps in calibrate's order: each schedule at 1 and 3 micro-batches per stage (p = 2)
-    fake = [0.01 + m * per_microbatch[s] for s in ("gpipe", "1f1b", "interleaved") for m in (2, 6)]
+    # the timed pairs in calibrate's order: each schedule at 3 micro-batches per stage beyond 1 (p = 2)
+    fake = [(0.01 + 2 * per_microbatch[s], 4 * per_microbatch[s]) for s in ("gpipe", "1f1b", "interleaved")]
     asked = []
 
     def fake_price(cfg, choice, *, batch, machine):
@@ -652,14 +693,14 @@ def _pipeline_actions_on_set_timings() -> tuple:
                       machine.pipeline_actions))
         return pricing.Priced(choice, 0.02 + 0.001 * choice.layout.pipeline.m, {}, {})
 
-    real, calibrate.timed_in_turn = calibrate.timed_in_turn, lambda fns, n: fake[:len(fns)]
+    real, calibrate.timed_differences = calibrate.timed_differences, lambda pairs, n: fake[:len(pairs)]
     real_price, pricing.price = pricing.price, fake_price
     try:
         machine = dataclasses.replace(MACHINE, pipeline_actions=(("1f1b", 1.0),))
         cfg = model_config("gpt2", "small", vocab_size=2048, d_model=48, seq_len=16)
         return calibrate._pipeline_actions(cfg, machine, 1), asked
     finally:
-        calibrate.timed_in_turn, pricing.price = real, real_price
+        calibrate.timed_differences, pricing.price = real, real_price
 
 
 def test_a_schedules_own_time_per_chunk_is_its_slope_beyond_its_price():

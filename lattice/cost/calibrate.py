@@ -5,6 +5,7 @@ sweeps predict step times with it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, _collective_curves, _collectives, _fit,
                                          _grad_sum_ratios, _group_curves, _ring_send_latency, _skew, _skew_curve)
 from lattice.cost.machine import Machine, message_steps, wire_factor
-from lattice.cost.timing import _fwd_bwd, _products, timed_in_turn
+from lattice.cost.timing import _fwd_bwd, _products, timed_differences, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
 
 #: the inputs an elementwise operator is timed on, cycled: more than a core's cache (2 MiB of L2
@@ -160,18 +161,19 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         # an activation's all-reduce after 1, 4, 16 and 64 of the loop's products: its time against
         # the stretch of compute before it (Machine.wake_curve), where every rank has a core of its
         # own; where they share the cores no core idles and the wait is the skew's (skew_curve)
-        wake_curve = []
-        for products in (1, 4, 16, 64) if p <= len(os.sched_getaffinity(0)) else ():
-            def stretches(coll, products=products):
-                for _ in range(8):
-                    for _ in range(products):
-                        chunk_a @ chunk_b
-                    if coll:
-                        dist.all_reduce(activation)
+        # (each point the difference within a round, the points in turn, over three times the rounds:
+        # its first point sets the baseline of the others, and a step of gpt2-small's tp=2 makes 16 of them)
+        def stretches(products, coll):
+            for _ in range(8):
+                for _ in range(products):
+                    chunk_a @ chunk_b
+                if coll:
+                    dist.all_reduce(activation)
 
-            with_it, without = timed_in_turn([lambda: stretches(True), lambda: stretches(False)], reps)
-            wake_curve.append((without / 8, max(with_it - without, 0.0) / 8))
-        wake_curve = tuple(wake_curve)
+        counts = (1, 4, 16, 64) if p <= len(os.sched_getaffinity(0)) else ()
+        pairs = [(functools.partial(stretches, n, True), functools.partial(stretches, n, False)) for n in counts]
+        wake_curve = tuple((without / 8, max(extra, 0.0) / 8)
+                           for without, extra in (timed_differences(pairs, 3 * reps) if pairs else ()))
     else:
         alpha, beta, alpha_send, overlap, wake_curve, collective_curves, group_curves = 1e-5, 1e-10, 0.0, 1.0, (), (), ()
         grad_sum_ratios = ()
@@ -301,7 +303,7 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     what the cost model prices for it (its operations at `machine`'s rates and its hop), from a
     pipeline of `cfg`'s own width and sequence (a vocabulary of 16), 2 blocks per rank cut into p
     stages, micro-batches of one sequence: the slope of the slowest rank's step over p and 3p
-    micro-batches, every rank at once, less the slope of its price (lattice.cost.pricing.price,
+    micro-batches (`timed_differences`), every rank at once, less the slope of its price (lattice.cost.pricing.price,
     no actions), per chunk. On the family's tiny preset the ranks idled between their chunks' few
     operations, which a step's stages do not: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4
     ms per micro-batch where its price grew 17.8, and the tiny model's grew 5.6."""
@@ -326,15 +328,17 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
 
     steps, contexts = [], []
     for schedule in SCHEDULES:
-        for m in counts:
+        for m in reversed(counts):
             ctx = init(layout(schedule, m))
             tokens = torch.randint(0, 16, (m, cfg.seq_len), generator=generator)
             targets = arch_of_config(piped).random_targets(piped, tokens, generator)
             model = build_model(piped, ctx)
             steps.append(lambda model=model, tokens=tokens, targets=targets: model.forward_backward(tokens, targets))
             contexts.append(ctx)
-    seconds = torch.tensor(timed_in_turn(steps, reps), dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    # the growth from p to 3p micro-batches within each round, over three times the rounds
+    pairs = list(zip(steps[::2], steps[1::2]))
+    growth = torch.tensor([extra for _, extra in timed_differences(pairs, 3 * reps)], dtype=torch.float64)
+    dist.all_reduce(growth, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     for ctx in contexts:
         ctx.destroy_groups()
     unpriced = dataclasses.replace(machine, pipeline_actions=())
@@ -342,7 +346,7 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     for k, schedule in enumerate(SCHEDULES):
         v = layout(schedule, p).pipeline.v
         priced = [price(piped, Choice(layout(schedule, m)), batch=m, machine=unpriced).step_s for m in counts]
-        slope = float(seconds[2 * k + 1] - seconds[2 * k] - (priced[1] - priced[0])) / (counts[1] - counts[0])
+        slope = float(growth[k] - (priced[1] - priced[0])) / (counts[1] - counts[0])
         actions.append((schedule, max(slope / v, 0.0)))  # per chunk of a micro-batch
     return tuple(actions)
 
