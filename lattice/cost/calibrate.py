@@ -303,8 +303,8 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     what the cost model prices for it (its operations at `machine`'s rates and its hop), from a
     pipeline of `cfg`'s own width and sequence (a vocabulary of 16), 2 blocks per rank cut into p
     stages, micro-batches of one sequence: the slope of the slowest rank's step over p and 3p
-    micro-batches (`timed_differences`), every rank at once, less the slope of its price (lattice.cost.pricing.price,
-    no actions), per chunk. On the family's tiny preset the ranks idled between their chunks' few
+    micro-batches (`timed_differences`), every rank at once, less the slope of its price
+    (lattice.cost.pricing.price, no actions), per chunk. On the family's tiny preset the ranks idled between their chunks' few
     operations, which a step's stages do not: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4
     ms per micro-batch where its price grew 17.8, and the tiny model's grew 5.6."""
     from lattice.cost.pricing import Choice, price
@@ -326,17 +326,18 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     def layout(schedule: str, m: int) -> Layout:
         return Layout("serial", pp=p, microbatches=m, pp_schedule=schedule)
 
-    steps, contexts = [], []
-    for schedule in SCHEDULES:
-        for m in reversed(counts):
-            ctx = init(layout(schedule, m))
-            tokens = torch.randint(0, 16, (m, cfg.seq_len), generator=generator)
-            targets = arch_of_config(piped).random_targets(piped, tokens, generator)
-            model = build_model(piped, ctx)
-            steps.append(lambda model=model, tokens=tokens, targets=targets: model.forward_backward(tokens, targets))
-            contexts.append(ctx)
+    contexts = []
+
+    def step(schedule: str, m: int):
+        ctx = init(layout(schedule, m))
+        tokens = torch.randint(0, 16, (m, cfg.seq_len), generator=generator)
+        targets = arch_of_config(piped).random_targets(piped, tokens, generator)
+        model = build_model(piped, ctx)
+        contexts.append(ctx)
+        return lambda: model.forward_backward(tokens, targets)
+
     # the growth from p to 3p micro-batches within each round, over three times the rounds
-    pairs = list(zip(steps[::2], steps[1::2]))
+    pairs = [(step(schedule, counts[1]), step(schedule, counts[0])) for schedule in SCHEDULES]
     growth = torch.tensor([extra for _, extra in timed_differences(pairs, 3 * reps)], dtype=torch.float64)
     dist.all_reduce(growth, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     for ctx in contexts:

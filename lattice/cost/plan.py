@@ -9,7 +9,7 @@ from dataclasses import fields as dataclass_fields
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.machines import machine_named
 from lattice.cost.model import Cost, estimate
-from lattice.cost.pipeline import stage_p2p, in_flight
+from lattice.cost.pipeline import in_flight, stage_p2p
 from lattice.cost.pricing import TERMS, Choice, price
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.data.corpus import DEFAULT_VOCAB

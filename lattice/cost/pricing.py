@@ -170,7 +170,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     the pipeline), each plus the hop of its residual piece to the next stage (activation
     forward, gradient backward; where each rank has a core of its own the slowest stage's hops
     in its steady state wait for none of the latency its lead over the others covers); then the
-    gradients' reduction over dp and the update of the stage holding the most. The memory is the fullest stage's with its micro-batches in flight."""
+    gradients' reduction over dp and the update of the stage holding the most. The memory is the
+    fullest stage's with its micro-batches in flight."""
     lay = choice.layout
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
     machine = machine.with_precision(choice.precision)

@@ -54,12 +54,13 @@ def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:
 def timed_differences(pairs: list[tuple], n: int, warm_rounds: int = 0) -> list[tuple[float, float]]:
     """Of each (fn, baseline) pair, (the baseline's seconds per call, the seconds per call fn takes
     beyond it): the medians over n rounds of `timed_rounds` (every fn of every pair in turn) of the
-    baseline and of the difference within each round. Two medians taken apart let each side's noise through: the wake of an all-reduce after
-    one product (with the product, less the product alone) was timed 1.75 to 2.71 ms in five
-    calibrations of gpt2-small at 2 ranks, and a pipeline's time per micro-batch 0.45 to 3.06 ms."""
+    baseline and of the difference within each round. Two medians taken apart let each side's
+    noise through: the wake of an all-reduce after one product (with the product, less the product
+    alone) was timed 1.75 to 2.71 ms in five calibrations of gpt2-small at 2 ranks, and a
+    pipeline's time per micro-batch 0.45 to 3.06 ms."""
     rounds = timed_rounds([fn for pair in pairs for fn in pair], n, warm_rounds)
-    return [(statistics.median(rounds[2 * k + 1]), statistics.median(a - b for a, b in zip(rounds[2 * k], rounds[2 * k + 1])))
-            for k in range(len(pairs))]
+    return [(statistics.median(without), statistics.median(a - b for a, b in zip(with_it, without)))
+            for with_it, without in zip(rounds[::2], rounds[1::2])]
 
 
 def timed_rounds(fns: list, n: int, warm_rounds: int = 0) -> list[list[float]]:
