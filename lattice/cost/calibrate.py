@@ -84,7 +84,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     op_overhead = _op_overhead(cfg, timed)
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
-    # by least squares on the time a loop gains from its collectives; α and β of all-reduce and
+    # by least squares on the time a loop gains from its collectives (the median over rounds of the
+    # difference within each, timed_differences); α and β of all-reduce and
     # broadcast together, and each collective's own (Machine.collectives)
     collectives = ()
     if p > 1:
@@ -101,8 +102,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         for size in sorted(set(COLLECTIVE_SIZES) | set(GRAD_SUM_SIZES)):
             numel = p * -(-size // p)
             for op, fn in _collectives(numel, p):
-                with_it, without = timed_in_turn([lambda: loop(fn), lambda: loop(None)], reps)
-                seconds = max(with_it - without, 1e-6) / 8
+                [(_, extra)] = timed_differences([(lambda: loop(fn), lambda: loop(None))], reps)
+                seconds = max(extra, 1e-6) / 8
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
                 if op == "all_reduce":  # by the size asked: rounded to p's multiple where p does not divide it
                     looped[size] = seconds
@@ -130,8 +131,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
 
-            with_it, without = timed_in_turn([lambda: loop(exchange), lambda: loop(None)], reps)
-            alpha_send = max(with_it - without, 1e-6) / 8 - small.numel() * 4 * beta
+            [(_, extra)] = timed_differences([(lambda: loop(exchange), lambda: loop(None))], reps)
+            alpha_send = max(extra, 1e-6) / 8 - small.numel() * 4 * beta
         alpha_send = max(alpha_send, alpha)
         # how much of a collective compute beside it hides (a 1d backward's input-gradient all-reduce
         # beside the weight gradient's product): of an activation's all-reduce, the time a loop

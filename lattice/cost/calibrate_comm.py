@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lattice.cost.machine import wire_factor
-from lattice.cost.timing import _fwd_bwd, timed_in_turn
+from lattice.cost.timing import _fwd_bwd, timed_differences, timed_in_turn
 
 
 def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
@@ -73,9 +73,9 @@ def _group_curves(loop, reps: int) -> tuple:
         mine, points = groups[rank // n], []
         for numel in COLLECTIVE_SIZES:
             buffer = torch.randn(numel)
-            with_it, without = timed_in_turn([lambda: loop(lambda: dist.all_reduce(buffer, group=mine)),
-                                              lambda: loop(None)], reps)
-            points.append((wire_factor("all_reduce", n) * numel * 4, max(with_it - without, 1e-6) / 8))
+            [(_, extra)] = timed_differences([(lambda: loop(lambda: dist.all_reduce(buffer, group=mine)),
+                                               lambda: loop(None))], reps)
+            points.append((wire_factor("all_reduce", n) * numel * 4, max(extra, 1e-6) / 8))
         for group in groups:
             dist.destroy_process_group(group)
         curves.append(("all_reduce", n, tuple(points)))

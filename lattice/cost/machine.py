@@ -219,20 +219,25 @@ class Machine:
         """Elements per second of one elementwise `operator` (Machine.elementwise_rates), else elem_rate."""
         return dict(self.elementwise_rates).get(operator, self.elem_rate)
 
-    def skew_seconds(self, compute: float, syncs: dict[int, float], *, collectives: float) -> float:
+    def skew_seconds(self, compute: float, syncs: dict[int, float], *, collectives: float,
+                     apart: tuple[float, float] = (0.0, 0.0)) -> float:
         """Seconds a step waits for its slowest ranks: with `skew_curve`, each of its `syncs`
         ({group ranks: synchronisations per step}) after an equal share of the step's `compute`,
         at the curve of the nearest group size (by ratio), linear in the stretch between its
         measured points (through zero below the first, along the last two beyond); else
         skew x compute. Of the syncs, `collectives` (the collective calls, not a pipeline's hops)
-        each also take longer after that stretch than α says (wake_seconds)."""
+        each also take longer after their stretch than α says (wake_seconds). `apart` (seconds of
+        the compute, collectives) are collectives that each follow their share of that compute
+        alone (a cp ring's exchanges, between its blocks of attention), the rest the rest's."""
         count = sum(syncs.values())
         if not self.skew_curve:
             return self.skew * compute
         if count <= 0:  # ranks that never meet wait for none
             return 0.0
         stretch = compute / count
-        seconds = collectives * self.wake_seconds(stretch)
+        apart_compute, apart_calls = apart if 0 < apart[1] < count else (0.0, 0.0)
+        seconds = ((collectives - apart_calls) * self.wake_seconds((compute - apart_compute) / (count - apart_calls))
+                   + (apart_calls * self.wake_seconds(apart_compute / apart_calls) if apart_calls else 0.0))
         for ranks, n in syncs.items():
             near = min({row[0] for row in self.skew_curve}, key=lambda g: (abs(math.log(g / max(ranks, 1))), -g))
             points = [(0.0, 0.0)] + sorted((s, e) for g, s, e in self.skew_curve if g == near)

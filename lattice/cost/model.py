@@ -141,6 +141,22 @@ class Cost:
                 out[self.term_ranks(t)] = out.get(self.term_ranks(t), 0.0) + t.calls
         return out
 
+    def ring_waits(self, machine: Machine) -> tuple[float, float]:
+        """(seconds of attention, calls) of the cp ring's exchanges that wait after a block of
+        attention alone (Machine.skew_seconds' apart). Of a layer's forward, the ring's first wait
+        follows the layer's other work and its first block, each of the other cp - 2 one block;
+        of its backward (cp - 1 sends of keys, cp of their gradients) the first follows the other
+        work and a block, the other 2 cp - 2 the cp - 1 blocks after the first, in turn with none."""
+        cp = self.topology.size(MeshAxis.CP)
+        sends = {phase: sum(t.calls for t in self.terms if t.site == "layer.ring" and t.phase == phase)
+                 for phase in ("forward", "backward")}
+        if cp < 2 or not any(sends.values()):
+            return 0.0, 0.0
+        machine = machine.at(self.topology.world_size)
+        calls = sends["forward"] * (cp - 2) / (cp - 1) + sends["backward"] * (2 * cp - 2) / (2 * cp - 1)
+        attention = (self.scores["forward"] * (cp - 2) + self.scores["backward"] * (cp - 1)) / cp / machine.attn_rate
+        return attention, calls
+
     def grad_syncs(self) -> dict[int, float]:
         """{group ranks: synchronisations per step} of the gradients' reductions after backward, one
         per group (they start as backward frees buckets and are awaited together)."""
@@ -234,7 +250,7 @@ class Cost:
         # waiting for the slowest rank's compute at each synchronisation (Machine.skew_seconds)
         syncs = self.syncs()
         out["skew"] = machine.skew_seconds(out["forward_compute"] + out["backward_compute"], syncs,
-                                           collectives=sum(syncs.values()))
+                                           collectives=sum(syncs.values()), apart=self.ring_waits(machine))
         if stem:
             out["step"] = out["forward"] + out["backward"] + out["skew"]
             return out

@@ -133,6 +133,7 @@ def _figures(c, machine: Machine) -> dict[str, float]:
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
     out.update({f"syncs_{n}": v for n, v in c.syncs(grads=False).items()})
     out.update({f"grad_syncs_{n}": v for n, v in c.grad_syncs().items()})
+    out["ring_compute"], out["ring_calls"] = c.ring_waits(machine)
     return out
 
 
@@ -265,7 +266,10 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v + bool(parts.shared)
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
         collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
-    terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives)
+    # a cp ring's exchanges each after a block of attention (per micro-batch, as the syncs)
+    ring = (0.0, 0.0) if few_busy else tuple((lay.pipeline.m if lay.pp > 1 else 1) * f[k]
+                                              for k in ("ring_compute", "ring_calls"))
+    terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives, apart=ring)
     terms["update"] += _trainer_scalars(lay, choice, meeting)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
