@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, _collective_curves, _collectives, _fit,
-                                         _grad_sum_ratios, _group_curves, _ring_send_latency, _skew, _skew_curve)
+from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, LOOP_CALLS, _collective_curves,
+                                         _collectives, _fit, _gain_per_call, _grad_sum_ratios, _group_curves,
+                                         _ring_send_latency, _skew, _skew_curve)
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.timing import _fwd_bwd, _products, timed_differences, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
@@ -84,15 +85,14 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     op_overhead = _op_overhead(cfg, timed)
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
-    # by least squares on the time a loop gains from its collectives (the median over rounds of the
-    # difference within each, timed_differences); α and β of all-reduce and
-    # broadcast together, and each collective's own (Machine.collectives)
+    # by least squares on the time a loop gains from its collectives (_gain_per_call); α and β of
+    # all-reduce and broadcast together, and each collective's own (Machine.collectives)
     collectives = ()
     if p > 1:
         chunk_a, chunk_b = torch.randn(M, h), torch.randn(h, max(1, 3 * h // p))  # about the compute between
         # two collectives of a step
 
-        def loop(coll, n=8):
+        def loop(coll, n=LOOP_CALLS):
             for _ in range(n):
                 chunk_a @ chunk_b
                 if coll is not None:
@@ -102,8 +102,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         for size in sorted(set(COLLECTIVE_SIZES) | set(GRAD_SUM_SIZES)):
             numel = p * -(-size // p)
             for op, fn in _collectives(numel, p):
-                [(_, extra)] = timed_differences([(lambda: loop(fn), lambda: loop(None))], reps)
-                seconds = max(extra, 1e-6) / 8
+                seconds = _gain_per_call(loop, fn, reps)
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
                 if op == "all_reduce":  # by the size asked: rounded to p's multiple where p does not divide it
                     looped[size] = seconds
@@ -131,8 +130,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
 
-            [(_, extra)] = timed_differences([(lambda: loop(exchange), lambda: loop(None))], reps)
-            alpha_send = max(extra, 1e-6) / 8 - small.numel() * 4 * beta
+            alpha_send = _gain_per_call(loop, exchange, reps) - small.numel() * 4 * beta
         alpha_send = max(alpha_send, alpha)
         # how much of a collective compute beside it hides (a 1d backward's input-gradient all-reduce
         # beside the weight gradient's product): of an activation's all-reduce, the time a loop
@@ -305,9 +303,10 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     pipeline of `cfg`'s own width and sequence (a vocabulary of 16), 2 blocks per rank cut into p
     stages, micro-batches of one sequence: the slope of the slowest rank's step over p and 3p
     micro-batches (`timed_differences`), every rank at once, less the slope of its price
-    (lattice.cost.pricing.price, no actions), per chunk. On the family's tiny preset the ranks idled between their chunks' few
-    operations, which a step's stages do not: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4
-    ms per micro-batch where its price grew 17.8, and the tiny model's grew 5.6."""
+    (lattice.cost.pricing.price, no actions), per chunk. On the family's tiny preset the ranks
+    idled between their chunks' few operations, which a step's stages do not: at 4 ranks on 2
+    cores gpt2-wide's pipeline grew 27.4 ms per micro-batch where its price grew 17.8, and the
+    tiny model's grew 5.6."""
     from lattice.cost.pricing import Choice, price
     from lattice.models import build_model
     from lattice.models.registry import arch_of_config

@@ -61,6 +61,18 @@ def _collectives(numel: int, p: int) -> list:
 COLLECTIVE_SIZES = (16, 4096, 65536, 1 << 18, 1 << 20, 1 << 22)
 
 
+#: the collectives a calibration loop runs, one after each of its products
+LOOP_CALLS = 8
+
+
+def _gain_per_call(loop, coll, reps: int) -> float:
+    """Seconds one call of `coll` adds to `loop` (LOOP_CALLS products, `coll` after each, or none):
+    the median over rounds of the difference within each (timed_differences), per call, at
+    least 1 µs."""
+    [(_, extra)] = timed_differences([(lambda: loop(coll), lambda: loop(None))], reps)
+    return max(extra, 1e-6) / LOOP_CALLS
+
+
 def _group_curves(loop, reps: int) -> tuple:
     """Machine.group_curves: the all-reduce over groups of each size that divides the world, from 2
     up to half of it (groups of consecutive ranks, every group at once), at the collectives' sizes:
@@ -73,9 +85,8 @@ def _group_curves(loop, reps: int) -> tuple:
         mine, points = groups[rank // n], []
         for numel in COLLECTIVE_SIZES:
             buffer = torch.randn(numel)
-            [(_, extra)] = timed_differences([(lambda: loop(lambda: dist.all_reduce(buffer, group=mine)),
-                                               lambda: loop(None))], reps)
-            points.append((wire_factor("all_reduce", n) * numel * 4, max(extra, 1e-6) / 8))
+            gain = _gain_per_call(loop, lambda: dist.all_reduce(buffer, group=mine), reps)
+            points.append((wire_factor("all_reduce", n) * numel * 4, gain))
         for group in groups:
             dist.destroy_process_group(group)
         curves.append(("all_reduce", n, tuple(points)))

@@ -253,7 +253,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         memory = max(memories, key=lambda mem: sum(mem.values()))
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
     # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
-    syncs = {int(k[6:]): v * (lay.pipeline.m if lay.pp > 1 else 1) for k, v in f.items() if k.startswith("syncs_")}
+    per_step = lay.pipeline.m if lay.pp > 1 else 1  # the stage's figures are per micro-batch
+    syncs = {int(k[6:]): v * per_step for k, v in f.items() if k.startswith("syncs_")}
     if few_busy:  # the busy ranks meet waiting ones (who hold up none) but in their gradients' sum
         syncs = {}
     for k, v in f.items():
@@ -266,9 +267,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v + bool(parts.shared)
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
         collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
-    # a cp ring's exchanges each after a block of attention (per micro-batch, as the syncs)
-    ring = (0.0, 0.0) if few_busy else tuple((lay.pipeline.m if lay.pp > 1 else 1) * f[k]
-                                              for k in ("ring_compute", "ring_calls"))
+    # a cp ring's exchanges each after a block of attention
+    ring = (0.0, 0.0) if few_busy else (per_step * f["ring_compute"], per_step * f["ring_calls"])
     terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives, apart=ring)
     terms["update"] += _trainer_scalars(lay, choice, meeting)
     terms["overlapped"] += f["update_overlapped"]
