@@ -532,6 +532,28 @@ def test_machine_presets_and_files():
     assert isinstance(MACHINES["cpu-2core"], Machine)
 
 
+def test_the_cpu_presets_rows_are_read_column_by_column_from_its_file():
+    """Catches the cpu-2core preset losing its calibrated curves or reading them into the wrong
+    columns: each of its rows at 2, 4 and 8 ranks is the file's, named field by field as
+    BY_WORLD_FIELDS orders them, and the machine at 2 ranks reads the file's wake curve and
+    pipeline schedules' times."""
+    import json
+    import os
+
+    from lattice.cost import machines
+    from lattice.cost.machine import BY_WORLD_FIELDS
+    from lattice.cost.machines import frozen
+
+    with open(os.path.join(os.path.dirname(machines.__file__), "cpu_2core.json")) as f:
+        rows = json.load(f)["rows"]
+    assert [list(row) for row in rows] == [list(BY_WORLD_FIELDS)] * 3 and [row["ranks"] for row in rows] == [2, 4, 8]
+    two = MACHINES["cpu-2core"].at(2)
+    assert two.flop_rate == rows[0]["flop_rate"] and two.skew == rows[0]["skew"]
+    assert two.wake_curve == frozen(rows[0]["wake_curve"]) and len(two.wake_curve) == 4
+    assert two.pipeline_actions == frozen(rows[0]["pipeline_actions"])
+    assert MACHINES["cpu-2core"].at(8).collective_curves == frozen(rows[2]["collective_curves"])
+
+
 def test_plan_auto_answers_in_text_and_json(capsys):
     """Catches `plan --auto` crashing on a real preset, printing columns that run together, or JSON
     that is not one document: GPT-2-medium on 16 GPUs of 4 per node."""
@@ -638,11 +660,11 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
 
     cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=2)
     machine = MACHINES["cpu-2core"]
-    # waits that depend on the group and the stretch (the preset's rows have none): 2 ms at 2 ranks,
-    # 6 at 4, after any stretch beyond 1 ms
+    # the preset's rates, α and β (its rows' first 14 columns, without their curves) and waits that
+    # depend on the group and the stretch: 2 ms at 2 ranks, 6 at 4, after any stretch beyond 1 ms
     curve = ((2, 0.001, 0.002), (2, 1.0, 0.002), (4, 0.001, 0.006), (4, 1.0, 0.006))
-    assert BY_WORLD_FIELDS.index("skew_curve") == 15 and all(len(row) == 14 for row in machine.by_world)
-    machine = dataclasses.replace(machine, by_world=tuple(row + (0.0, curve) for row in machine.by_world))
+    assert BY_WORLD_FIELDS.index("skew_curve") == 15
+    machine = dataclasses.replace(machine, by_world=tuple(row[:14] + (0.0, curve) for row in machine.by_world))
 
     def rank_figures(lay, rank, at):
         c = estimate(cfg, lay, batch=8 // lay.dp, rank=rank)
