@@ -324,3 +324,29 @@ def test_vocab_parallel_loss_equals_pytorch_and_refuses_a_second_backward():
     assert grad[:, 8:].abs().max() == 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss.sum(), z)
+
+
+def test_the_loss_overwrites_only_logits_handed_over_to_it():
+    """Catches the loss's in-place z - m reaching logits a caller still holds, or the owned path
+    (logits made for the loss alone, overwritten) scoring differently: without padding columns,
+    logits not handed over are unchanged, and handed over the loss and the gradient reaching the
+    weight through them equal F.cross_entropy's, while their values are gone."""
+    import torch.nn.functional as F
+
+    from lattice.modes.kernels.loss import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(6, 4, dtype=torch.float64, generator=gen), torch.randn(8, 4, dtype=torch.float64, generator=gen)
+    w.requires_grad_(True)
+    targets = torch.tensor([1, 2, 7, 3, 0, 5])
+    want = F.cross_entropy(x @ w.t(), targets, reduction="none")
+    (want_grad,) = torch.autograd.grad(want.sum(), w)
+    held = (x @ w.t()).detach()
+    kept = held.clone()
+    vocab_parallel_cross_entropy(held, targets, None, 0, 8)
+    assert torch.equal(held, kept)
+    logits = x @ w.t()
+    loss = vocab_parallel_cross_entropy(logits, targets, None, 0, 8, owned=True)
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(torch.autograd.grad(loss.sum(), w)[0], want_grad)
+    assert not torch.equal(logits.detach(), kept)

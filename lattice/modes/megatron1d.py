@@ -226,7 +226,7 @@ class VocabParallelLMHead(TiedHead):
     def loss(self, x, targets):
         logits = self._local_logits(x)
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), tp_group(self.ctx),
-                                                 self.vocab_start, self.vocab_size)
+                                                 self.vocab_start, self.vocab_size, owned=True)
         return per_token.sum() / labelled_count(targets)
 
     def logits(self, x):

@@ -193,7 +193,8 @@ class LMHead(TiedHead):
         rows = targets[g.i * (B // g.q):(g.i + 1) * (B // g.q)].reshape(-1)
         vb = self.vocab_pad // g.q
         # the vocabulary is split along the mesh row (§3.2.2)
-        per_token = vocab_parallel_cross_entropy(self._local_logits(x), rows, g.row, g.j * vb, self.cfg.vocab_size)
+        per_token = vocab_parallel_cross_entropy(self._local_logits(x), rows, g.row, g.j * vb, self.cfg.vocab_size,
+                                                owned=True)
         # every rank of a row holds the same per-token losses: sum the rows' shares down the column
         return comm.all_reduce(per_token.sum() / labelled_count(targets), g.col)
 
