@@ -80,7 +80,7 @@ MACHINES: dict[str, Machine] = {
         alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.78e+09, attn_rate=6.04e+08,
         update_per_tensor=1.47e-05, mem_bandwidth=1.39e+10, op_overhead=1.6e-05, norm_per_tensor=3.86e-06,
         memory_gib=0.0, cores=2, kernel_rows=9.0,
-        # and of 2, 4 and 8 ranks: the validation's calibrations of run 32, every column (_CPU_ROWS)
+        # and of 2, 4 and 8 ranks: the validation's calibrations of run 32, every column (_cpu_rows)
         by_world=((1, 8.23e+10, 1.78e+09, 6.04e+08, 1e-05, 1e-10, 1.47e-05, 1.39e+10, 1.6e-05, 0, 0, 3.86e-06,
                    (), 9.0), *_cpu_rows())),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
