@@ -140,12 +140,12 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         activation = torch.randn(M * max(1, h // 2))
 
         def after():
-            for _ in range(8):
+            for _ in range(LOOP_CALLS):
                 chunk_a @ chunk_b
                 dist.all_reduce(activation)
 
         def beside():
-            for _ in range(8):
+            for _ in range(LOOP_CALLS):
                 work = dist.all_reduce(activation, async_op=True)
                 chunk_a @ chunk_b
                 work.wait()
@@ -163,7 +163,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         # (each point the difference within a round, the points in turn, over three times the rounds:
         # its first point sets the baseline of the others, and a step of gpt2-small's tp=2 makes 16 of them)
         def stretches(products, coll):
-            for _ in range(8):
+            for _ in range(LOOP_CALLS):
                 for _ in range(products):
                     chunk_a @ chunk_b
                 if coll:
@@ -171,7 +171,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
 
         counts = (1, 4, 16, 64) if p <= len(os.sched_getaffinity(0)) else ()
         pairs = [(functools.partial(stretches, n, True), functools.partial(stretches, n, False)) for n in counts]
-        wake_curve = tuple((without / 8, max(extra, 0.0) / 8)
+        wake_curve = tuple((without / LOOP_CALLS, max(extra, 0.0) / LOOP_CALLS)
                            for without, extra in (timed_differences(pairs, 3 * reps) if pairs else ()))
     else:
         alpha, beta, alpha_send, overlap, wake_curve, collective_curves, group_curves = 1e-5, 1e-10, 0.0, 1.0, (), (), ()
