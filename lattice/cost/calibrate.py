@@ -92,8 +92,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         chunk_a, chunk_b = torch.randn(M, h), torch.randn(h, max(1, 3 * h // p))  # about the compute between
         # two collectives of a step
 
-        def loop(coll, n=LOOP_CALLS):
-            for _ in range(n):
+        def loop(coll):
+            for _ in range(LOOP_CALLS):
                 chunk_a @ chunk_b
                 if coll is not None:
                     coll()
