@@ -7,6 +7,7 @@ backward per block, timed in alternating rounds, and the ratio of the medians.
     torchrun --nproc-per-node 4 benchmarks/peer_blocks.py --peer colossal-2d            # lattice 2d, q = 2
     torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d            # lattice 1d
     torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d --layers 4 # the whole model
+    torchrun --nproc-per-node 2 benchmarks/peer_blocks.py --peer megatron-1d --layers 4 --without-communication
 
 Megatron-core's ColumnParallelLinear / RowParallelLinear (`pip install --no-deps megatron-core`;
 0.16.1 is the newest for Python 3.11) are the 1D peer, always without sequence parallelism
@@ -129,6 +130,41 @@ def megatron_gpt(h: int, n: int, tp: int, vocab: int, T: int, layers: int):
     return GPT()
 
 
+class _Done:
+    """What an async collective returns, for one that did nothing."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+
+@contextlib.contextmanager
+def collectives_free():
+    """Every collective lattice and the peers call becomes a no-op that leaves its tensors as they
+    are: the step's compute (and Python) alone, with both ranks still running side by side on the
+    cores, i.e. the floor that no overlap or fusion of collectives can go below. The values are
+    wrong (partial sums stay partial) but the shapes, and so the work, are the step's own."""
+    import lattice.parallel.comm as comm
+
+    def nothing(*args, async_op=False, **kwargs):
+        return _Done() if async_op else None
+
+    names = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+             "reduce", "all_gather", "reduce_scatter", "_reduce_scatter_base", "_all_gather_base"]
+    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    saved_comm = {name: getattr(comm, name) for name in ("_all_gather_tensor", "_native_reduce_scatter")}
+    try:
+        for name in saved:
+            setattr(dist, name, nothing)
+        for name in saved_comm:
+            setattr(comm, name, nothing)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        for name, fn in saved_comm.items():
+            setattr(comm, name, fn)
+
+
 def lattice_block(mode: str, tp: int, options: dict, h: int, n: int, T: int):
     """Block 0 of lattice's GPT-2 in `mode`, its mode, and the block's in-replica gradient sums
     (what sync_grads runs for its parameters after backward: replicated vectors' sums over their
@@ -166,6 +202,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("-o", "--mode-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of lattice's mode, e.g. -o keep_gathered=True")
+    parser.add_argument("--without-communication", action="store_true",
+                        help="after the rounds, the same rounds with every collective a no-op: each step's "
+                             "compute alone, the floor for any communication lever")
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, torch.profiler's top operations of both blocks on rank 0")
     args = parser.parse_args()
@@ -233,7 +272,6 @@ def main():
             sync_grads()
 
         steps = {"lattice": lattice_step, "peer": lambda: peer(peer_x.clone().requires_grad_()).backward(peer_dy)}
-    times: dict[str, list[float]] = {name: [] for name in steps}
 
     def run(step, count):
         dist.barrier()
@@ -244,25 +282,54 @@ def main():
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
         return float(elapsed)
 
-    for step in steps.values():
-        run(step, args.warmup)
-    for r in range(args.rounds):
-        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-            times[name].append(run(steps[name], args.steps))
+    def rounds(steps):
+        times = {name: [] for name in steps}
+        for step in steps.values():
+            run(step, args.warmup)
+        for r in range(args.rounds):
+            for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+                times[name].append(run(steps[name], args.steps))
+        return times
+
+    label = f"lattice {kind}" + "".join(f" {k}={v}" for k, v in options.items())
+    peer_label = "Megatron-core 1D" if kind == "1d" else f"Colossal-AI legacy {kind.upper()}"
+
+    def show(times, suffix=""):
+        for name in times:
+            who = (label if name == "lattice" else peer_label) + suffix
+            print(f"  {who:<48} " + " ".join(f"{t * 1e3:8.2f}" for t in times[name])
+                  + f"   median {statistics.median(times[name]) * 1e3:8.2f}")
+
+    times = rounds(steps)
+    median = {name: statistics.median(t) for name, t in times.items()}
     if dist.get_rank() == 0:
-        label = f"lattice {kind}" + "".join(f" {k}={v}" for k, v in options.items())
         what = f"GPT-2 of {args.layers} blocks, vocabulary {args.vocab}" if args.layers else "GPT-2 block"
         print(f"{what}, hidden {h}, {n} heads, batch {B} x {T}, p = {world}, gloo, 1 thread per rank; "
               f"forward + backward per {'step' if args.layers else 'block'}, ms, {args.rounds} alternating rounds "
               f"of {args.steps}:")
-        for name in steps:
-            who = label if name == "lattice" else ("Megatron-core 1D" if kind == "1d" else
-                                                   f"Colossal-AI legacy {kind.upper()}")
-            print(f"  {who:<40} " + " ".join(f"{t * 1e3:8.2f}" for t in times[name])
-                  + f"   median {statistics.median(times[name]) * 1e3:8.2f}")
+        show(times)
         ratios = [a / b for a, b in zip(times["lattice"], times["peer"])]
-        print(f"  {label} / {'Megatron-core' if kind == '1d' else 'Colossal'} {kind.upper()} = {statistics.median(times['lattice']) / statistics.median(times['peer']):.3f}"
-              f" (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+        print(f"  {label} / {'Megatron-core' if kind == '1d' else 'Colossal'} {kind.upper()} = "
+              f"{median['lattice'] / median['peer']:.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    if args.without_communication:
+        def free(step):
+            def step_without_communication():
+                with collectives_free():
+                    step()
+            return step_without_communication
+
+        bare = rounds({name: free(step) for name, step in steps.items()})
+        bare_median = {name: statistics.median(t) for name, t in bare.items()}
+        if dist.get_rank() == 0:
+            print(f"every collective a no-op (compute alone), {args.rounds} alternating rounds of {args.steps}:")
+            show(bare, ", no communication")
+            for name in bare:
+                print(f"  {(label if name == 'lattice' else peer_label)}: communication "
+                      f"{(median[name] - bare_median[name]) * 1e3:.2f} ms of {median[name] * 1e3:.2f} "
+                      f"({(1 - bare_median[name] / median[name]) * 100:.1f}%)")
+            print(f"  floor: {label} without communication / {peer_label} with it = "
+                  f"{bare_median['lattice'] / median['peer']:.3f}; compute alone, lattice / peer = "
+                  f"{bare_median['lattice'] / bare_median['peer']:.3f}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
