@@ -545,3 +545,25 @@ class _Hooked(torch.autograd.Function):
     def backward(ctx, g):
         ctx.seen.append(g)
         return 2 * g, None
+
+
+def test_term_times_follow_a_reassigned_topology():
+    """A Cost keeps its terms' seconds and group sizes once priced, and the planner then
+    reassigns its topology (the same groups placed on nodes). A memo that ignored the change
+    would price the tensor groups that now span nodes at the intra-node rates they had before."""
+    from lattice.cost.machines import MACHINES
+    from lattice.cost.model import estimate
+    from lattice.modes.layout import Layout
+
+    cfg = lattice.GPTConfig(vocab_size=512, seq_len=64, d_model=96, n_heads=4, n_layers=2)
+    machine = MACHINES["h100-node"]
+    one_node, across = Layout("1d", tp=4, ranks_per_node=8), Layout("1d", tp=4, ranks_per_node=2)
+    c = estimate(cfg, one_node, batch=4)
+    before = c.time(machine)
+    c.topology = across.topology
+    after = c.time(machine)
+    fresh = estimate(cfg, one_node, batch=4)
+    fresh.topology = across.topology
+    assert after == fresh.time(machine)
+    assert after["forward_comm"] > before["forward_comm"]  # inter-node links are slower
+    assert [s for _, s in c.term_times(machine)] == [s for _, s in fresh.term_times(machine)]

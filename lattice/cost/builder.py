@@ -51,6 +51,8 @@ class CostBuilder:
     def __init__(self, cost, model):
         c, cfg = cost, cost.cfg
         self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
+        # the model's parameters by name, walked once: the step's parts each read them
+        self.params = dict(model.named_parameters())
         # under context parallelism a rank runs its 1/cp of every sequence's tokens, attention
         # reads every key around the cp ring (`ring`)
         self.cp = c.topology.size(CP)
@@ -431,7 +433,7 @@ class CostBuilder:
         if self.memory_read:  # the encoder's output, as the layout's cross-attention keeps it
             self.saved["other"] += self.memory_elements
         c.memory["activations"] = (c.itemsize * (layers + self.saved["other"]) + layer_ints + self.saved["ints"])
-        params = list(self.model.parameters())
+        params = list(self.params.values())
         c.memory = {"parameters": c.itemsize * sum(p.numel() for p in params), **c.memory}
         c.param_tensors = len(params)
         dp = self.topo.size(DP)
@@ -447,7 +449,8 @@ class CostBuilder:
         coords = c.topology.coords(c.rank)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            for _, _, segment in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp):
+            for _, _, segment in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
+                                              params=self.params):
                 if shards > 1:
                     self.add("backward", "reduce_scatter", (DP, CP), shards * segment, 1, "grads", itemsize=reduced)
                     self.add("optimizer", "all_gather", (DP, CP), shards * segment, 1, "grads")
@@ -459,7 +462,8 @@ class CostBuilder:
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
                      max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
-        held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None)
+        held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None,
+                               params=self.params)
         c.memory["gradients"] = held["gradients"]
         c.memory["optimizer"] = held["optimizer"]  # AdamW's moments (and fp32 master rows), this rank's rows under ZeRO
         self._totals()
@@ -468,8 +472,8 @@ class CostBuilder:
         """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes;
         under cp, with `over_cp`, one per bucket of every gradient over cp."""
         self.region = "grads"
-        params = dict(self.model.named_parameters())
-        for axes, names in grad_sum_buckets(self.model):
+        params = self.params
+        for axes, names in grad_sum_buckets(self.model, params=params):
             if self.c.group_size(axes) > 1:
                 self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
         if self.cp > 1 and over_cp:  # every gradient over the cp group

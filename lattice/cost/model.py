@@ -98,6 +98,10 @@ class Cost:
     # whose gradients then stay views of them; a pipeline's flat all-reduce, likewise)
     reduced_grad_bytes: float = 0.0
     padded: bool = False  # batches with an attention mask (whose copies attention saves)
+    # every term's seconds on the last machine they were priced for (term_times): a step's time asks
+    # for them once per phase and site, and the planner prices thousands of Costs
+    _term_seconds: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _group_sizes: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (topology, {axes: ranks})
 
     @staticmethod
     def _elementwise_seconds(by_operator: dict, phase: str, machine) -> float:
@@ -109,7 +113,12 @@ class Cost:
                 and (site is None or t.site == site or t.site.startswith(site + "."))]
 
     def group_size(self, axes) -> int:
-        return math.prod(self.topology.size(a) for a in axes)
+        if self._group_sizes is None or self._group_sizes[0] is not self.topology:
+            self._group_sizes = (self.topology, {})
+        sizes = self._group_sizes[1]
+        if axes not in sizes:
+            sizes[axes] = math.prod(self.topology.size(a) for a in axes)
+        return sizes[axes]
 
     def term_ranks(self, t: Term) -> int:
         return t.ranks if t.ranks is not None else self.group_size(t.axes)
@@ -188,9 +197,18 @@ class Cost:
         wire bytes times β, inside a node (its wire bytes on the machine's curve where it has one,
         Machine.wire_seconds; a group smaller than the world on its group size's curve,
         Machine.group_seconds) or between nodes where its group spans them."""
-        machine = machine.at(self.topology.world_size)
-        out, span = [], {}
-        for t in self.terms if terms is None else terms:
+        seconds = self._seconds_by_term(machine.at(self.topology.world_size))
+        return [(t, seconds[id(t)]) for t in (self.terms if terms is None else terms)]
+
+    def _seconds_by_term(self, machine: Machine) -> dict[int, float]:
+        """{id(term): seconds} of every term on `machine` (as the world sees it), kept until the
+        machine, the topology or the terms change."""
+        memo = self._term_seconds
+        if (memo is not None and memo[1] is self.topology and memo[2] == len(self.terms)
+                and (memo[0] is machine or memo[0] == machine)):
+            return memo[3]
+        out, span = {}, {}
+        for t in self.terms:
             n = self.term_ranks(t)
             if t.axes not in span:
                 span[t.axes] = self.spans_nodes(t.axes)
@@ -201,7 +219,7 @@ class Cost:
             alpha, beta = machine.link(span[t.axes], kind)
             steps, words = algorithm(t.op, n, machine.pipelined_broadcast)
             if span[t.axes] or t.calls <= 0:
-                out.append((t, t.calls * steps * alpha + t.bytes * words * beta))
+                out[id(t)] = t.calls * steps * alpha + t.bytes * words * beta
                 continue
             per_call = t.bytes * words / t.calls
             # a group smaller than the world at its own calibration, where it has one
@@ -209,7 +227,8 @@ class Cost:
             seconds = in_groups if in_groups is not None else steps * alpha + machine.wire_seconds(kind, per_call, beta)
             if t.site == "grads" and t.op == "all_reduce":  # the gradients' sum as a step runs it
                 seconds *= machine.grad_sum_ratio(per_call)
-            out.append((t, t.calls * seconds))
+            out[id(t)] = t.calls * seconds
+        self._term_seconds = (machine, self.topology, len(self.terms), out)
         return out
 
     def time(self, machine: Machine, stem: bool = False) -> dict[str, float]:

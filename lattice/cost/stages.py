@@ -54,7 +54,7 @@ def pipeline_terms(b) -> None:
             if arrivals:
                 c.terms.append(Term(phase, "all_gather", tensor_axes, m * len(arrivals), m * sum(arrivals), "pipeline",
                                     c.itemsize))
-    params = dict(b.model.named_parameters())
+    params = b.params
     for name in b.model.parts_.everywhere:
         if name in params:
             c.terms.append(Term("backward", "all_reduce", (PP,), 1, params[name].numel(), "grads", c.itemsize))

@@ -283,7 +283,9 @@ def batch_problem(pcfg: PipelineConfig | None, mode, ctx: ParallelContext, batch
     if batch % m:
         return f"the replica batch of {batch} sequences does not split into {m} micro-batches"
     try:
-        mode.check_batch(ctx, torch.zeros(batch // m, seq, dtype=torch.int64))  # the layout's own constraints
+        # the layout's own constraints, which read the tokens' shape alone (meta: nothing allocated, as
+        # the planner asks this of thousands of candidates)
+        mode.check_batch(ctx, torch.empty(batch // m, seq, dtype=torch.int64, device="meta"))
     except LatticeConfigError as e:
         problem = str(e).split("; ")[0]
         return f"its micro-batches of {batch // m}: {problem}" if m > 1 else problem

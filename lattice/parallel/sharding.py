@@ -248,11 +248,12 @@ def weighted_square_sum(grads: list[tuple[torch.Tensor, int]], acc: torch.dtype,
     return sq
 
 
-def grad_sum_buckets(model: nn.Module) -> list[tuple[tuple, list[str]]]:
+def grad_sum_buckets(model: nn.Module, params: dict | None = None) -> list[tuple[tuple, list[str]]]:
     """The parameters this rank holds whose spec declares `grad_sum`, as (axes, names) buckets
-    of at most GRAD_BUCKET_BYTES, in spec order (the same on every rank of a group)."""
+    of at most GRAD_BUCKET_BYTES, in spec order (the same on every rank of a group). `params`: the
+    model's named parameters, where the caller has walked them."""
     topo = model.ctx.topology
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) if params is None else params
     by_axes: dict[tuple, list[str]] = {}
     for name, spec in model.specs.items():
         if spec.grad_sum and name in params:

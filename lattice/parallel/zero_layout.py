@@ -30,7 +30,7 @@ def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
 
 
 def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
-                 cp_summed: bool = True) -> list[tuple[bool, list[str], int]]:
+                 cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int]]:
     """The gradient buckets of this rank's parameters: (late, names, segment), where `segment` is
     the elements each dp rank receives of the bucket (the bucket holds dp × segment) and `late`
     marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
@@ -38,8 +38,8 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
     parallelism sync_grads sums every gradient over cp, which makes every bucket late; a
     pipeline's sums between stages make their parameters late. Pure: the cost model plans a
-    meta model with it."""
-    params = dict(model.named_parameters())
+    meta model with it (`params`: its named parameters, where the caller has walked them)."""
+    params = dict(model.named_parameters()) if params is None else params
     early, late = [], []
     every_late = model.ctx.cp > 1 and cp_summed
     between_stages = set(getattr(model, "summed_between_stages", ()))
@@ -63,7 +63,7 @@ def zero_shards(ctx) -> tuple[int, int]:
 
 
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
-                    master_itemsize: int | None = None) -> dict[str, int]:
+                    master_itemsize: int | None = None, params: dict | None = None) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
     its shards, a meta model will do) for ZeRO `stage` 0, 1 or 2 over `dp` replicas, with
     `itemsize`-byte weights (under cp: dp x cp shards, `zero_shards`) and, given `master_itemsize`
@@ -74,14 +74,15 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     state = master_itemsize or itemsize
     mixed = master_itemsize is not None and master_itemsize != itemsize
     shards, shard = (dp, dp_rank) if stage else (1, 0)
-    params = list(model.parameters())
+    named = dict(model.named_parameters()) if params is None else params  # as plan_buckets
+    params = list(named.values())
     numel = sum(p.numel() for p in params)
     owned = 0
     for p in params:
         rows, width = rows_of(p.shape)
         r0, r1 = owned_rows(rows, shards, shard)
         owned += (r1 - r0) * width
-    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state))
+    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state, params=named))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
         grads = state * reduced + (itemsize * numel if stage == 1 else 0)
     else:  # the gradient itself, or (stage 2) only the reduced slice
