@@ -1,7 +1,8 @@
 """Whether splitting a row-parallel product into chunks, each chunk's all-reduce started (async)
 while the next chunk multiplies (Domino's and torchtitan's async-TP idea), pays on this world:
 the product alone, the product then its all-reduce (what 1d's forward does), and the chunked forms,
-timed in alternating rounds (slowest rank, median).
+timed in turn by the calibration's `timed_rounds` (each sample at least 50 ms; the median over
+rounds of the slowest rank's sample).
 
     torchrun --nproc-per-node 2 benchmarks/chunked_overlap.py                  # gloo, 1 thread per rank
     torchrun --nproc-per-node 2 benchmarks/chunked_overlap.py --rows 2048 --chunks 2 4 8
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+
+from lattice.cost.timing import timed_rounds
 
 
 def main():
@@ -27,7 +29,6 @@ def main():
     parser.add_argument("--out", type=int, default=256, help="the product's output size (h)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -54,23 +55,14 @@ def main():
 
     forms = {"product alone": product_alone, "product, then its all-reduce": product_then_all_reduce}
     forms.update({f"{k} chunks, all-reduces overlapped": chunked(k) for k in args.chunks})
-    times = {name: [] for name in forms}
-    for r in range(args.rounds):
-        for name in (list(forms) if r % 2 == 0 else list(reversed(forms))):
-            for _ in range(3):
-                forms[name]()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                forms[name]()
-            elapsed = torch.tensor((time.perf_counter() - start) / args.steps)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(float(elapsed))
+    samples = torch.tensor(timed_rounds(list(forms.values()), args.rounds, warm_rounds=1), dtype=torch.float64)
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # each round's slowest rank
+    times = dict(zip(forms, samples.tolist()))
     if dist.get_rank() == 0:
         base = statistics.median(times["product, then its all-reduce"])
         print(f"({args.rows} x {args.inner}) @ ({args.inner} x {args.out}) and its all-reduce, "
-              f"p = {dist.get_world_size()}, {dist.get_backend()}, 1 thread per rank, ms, {args.rounds} alternating "
-              f"rounds of {args.steps}:")
+              f"p = {dist.get_world_size()}, {dist.get_backend()}, 1 thread per rank, ms, {args.rounds} rounds "
+              f"in turn:")
         for name, t in times.items():
             print(f"  {name:<34} median {statistics.median(t) * 1e3:7.3f} ({min(t) * 1e3:.3f}-{max(t) * 1e3:.3f})"
                   f"   / unchunked {statistics.median(t) / base:.3f}")

@@ -293,10 +293,11 @@ def main():
 
     label = f"lattice {kind}" + "".join(f" {k}={v}" for k, v in options.items())
     peer_label = "Megatron-core 1D" if kind == "1d" else f"Colossal-AI legacy {kind.upper()}"
+    who_ran = {"lattice": label, "peer": peer_label}
 
     def show(times, suffix=""):
         for name in times:
-            who = (label if name == "lattice" else peer_label) + suffix
+            who = who_ran[name] + suffix
             print(f"  {who:<48} " + " ".join(f"{t * 1e3:8.2f}" for t in times[name])
                   + f"   median {statistics.median(times[name]) * 1e3:8.2f}")
 
@@ -324,7 +325,7 @@ def main():
             print(f"every collective a no-op (compute alone), {args.rounds} alternating rounds of {args.steps}:")
             show(bare, ", no communication")
             for name in bare:
-                print(f"  {(label if name == 'lattice' else peer_label)}: communication "
+                print(f"  {who_ran[name]}: communication "
                       f"{(median[name] - bare_median[name]) * 1e3:.2f} ms of {median[name] * 1e3:.2f} "
                       f"({(1 - bare_median[name] / median[name]) * 100:.1f}%)")
             print(f"  floor: {label} without communication / {peer_label} with it = "

@@ -74,15 +74,14 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     state = master_itemsize or itemsize
     mixed = master_itemsize is not None and master_itemsize != itemsize
     shards, shard = (dp, dp_rank) if stage else (1, 0)
-    named = dict(model.named_parameters()) if params is None else params  # as plan_buckets
-    params = list(named.values())
-    numel = sum(p.numel() for p in params)
+    params = dict(model.named_parameters()) if params is None else params  # as plan_buckets
+    numel = sum(p.numel() for p in params.values())
     owned = 0
-    for p in params:
+    for p in params.values():
         rows, width = rows_of(p.shape)
         r0, r1 = owned_rows(rows, shards, shard)
         owned += (r1 - r0) * width
-    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state, params=named))
+    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state, params=params))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
         grads = state * reduced + (itemsize * numel if stage == 1 else 0)
     else:  # the gradient itself, or (stage 2) only the reduced slice
