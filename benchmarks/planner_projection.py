@@ -14,7 +14,8 @@ the paper's number, and the planner's own choice at 64, 256 and 1024 GPUs.
   t = 8 (the GPUs of a node), p = 8.
 - SUPER (Lassen): D&SP against data parallelism for T5-Large at one sequence per GPU on 4 and 8
   GPUs: 2.22x and 3.05x.
-- The GPU model against an H200's measured serial bf16 steps (benchmarks/results/cuda_h200.json).
+- The GPU model against an H200's measured serial bf16 steps with the optimizer's full update
+  (benchmarks/results/cuda_h200_2.json).
 """
 
 from __future__ import annotations
@@ -128,15 +129,16 @@ def choices(rows: list) -> None:
 
 def h200(rows: list) -> None:
     """The GPU model against what an H200 measured here (benchmarks/cuda_check.py, serial bf16
-    steps with fp32 masters: benchmarks/results/cuda_h200.json): an H200 machine from the same
-    recipe as the presets (989 TFLOP/s dense bf16, 4.8 TB/s)."""
+    steps with fp32 masters, each step AdamW's update of every master row as the planner prices it:
+    benchmarks/results/cuda_h200_2.json; the steps of cuda_h200.json skipped that update): an H200
+    machine from the same recipe as the presets (989 TFLOP/s dense bf16, 4.8 TB/s)."""
     from pathlib import Path
 
     from lattice.cost.machines import _gpu
 
     machine = _gpu("H200", peak_half=989e12, peak_fp32=494e12, hbm=4.8e12, memory_gib=141, ranks_per_node=1,
                    intra_gbs=450, alpha_intra=5e-6, node_nic_gbs=50)
-    measured = json.loads((Path(__file__).parent / "results" / "cuda_h200.json").read_text())["throughput"]
+    measured = json.loads((Path(__file__).parent / "results" / "cuda_h200_2.json").read_text())["throughput"]
     for run in measured:
         cfg = model_config(run["arch"], run["preset"], seq_len=run["seq_len"])
         p = price(cfg, Choice(Layout("serial"), precision="bf16"), batch=run["batch"], machine=machine)
