@@ -22,6 +22,7 @@ from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, LOOP_
 from lattice.cost.machine import Machine, message_steps, wire_factor
 from lattice.cost.timing import _fwd_bwd, _products, timed_differences, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
+from lattice.parallel.zero import adamw
 
 #: the inputs an elementwise operator is timed on, cycled: more than a core's cache (2 MiB of L2
 #: here), as the activations of a step are
@@ -185,7 +186,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         params = [nn.Parameter(t) for t in tensors]
         for q in params:
             q.grad = torch.randn_like(q)
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True).step
+        return adamw([{"params": params}], lr=1e-4).step  # the Trainer's own
 
     per_tensor = timed(adam([torch.randn(8) for _ in range(32)])) / 32
     # the gradient norm and clipping the Trainer runs before it, per tensor (lattice.training.optim)

@@ -74,14 +74,16 @@ def _cpu_rows() -> tuple:
 
 MACHINES: dict[str, Machine] = {
     # the rates of one rank: `benchmarks/planner_validation.py --calibrate` on 2026-11-26 (each sample of a
-    # micro-benchmark at least 50 ms long, so that ranks beyond the cores share them while it is timed)
+    # micro-benchmark at least 50 ms long, so that ranks beyond the cores share them while it is timed);
+    # the update's per tensor and bandwidth then scaled to the fused AdamW (x0.267 and x3.82: the fused
+    # form against the foreach one the calibration timed before, in turn, 2026-11-28; cpu_2core.json)
     "cpu-2core": Machine(
         "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.23e+10, alpha_intra=1e-5, beta_intra=1e-10,
         alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.78e+09, attn_rate=6.04e+08,
-        update_per_tensor=1.47e-05, mem_bandwidth=1.39e+10, op_overhead=1.6e-05, norm_per_tensor=3.86e-06,
+        update_per_tensor=3.92e-06, mem_bandwidth=5.31e+10, op_overhead=1.6e-05, norm_per_tensor=3.86e-06,
         memory_gib=0.0, cores=2, kernel_rows=9.0,
         # and of 2, 4 and 8 ranks: the validation's calibrations of run 32, every column (_cpu_rows)
-        by_world=((1, 8.23e+10, 1.78e+09, 6.04e+08, 1e-05, 1e-10, 1.47e-05, 1.39e+10, 1.6e-05, 0, 0, 3.86e-06,
+        by_world=((1, 8.23e+10, 1.78e+09, 6.04e+08, 1e-05, 1e-10, 3.92e-06, 5.31e+10, 1.6e-05, 0, 0, 3.86e-06,
                    (), 9.0), *_cpu_rows())),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,

@@ -59,6 +59,15 @@ ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
 
 
+def adamw(groups: list, *, lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
+    """torch's AdamW in its fused form (one kernel over every tensor of a group, on the CPU and on
+    CUDA): the same update element by element as the default loop, which on the CPU took 3.6x as
+    long for gpt2 `small`'s 52 tensors (7.3 against 2.0 ms) and 5.4x for 100 smaller ones. Plain
+    training (lattice.training.optim), the distributed optimizer below and the cost model's
+    calibration all step this one."""
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+
+
 @dataclass
 class _Piece:
     """This dp rank's rows [r0, r1) of one parameter, at `offset` in its bucket's segment."""
@@ -141,8 +150,8 @@ class ZeroOptimizer:
             self.buckets.append(_Bucket(pieces, segment, late))
         self.pieces = {piece.name: piece for b in self.buckets for piece in b.pieces}
         # one group each even when empty, so that the learning rate is set alike on every rank
-        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                        {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+        self.inner = adamw([{"params": decay, "weight_decay": weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
         if hooks:
             for bucket in self.buckets:
                 if not bucket.late:

@@ -10,6 +10,7 @@ import torch
 
 from lattice.parallel.comm import raw_all_reduce
 from lattice.parallel.sharding import weighted_square_sum
+from lattice.parallel.zero import adamw
 
 
 def make_optimizer(model, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
@@ -19,7 +20,7 @@ def make_optimizer(model, *, lr: float, betas: tuple[float, float], weight_decay
     for name, p in model.named_parameters():
         (decay if len(model.specs[name].full_shape) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    return adamw(groups, lr=lr, betas=betas)
 
 
 def lr_at(step: int, *, lr: float, warmup: int, steps: int, min_lr_ratio: float) -> float:
