@@ -186,7 +186,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         params = [nn.Parameter(t) for t in tensors]
         for q in params:
             q.grad = torch.randn_like(q)
-        return adamw([{"params": params}], lr=1e-4).step  # the Trainer's own
+        return adamw(params, [], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1).step  # the Trainer's own
 
     per_tensor = timed(adam([torch.randn(8) for _ in range(32)])) / 32
     # the gradient norm and clipping the Trainer runs before it, per tensor (lattice.training.optim)

@@ -10,17 +10,15 @@ import torch
 
 from lattice.parallel.comm import raw_all_reduce
 from lattice.parallel.sharding import weighted_square_sum
-from lattice.parallel.zero import adamw
+from lattice.parallel.zero import adamw, decays
 
 
 def make_optimizer(model, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
-    """Decay only matrices: a tensor decays when its FULL shape has >= 2 dims (a rank's 1-d
-    shard of a matrix still decays; a sharded bias does not)."""
+    """Decay only matrices (lattice.parallel.zero.decays)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if len(model.specs[name].full_shape) >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return adamw(groups, lr=lr, betas=betas)
+        (decay if decays(model.specs[name].full_shape) else no_decay).append(p)
+    return adamw(decay, no_decay, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
 def lr_at(step: int, *, lr: float, warmup: int, steps: int, min_lr_ratio: float) -> float:
