@@ -9,7 +9,7 @@ from multiproc import cached_init, run_distributed
 
 import lattice
 from lattice.parallel.context import MeshAxis, ParallelContext, Topology
-from lattice.parallel.sharding import ShardSpec, gather_full
+from lattice.parallel.sharding import ShardSpec, gather_full, gather_full_many
 
 
 def test_topology_coords_round_trip_with_permuted_placement():
@@ -92,11 +92,21 @@ def _scatter_gather_specs():
     mine = spec.shard(full * (1 + ctx.coord(MeshAxis.DP)), ctx.coords, topo)
     assert torch.equal(gather_full(mine, spec, ctx, dtype=torch.float64, average_dp=True), full * 1.5)
     assert specs[3].replicas(topo) == 1 and specs[0].replicas(topo) == 4 and specs[1].replicas(topo) == 1
+    # all four at once, in buckets of one tensor, two (8 ranks x 24 elements x 8 bytes each) and all
+    fulls = [full * (k + 1) for k in range(len(specs))]
+    shards = [(s.shard(f, ctx.coords, topo) if s.holds(ctx.coords) else None, s) for s, f in zip(specs, fulls)]
+    for bucket_bytes in (1, 2 * 8 * 24 * 8, 2 ** 30):
+        together = gather_full_many(shards, ctx, dtype=torch.float64, bucket_bytes=bucket_bytes)
+        assert all(torch.equal(a, b) for a, b in zip(together, fulls, strict=True)), bucket_bytes
+        onto_5 = gather_full_many(shards, ctx, dtype=torch.float64, bucket_bytes=bucket_bytes, dst=5)
+        assert (all(torch.equal(a, b) for a, b in zip(onto_5, fulls, strict=True)) if ctx.rank == 5
+                else onto_5 == [None] * len(specs)), bucket_bytes
     return True
 
 
 def test_shard_then_gather_is_identity_for_splits_padding_and_holders():
-    """Catches a wrong mixed-radix chunk index, lost padding crop, or a non-holder overwriting data."""
+    """Catches a wrong mixed-radix chunk index, lost padding crop, or a non-holder overwriting data,
+    and a bucketed gather that pairs a tensor with another's piece or drops one at a bucket's edge."""
     assert all(run_distributed(8, _scatter_gather_specs))
 
 

@@ -33,7 +33,7 @@ import torch
 from lattice.checkpoint import sharded
 from lattice.checkpoint.files import START_FRESH, atomic_write, check_version_and_keys
 from lattice.parallel.context import LatticeConfigError
-from lattice.parallel.sharding import gather_full
+from lattice.parallel.sharding import gather_full_many
 from lattice.parallel.zero import ZeroOptimizer
 
 FORMAT = "lattice-checkpoint"
@@ -205,14 +205,16 @@ def gather_optimizer(model, optimizer: torch.optim.Optimizer) -> dict:
     params = dict(model.named_parameters())
     out = {"exp_avg": {}, "exp_avg_sq": {}, "step": 0}
     local = optimizer.full_local_moments() if isinstance(optimizer, ZeroOptimizer) else None  # over dp first
+    mine = {"exp_avg": [], "exp_avg_sq": []}
     for name, spec in model.specs.items():
         state = optimizer.state.get(params[name], {}) if name in params and local is None else {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            mine = local[key].get(name) if local is not None else state.get(key)
-            out[key][name] = gather_full(mine, spec, model.ctx, dtype=model.dtype if local is None else
-                                         optimizer.master_dtype)
+        for key in mine:
+            mine[key].append((local[key].get(name) if local is not None else state.get(key), spec))
         if "step" in state:
             out["step"] = int(state["step"])
+    for key, shards in mine.items():
+        fulls = gather_full_many(shards, model.ctx, dtype=model.dtype if local is None else optimizer.master_dtype)
+        out[key] = dict(zip(model.specs, fulls))
     if local is not None:
         out["step"] = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
     return out

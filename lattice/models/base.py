@@ -40,7 +40,8 @@ from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError, ParallelContext
 from lattice.parallel.context_parallel import (check_context_batch, context_positions, gather_context, take_context_chunks,
                                                whole_loss)
-from lattice.parallel.sharding import ShardSpec, check_state_dict_keys, collect_specs, gather_full, sum_replica_grads
+from lattice.parallel.sharding import (ShardSpec, check_state_dict_keys, collect_specs, gather_full_many,
+                                       sum_replica_grads)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -478,23 +479,20 @@ class Model(nn.Module):
 
     def full_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
         """Full tensors (a collective: every rank must call it). By default identical on every
-        rank; with `to_rank`, gathered one tensor at a time onto that global rank alone, the
-        others returning {} and holding no more than their own shards."""
+        rank; with `to_rank`, gathered a bucket of tensors at a time onto that global rank alone, the
+        others returning {} and holding no more than their own shards and one bucket's copy of them."""
         params = dict(self.named_parameters())
-        out = {}
-        for name, spec in self.specs.items():
-            full = gather_full(params.get(name), spec, self.ctx, dtype=self.dtype, dst=to_rank)
-            if full is not None:
-                out[name] = full
-        return out
+        fulls = gather_full_many([(params.get(name), spec) for name, spec in self.specs.items()], self.ctx,
+                                 dtype=self.dtype, dst=to_rank)
+        return {name: full for name, full in zip(self.specs, fulls) if full is not None}
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """Full gradients of the synced local ones, averaged over data-parallel replicas (a
         collective); a missing gradient counts as zero."""
         params = dict(self.named_parameters())
-        return {name: gather_full(params[name].grad if name in params else None, spec, self.ctx,
-                                  dtype=self.dtype, average_dp=True)
-                for name, spec in self.specs.items()}
+        fulls = gather_full_many([(params[name].grad if name in params else None, spec)
+                                  for name, spec in self.specs.items()], self.ctx, dtype=self.dtype, average_dp=True)
+        return dict(zip(self.specs, fulls))
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Full gradients of the global mean loss (averaged over data-parallel replicas),

@@ -154,6 +154,12 @@ def collect_specs(model: nn.Module) -> dict[str, ShardSpec]:
     return out
 
 
+#: bytes a bucket of `gather_full_many` assembles at once on a rank (every rank's shards of the
+#: bucket's tensors): one collective per bucket rather than one per tensor, which at 8 ranks on
+#: 2 cores made gathering a small model's state take most of a conformance check
+GATHER_BUCKET_BYTES = 64 * 2 ** 20
+
+
 def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContext, *,
                 dtype: torch.dtype, average_dp: bool = False, dst: int | None = None) -> torch.Tensor | None:
     """Assemble the full tensor from every rank's shard (a collective over the world).
@@ -163,30 +169,56 @@ def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContex
     replica 0's is returned. The result is identical on every rank, or with `dst` (a global rank)
     built there alone while the other ranks send their shard and return None.
     """
+    return gather_full_many([(local, spec)], ctx, dtype=dtype, average_dp=average_dp, dst=dst)[0]
+
+
+def gather_full_many(shards: list[tuple[torch.Tensor | None, ShardSpec]], ctx: ParallelContext, *,
+                     dtype: torch.dtype, average_dp: bool = False, dst: int | None = None,
+                     bucket_bytes: int = GATHER_BUCKET_BYTES) -> list[torch.Tensor | None]:
+    """`gather_full` of each (local shard, spec) pair, in order, with one collective per bucket:
+    consecutive tensors whose shards from every rank take at most `bucket_bytes` (a larger one
+    alone), so that a rank never holds more than one bucket beyond its shards and the results."""
     topo = ctx.topology
-    local_shape = spec.local_shape(topo)
-    numel = math.prod(local_shape)
-    if local is None:
-        local = torch.zeros(local_shape, dtype=dtype, device=ctx.device)
-    buf = local.detach().to(dtype).reshape(-1).contiguous()
-    if topo.world_size > 1:
-        everyone = None
-        if dst is None or ctx.rank == dst:
-            everyone = torch.empty(topo.world_size * numel, dtype=dtype, device=buf.device)
-        if dst is None:
-            _all_gather_tensor(everyone, buf)
+    local_shapes = [spec.local_shape(topo) for _, spec in shards]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def gathered_bytes(k: int) -> int:
+        return math.prod(local_shapes[k]) * itemsize * topo.world_size
+
+    out: list[torch.Tensor | None] = []
+    for bucket in byte_buckets(list(range(len(shards))), gathered_bytes, bucket_bytes):
+        bufs = [(shards[k][0] if shards[k][0] is not None else torch.zeros(local_shapes[k], device=ctx.device))
+                .detach().to(dtype).reshape(-1) for k in bucket]
+        buf = torch.cat(bufs) if len(bufs) > 1 else bufs[0].contiguous()
+        if topo.world_size > 1:
+            everyone = None
+            if dst is None or ctx.rank == dst:
+                everyone = torch.empty(topo.world_size * buf.numel(), dtype=dtype, device=buf.device)
+            if dst is None:
+                _all_gather_tensor(everyone, buf)
+            else:
+                dist.gather(buf, list(everyone.chunk(topo.world_size)) if everyone is not None else None, dst=dst)
+                if everyone is None:
+                    out.extend(None for _ in bucket)
+                    continue
+            per_rank_rows = everyone.view(topo.world_size, -1)
         else:
-            dist.gather(buf, list(everyone.chunk(topo.world_size)) if everyone is not None else None, dst=dst)
-            if everyone is None:
-                return None
-        chunks = everyone.view(topo.world_size, *local_shape)
-    else:
-        chunks = buf.view(1, *local_shape)
+            per_rank_rows = buf.view(1, -1)
+        pieces = per_rank_rows.split([b.numel() for b in bufs], dim=1)
+        for k, piece in zip(bucket, pieces):
+            out.append(_assemble(piece.reshape(-1, *local_shapes[k]), shards[k][1], topo, dtype, average_dp))
+    return out
+
+
+def _assemble(chunks: torch.Tensor, spec: ShardSpec, topo: Topology, dtype: torch.dtype,
+              average_dp: bool) -> torch.Tensor:
+    """The full tensor from `chunks[rank]`, every rank's shard of it."""
     replicas = topo.size(MeshAxis.DP) if average_dp else 1
-    full = torch.zeros(spec.storage_shape, dtype=dtype, device=buf.device)
+    local = chunks.shape[1:]
+    full = torch.zeros(spec.storage_shape, dtype=dtype, device=chunks.device)
     for d in range(replicas):
         filled = set()
-        for rank in range(topo.world_size):
+        for rank in range(chunks.shape[0]):
             coords = topo.coords(rank)
             if coords.get(MeshAxis.DP, 0) != d or not spec.holds(coords):
                 continue
@@ -194,7 +226,10 @@ def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContex
             if key in filled:
                 continue
             filled.add(key)
-            full[spec.slices(coords, topo)] += chunks[rank]
+            region = [slice(None)] * len(local)  # spec.slices(coords, topo), its local shape already known
+            for (dim, _), k in zip(spec.splits, key):
+                region[dim] = slice(k * local[dim], (k + 1) * local[dim])
+            full[tuple(region)] += chunks[rank]
     if replicas > 1:
         full /= replicas
     return spec.crop(full).contiguous()
