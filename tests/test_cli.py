@@ -3,6 +3,7 @@ delegated bench/plan subcommands."""
 
 import math
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -60,6 +61,26 @@ def test_train_on_two_launched_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("final val loss:") == 1 and proc.stdout.count("unigram baseline:") == 1
     assert lattice.checkpoint.read(tmp_path)["step"] == 2
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh-interpreters"])
+def test_both_ways_of_starting_local_workers_train_as_serial_does(fresh, tmp_path, capfd, monkeypatch):
+    """Catches a --nproc launch whose workers, forked from the launcher (torch built without CUDA)
+    or started as fresh interpreters (with CUDA; forced here by a torch that says it has CUDA),
+    hang, print the result once per rank, or train otherwise than serial: both print serial's
+    final validation loss, once, in a relative --out-dir."""
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--steps", "2", "--eval-interval", "2", *TINY_ARGS]
+    assert cli.main([*args, "--out-dir", "serial"]) == 0
+    serial = re.search(r"final val loss: ([\d.]+)", capfd.readouterr().out).group(1)
+    if fresh:
+        monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+        monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    assert cli.main([*args, "--nproc", "2", "--dp", "2", "--out-dir", "launched"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("final val loss:") == 1 and out.count("config: ") == 1, out
+    assert re.search(r"final val loss: ([\d.]+)", out).group(1) == serial, out
+    assert lattice.checkpoint.read(tmp_path / "launched")["step"] == 2
 
 
 def test_layout_that_needs_other_process_count_is_refused_before_launch(capsys):

@@ -1,10 +1,18 @@
 """`--nproc N` without torchrun: the same command line re-run on N local processes through
-torch.distributed.run's Python API."""
+torch.distributed.run's Python API.
+
+With a build of torch without CUDA the workers are forked from this process, which has already
+imported torch and lattice: a fresh interpreter spends about 4 s of CPU on those imports, which
+N workers on a few cores pay N times over before the first step. With CUDA they start as fresh
+interpreters (`python -m lattice`), as torchrun starts them: a process that has initialised CUDA
+cannot be forked safely."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+import torch
 
 
 def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) -> int:
@@ -21,12 +29,22 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
     # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU;
     # set for the workers only (they inherit this process's environment), then restored, so that
     # a caller in the same process (a test, a notebook) keeps its own setting
-    threads = os.environ.get("OMP_NUM_THREADS")
+    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    fork = not torch.backends.cuda.is_built()
+    if fork:
+        # tokenizers warns in every forked child that has not been told whether to use threads
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        sys.stdout.flush()  # (a child would write this process's unflushed output a second time)
+        sys.stderr.flush()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          start_method="fork" if fork else "spawn")
     try:
-        elastic_launch(config, sys.executable)("-m", "lattice", *argv)
+        if fork:
+            elastic_launch(config, _forked_worker)(argv, int(os.environ["OMP_NUM_THREADS"]))
+        else:
+            elastic_launch(config, sys.executable)("-m", "lattice", *argv)
     except ChildFailedError as e:
         print(f"error: {len(e.failures)} of {nproc} processes failed (their messages are above)", file=sys.stderr)
         return 1
@@ -34,8 +52,20 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
         print(f"stopped by {e.sigval.name}: the workers saved a checkpoint; continue with: {resume_hint}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
+
+
+def _forked_worker(argv: list[str], threads: int) -> None:
+    """One worker forked from the launcher: `lattice argv`, exiting with its status. OpenMP read
+    OMP_NUM_THREADS when the launcher imported torch, so the workers' share is set here."""
+    from lattice.cli.main import main
+
+    torch.set_num_threads(threads)
+    status = main(argv)
+    if status:
+        sys.exit(status)
