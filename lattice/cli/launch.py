@@ -10,6 +10,8 @@ cannot be forked safely."""
 from __future__ import annotations
 
 import os
+import runpy
+import signal
 import sys
 
 import torch
@@ -42,7 +44,7 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
                           start_method="fork" if fork else "spawn")
     try:
         if fork:
-            elastic_launch(config, _forked_worker)(argv, int(os.environ["OMP_NUM_THREADS"]))
+            elastic_launch(config, _forked_worker)(argv, int(os.environ["OMP_NUM_THREADS"]), os.getpid())
         else:
             elastic_launch(config, sys.executable)("-m", "lattice", *argv)
     except ChildFailedError as e:
@@ -60,12 +62,22 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
     return 0
 
 
-def _forked_worker(argv: list[str], threads: int) -> None:
-    """One worker forked from the launcher: `lattice argv`, exiting with its status. OpenMP read
-    OMP_NUM_THREADS when the launcher imported torch, so the workers' share is set here."""
-    from lattice.cli.main import main
-
+def _forked_worker(argv: list[str], threads: int, launcher: int) -> None:
+    """One worker forked from the launcher (process `launcher`): `python -m lattice argv` in this
+    process, leaving with its exit status. OpenMP read OMP_NUM_THREADS when the launcher imported
+    torch, so the workers' share is set here. After a successful command the agent's process
+    keeps a worker waiting until the launcher has read every rank's result; a launcher killed
+    meanwhile would leave it waiting for ever, so the SIGTERM that its death sends
+    (faults.die_with_parent) ends it again, and one that died before that ends it here."""
     torch.set_num_threads(threads)
-    status = main(argv)
-    if status:
-        sys.exit(status)
+    sys.argv = ["lattice", *argv]
+    try:
+        runpy.run_module("lattice", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code:
+            raise
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's graceful stop is over
+    if os.getppid() != launcher:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
