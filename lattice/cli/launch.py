@@ -68,7 +68,11 @@ def _forked_worker(argv: list[str], threads: int, launcher: int) -> None:
     torch, so the workers' share is set here. After a successful command the agent's process
     keeps a worker waiting until the launcher has read every rank's result; a launcher killed
     meanwhile would leave it waiting for ever, so the SIGTERM that its death sends
-    (faults.die_with_parent) ends it again, and one that died before that ends it here."""
+    (faults.die_with_parent, asked for here for every command) ends it again, and one that died
+    before that ends it here."""
+    from lattice.training import faults
+
+    faults.die_with_parent()
     torch.set_num_threads(threads)
     sys.argv = ["lattice", *argv]
     try:
