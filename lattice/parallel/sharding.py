@@ -80,9 +80,13 @@ class ShardSpec:
 
     def slices(self, coords: Mapping[MeshAxis, int], topo: Topology) -> tuple[slice, ...]:
         """The region of the (padded) full tensor held at `coords`."""
-        local = self.local_shape(topo)
+        return self.region(self.chunk_index(coords, topo), self.local_shape(topo))
+
+    def region(self, chunk: tuple[int, ...], local: tuple[int, ...]) -> tuple[slice, ...]:
+        """The region of the (padded) full tensor that chunk index `chunk` names, for shards of
+        shape `local` (`slices`, for a caller that knows both already)."""
         sl = [slice(0, n) for n in self.storage_shape]
-        for (d, _), k in zip(self.splits, self.chunk_index(coords, topo)):
+        for (d, _), k in zip(self.splits, chunk):
             sl[d] = slice(k * local[d], (k + 1) * local[d])
         return tuple(sl)
 
@@ -187,8 +191,9 @@ def gather_full_many(shards: list[tuple[torch.Tensor | None, ShardSpec]], ctx: P
 
     out: list[torch.Tensor | None] = []
     for bucket in byte_buckets(list(range(len(shards))), gathered_bytes, bucket_bytes):
-        bufs = [(shards[k][0] if shards[k][0] is not None else torch.zeros(local_shapes[k], device=ctx.device))
-                .detach().to(dtype).reshape(-1) for k in bucket]
+        bufs = [(shards[k][0] if shards[k][0] is not None else
+                 torch.zeros(local_shapes[k], dtype=dtype, device=ctx.device)).detach().to(dtype).reshape(-1)
+                for k in bucket]
         buf = torch.cat(bufs) if len(bufs) > 1 else bufs[0].contiguous()
         if topo.world_size > 1:
             everyone = None
@@ -226,10 +231,7 @@ def _assemble(chunks: torch.Tensor, spec: ShardSpec, topo: Topology, dtype: torc
             if key in filled:
                 continue
             filled.add(key)
-            region = [slice(None)] * len(local)  # spec.slices(coords, topo), its local shape already known
-            for (dim, _), k in zip(spec.splits, key):
-                region[dim] = slice(k * local[dim], (k + 1) * local[dim])
-            full[tuple(region)] += chunks[rank]
+            full[spec.region(key, local)] += chunks[rank]
     if replicas > 1:
         full /= replicas
     return spec.crop(full).contiguous()
