@@ -243,6 +243,19 @@ def test_info_into_a_closed_pipe_ends_quietly():
     assert proc.stdout.startswith("layout: mode 2d") and "Traceback" not in proc.stderr and proc.stderr == ""
 
 
+def test_commands_that_touch_no_checkpoint_start_without_dcp_or_plotting():
+    """Catches a module-level import that puts torch.distributed.checkpoint (with DTensor under it,
+    a second of start-up) or matplotlib back on the path of `lattice --help`, info and plan."""
+    script = ("import sys; from lattice.cli.main import main; main(['info', '--mode', '2d', '--tp', '4']); "
+              "main(['plan', '--mode', '1d', '--tp', '2']); print(sorted(m for m in sys.modules if "
+              "m.startswith(('torch.distributed.checkpoint', 'torch.distributed.tensor', 'matplotlib'))), "
+              "file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: mode 2d" in proc.stdout and proc.stderr.strip().splitlines()[-1] == "[]"
+
+
 def test_a_batch_the_layout_cannot_split_is_refused_before_launch(capsys):
     """Catches `--mode 2d --tp 9 --nproc 9` starting 9 processes before refusing a batch that
     q = 3 does not divide."""

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from lattice.checkpoint import sharded
 from lattice.checkpoint.files import START_FRESH, atomic_write, check_version_and_keys
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.sharding import gather_full_many
@@ -52,6 +51,9 @@ def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint a path names: a single file, a sharded checkpoint's directory, or, for a
     run directory, its newest complete checkpoint (sharded ones in checkpoints/, or ckpt.pt;
     the more recently written when it has both)."""
+    # imported where used: it brings torch.distributed.checkpoint (and DTensor under it), a second of
+    # start-up that --help, plan, info and data do not need
+    from lattice.checkpoint import sharded
     path = Path(path)
     if not path.is_dir() or sharded.is_checkpoint_dir(path):
         return path
@@ -63,6 +65,7 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def run_of(path: str | os.PathLike) -> Path:
     """The run directory a checkpoint path belongs to (where tokenizer.json and metrics.csv are)."""
+    from lattice.checkpoint import sharded
     path = resolve(path)
     if path.is_dir():
         return path.parent.parent if path.parent.name == sharded.SUBDIR else path.parent
@@ -70,12 +73,14 @@ def run_of(path: str | os.PathLike) -> Path:
 
 
 def is_sharded(ckpt: dict) -> bool:
+    from lattice.checkpoint import sharded
     return ckpt.get("format") == sharded.FORMAT
 
 
 def full_model(ckpt: dict) -> dict[str, torch.Tensor]:
     """The weights of a checkpoint that `read` validated, as full tensors keyed by serial names,
     in this process (the whole model in memory; no process group needed)."""
+    from lattice.checkpoint import sharded
     if is_sharded(ckpt):
         keys = [k for k in ckpt["tensors"] if k.startswith("model/")]
         return {k[len("model/"):]: t for k, t in sharded.load_full(ckpt, keys).items()}
@@ -87,6 +92,7 @@ def load_into(ckpt: dict, model) -> None:
     sliced from full tensors without communication, or read by DCP (sharded: a collective, every
     rank calls it). (A training run's optimizer state is restored from sharded checkpoints only,
     by lattice.checkpoint.run_checkpoints.)"""
+    from lattice.checkpoint import sharded
     if is_sharded(ckpt):
         sharded.load(ckpt, model)
         return
@@ -130,6 +136,7 @@ def read(path: str | os.PathLike) -> dict:
 
     Raises a one-line LatticeConfigError naming the problem and the fix for a missing, truncated,
     corrupt or foreign file, or a format version this code does not read."""
+    from lattice.checkpoint import sharded
     given, path = Path(path), resolve(path)
     if path.is_dir():
         return sharded.read(path)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from lattice.parallel.context import LatticeConfigError, TrainingStopped
 
@@ -123,7 +122,9 @@ def free_bytes(path: Path) -> int:
 def write_failure_reason(error: BaseException, base: Path) -> str:
     """One line for why a write failed: the OS's words, or DCP's first failure, and the free space
     when little is left (torch.save's zip writer reports a full disk as 'unexpected pos')."""
-    if isinstance(error, dcp.api.CheckpointException) and error.failures:
+    from torch.distributed.checkpoint.api import CheckpointException  # (DCP is a second of start-up)
+
+    if isinstance(error, CheckpointException) and error.failures:
         error = error.failures[min(error.failures)][0]  # (the exception, its stack summary) of the lowest rank
     words = error.strerror if isinstance(error, OSError) and error.strerror else (str(error).splitlines() or [""])[0]
     free = free_bytes(base)

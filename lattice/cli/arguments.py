@@ -102,7 +102,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """`lattice train`'s flags: the Layout's, the TrainConfig's and the launch's."""
-    from lattice.training.trainer import TrainConfig
+    from lattice.training.config import TrainConfig
 
     for title in HELP_GROUPS:  # in the order users scan them
         group(p, title)
@@ -143,7 +143,7 @@ def train_config(args, resumed: dict | None = None, **changes):
     """The TrainConfig the flags ask for: a RESUMED_FIELDS flag not given takes the resumed
     run's recorded value (`resumed`: its train_config), else TrainConfig's default; `changes`
     replace fields."""
-    from lattice.training.trainer import TrainConfig
+    from lattice.training.config import TrainConfig
 
     given = {f.name: getattr(args, f.name) for f in flag_fields(TrainConfig)}
     defaults = {f.name: f.default for f in flag_fields(TrainConfig)}
@@ -159,7 +159,7 @@ def run_config(layout: Layout, tcfg) -> dict:
     """A run's settings by flag name, from the fields of its Layout (with its mode's options)
     and its TrainConfig: what `lattice train` prints, writes to config.toml and reads back with
     `--config`."""
-    from lattice.training.trainer import TrainConfig
+    from lattice.training.config import TrainConfig
 
     out = {f.name: getattr(layout, f.name) for f in flag_fields(Layout)}
     out.update(layout.options)

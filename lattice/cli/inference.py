@@ -19,7 +19,7 @@ from lattice.parallel.context import LatticeConfigError
 
 
 def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
-    from lattice.training.trainer import DATA_FORMATS
+    from lattice.training.config import DATA_FORMATS
 
     p.add_argument("run", metavar="DIR", help="a run directory written by `lattice train` (or a checkpoint in it)")
     add_layout_arguments(p, arch_from_run=True)
