@@ -90,6 +90,13 @@ def test_layout_that_needs_other_process_count_is_refused_before_launch(capsys):
     assert err.count("\n") == 0 and "--nproc 3 does not match" in err and "use --nproc 2" in err
 
 
+def test_a_layout_of_several_ranks_in_one_process_names_nproc(capsys):
+    """Catches `lattice train --dp 4` (as `plan --auto` used to print it) in one process being
+    refused with torchrun's --nproc-per-node only, which `lattice train` does not take."""
+    assert cli.main(["train", "--dp", "4", *TINY_ARGS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "dp=4 has 4 ranks" in err and "add --nproc 4" in err
+    assert "torchrun --nproc-per-node 4 -m lattice train" in err
 
 
 def test_config_file_round_trip_and_command_line_override(tmp_path, capsys):
@@ -276,6 +283,9 @@ def test_generate_and_eval_load_a_trained_run(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("def f(x):") and "5 tokens in" in captured.err and "tokens/s" in captured.err
+    assert cli.main(["eval", str(tmp_path), "--mode", "2d", "--tp", "4"]) == 2  # one process for 4 ranks
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "has 4 ranks" in err and "add --nproc 4" in err and "-m lattice eval" in err
 
 
 def test_own_data_end_to_end_train_eval_generate_resume(tmp_path, capsys):

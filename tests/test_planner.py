@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import re
+import shlex
 
 import pytest
 
@@ -585,7 +586,7 @@ def test_plan_auto_answers_in_text_and_json(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\.\d", line)]
     assert len(rows) == 5
-    assert "the first as a run: lattice train" in out and "the other modes:" in out
+    assert "the first as a run: torchrun --nnodes 4 --nproc-per-node 4 " in out and "the other modes:" in out
     for mode in ("1d", "2d", "3d", "subgraph"):
         assert f"  {mode}: " in out
     assert cli.main(argv + ["--json"]) == 0
@@ -593,6 +594,30 @@ def test_plan_auto_answers_in_text_and_json(capsys):
     assert len(answer["top"]) == 5 and answer["priced"] >= answer["fit"] > 0
     steps = [t["step_s"] for t in answer["top"]]
     assert steps == sorted(steps)
+
+
+def test_plan_auto_prints_a_train_command_that_runs_its_first_choice(capsys):
+    """Catches the printed run dropping the launcher (a --dp 4 layout then refused in one process),
+    the model's size flags or the batch, or naming another layout than the one ranked first."""
+    from lattice.cli.arguments import layout_from_args
+
+    argv = ["plan", "--auto", "--model", "small", "--n-layers", "2", "--no-bias", "--gpus", "4", "--batch", "8",
+            "--machine", "cpu-2core"]
+    assert cli.main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the first as a run: "))
+    words = shlex.split(line[len("the first as a run: "):])
+    assert words[:2] == ["lattice", "train"]
+    args = cli.build_parser("train").parse_args(words[1:])
+    assert (args.nproc, args.n_layers, args.bias, args.batch_size) == (4, 2, False, 8)
+    assert cli.main(argv + ["--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["top"][0]
+    layout = layout_from_args(args)
+    assert (layout.mode, layout.tp, layout.cp, layout.pp, layout.dp, dict(layout.options)) == (
+        first["mode"], first["tp"], first["cp"], first["pp"], first["dp"], first["options"])
+    assert (args.zero or 0, bool(args.activation_checkpointing)) == (first["zero"], first["activation_checkpointing"])
+    assert cli.main(argv[:-4] + ["--gpus", "16", "--ranks-per-node", "4", "--batch", "16"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the first as a run: "))
+    assert "torchrun --nnodes 4 --nproc-per-node 4 " in line and " -m lattice train " in line
 
 
 def test_plan_auto_refuses_bad_input_in_one_line(capsys):

@@ -13,7 +13,7 @@ import os
 import sys
 
 from lattice.cli.arguments import add_layout_arguments, layout_from_args
-from lattice.cli.launch import launch_local
+from lattice.cli.launch import check_process_count, launch_local
 from lattice.models import get_arch
 from lattice.parallel.context import LatticeConfigError
 
@@ -39,9 +39,9 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
         p.add_argument("--text-key", default="text")
 
 
-def load_for_inference(args, plan_only: bool = False):
+def load_for_inference(args, nproc: int | None = None):
     """The checkpoint, its model config, the tokenizer the run saved (generate; None if it saved
-    none) and the layout, checked; with plan_only, only validate them."""
+    none) and the layout, checked, with the processes it will run in when `nproc` is given."""
     from lattice import checkpoint
     from lattice.data.corpus import read_tokenizer
     from lattice.modes import get_mode
@@ -77,9 +77,8 @@ def load_for_inference(args, plan_only: bool = False):
         raise LatticeConfigError(f"generation runs with cp = 1 (each new token attends to every position before it); "
                                  f"drop --cp {layout.cp}, in any tensor layout")
     get_mode(layout.mode).check_model(cfg, layout.context())  # the layout's size checks
-    if plan_only and args.nproc != layout.world_size:
-        raise LatticeConfigError(f"--nproc {args.nproc} does not match the layout: it has {layout.world_size} ranks; "
-                                 f"use --nproc {layout.world_size}")
+    if nproc is not None:
+        check_process_count(layout, nproc, args.command)
     return ckpt, cfg, tokenizer
 
 
@@ -110,9 +109,9 @@ def run_inference(args, argv: list[str]) -> int:
 
     launched = "WORLD_SIZE" in os.environ
     if args.nproc and args.nproc > 1 and not launched:
-        load_for_inference(args, plan_only=True)  # the checkpoint and the layout, before any process starts
+        load_for_inference(args, nproc=args.nproc)  # the checkpoint and the layout, before any process starts
         return launch_local(args.nproc, argv)
-    ckpt, cfg, tokenizer = load_for_inference(args)
+    ckpt, cfg, tokenizer = load_for_inference(args, nproc=None if launched else 1)
     ctx = init(layout_from_args(args), seed=args.seed)
     try:
         if args.command == "eval":

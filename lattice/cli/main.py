@@ -19,7 +19,9 @@
     lattice convert --from hf runs/a-hf runs/b        # then: lattice train --resume runs/b ...
     # which rank holds which slice of every parameter, and the groups of every mesh axis
     lattice info --mode 2d --tp 4 --dp 2
-    lattice plan ...     # analytic cost model (lattice.cost)
+    # which layout: every setup of a model on N ranks ranked by predicted step time, and the command for the first
+    lattice plan --auto --arch llama --model llama3-8b --gpus 16 --ranks-per-node 4 --batch 32 --machine h100-node
+    lattice plan ...     # the analytic cost model of one layout (lattice.cost)
     lattice bench ...    # measured benchmarks (lattice.bench)
 """
 
@@ -38,7 +40,7 @@ from lattice.cli.arguments import (add_layout_arguments, add_train_arguments, co
                                    train_config, with_config_file)
 from lattice.cli.inference import add_inference_arguments, run_inference
 from lattice.cli.info import run_info
-from lattice.cli.launch import launch_local
+from lattice.cli.launch import check_process_count, launch_local
 from lattice.models import DEFAULT_ARCH
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError, TrainingStopped
@@ -87,10 +89,6 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     from lattice.training.trainer import plan_run
 
     layout = layout_from_args(args)
-    if nproc is not None and nproc != layout.world_size:
-        axes = " x ".join(f"{a.value}={s}" for a, s in layout.topology.axes)
-        raise LatticeConfigError(f"--nproc {nproc} does not match the layout: mode {layout.mode!r} with {axes} has "
-                                 f"{layout.world_size} ranks; use --nproc {layout.world_size} or change --tp/--dp/--pp/--cp")
     ckpt = checkpoint.read(args.resume) if args.resume else None
     where = checkpoint.resolve(args.resume) if ckpt is not None else None
     resumed_run = checkpoint.run_of(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None
@@ -110,6 +108,8 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     corpus = tcfg.corpus()
     plan = plan_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
                     allow_config_change=args.allow_config_change, init_from=init)
+    if nproc is not None:  # after the layout's own refusals, which say more about the request
+        check_process_count(layout, nproc, "train")
     # last, as these create directories: a request refused above leaves none behind
     if run.fresh:  # created later, by one process: here only its parent
         check_out_dir(run.out.parent, checkpoint.FILENAME)
@@ -252,7 +252,8 @@ def cmd_train(args, argv: list[str]) -> int:
                                  f"drop --nproc when launching with torchrun")
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
-    layout, plan, corpus, run = check_train(args)  # every rank, before any process group exists
+    # every rank, before any process group exists (torchrun's world is checked against the layout by init)
+    layout, plan, corpus, run = check_train(args, nproc=None if launched else 1)
     tcfg, ckpt = plan.cfg, plan.resume
     ctx = init(layout, seed=tcfg.seed, timeout=tcfg.dist_timeout)
     out, lock = run.out, None

@@ -171,7 +171,30 @@ def _run_auto(args, cfg, *, batch: int) -> int:
                           "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
                           "modes": mode_verdicts(plan, shown)}, indent=1))
         return 0
-    command = f"lattice train --arch {args.arch}" + (f" --model {args.model}" if args.model else "") + f" --batch {batch}"
+    command = _train_command(args, gpus=args.gpus, ranks_per_node=rpn, batch=batch)
     print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, top=args.top,
                         modes=shown, command=command))
     return 0
+
+
+def _train_command(args, *, gpus: int, ranks_per_node: int, batch: int) -> str:
+    """`lattice train` of the model `plan --auto` priced, started on its ranks (the layout's flags
+    follow): --nproc on one node, torchrun on each of several."""
+    flags = [f"--arch {args.arch}"] + ([f"--model {args.model}"] if args.model else [])
+    if args.vocab_size is not None:
+        flags.append(f"--vocab-size {args.vocab_size}")
+    for name, value in given_sizes(args).items():
+        flag = "--" + name.replace("_", "-")
+        flags.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+    if args.task:
+        flags.append(f"--task {args.task}")
+    flags.append(f"--batch-size {batch}")
+    if gpus <= ranks_per_node:
+        start = "lattice train" + (f" --nproc {gpus}" if gpus > 1 else "")
+    else:
+        nodes, last = -(-gpus // ranks_per_node), gpus % ranks_per_node
+        start = (f"torchrun --nnodes {nodes} --nproc-per-node {ranks_per_node}"
+                 + (f" ({last} on the last node)" if last else "")
+                 + " --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m lattice train")
+    return f"{start} {' '.join(flags)}"
+
