@@ -624,7 +624,8 @@ def test_plan_auto_refuses_bad_input_in_one_line(capsys):
     """Catches --auto without --gpus, an unknown mode or a precision the machine has no rate for
     ending in a traceback."""
     for extra, words in ((["--auto"], "--gpus"), (["--auto", "--gpus", "4", "--modes", "4d"], "no mode 4d"),
-                         (["--auto", "--gpus", "4", "--machine", "cpu-2core", "--precision", "bf16"], "fp32 only")):
+                         (["--auto", "--gpus", "4", "--machine", "cpu-2core", "--precision", "bf16"], "fp32 only"),
+                         (["--auto", "--gpus", "4", "--batch", "0"], "give the global batch")):
         assert cli.main(["plan", *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and words in err, err

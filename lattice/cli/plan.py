@@ -95,6 +95,8 @@ def run_plan(args) -> int:
     head = {"num_labels": args.num_labels} if task == "classify" else {}
     cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, **given_sizes(args), **head)
     replicas = 1 if args.auto else max(args.dp, 1)  # a --dp below 1 is refused by the layout, in its own words
+    if args.auto and args.batch < 1:
+        raise LatticeConfigError(f"--batch {args.batch}: give the global batch, the sequences of one step, e.g. --batch 8")
     if args.batch < 1 or args.batch % replicas:
         raise LatticeConfigError(f"--batch {args.batch} is the global batch of one step and must split over --dp "
                                  f"{replicas} replicas; use a positive multiple of {replicas}")
@@ -171,15 +173,15 @@ def _run_auto(args, cfg, *, batch: int) -> int:
                           "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
                           "modes": mode_verdicts(plan, shown)}, indent=1))
         return 0
-    command = _train_command(args, gpus=args.gpus, ranks_per_node=rpn, batch=batch)
     print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, top=args.top,
-                        modes=shown, command=command))
+                        modes=shown, command=lambda flags: _train_command(args, flags, gpus=args.gpus,
+                                                                          ranks_per_node=rpn, batch=batch)))
     return 0
 
 
-def _train_command(args, *, gpus: int, ranks_per_node: int, batch: int) -> str:
-    """`lattice train` of the model `plan --auto` priced, started on its ranks (the layout's flags
-    follow): --nproc on one node, torchrun on each of several."""
+def _train_command(args, layout_flags: str, *, gpus: int, ranks_per_node: int, batch: int) -> str:
+    """`lattice train` of the model `plan --auto` priced in the setup of `layout_flags`, started on
+    its ranks: --nproc on one node, torchrun on each of several."""
     flags = [f"--arch {args.arch}"] + ([f"--model {args.model}"] if args.model else [])
     if args.vocab_size is not None:
         flags.append(f"--vocab-size {args.vocab_size}")
@@ -188,13 +190,14 @@ def _train_command(args, *, gpus: int, ranks_per_node: int, batch: int) -> str:
         flags.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
     if args.task:
         flags.append(f"--task {args.task}")
-    flags.append(f"--batch-size {batch}")
+    flags += [f"--batch-size {batch}", layout_flags]
     if gpus <= ranks_per_node:
         start = "lattice train" + (f" --nproc {gpus}" if gpus > 1 else "")
     else:
         nodes, last = -(-gpus // ranks_per_node), gpus % ranks_per_node
-        start = (f"torchrun --nnodes {nodes} --nproc-per-node {ranks_per_node}"
-                 + (f" ({last} on the last node)" if last else "")
-                 + " --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m lattice train")
+        start = (f"torchrun --nnodes {nodes} --nproc-per-node {ranks_per_node} --rdzv-backend c10d "
+                 f"--rdzv-endpoint HOST:29500 -m lattice train")
+        if last:  # a shell comment, so that the line still runs as it is copied
+            flags.append(f"  # on each node; on the last, --nproc-per-node {last}")
     return f"{start} {' '.join(flags)}"
 
