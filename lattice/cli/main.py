@@ -1,6 +1,6 @@
 """The `lattice` command (also `python -m lattice`).
 
-    # train the default model (preset "small", serial) on the built-in corpus, about 1 min 15 s on 2 CPU cores
+    # train the default model (preset "small", serial) on the built-in corpus, 1-2 minutes on 2 CPU cores
     lattice train
     # data parallel on 2 local processes (this command starts them through torch.distributed.run)
     lattice train --nproc 2 --dp 2 --steps 5
