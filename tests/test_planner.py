@@ -610,7 +610,9 @@ def test_plan_auto_prints_a_train_command_that_runs_its_first_choice(capsys):
     args = cli.build_parser("train").parse_args(words[1:])
     assert (args.nproc, args.n_layers, args.bias, args.batch_size) == (4, 2, False, 8)
     assert cli.main(argv + ["--json"]) == 0
-    first = json.loads(capsys.readouterr().out)["top"][0]
+    answer = json.loads(capsys.readouterr().out)
+    first = answer["top"][0]
+    assert answer["command"] == " ".join(words)  # the same line for scripts
     layout = layout_from_args(args)
     assert (layout.mode, layout.tp, layout.cp, layout.pp, layout.dp, dict(layout.options)) == (
         first["mode"], first["tp"], first["cp"], first["pp"], first["dp"], first["options"])

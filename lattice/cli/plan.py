@@ -171,7 +171,10 @@ def _run_auto(args, cfg, *, batch: int) -> int:
                           "batch": batch, "seq_len": cfg.seq_len, "memory_limit_bytes": plan.memory_limit, "priced": plan.priced,
                           "fit": len(plan.ranked), "over_memory": plan.over_memory, "seconds": plan.seconds,
                           "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
-                          "modes": mode_verdicts(plan, shown)}, indent=1))
+                          "modes": mode_verdicts(plan, shown),
+                          "command": _train_command(args, plan.ranked[0].choice.train_flags(), gpus=args.gpus,
+                                                    ranks_per_node=rpn, batch=batch) if plan.ranked else None},
+                         indent=1))
         return 0
     print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, top=args.top,
                         modes=shown, command=lambda flags: _train_command(args, flags, gpus=args.gpus,
