@@ -214,8 +214,8 @@ def init(mode: str | Layout = REFERENCE_MODE, *, backend: str | None = None, see
         axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
         raise LatticeConfigError(
             f"mode {layout.mode!r} with {axes} needs {topo.world_size} processes but {world} were started; "
-            f"launch with --nproc-per-node {topo.world_size} or change tp/dp so that their layout "
-            f"has {world} ranks")
+            f"launch with --nproc-per-node {topo.world_size} or change tp/dp/pp/cp so that the layout "
+            f"has {world} rank{'' if world == 1 else 's'}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
