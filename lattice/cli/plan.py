@@ -20,7 +20,7 @@ from lattice.cost.model import estimate
 from lattice.cost.machines import MACHINES
 from lattice.cost.plan import (format_cost, format_pipeline, format_search, format_splits, format_table1,
                                machine_from_spec, model_config, mode_verdicts)
-from lattice.cost.pricing import Choice, price
+from lattice.cost.pricing import Choice, command_flag, price
 from lattice.cost.search import search
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
@@ -188,9 +188,7 @@ def _train_command(args, layout_flags: str, *, gpus: int, ranks_per_node: int, b
     flags = [f"--arch {args.arch}"] + ([f"--model {args.model}"] if args.model else [])
     if args.vocab_size is not None:
         flags.append(f"--vocab-size {args.vocab_size}")
-    for name, value in given_sizes(args).items():
-        flag = "--" + name.replace("_", "-")
-        flags.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+    flags += [command_flag(name, value) for name, value in given_sizes(args).items()]
     if args.task:
         flags.append(f"--task {args.task}")
     flags += [f"--batch-size {batch}", layout_flags]

@@ -40,6 +40,12 @@ def _group(site: str) -> str:
     return "tensor"
 
 
+def command_flag(name: str, value) -> str:
+    """A setting as the command line spells it: --name V, or --name / --no-name for a bool."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
+
+
 @dataclass(frozen=True)
 class Choice:
     """One training setup: the layout and what the Trainer adds to it."""
@@ -77,8 +83,7 @@ class Choice:
                 out.append(f"--{name} {getattr(lay, name)}")
         for key, value in sorted(lay.options.items()):
             if value != get_mode(lay.mode).options[key].default:
-                flag = "--" + key.replace("_", "-")
-                out.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+                out.append(command_flag(key, value))
         if lay.pp > 1:
             out.append(f"--microbatches {lay.pipeline.m} --pp-schedule {lay.pipeline.schedule}")
             if lay.pipeline.schedule == "interleaved":
