@@ -166,19 +166,17 @@ def _run_auto(args, cfg, *, batch: int) -> int:
     plan = search(cfg, gpus=args.gpus, machine=machine, batch=batch, memory_gib=args.memory, ranks_per_node=rpn,
                   precisions=precisions, modes=modes)
     shown = modes or sorted({p.choice.layout.mode for p in plan.ranked} | set(plan.refused) | set(plan.closest_over))
+    command = (_train_command(args, plan.ranked[0].choice.train_flags(), gpus=args.gpus, ranks_per_node=rpn,
+                              batch=batch) if plan.ranked else None)  # the first choice as a run
     if args.json:
         print(json.dumps({"model": repr(cfg), "gpus": args.gpus, "ranks_per_node": rpn, "machine": machine.name,
                           "batch": batch, "seq_len": cfg.seq_len, "memory_limit_bytes": plan.memory_limit, "priced": plan.priced,
                           "fit": len(plan.ranked), "over_memory": plan.over_memory, "seconds": plan.seconds,
                           "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
-                          "modes": mode_verdicts(plan, shown),
-                          "command": _train_command(args, plan.ranked[0].choice.train_flags(), gpus=args.gpus,
-                                                    ranks_per_node=rpn, batch=batch) if plan.ranked else None},
-                         indent=1))
+                          "modes": mode_verdicts(plan, shown), "command": command}, indent=1))
         return 0
     print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, top=args.top,
-                        modes=shown, command=lambda flags: _train_command(args, flags, gpus=args.gpus,
-                                                                          ranks_per_node=rpn, batch=batch)))
+                        modes=shown, command=command))
     return 0
 
 
@@ -201,4 +199,3 @@ def _train_command(args, layout_flags: str, *, gpus: int, ranks_per_node: int, b
         if last:  # a shell comment, so that the line still runs as it is copied
             flags.append(f"  # on each node; on the last, --nproc-per-node {last}")
     return f"{start} {' '.join(flags)}"
-

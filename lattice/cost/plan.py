@@ -197,9 +197,9 @@ def mode_verdicts(plan, modes) -> dict[str, str]:
 
 
 def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine, batch: int, top: int, modes,
-                  command) -> str:
-    """`plan --auto`'s answer as text; `command(flags)`: the line that trains a setup of these
-    `lattice train` layout flags."""
+                  command: str | None) -> str:
+    """`plan --auto`'s answer as text; `command`: the line that trains its first choice (None when
+    nothing fits)."""
     limit = plan.memory_limit
     per_node = f"{ranks_per_node} per node" if gpus > ranks_per_node else "on one node"
     refused = sum(sum(r.values()) for r in plan.refused.values())
@@ -215,7 +215,7 @@ def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine
             f"{p.memory['total'] / 2 ** 30:,.2f}",)
         lines.append("".join(f"{v:>{w}}" for v, w in zip(values, widths)) + f"  {p.choice.describe()}")
     if plan.ranked:
-        lines += ["", f"the first as a run: {command(plan.ranked[0].choice.train_flags())}"]
+        lines += ["", f"the first as a run: {command}"]
     lines += ["", "the other modes:"]
     lines += [f"  {mode}: {why}" for mode, why in mode_verdicts(plan, modes).items()]
     return "\n".join(lines)
