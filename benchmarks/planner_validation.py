@@ -197,7 +197,7 @@ def _reprice(paths: list[str], out: str | None, preset: str) -> int:
             print(f"{case['shape']} p={case['p']} ({path}): first choice / measured best "
                   f"{cases[-1]['first_over_best']:.3f}; "
                   f"Spearman {cases[-1]['spearman']:.2f}; median |error| {cases[-1]['median_abs_error']:.1%}"
-                  + (f"; {dropped} layouts the model no longer prices" if dropped else ""), flush=True)
+                  + (f"; {dropped} measured layout{'s' * (dropped > 1)} the search no longer lists" if dropped else ""), flush=True)
     summary = {"cases": len(cases), "first_choice_within_5pct": sum(c["first_over_best"] <= 1.05 for c in cases),
                "spearman_min": min(c["spearman"] for c in cases), "spearman_at_least_0.8": sum(
                    c["spearman"] >= 0.8 for c in cases),

@@ -15,7 +15,7 @@ from lattice.cost.machine import Machine
 from lattice.cost.machines import MACHINES, machine_named
 from lattice.cost.model import estimate, spans_nodes
 from lattice.cost.pipeline import p2p_piece
-from lattice.cost.plan import model_config
+from lattice.cost.plan import mode_verdicts, model_config
 from lattice.cost.search import Choice, price, search
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError, MeshAxis
@@ -481,6 +481,20 @@ def test_search_covers_the_hand_enumerated_space_and_ranks_by_price():
     assert not missing
     assert plan.ranked == sorted(plan.ranked, key=lambda p: p.step_s)
     assert plan.ranked[0].step_s <= min(p.step_s for p in hand) * (1 + 1e-12)
+
+
+def test_a_tensor_group_that_only_some_option_settings_allow_is_searched():
+    """Catches the search dropping a tp because the mode's default options refuse it: on 3 ranks,
+    subgraph's default of 2 sub-grids does not divide tp = 3, yet 3 sub-grids do, and the model's
+    12 heads split over them; and 2d and 3d, which no divisor of 3 ranks suits, named with the
+    grids they need (4 and 9, 8 and 27), not a hint of tp = 4 or 8 that 3 ranks cannot give."""
+    cfg = small(n_layers=4)  # 12 heads, d_model 192
+    plan = search(cfg, gpus=3, machine=MACHINE, batch=6, ranks_per_node=3, precisions=("bf16",))
+    assert any(p.choice.layout.mode == "subgraph" and p.choice.layout.tp == 3 for p in plan.ranked)
+    assert plan.smallest_groups == {"2d": [4, 9], "3d": [8, 27]}
+    verdicts = mode_verdicts(plan, ["2d", "3d"])
+    assert verdicts["3d"] == "refused: no tp of 3 ranks makes a layout of it (tp = 3); its smallest are tp = 8 and 27"
+    assert verdicts["2d"].endswith("its smallest are tp = 4 and 9")
 
 
 def test_memory_limit_drops_and_counts_and_zero_or_checkpointing_rescue():

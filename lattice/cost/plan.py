@@ -11,6 +11,7 @@ from lattice.cost.machines import machine_named
 from lattice.cost.model import Cost, estimate
 from lattice.cost.pipeline import in_flight, stage_p2p
 from lattice.cost.pricing import TERMS, Choice, price
+from lattice.cost.search import divisors
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import get_arch
@@ -189,6 +190,11 @@ def mode_verdicts(plan, modes) -> dict[str, str]:
             over = plan.closest_over[mode]
             out[mode] = (f"nothing fits: its smallest, {over.choice.describe()}, needs "
                          f"{over.memory['total'] / 2 ** 30:,.1f} GiB per rank")
+        elif plan.smallest_groups.get(mode):
+            tried = ", ".join(str(tp) for tp in divisors(plan.gpus) if tp > 1) or "none"
+            smallest = " and ".join(map(str, plan.smallest_groups[mode]))
+            out[mode] = (f"refused: no tp of {plan.gpus} ranks makes a layout of it (tp = {tried}); "
+                         f"its smallest are tp = {smallest}")
         else:
             reasons = plan.refused.get(mode)
             top = reasons.most_common(1)[0][0] if reasons else "no layout of it on these ranks"

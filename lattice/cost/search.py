@@ -33,11 +33,14 @@ USABLE_MEMORY = 0.9  # of a device's memory: the rest for the runtime, workspace
 @dataclass
 class Plan:
     memory_limit: float | None  # bytes per rank (None: no limit)
+    gpus: int  # the ranks searched
     ranked: list[Priced] = field(default_factory=list)  # every candidate that fits, fastest first
     priced: int = 0  # candidates the cost model priced
     over_memory: int = 0  # of them, over the memory limit at every ZeRO stage and with checkpointing
     refused: dict[str, Counter] = field(default_factory=dict)  # mode -> {reason: layouts}
     closest_over: dict[str, Priced] = field(default_factory=dict)  # mode -> its least-memory candidate, over the limit
+    tensor_groups: set[str] = field(default_factory=set)  # the modes with a tp among the divisors of the ranks
+    smallest_groups: dict[str, list[int]] = field(default_factory=dict)  # the others -> their smallest tp
     seconds: float = 0.0
 
     def best_of(self, mode: str) -> Priced | None:
@@ -53,7 +56,7 @@ class Plan:
 # ----------------------------------------------------------------------------- the space
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -68,10 +71,39 @@ def _option_settings(mode: str, tp: int) -> list[dict]:
         elif option.choices:
             values.append(tuple(option.choices))
         elif option.type is int:
-            values.append(tuple(d for d in _divisors(tp) if d >= 2) or (option.default,))
+            values.append(tuple(d for d in divisors(tp) if d >= 2) or (option.default,))
         else:
             values.append((option.default,))
     return [dict(zip(names, combo)) for combo in itertools.product(*values)]
+
+
+def _tensor_group_problem(mode: str, tp: int, rpn: int) -> str | None:
+    """Why no setting of the mode's options makes a layout of tp tensor ranks (the refusal of its
+    default setting), or None: subgraph's default sub-grids (2) refuse tp = 3, where 3 sub-grids
+    of one rank each are a layout."""
+    try:
+        Layout(mode, tp=tp, ranks_per_node=rpn)
+        return None
+    except LatticeConfigError as e:
+        problem = str(e)
+    for options in _option_settings(mode, tp):
+        try:
+            Layout(mode, tp=tp, options=options, ranks_per_node=rpn)
+            return None
+        except LatticeConfigError:
+            continue
+    return problem
+
+
+def _smallest_tensor_groups(mode: str, rpn: int, count: int = 2, largest: int = 4096) -> list[int]:
+    """The `count` smallest tp (from 2) of which the mode makes a layout (a 2d square, a 3d cube)."""
+    found = []
+    for tp in range(2, largest + 1):
+        if _tensor_group_problem(mode, tp, rpn) is None:
+            found.append(tp)
+            if len(found) == count:
+                break
+    return found
 
 
 def _microbatch_counts(pp: int, replica: int, layers: int) -> list[tuple[int, str, int | None]]:
@@ -80,7 +112,7 @@ def _microbatch_counts(pp: int, replica: int, layers: int) -> list[tuple[int, st
     blocks split into 2 pp chunks and m is a multiple of pp."""
     if pp == 1:
         return [(1, "1f1b", None)]
-    counts = [m for m in _divisors(replica) if m >= pp][-MAX_MICROBATCH_CHOICES:]
+    counts = [m for m in divisors(replica) if m >= pp][-MAX_MICROBATCH_CHOICES:]
     out = [(m, "1f1b", None) for m in counts]
     interleaved = [m for m in counts if m % pp == 0]
     if layers % (2 * pp) == 0 and interleaved:
@@ -120,17 +152,17 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
              USABLE_MEMORY * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
     precisions = precisions or tuple(p for p in (machine.precision, "bf16" if machine.precision == "fp32" else "fp32")
                                      if p == machine.precision or machine.other_precision_flop_rate)
-    plan = Plan(limit)
+    plan = Plan(limit, gpus)
     multi_node = gpus > rpn
     for mode in modes or available_modes():
-        for tp in _divisors(gpus):
+        for tp in divisors(gpus):
             if (mode == "serial") != (tp == 1):
                 continue  # a parallel mode on one tensor rank is the serial layout
-            try:
-                Layout(mode, tp=tp, ranks_per_node=rpn)
-            except LatticeConfigError as e:  # tp itself (a square, a cube): the options cannot help
-                plan.refuse(mode, str(e))
+            problem = _tensor_group_problem(mode, tp, rpn)
+            if problem:  # tp itself (a square, a cube): no setting of the options helps
+                plan.refuse(mode, problem)
                 continue
+            plan.tensor_groups.add(mode)
             # the mode's option settings at pp = 1, cp = 1: its fastest and its smallest in memory go on
             trials = []
             for options in _option_settings(mode, tp):
@@ -151,6 +183,8 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
             for options in {tuple(sorted(p.choice.layout.options.items())): p.choice.layout.options for p in kept}.values():
                 _search_tensor_layout(cfg, plan, mode, tp, options, gpus=gpus, rpn=rpn, batch=batch, machine=machine,
                                       precisions=precisions, placements=placements if multi_node else ("natural",))
+    for mode in set(modes or available_modes()) - plan.tensor_groups - {"serial"}:
+        plan.smallest_groups[mode] = _smallest_tensor_groups(mode, rpn)
     plan.ranked.sort(key=lambda p: p.step_s)
     plan.seconds = time.perf_counter() - start
     return plan
@@ -158,8 +192,8 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
 
 def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batch, machine, precisions, placements):
     rest = gpus // tp
-    for cp in [c for c in _divisors(rest) if c <= MAX_CP]:
-        for pp in [p for p in _divisors(rest // cp) if p <= cfg.n_layers]:
+    for cp in [c for c in divisors(rest) if c <= MAX_CP]:
+        for pp in [p for p in divisors(rest // cp) if p <= cfg.n_layers]:
             dp = rest // (cp * pp)
             if batch % dp:
                 plan.refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
