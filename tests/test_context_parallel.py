@@ -137,6 +137,35 @@ def test_context_parallel_equals_serial_and_its_cost_model(family, layout):
     assert_cp_equals_serial(family, layout)
 
 
+def _short_texts_padded_long() -> dict:
+    """Loss and gradients at cp = 2 of a batch whose every row is labelled at its first 3 targets
+    alone (short texts padded to a long sequence), against serial's without cp."""
+    ctx = cached_init(mode="serial", cp=2)
+    cls = get_arch("gpt2")
+    cfg = cls.config_class(**cls.test_shapes[0])
+    T = _lengths("gpt2", 2)[0]
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(2, cfg.vocab_size, (B, T), generator=gen)
+    targets = torch.randint(2, cfg.vocab_size, (B, T), generator=gen)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    mask[:, :3] = 1
+    serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+    ref_loss = serial.forward_backward(tokens, targets, attention_mask=mask)
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    model.load_full_state_dict(serial.full_state_dict())
+    loss = model.forward_backward(tokens, targets, attention_mask=mask)
+    return {"loss": abs(loss - ref_loss) / abs(ref_loss),
+            "grads": _worst(model.full_grad_dict(), {n: p.grad for n, p in serial.named_parameters()})}
+
+
+def test_a_cp_rank_whose_chunks_hold_no_labelled_target_adds_nothing():
+    """Catches serial's loss taken as a mean over a rank's labelled targets where it holds none
+    (0/0: NaN, which its share of 0 does not cancel), as short texts padded to a long --seq-len
+    give every rank but the first at cp = 2: the loss and gradients equal serial's without cp."""
+    for rank, r in enumerate(run_distributed(2, _short_texts_padded_long)):
+        assert max(r.values()) < 1e-10, (rank, r)
+
+
 def test_context_parallel_recomputes_its_ring_under_activation_checkpointing():
     """Catches a ring whose recomputation in backward (activation checkpointing re-runs each
     block's forward, sends included) pairs its sends with the wrong step's receives or draws other

@@ -106,6 +106,57 @@ def test_data_parallel_ranks_holding_no_parameters_follow_serial_trajectory():
                                          projections="common"), 3)
 
 
+def _accumulated_steps(layout: dict, zero: int) -> dict:
+    """Two float64 steps of the Trainer with the replica batch whole and in 2 micro-batches, the
+    first half of every replica's rows with most targets unlabelled (so the micro-batches weigh 1:4
+    or so, not 1:1); the losses, the weights after them and what the step's collectives moved."""
+    from lattice.data.corpus import Batch
+    from lattice.modes.kernels.loss import IGNORE_INDEX
+
+    out = {}
+    for m in (1, 2):
+        ctx = cached_init(**layout, **({"microbatches": m} if m > 1 else {}))
+        trainer = Trainer(TrainConfig(**TINY, steps=2, dtype="float64", zero=zero), ctx)
+        whole = trainer.task.train_batch
+
+        def unevenly_labelled(*args, **kwargs):
+            b = whole(*args, **kwargs)
+            targets = b.targets.clone()
+            targets[:len(targets) // 2, 3:] = IGNORE_INDEX  # each replica alike: the global count is dp x its own
+            return Batch(b.tokens, targets, b.inputs, ctx.dp * int((targets != IGNORE_INDEX).sum()))
+
+        trainer.task.train_batch = unevenly_labelled
+        with lattice.CommMeter() as meter:
+            losses = [trainer.train_step()["train_loss"]]
+        losses.append(trainer.train_step()["train_loss"])
+        trainer.model.state_dict()  # (awaits ZeRO's last gathers)
+        out[m] = {"losses": losses, "params": trainer.model.full_state_dict(), "calls": meter.summary()}
+    return out
+
+
+@pytest.mark.parametrize("layout,zero", [({"mode": "serial", "dp": 2}, 0), ({"mode": "serial", "dp": 2}, 1),
+                                         ({"mode": "1d", "tp": 2}, 0), ({"mode": "serial", "cp": 2}, 0)],
+                         ids=["ddp", "zero1", "1d", "cp"])
+def test_gradient_accumulation_equals_the_whole_batch(layout, zero):
+    """Catches gradient accumulation (--microbatches without --pp) that averages its micro-batches'
+    means alike where their labelled targets differ, lets DDP reduce in every pass (no no_sync),
+    starts ZeRO's reductions before the last pass's gradients arrive, or runs the batch whole:
+    two micro-batches give the whole batch's losses and weights in float64, the data-parallel
+    gradient reduction moves the same elements once, and 1d's forward all-reduces run in both passes."""
+    for rank, r in enumerate(run_distributed(2, _accumulated_steps, layout, zero)):
+        for a, b in zip(r[1]["losses"], r[2]["losses"]):
+            assert abs(a - b) < 1e-12 * abs(a), (rank, a, b)
+        for name, want in r[1]["params"].items():
+            torch.testing.assert_close(r[2]["params"][name], want, rtol=0, atol=1e-12, msg=name)
+        reduced = {m: {k: v["elements"] for k, v in r[m]["calls"].items()
+                       if k[0] == "backward" and k[1] in ("all_reduce", "reduce_scatter") and k[2] == 2
+                       and layout.get("dp", 1) == 2} for m in (1, 2)}
+        assert reduced[1] == reduced[2], reduced
+        if layout["mode"] == "1d":
+            fwd = {m: r[m]["calls"][("forward", "all_reduce", 2)]["calls"] for m in (1, 2)}
+            assert fwd[2] > fwd[1], fwd  # (a pass's all-reduces twice, the step's own once)
+
+
 def test_grad_norm_and_clipping_match_plain_pytorch():
     """Catches a norm over the wrong set of tensors or a clip that scales by the wrong factor."""
     trainer = Trainer(TrainConfig(**TINY, steps=5), serial())

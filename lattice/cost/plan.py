@@ -81,7 +81,7 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine, se
     tp, pp, setup = layout.tp, layout.pp, setup or {}
     if pp > 1:
         pcfg = layout.pipeline
-        problem = batch_problem(pcfg, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
+        problem = batch_problem(pcfg.m, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
         if problem:  # as training refuses it: no micro-batch of zero sequences
             raise LatticeConfigError(f"{problem}; give each replica a multiple of {pcfg.m} sequences (--batch over "
                                      f"--dp) or fewer --microbatches")

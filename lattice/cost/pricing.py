@@ -22,7 +22,7 @@ from lattice.cost.pipeline import in_flight, p2p_piece
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError, MeshAxis
-from lattice.parallel.pipeline import batch_problem
+from lattice.parallel.pipeline import batch_problem, microbatch_count
 
 COMM_GROUPS = ("tensor", "context", "data", "pipeline")
 TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "skew", "update")  # a Priced step's terms, in print order
@@ -191,7 +191,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     for length in (n for n in (cfg.seq_len, getattr(cfg, "target_len", None)) if n):
         if lay.cp > 1 and length % (2 * lay.cp):
             raise LatticeConfigError(f"{length} tokens do not split into 2 cp = {2 * lay.cp} chunks")
-        problem = batch_problem(lay.pipeline, get_mode(lay.mode), lay.context(), replica, length // lay.cp)
+        problem = batch_problem(microbatch_count(lay.context()), get_mode(lay.mode), lay.context(), replica, length // lay.cp)
         if problem:
             raise LatticeConfigError(problem)
     meeting, few_busy = machine.at(lay.world_size), False  # the rates at which the step's ranks meet

@@ -67,8 +67,9 @@ class Layout:
         Layout.of("1d", tp=2, sequence_parallel=True)   # keyword arguments as lattice.init takes them
 
     The pipeline settings (`microbatches`, `pp_schedule`, `pp_virtual`, `pp_layers`,
-    `pp_scatter_gather`; see lattice.parallel.pipeline.PipelineConfig) need pp > 1; None leaves each at
-    its default."""
+    `pp_scatter_gather`; see lattice.parallel.pipeline.PipelineConfig) need pp > 1, but
+    `microbatches`, which with pp = 1 is gradient accumulation (the replica batch in that many
+    forward and backward passes before one update); None leaves each at its default."""
 
     # the fields with `flag` metadata are the command-line flags of a layout (lattice.cli.arguments
     # derives them); `options` holds the modes' own, whose flags lattice.modes.options derives
@@ -81,7 +82,9 @@ class Layout:
     cp_attention: str = flag("ring", "how attention reads the other cp ranks' keys: around the ring, all-gathered, "
                                      "or all-to-all to whole sequences of 1/cp of the heads (ulysses)",
                              choices=lambda: CP_ATTENTION)
-    microbatches: int | None = flag(None, "micro-batches per step with --pp (default pp)")
+    microbatches: int | None = flag(None, "micro-batches per step: a pipeline's (default pp), or with --pp 1 "
+                                          "gradient accumulation (the replica batch in that many passes, one "
+                                          "update; default 1)")
     pp_schedule: str | None = flag(None, f"pipeline schedule (default {PipelineConfig.schedule})",
                                    choices=lambda: SCHEDULES)
     pp_virtual: int | None = flag(None, "virtual stages per rank, interleaved (default 2)")
@@ -132,6 +135,9 @@ class Layout:
     def _pipeline_config(self) -> PipelineConfig | None:
         given = {k: getattr(self, k) for k in PIPELINE_SETTINGS if getattr(self, k) is not None}
         if self.pp == 1:
+            m = given.pop("microbatches", 1)  # gradient accumulation
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise LatticeConfigError(f"microbatches must be a positive integer, got {m!r}")
             if given:
                 raise LatticeConfigError(f"{sorted(given)} configure pipeline parallelism, which needs pp > 1; "
                                          f"pass pp (--pp) or drop them")

@@ -13,6 +13,7 @@ from lattice.modes.base import Block, Mode, Position
 from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_norm_kind, linear_params, local_linear,
                                           normalize_split_hidden, position_rows, position_span, register_linear,
                                           register_position_tables, split_segments, upcast, vocab_bias_spec)
+from lattice.modes.kernels.loss import labelled_count
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
@@ -82,7 +83,9 @@ class LMHead(TiedHead):
 
     def loss(self, x, targets):
         logits = self.logits(x)
-        return F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten())
+        # over labelled_count, as every mode: a batch, micro-batch or cp chunk with none labelled
+        # (all padding) has a loss of 0, where a mean over no targets is 0/0
+        return F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum") / labelled_count(targets)
 
 
 @register

@@ -275,11 +275,18 @@ def scatter_gather_group(mode, ctx):
     return ctx.tensor_group()
 
 
-def batch_problem(pcfg: PipelineConfig | None, mode, ctx: ParallelContext, batch: int, seq: int) -> str | None:
-    """Why a replica batch of `batch` sequences does not fit: the micro-batch count (with pcfg)
-    does not divide it, or the tensor layout (`mode`, a Mode class, on `ctx`) cannot split its
+def microbatch_count(ctx: ParallelContext) -> int:
+    """The micro-batches of a step: a pipeline's m, or without one those of gradient accumulation
+    (`microbatches` with pp = 1: the replica batch in m forward and backward passes, one update)."""
+    if ctx.pipeline is not None:
+        return ctx.pipeline.m
+    return (ctx.layout.microbatches if ctx.layout is not None else None) or 1
+
+
+def batch_problem(m: int, mode, ctx: ParallelContext, batch: int, seq: int) -> str | None:
+    """Why a replica batch of `batch` sequences does not fit: the micro-batch count m does not
+    divide it, or the tensor layout (`mode`, a Mode class, on `ctx`) cannot split its
     micro-batches; None when it fits."""
-    m = pcfg.m if pcfg is not None else 1
     if batch % m:
         return f"the replica batch of {batch} sequences does not split into {m} micro-batches"
     try:
@@ -292,15 +299,15 @@ def batch_problem(pcfg: PipelineConfig | None, mode, ctx: ParallelContext, batch
     return None
 
 
-def check_batch(pcfg: PipelineConfig | None, mode, ctx: ParallelContext, tokens: torch.Tensor) -> None:
+def check_batch(m: int, mode, ctx: ParallelContext, tokens: torch.Tensor) -> None:
     """Refuse a replica batch the micro-batch count does not divide, or whose micro-batches the
     tensor layout cannot split (every rank, before any collective), naming the replica batch
     sizes that work with everything else as given (found by trying them)."""
 
     b, seq = tokens.shape
-    problem = batch_problem(pcfg, mode, ctx, b, seq)
+    problem = batch_problem(m, mode, ctx, b, seq)
     if problem:
-        works = nearest_working(b, lambda n: batch_problem(pcfg, mode, ctx, n, seq) is None, 4 * b + 64)
+        works = nearest_working(b, lambda n: batch_problem(m, mode, ctx, n, seq) is None, 4 * b + 64)
         raise LatticeConfigError(f"{problem}; replica batches that work with everything else as given: "
                                  f"{' or '.join(map(str, works))}")
 
@@ -432,7 +439,7 @@ class PipelineModel(nn.Module):
         check_context_batch(ctx, tokens, targets)
         model.check_inputs(tokens, targets)
         model.check_padding(tokens, 0, attention_mask, token_types)
-        check_batch(pcfg, model.mode, model.mode.ctx, tokens[:, :tokens.shape[1] // ctx.cp])
+        check_batch(pcfg.m, model.mode, model.mode.ctx, tokens[:, :tokens.shape[1] // ctx.cp])
         size = len(tokens) // pcfg.m
         target_len = targets.shape[1] if targets.dim() == 2 else tokens.shape[1]  # an encoder-decoder's differs
         model.mode.begin_batch(model, size, max(tokens.shape[1], target_len) // ctx.cp)

@@ -34,7 +34,7 @@ from lattice.modes import get_mode
 from lattice.parallel.comm import raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, TrainingStopped
 from lattice.parallel.context_parallel import check_context_batch
-from lattice.parallel.pipeline import batch_problem
+from lattice.parallel.pipeline import batch_problem, microbatch_count
 from lattice.parallel.zero import ZeroOptimizer
 from lattice.training import faults
 from lattice.training.config import (DATA_FORMATS, DTYPES, ON_NAN,  # noqa: F401  (lattice.training.trainer's names)
@@ -139,7 +139,7 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
     def problem(batch):
         if batch % ctx.dp:
             return f"batch size {batch} is not divisible by dp = {ctx.dp}"
-        return next(filter(None, (batch_problem(ctx.pipeline, mode, ctx, batch // ctx.dp, n // ctx.cp)
+        return next(filter(None, (batch_problem(microbatch_count(ctx), mode, ctx, batch // ctx.dp, n // ctx.cp)
                                   for n in lengths)), None)  # (under cp, each rank's chunks)
 
     found = problem(cfg.batch_size)
@@ -148,7 +148,7 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
         if not works and ctx.cp > 1:  # no batch helps: the chunks' length is what the layout refuses
             n = lengths[0]
             fits = nearest_working(n, lambda t: t % (2 * ctx.cp) == 0 and batch_problem(
-                ctx.pipeline, mode, ctx, cfg.batch_size // ctx.dp, t // ctx.cp) is None, 4 * n)
+                microbatch_count(ctx), mode, ctx, cfg.batch_size // ctx.dp, t // ctx.cp) is None, 4 * n)
             raise LatticeConfigError(f"{found} (with --cp {ctx.cp} each rank holds {n // ctx.cp} of a sequence's {n} "
                                      f"tokens); sequence lengths (--seq-len) that work with everything else as given: "
                                      f"{' or '.join(map(str, fits))}")
@@ -286,7 +286,7 @@ class Trainer:
             self.optimizer = ZeroOptimizer(self.model, ctx, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay, stage=cfg.zero,
                                            hooks=cfg.overlap_grad_reduce is not False,
-                                           accumulations=ctx.pipeline.m if ctx.pipeline is not None else 1,
+                                           accumulations=microbatch_count(ctx),
                                            reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                            cp_summed=ctx.pipeline is not None,
                                            overlap_param_gather=cfg.overlap_param_gather is not False)
@@ -341,6 +341,36 @@ class Trainer:
         for bucket in byte_buckets(list(self.model.parameters()), lambda p: p.numel() * p.element_size()):
             all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
 
+    def _accumulate(self, x, y, inputs: dict, weight: float) -> torch.Tensor:
+        """Forward and backward of the replica batch without a pipeline, in its micro-batches in
+        turn (gradient accumulation); the replica's mean loss times `weight`. Each micro-batch's
+        mean is weighted by its share of the replica's labelled targets, so that the gradients
+        summed over them are the whole batch's; DDP reduces in the last backward alone."""
+        m = microbatch_count(self.ctx)
+        rows = [slice(i * len(x) // m, (i + 1) * len(x) // m) for i in range(m)] if m > 1 else [slice(None)]
+        shares = [1.0]
+        if m > 1:
+            mask = inputs.get("attention_mask")
+            counts = [int(self.model.labelled_count(self.model.unpadded_targets(
+                y[r], None if mask is None else mask[r]), clamp=False)) for r in rows]
+            shares = [count / max(sum(counts), 1) for count in counts]
+        total = None
+        for i, (r, share) in enumerate(zip(rows, shares)):
+            last = i == m - 1
+            quiet = self.engine.no_sync() if not last and self.engine is not self.model else nullcontext()
+            with quiet:
+                with autocast(self.ctx, self.cfg.bf16):
+                    loss = self.engine(x[r], y[r], **{k: v[r] for k, v in inputs.items()})
+                    if weight * share != 1.0:  # DDP averages the gradients of the weighted loss
+                        loss = loss * (weight * share)
+                if self.ddp_averages and self.ctx.cp > 1:  # DDP averages over dp x cp: a sum over cp (every
+                    # rank of the replica seeds its backward alike, whether DDP wraps it or it holds no parameters)
+                    (loss * self.ctx.cp).backward()
+                else:
+                    loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         """One optimizer step on the global batch of `self.step`; returns its metrics."""
@@ -367,15 +397,7 @@ class Trainer:
             if not cfg.distributed_optimizer:
                 self._average_over_replicas()
         else:
-            with autocast(self.ctx, cfg.bf16):
-                loss = self.engine(x, y, **inputs)
-                if weight != 1.0:  # DDP averages the gradients of the weighted loss
-                    loss = loss * weight
-            if self.ddp_averages and self.ctx.cp > 1:  # DDP averages over dp x cp: a sum over cp (every rank
-                # of the replica seeds its backward alike, whether DDP wraps it or it holds no parameters)
-                (loss * self.ctx.cp).backward()
-            else:
-                loss.backward()
+            loss = self._accumulate(x, y, inputs, weight)
             self.model.sync_grads(over_cp=not self.reduces_cp)  # sums inside the replica; DDP averaged in backward
         if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
             self.optimizer.reduce_grads()
