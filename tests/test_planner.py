@@ -497,6 +497,24 @@ def test_a_tensor_group_that_only_some_option_settings_allow_is_searched():
     assert verdicts["2d"].endswith("its smallest are tp = 4 and 9")
 
 
+def test_gradient_accumulation_is_priced_as_its_passes_and_one_update():
+    """Catches the planner pricing --microbatches without --pp as one pass over the whole batch:
+    two passes of 4 sequences each compute and run the tensor collectives of a 4-sequence step
+    (twice the latency of one 8-sequence step's calls), hold one 4-sequence pass's activations,
+    and reduce the gradients and update once."""
+    cfg = small(n_layers=4)
+    lay = Layout("1d", tp=2, dp=2, ranks_per_node=4)
+    whole = price(cfg, Choice(lay), batch=16, machine=MACHINE)
+    half = price(cfg, Choice(lay), batch=8, machine=MACHINE)
+    passes = price(cfg, Choice(lay.replace(microbatches=2)), batch=16, machine=MACHINE)
+    assert passes.terms["compute"] == pytest.approx(2 * half.terms["compute"])
+    assert passes.terms["tensor"] == pytest.approx(2 * half.terms["tensor"])
+    assert passes.terms["tensor"] > whole.terms["tensor"]  # the same bytes in twice the calls
+    assert passes.terms["data"] == pytest.approx(half.terms["data"]) == pytest.approx(whole.terms["data"])
+    assert passes.memory["activations"] == pytest.approx(half.memory["activations"])
+    assert passes.memory["activations"] < whole.memory["activations"]
+
+
 def test_memory_limit_drops_and_counts_and_zero_or_checkpointing_rescue():
     """Catches a setup over the memory limit in the ranking, the drops going uncounted, or ZeRO and
     activation checkpointing never tried: with a limit between the smallest and the largest

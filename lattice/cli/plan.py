@@ -129,7 +129,14 @@ def run_plan(args) -> int:
     if args.pp > 1:
         print(format_pipeline(cfg, layout, batch=batch, machine=machine, setup=setup))
         return 0
-    c = estimate(cfg, layout, batch=batch, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+    passes = layout.microbatches or 1  # gradient accumulation (pp = 1): the table is one pass's
+    if batch % passes:
+        raise LatticeConfigError(f"the replica batch of {batch} sequences does not split into {passes} micro-batches; "
+                                 f"give --batch a multiple of {passes * replicas} or fewer --microbatches")
+    if passes > 1:
+        print(f"gradient accumulation: one of {passes} passes of {batch // passes} sequences below; a step runs "
+              f"{passes} of them, then one gradient reduction and one update")
+    c = estimate(cfg, layout, batch=batch // passes, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
                  activation_checkpointing=args.activation_checkpointing, zero=args.zero,
                  precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
                  overlap_param_gather=args.overlap_param_gather)

@@ -196,17 +196,22 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
             raise LatticeConfigError(problem)
     meeting, few_busy = machine.at(lay.world_size), False  # the rates at which the step's ranks meet
     shares_cores = bool(machine.cores) and lay.world_size > machine.cores
+    accumulated = microbatch_count(lay.context()) if lay.pp == 1 else 1  # gradient accumulation's passes
     if lay.pp == 1:
-        f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica, machine=machine, topology=lay.topology, **kw)
-        terms = {"compute": f["forward_compute"] + f["backward_compute"],
-                 **{g: f[g] for g in COMM_GROUPS}, "overlapped": f["overlapped"], "bubble": 0.0,
-                 "update": f["update"]}
+        # each pass of a micro-batch computes and runs the tensor and context collectives; the
+        # gradients' reduction and the update come once, the activations are one micro-batch's
+        f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica // accumulated, machine=machine,
+                           topology=lay.topology, **kw)
+        terms = {"compute": accumulated * (f["forward_compute"] + f["backward_compute"]),
+                 **{g: f[g] * (accumulated if g in ("tensor", "context") else 1) for g in COMM_GROUPS},
+                 "overlapped": accumulated * f["overlapped"], "bubble": 0.0, "update": f["update"]}
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
         if shares_cores and lay.tp > 1:  # as _shared_cores
-            where = dict(blocks=cfg.n_layers, batch=replica, topology=lay.topology, **kw)
+            where = dict(blocks=cfg.n_layers, batch=replica // accumulated, topology=lay.topology, **kw)
             shared = _uneven_ranks(cfg, lay, machine=machine, **where)
-            terms.update({k: shared[k] for k in ("compute", "update", "data", "tensor")})
-            terms["bubble"] = max(0.0, shared["own_core_compute"] - terms["compute"])
+            terms.update({k: shared[k] * (accumulated if k in ("compute", "tensor") else 1)
+                          for k in ("compute", "update", "data", "tensor")})
+            terms["bubble"] = max(0.0, accumulated * shared["own_core_compute"] - terms["compute"])
             few_busy = shared["few_busy"]
             if few_busy:  # the others wait in the collectives: none is held up by the scheduler
                 meeting = machine.at(machine.cores)
@@ -258,7 +263,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         memory = max(memories, key=lambda mem: sum(mem.values()))
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
     # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
-    per_step = lay.pipeline.m if lay.pp > 1 else 1  # the stage's figures are per micro-batch
+    per_step = lay.pipeline.m if lay.pp > 1 else accumulated  # the figures are per micro-batch
     syncs = {int(k[6:]): v * per_step for k, v in f.items() if k.startswith("syncs_")}
     if few_busy:  # the busy ranks meet waiting ones (who hold up none) but in their gradients' sum
         syncs = {}
@@ -273,7 +278,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
         collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
     # a cp ring's exchanges each after a block of attention
-    ring = (0.0, 0.0) if few_busy else (per_step * f["ring_compute"], per_step * f["ring_calls"])
+    ring = (0.0, 0.0) if few_busy else (per_step * f["ring_compute"], per_step * f["ring_calls"])  # (per pass)
     terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives, apart=ring)
     terms["update"] += _trainer_scalars(lay, choice, meeting)
     terms["overlapped"] += f["update_overlapped"]
