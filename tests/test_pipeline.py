@@ -237,7 +237,8 @@ def test_a_world_that_does_not_match_tp_pp_dp_is_refused(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pp=2" in err and "use --nproc 4" in err
     with pytest.raises(LatticeConfigError, match="configure pipeline parallelism, which needs pp > 1"):
-        lattice.plan("serial", microbatches=4)
+        lattice.plan("serial", pp_schedule="gpipe")
+    assert lattice.plan("serial", microbatches=4).pipeline is None  # without a pipeline: gradient accumulation
 
 
 def test_pipeline_options_from_the_command_line(tmp_path, capsys):
