@@ -515,6 +515,25 @@ def test_gradient_accumulation_is_priced_as_its_passes_and_one_update():
     assert passes.memory["activations"] < whole.memory["activations"]
 
 
+def test_gradient_accumulation_rescues_a_batch_whose_activations_are_over_the_limit():
+    """Catches the search dropping a layout whose batch fits only in smaller passes: one rank, 64
+    sequences, a limit below the checkpointed whole batch but above the checkpointed batch in 8
+    passes. The planner must rank a setup with accumulation, within the limit, whose command
+    trains it with --microbatches."""
+    cfg = small(n_layers=4)
+    precision = MACHINE.precision
+    whole = price(cfg, Choice(Layout("serial"), precision=precision, checkpointing=True), batch=64, machine=MACHINE)
+    passes = price(cfg, Choice(Layout("serial", microbatches=8), precision=precision, checkpointing=True), batch=64,
+                   machine=MACHINE)
+    limit = (whole.memory["total"] + passes.memory["total"]) / 2
+    plan = search(cfg, gpus=1, machine=MACHINE, batch=64, precisions=(precision,), memory_gib=limit / 2 ** 30)
+    assert plan.ranked and all(p.memory["total"] <= limit for p in plan.ranked)
+    first = plan.ranked[0].choice
+    assert first.layout.microbatches > 1 and first.layout.pipeline is None
+    assert f"--microbatches {first.layout.microbatches}" in first.train_flags()
+    assert f"accumulated m={first.layout.microbatches}" in first.describe()
+
+
 def test_memory_limit_drops_and_counts_and_zero_or_checkpointing_rescue():
     """Catches a setup over the memory limit in the ranking, the drops going uncounted, or ZeRO and
     activation checkpointing never tried: with a limit between the smallest and the largest

@@ -212,7 +212,7 @@ def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine
     lines = [f"{cfg}", f"{gpus} ranks {per_node}, global batch {batch} x {cfg.seq_len} tokens, on {machine.at(gpus).describe()}",
              f"memory per rank: {'no limit' if limit is None else f'{limit / 2 ** 30:,.1f} GiB'}; priced {plan.priced} "
              f"setups in {plan.seconds:.1f} s: {len(plan.ranked)} fit, {plan.over_memory} over the memory limit at "
-             f"every ZeRO stage and with activation checkpointing, {refused} layouts refused", ""]
+             f"every ZeRO stage, with activation checkpointing and accumulation, {refused} layouts refused", ""]
     head = ("#", "step ms") + TERMS + ("GiB",)
     widths = (3, 11) + (11,) * len(TERMS) + (8,)
     lines.append("".join(f"{h:>{w}}" for h, w in zip(head, widths)) + "  setup")

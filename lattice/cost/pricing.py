@@ -61,6 +61,8 @@ class Choice:
         parts += [f"{k}={v}" for k, v in sorted(lay.options.items()) if v != get_mode(lay.mode).options[k].default]
         if lay.cp > 1:
             parts.append(f"cp={lay.cp}")
+        if lay.pp == 1 and (lay.microbatches or 1) > 1:
+            parts.append(f"accumulated m={lay.microbatches}")
         if lay.pp > 1:
             pcfg = lay.pipeline
             parts.append(f"pp={lay.pp} {pcfg.schedule}" + (f" v={pcfg.v}" if pcfg.schedule == "interleaved" else "")
@@ -84,6 +86,8 @@ class Choice:
         for key, value in sorted(lay.options.items()):
             if value != get_mode(lay.mode).options[key].default:
                 out.append(command_flag(key, value))
+        if lay.pp == 1 and (lay.microbatches or 1) > 1:
+            out.append(f"--microbatches {lay.microbatches}")  # gradient accumulation
         if lay.pp > 1:
             out.append(f"--microbatches {lay.pipeline.m} --pp-schedule {lay.pipeline.schedule}")
             if lay.pipeline.schedule == "interleaved":

@@ -10,11 +10,12 @@ estimate's step of rank 0, with one each stage priced as the tensor layout runni
 and the end parts that stage holds). What training refuses is never priced (the Trainer's own
 checks). Pruning: each (mode, tp) keeps its fastest option setting and its smallest in memory;
 ZeRO stages and checkpointing are tried in the order of the time they add, and the first that
-fits the memory is kept.
+fits the memory is kept; without a pipeline, gradient accumulation where it can bring a setup under.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ class Plan:
     gpus: int  # the ranks searched
     ranked: list[Priced] = field(default_factory=list)  # every candidate that fits, fastest first
     priced: int = 0  # candidates the cost model priced
-    over_memory: int = 0  # of them, over the memory limit at every ZeRO stage and with checkpointing
+    over_memory: int = 0  # of them, over the memory limit at every ZeRO stage, with checkpointing and accumulation
     refused: dict[str, Counter] = field(default_factory=dict)  # mode -> {reason: layouts}
     closest_over: dict[str, Priced] = field(default_factory=dict)  # mode -> its least-memory candidate, over the limit
     tensor_groups: set[str] = field(default_factory=set)  # the modes with a tp among the divisors of the ranks
@@ -214,8 +215,8 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                         continue  # the same ranks in the same places
                     for precision in precisions:
                         try:
-                            fitted, smallest = _fitting(cfg, plan, _setups(lay, precision), batch=batch,
-                                                        machine=machine)
+                            fitted, smallest = _fitting_or_accumulated(cfg, plan, lay, precision, batch=batch,
+                                                                       machine=machine)
                         except LatticeConfigError as e:
                             plan.refuse(mode, str(e))
                             continue
@@ -226,6 +227,36 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                             best = plan.closest_over.get(mode)
                             if best is None or smallest.memory["total"] < best.memory["total"]:
                                 plan.closest_over[mode] = smallest
+
+
+def _fitting_or_accumulated(cfg, plan: Plan, lay: Layout, precision: str, *, batch: int,
+                            machine: Machine) -> tuple[Priced | None, Priced]:
+    """`_fitting` of the layout's setups; without a pipeline, where its fastest is over the memory
+    limit and activations are what a smaller pass could save, also gradient accumulation over
+    2, 4, 8, ... passes (the fewest that fit): the faster of the two, and the setup that saves the
+    most memory of all."""
+    fitted, smallest = _fitting(cfg, plan, _setups(lay, precision), batch=batch, machine=machine)
+    if lay.pp > 1 or (fitted is not None and fitted.choice == _setups(lay, precision)[0]):
+        return fitted, smallest
+    rest = smallest.memory["total"] - smallest.memory["activations"]
+    if plan.memory_limit is None or rest > plan.memory_limit:
+        return fitted, smallest  # the weights and optimizer alone are over: no pass is small enough
+    # activations shrink about as 1/m: start at the fewest passes that could fit, a power of two
+    needed = smallest.memory["activations"] / max(plan.memory_limit - rest, 1.0)
+    m, replica = 2 ** max(1, math.ceil(math.log2(max(needed, 2.0)))), batch // lay.dp
+    while m <= replica:
+        if replica % m == 0:
+            try:
+                got, least = _fitting(cfg, plan, _setups(lay.replace(microbatches=m), precision), batch=batch,
+                                      machine=machine)
+            except LatticeConfigError:  # the mode cannot split a micro-batch of replica/m sequences
+                got = least = None
+            if least is not None and least.memory["total"] < smallest.memory["total"]:
+                smallest = least
+            if got is not None:
+                return (got if fitted is None or got.step_s < fitted.step_s else fitted), smallest
+        m *= 2
+    return fitted, smallest
 
 
 def _fitting(cfg, plan: Plan, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
