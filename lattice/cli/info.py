@@ -32,7 +32,11 @@ def run_info(args) -> int:
     with torch.device("meta"):
         model = build_model(cfg, ctx)
     axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
-    print(f"layout: mode {args.mode}, {topo.world_size} ranks, mesh {axes}, options {dict(ctx.options)}")
+    ranks = f"{topo.world_size} rank{'s' * (topo.world_size > 1)}"
+    print(f"layout: mode {args.mode}, {ranks}, mesh {axes}, options {dict(ctx.options)}")
+    passes = (ctx.layout.microbatches or 1) if ctx.pipeline is None else 1
+    if passes > 1:
+        print(f"gradient accumulation: each replica's batch in {passes} forward and backward passes per update")
     print(f"model: {arch} {args.model or type(cfg).default_preset} {cfg.to_dict()}, {model.num_parameters():,} parameters")
     if ctx.pipeline is not None:
         _print_stages(model)
@@ -119,7 +123,7 @@ def _print_message_counts(args, topo) -> None:
 
     layouts = {placement: layout_from_args(args, placement=placement).topology
                for placement in (PLACEMENTS if topo.pp_size == topo.cp_size == 1 else PLACEMENTS[:1])}
-    print(f"messages of one collective over each axis, {topo.ranks_per_node} ranks per node "
+    print(f"messages of one collective over each axis, {topo.ranks_per_node} rank{'s' * (topo.ranks_per_node > 1)} per node "
           f"(intra-node / inter-node; SUPER Eq. 3):")
     for axis in topo.model_axes:
         counts = "; ".join(f"{placement} placement {'%d / %d' % count_messages(t, (axis,))}"
