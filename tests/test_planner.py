@@ -495,6 +495,8 @@ def test_a_tensor_group_that_only_some_option_settings_allow_is_searched():
     verdicts = mode_verdicts(plan, ["2d", "3d"])
     assert verdicts["3d"] == "refused: no tp of 3 ranks makes a layout of it (tp = 3); its smallest are tp = 8 and 27"
     assert verdicts["2d"].endswith("its smallest are tp = 4 and 9")
+    one = search(cfg, gpus=1, machine=MACHINE, batch=6, precisions=("bf16",), modes=["serial", "1d"])
+    assert mode_verdicts(one, ["1d"])["1d"] == "refused: one rank has no tensor group to split over; its smallest are tp = 2 and 3"
 
 
 def test_gradient_accumulation_is_priced_as_its_passes_and_one_update():

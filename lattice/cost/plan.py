@@ -191,10 +191,11 @@ def mode_verdicts(plan, modes) -> dict[str, str]:
             out[mode] = (f"nothing fits: its smallest, {over.choice.describe()}, needs "
                          f"{over.memory['total'] / 2 ** 30:,.1f} GiB per rank")
         elif plan.smallest_groups.get(mode):
-            tried = ", ".join(str(tp) for tp in divisors(plan.gpus) if tp > 1) or "none"
+            tried = ", ".join(str(tp) for tp in divisors(plan.gpus) if tp > 1)
             smallest = " and ".join(map(str, plan.smallest_groups[mode]))
             out[mode] = (f"refused: no tp of {plan.gpus} ranks makes a layout of it (tp = {tried}); "
-                         f"its smallest are tp = {smallest}")
+                         f"its smallest are tp = {smallest}" if tried else
+                         f"refused: one rank has no tensor group to split over; its smallest are tp = {smallest}")
         else:
             reasons = plan.refused.get(mode)
             top = reasons.most_common(1)[0][0] if reasons else "no layout of it on these ranks"
