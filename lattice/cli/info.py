@@ -34,9 +34,9 @@ def run_info(args) -> int:
     axes = " x ".join(f"{a.value}={s}" for a, s in topo.axes)
     ranks = f"{topo.world_size} rank{'s' * (topo.world_size > 1)}"
     print(f"layout: mode {args.mode}, {ranks}, mesh {axes}, options {dict(ctx.options)}")
-    passes = (ctx.layout.microbatches or 1) if ctx.pipeline is None else 1
-    if passes > 1:
-        print(f"gradient accumulation: each replica's batch in {passes} forward and backward passes per update")
+    if ctx.layout.accumulation > 1:
+        print(f"gradient accumulation: each replica's batch in {ctx.layout.accumulation} forward and backward "
+              f"passes per update")
     print(f"model: {arch} {args.model or type(cfg).default_preset} {cfg.to_dict()}, {model.num_parameters():,} parameters")
     if ctx.pipeline is not None:
         _print_stages(model)

@@ -24,9 +24,10 @@ from lattice.cost.pricing import Choice, command_flag, price
 from lattice.cost.search import search
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
-from lattice.modes import available_modes, parallel_modes
+from lattice.modes import available_modes, get_mode, parallel_modes
 from lattice.modes.layout import PIPELINE_SETTINGS
 from lattice.parallel.context import LatticeConfigError
+from lattice.parallel.pipeline import batch_problem
 from lattice.parallel.zero import ZERO_STAGES
 from lattice.training.config import PRECISIONS, REDUCE_DTYPES
 
@@ -129,11 +130,11 @@ def run_plan(args) -> int:
     if args.pp > 1:
         print(format_pipeline(cfg, layout, batch=batch, machine=machine, setup=setup))
         return 0
-    passes = layout.microbatches or 1  # gradient accumulation (pp = 1): the table is one pass's
-    if batch % passes:
-        raise LatticeConfigError(f"the replica batch of {batch} sequences does not split into {passes} micro-batches; "
-                                 f"give --batch a multiple of {passes * replicas} or fewer --microbatches")
+    passes = layout.accumulation  # the table is one pass's
     if passes > 1:
+        problem = batch_problem(passes, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
+        if problem:  # as training refuses it
+            raise LatticeConfigError(f"{problem}; give --batch a multiple of {passes * replicas} or fewer --microbatches")
         print(f"gradient accumulation: one of {passes} passes of {batch // passes} sequences below; a step runs "
               f"{passes} of them, then one gradient reduction and one update")
     c = estimate(cfg, layout, batch=batch // passes, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,

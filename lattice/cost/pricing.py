@@ -61,8 +61,8 @@ class Choice:
         parts += [f"{k}={v}" for k, v in sorted(lay.options.items()) if v != get_mode(lay.mode).options[k].default]
         if lay.cp > 1:
             parts.append(f"cp={lay.cp}")
-        if lay.pp == 1 and (lay.microbatches or 1) > 1:
-            parts.append(f"accumulated m={lay.microbatches}")
+        if lay.accumulation > 1:
+            parts.append(f"accumulated m={lay.accumulation}")
         if lay.pp > 1:
             pcfg = lay.pipeline
             parts.append(f"pp={lay.pp} {pcfg.schedule}" + (f" v={pcfg.v}" if pcfg.schedule == "interleaved" else "")
@@ -86,8 +86,8 @@ class Choice:
         for key, value in sorted(lay.options.items()):
             if value != get_mode(lay.mode).options[key].default:
                 out.append(command_flag(key, value))
-        if lay.pp == 1 and (lay.microbatches or 1) > 1:
-            out.append(f"--microbatches {lay.microbatches}")  # gradient accumulation
+        if lay.accumulation > 1:
+            out.append(f"--microbatches {lay.accumulation}")  # gradient accumulation
         if lay.pp > 1:
             out.append(f"--microbatches {lay.pipeline.m} --pp-schedule {lay.pipeline.schedule}")
             if lay.pipeline.schedule == "interleaved":
@@ -192,15 +192,16 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         raise LatticeConfigError("a classifier trains with pp = 1 and cp = 1 (one target per sequence, scored whole)")
     # what training refuses (lattice.training.trainer.check_run): micro-batches of zero sequences, a
     # layout that cannot split a micro-batch (sub-graph's common layers), chunks of cp
+    ctx = lay.context()
     for length in (n for n in (cfg.seq_len, getattr(cfg, "target_len", None)) if n):
         if lay.cp > 1 and length % (2 * lay.cp):
             raise LatticeConfigError(f"{length} tokens do not split into 2 cp = {2 * lay.cp} chunks")
-        problem = batch_problem(microbatch_count(lay.context()), get_mode(lay.mode), lay.context(), replica, length // lay.cp)
+        problem = batch_problem(microbatch_count(ctx), get_mode(lay.mode), ctx, replica, length // lay.cp)
         if problem:
             raise LatticeConfigError(problem)
     meeting, few_busy = machine.at(lay.world_size), False  # the rates at which the step's ranks meet
     shares_cores = bool(machine.cores) and lay.world_size > machine.cores
-    accumulated = microbatch_count(lay.context()) if lay.pp == 1 else 1  # gradient accumulation's passes
+    accumulated = lay.accumulation
     if lay.pp == 1:
         # each pass of a micro-batch computes and runs the tensor and context collectives; the
         # gradients' reduction and the update come once, the activations are one micro-batch's

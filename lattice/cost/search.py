@@ -235,8 +235,9 @@ def _fitting_or_accumulated(cfg, plan: Plan, lay: Layout, precision: str, *, bat
     limit and activations are what a smaller pass could save, also gradient accumulation over
     2, 4, 8, ... passes (the fewest that fit): the faster of the two, and the setup that saves the
     most memory of all."""
-    fitted, smallest = _fitting(cfg, plan, _setups(lay, precision), batch=batch, machine=machine)
-    if lay.pp > 1 or (fitted is not None and fitted.choice == _setups(lay, precision)[0]):
+    setups = _setups(lay, precision)
+    fitted, smallest = _fitting(cfg, plan, setups, batch=batch, machine=machine)
+    if lay.pp > 1 or (fitted is not None and fitted.choice == setups[0]):
         return fitted, smallest
     rest = smallest.memory["total"] - smallest.memory["activations"]
     if plan.memory_limit is None or rest > plan.memory_limit:

@@ -175,6 +175,12 @@ class Layout:
     def world_size(self) -> int:
         return self.topology.world_size
 
+    @property
+    def accumulation(self) -> int:
+        """Gradient accumulation's passes per step: `microbatches` without a pipeline, else 1 (a
+        pipeline's micro-batches are its schedule's)."""
+        return (self.microbatches or 1) if self.pp == 1 else 1
+
     def context(self, rank: int = 0) -> ParallelContext:
         """A ParallelContext of `rank` without process groups, for inspecting layouts and building
         meta models."""

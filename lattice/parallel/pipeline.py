@@ -280,7 +280,13 @@ def microbatch_count(ctx: ParallelContext) -> int:
     (`microbatches` with pp = 1: the replica batch in m forward and backward passes, one update)."""
     if ctx.pipeline is not None:
         return ctx.pipeline.m
-    return (ctx.layout.microbatches if ctx.layout is not None else None) or 1
+    return ctx.layout.accumulation if ctx.layout is not None else 1
+
+
+def microbatch_rows(n: int, m: int) -> list[slice]:
+    """The rows of each of m micro-batches of a batch of n sequences (m divides n), in order."""
+    size = n // m
+    return [slice(i * size, (i + 1) * size) for i in range(m)]
 
 
 def batch_problem(m: int, mode, ctx: ParallelContext, batch: int, seq: int) -> str | None:
@@ -452,7 +458,7 @@ class PipelineModel(nn.Module):
         # each micro-batch's mean weighted by its share of the labelled targets: the replica's mean
         # (under cp, of the whole sequences: the ranks' parts are summed over cp below)
         self._labelled = int(model.labelled_count(targets))
-        rows = [slice(i * size, (i + 1) * size) for i in range(pcfg.m)]
+        rows = microbatch_rows(len(tokens), pcfg.m)
         inputs = [model.microbatch_inputs(tokens[r], targets[r],
                                           *(None if t is None else t[r] for t in (attention_mask, token_types)))
                   for r in rows]

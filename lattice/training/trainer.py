@@ -34,7 +34,7 @@ from lattice.modes import get_mode
 from lattice.parallel.comm import raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, TrainingStopped
 from lattice.parallel.context_parallel import check_context_batch
-from lattice.parallel.pipeline import batch_problem, microbatch_count
+from lattice.parallel.pipeline import batch_problem, microbatch_count, microbatch_rows
 from lattice.parallel.zero import ZeroOptimizer
 from lattice.training import faults
 from lattice.training.config import (DATA_FORMATS, DTYPES, ON_NAN,  # noqa: F401  (lattice.training.trainer's names)
@@ -347,7 +347,7 @@ class Trainer:
         mean is weighted by its share of the replica's labelled targets, so that the gradients
         summed over them are the whole batch's; DDP reduces in the last backward alone."""
         m = microbatch_count(self.ctx)
-        rows = [slice(i * len(x) // m, (i + 1) * len(x) // m) for i in range(m)] if m > 1 else [slice(None)]
+        rows = microbatch_rows(len(x), m)
         shares = [1.0]
         if m > 1:
             mask = inputs.get("attention_mask")
