@@ -199,7 +199,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         problem = batch_problem(microbatch_count(ctx), get_mode(lay.mode), ctx, replica, length // lay.cp)
         if problem:
             raise LatticeConfigError(problem)
-    meeting, few_busy = machine.at(lay.world_size), False  # the rates at which the step's ranks meet
+    meeting = machine.at(lay.world_size)  # the rates at which the step's ranks meet
     shares_cores = bool(machine.cores) and lay.world_size > machine.cores
     accumulated = lay.accumulation
     if lay.pp == 1:
@@ -217,8 +217,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
             terms.update({k: shared[k] * (accumulated if k in ("compute", "tensor") else 1)
                           for k in ("compute", "update", "data", "tensor")})
             terms["bubble"] = max(0.0, accumulated * shared["own_core_compute"] - terms["compute"])
-            few_busy = shared["few_busy"]
-            if few_busy:  # the others wait in the collectives: none is held up by the scheduler
+            if shared["few_busy"]:  # the others wait in the collectives: none is held up by the scheduler
                 meeting = machine.at(machine.cores)
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
@@ -269,9 +268,15 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     # ranks sharing cores: every synchronisation waits for the slowest rank's compute (Machine.skew,
     # skew_curve): a stage's per micro-batch, its hops (a pair each), the gradients' once
     per_step = lay.pipeline.m if lay.pp > 1 else accumulated  # the figures are per micro-batch
+    # Where few ranks are busy (_uneven_ranks' few_busy) they meet waiting ones, who hold up none
+    # but must be woken: each collective pays the wake after its stretch of a world of a core per
+    # rank (meeting's wake_curve). benchmarks/waking_partners.py: 2 of 4 ranks on 2 cores computing
+    # 3 to 11 ms, then summing an activation with a waiting partner each, all four computing, and
+    # summing again, took 0.2 to 0.9 ms per sum beyond its parts timed alone, where the world of 2
+    # gave a sum after such a stretch 0.7 to 1.1 ms more than after the shortest (at 8 ranks, 0.1
+    # to 0.4: there an upper bound). Without it sub-graph's common="subgrid" at tp = 4 was priced
+    # 7-15% below its measured steps (validation runs 35-36), and the planner chose it first.
     syncs = {int(k[6:]): v * per_step for k, v in f.items() if k.startswith("syncs_")}
-    if few_busy:  # the busy ranks meet waiting ones (who hold up none) but in their gradients' sum
-        syncs = {}
     for k, v in f.items():
         if k.startswith("grad_syncs_"):
             syncs[int(k[11:])] = syncs.get(int(k[11:]), 0.0) + v
@@ -283,7 +288,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
         collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
     # a cp ring's exchanges each after a block of attention
-    ring = (0.0, 0.0) if few_busy else (per_step * f["ring_compute"], per_step * f["ring_calls"])  # (per pass)
+    ring = (per_step * f["ring_compute"], per_step * f["ring_calls"])  # (per pass)
     terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives, apart=ring)
     terms["update"] += _trainer_scalars(lay, choice, meeting)
     terms["overlapped"] += f["update_overlapped"]
@@ -333,10 +338,10 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
     between ranks): gpt2-wide's sub-graph (tp 8, 4 sub-grids, common on the first) took 121-125 ms
     of forward and backward, 29-38 ms to sum its gradients and 12-17 ms to update on sub-grid 0's
     two ranks; the world's rates for the mean rank had priced them at 144, 64 and 49 ms. With
-    few_busy the step's ranks meet as on a core each (`price`: skew and the Trainer's one-number
-    all-reduces at those rates): the waiting ranks are blocked in the collectives, not queued
-    behind the busy ones (its gradient norm took rank 0 2.5 ms, priced 21 at the world's α); so
-    are the loss's sums in the tensor term."""
+    few_busy the step's ranks meet as on a core each (`price`: skew, each collective's wake and
+    the Trainer's one-number all-reduces at those rates): the waiting ranks are blocked in the
+    collectives, not queued behind the busy ones (its gradient norm took rank 0 2.5 ms, priced
+    21 at the world's α); so are the loss's sums in the tensor term."""
     topo = layout.topology
     ranks = topo.group_members(topo.tensor_axes, 0)
     copies = layout.world_size // len(ranks)  # the replicas and cp ranks, which work alike
