@@ -6,13 +6,13 @@ then sub-grid 0 waits for the gather.
     python benchmarks/waking_partners.py -o benchmarks/results/waking_partners.txt
 
 In a world of p ranks on `cores` cores, the first `cores` ranks (one per core) compute a stretch
-of n matrix products while the others wait; then each sums an activation of (rows, width/2) with its partners (as the calibration's wake curve does) (one group
-per busy rank: ranks r, r + cores, ...), every rank computes k products, and they sum again. The
-step is timed beside its parts alone: the busy stretch, the stretch every rank computes, and the
-sum. What the step takes beyond its parts, per sum, is the partners' wake, which the cost model
-prices from the wake curve a world of one rank per core measures (Machine.wake_curve: a
-collective after a stretch of compute against one after the shortest); that world's figures are
-printed beside them, from the same products.
+of n matrix products while the others wait; then each sums an activation of (rows, width / 2)
+with its partners (one group per busy rank: ranks r, r + cores, ...), every rank computes k
+products, and they sum again. The step is timed beside its parts alone: the busy stretch, the
+stretch every rank computes, and the sum. What the step takes beyond its parts, per sum, is the
+partners' wake, which the cost model prices from the wake curve a world of one rank per core
+measures (Machine.wake_curve: a sum of such an activation after a stretch of compute against one
+after the shortest); that world's figures are printed beside them, from the same products.
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def main() -> int:
         lines.append(f"world of {p} ({cores} busy, the others waiting; a group's sum alone {alone * 1e3:.2f} ms):")
         for j, (n, k) in enumerate(STRETCHES):
             step, busy, every = seconds[3 * j:3 * j + 3]
+            beyond = (step - busy - every - 2 * alone) / 2
             lines.append(f"  {n:3d} busy products ({busy * 1e3:6.2f} ms), {k} on every rank ({every * 1e3:5.2f} ms): "
-                         f"step {step * 1e3:6.2f} ms, beyond its parts {(step - busy - every - 2 * alone) / 2 * 1e3:+.2f} ms per sum")
+                         f"step {step * 1e3:6.2f} ms, beyond its parts {beyond * 1e3:+.2f} ms per sum")
     text = "\n".join(lines)
     print(text)
     if args.output:
