@@ -795,10 +795,11 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     c.topology = few.topology
     syncs = c.syncs()
     assert sum(c.grad_syncs().values()) > 0 and sum(c.syncs(grads=False).values()) > 0
-    wake = BY_WORLD_FIELDS.index("wake_curve")
+    wake = BY_WORLD_FIELDS.index("wake_curve")  # beyond the 16 columns above: the 2-rank row grows to it
     woken = dataclasses.replace(machine, by_world=tuple(
-        row[:wake] + (((0.001, 0.0), (0.004, 0.001)),) + row[wake + 1:] if row[0] == 2 else row
+        row + ((),) * (wake - len(row)) + (((0.001, 0.0), (0.004, 0.001)),) if row[0] == 2 else row
         for row in machine.by_world))
+    assert woken.at(2).wake_curve == ((0.001, 0.0), (0.004, 0.001)) and woken.at(8).wake_curve == ()
     skew = woken.at(2).skew_seconds(priced["compute"], syncs, collectives=sum(syncs.values()))
     assert skew > woken.at(2).skew_seconds(priced["compute"], c.grad_syncs(), collectives=sum(c.grad_syncs().values()))
     assert price(cfg, Choice(few), batch=8, machine=woken).terms["skew"] == pytest.approx(skew, rel=1e-9)
