@@ -5,6 +5,7 @@ sums, the data-parallel all-reduce) and sums the work, saves and terms into a `C
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 
@@ -34,6 +35,13 @@ ELEMENTWISE_OPERATORS = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _parameters(model) -> dict:
+    """A model's parameters by name (read only): one walk of a meta model the planner prices in
+    many setups (lattice.cost.model._meta_model keeps as many)."""
+    return dict(model.named_parameters())
+
+
 class CostBuilder:
     """Fills a Cost from the family's description of one step (`Model.cost_layout(builder)`,
     which calls the operations below in the order its forward runs them) and the mode's price of
@@ -52,7 +60,7 @@ class CostBuilder:
         c, cfg = cost, cost.cfg
         self.c, self.cfg, self.topo, self.model, self.mode = c, cfg, c.topology, model, model.mode
         # the model's parameters by name, walked once: the step's parts each read them
-        self.params = dict(model.named_parameters())
+        self.params = _parameters(model)
         # under context parallelism a rank runs its 1/cp of every sequence's tokens, attention
         # reads every key around the cp ring (`ring`)
         self.cp = c.topology.size(CP)

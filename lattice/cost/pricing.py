@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from lattice.cost.machine import Machine
@@ -146,11 +147,30 @@ def _figures(c, machine: Machine) -> dict[str, float]:
     return out
 
 
+_PRICED: OrderedDict = OrderedDict()  # _priced_blocks' arguments -> its figures, the latest used last
+_PRICED_KEPT = 16384
+
+
 def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
     """`_figures` of rank 0 of `layout` (no pipeline) running `blocks` of the model's blocks with
     its first and last parts, its groups placed on nodes as in `topology`: from the model itself
     when it is that shallow, else from one and two blocks, extrapolated along the depth (every
-    figure is linear in the blocks but the gradient buckets' count, which is rounded)."""
+    figure is linear in the blocks but the gradient buckets' count, which is rounded). Kept for
+    the search's later prices of the same stage (a pipeline's schedules of one micro-batch count
+    share their stages'): read only."""
+    key = (type(cfg), repr(cfg), get_mode(layout.mode), repr(layout), blocks, batch, machine, repr(topology),
+           tuple(sorted(kw.items())))
+    if key in _PRICED:
+        _PRICED.move_to_end(key)
+        return _PRICED[key]
+    _PRICED[key] = _blocks_figures(cfg, layout, blocks=blocks, batch=batch, machine=machine, topology=topology, **kw)
+    if len(_PRICED) > _PRICED_KEPT:
+        _PRICED.popitem(last=False)
+    return _PRICED[key]
+
+
+def _blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
+    """`_priced_blocks`, computed."""
 
     def figures(n):
         c = estimate(dataclasses.replace(cfg, n_layers=n), layout, batch=batch, **kw)

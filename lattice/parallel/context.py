@@ -178,12 +178,12 @@ class Topology:
         return members if len(axes) == 1 else sorted(members)
 
     def all_groups(self, axes) -> list[list[int]]:
-        """Every group over `axes`, each listed once."""
-        seen, groups = set(), []
+        """Every group over `axes`, each listed once, in the order of their lowest ranks."""
+        grouped, groups = set(), []
         for rank in range(self.world_size):
-            members = self.group_members(axes, rank)
-            if tuple(members) not in seen:
-                seen.add(tuple(members))
+            if rank not in grouped:  # the groups over axes partition the ranks: one per rank not yet in one
+                members = self.group_members(axes, rank)
+                grouped.update(members)
                 groups.append(members)
         return groups
 
