@@ -163,10 +163,11 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
     if key in _PRICED:
         _PRICED.move_to_end(key)
         return _PRICED[key]
-    _PRICED[key] = _blocks_figures(cfg, layout, blocks=blocks, batch=batch, machine=machine, topology=topology, **kw)
-    if len(_PRICED) > _PRICED_KEPT:
+    figures = _PRICED[key] = _blocks_figures(cfg, layout, blocks=blocks, batch=batch, machine=machine,
+                                             topology=topology, **kw)
+    while len(_PRICED) > _PRICED_KEPT:
         _PRICED.popitem(last=False)
-    return _PRICED[key]
+    return figures
 
 
 def _blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
