@@ -1105,3 +1105,27 @@ def test_kernel_rows_and_rate_from_the_median_of_the_product_bursts():
     kernel_rows, rate = _product_rates(rows, bursts, weights=1e6)
     assert kernel_rows == pytest.approx(50.0)
     assert rate == pytest.approx(1e6 * 562 / 662e-6)
+
+
+def test_the_stage_figures_the_search_keeps_follow_every_argument_they_depend_on():
+    """Catches the planner's kept stage figures (pricing._priced_blocks) answering a later price
+    with the figures of another: a key that leaves out the machine, the placement of the groups on
+    nodes, the ZeRO stage, the precision or the batch would price the second setup as the first.
+    Each must equal the figures computed afresh (pricing._blocks_figures), and each pair differ."""
+    from lattice.cost import pricing
+
+    cfg = small(n_layers=4)
+    lay = Layout("1d", tp=4, dp=2, ranks_per_node=8)
+    spread = Layout("1d", tp=4, dp=2, ranks_per_node=2)  # the tensor groups now span nodes
+    slower = dataclasses.replace(MACHINE, flop_rate=MACHINE.flop_rate / 2)
+    base = dict(blocks=4, batch=4, machine=MACHINE, topology=lay.topology, zero=0, precision="fp32")
+    variants = [{}, {"machine": slower}, {"topology": spread.topology}, {"zero": 1}, {"precision": "bf16"},
+                {"batch": 2}]
+    kept = []
+    for change in variants:
+        args = {**base, **change}
+        kept.append(pricing._priced_blocks(cfg, lay, **args))
+        assert kept[-1] == pricing._blocks_figures(cfg, lay, **args), change
+        assert pricing._priced_blocks(cfg, lay, **args) is kept[-1]  # the second ask is kept
+    for (a, fa), (b, fb) in itertools.combinations(zip(variants, kept), 2):
+        assert fa != fb, (a, b)
