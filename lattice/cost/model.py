@@ -288,6 +288,19 @@ class Cost:
         return out
 
 
+def kept(store: OrderedDict, limit: int, key, compute):
+    """`store[key]`, from `compute()` where it is not there yet: a store of the planner's many
+    prices of one layout or stage (hashable keys: reprs of the unhashable configs and layouts) that
+    keeps at most `limit` entries, the least recently used dropped first."""
+    if key in store:
+        store.move_to_end(key)
+        return store[key]
+    value = store[key] = compute()
+    while len(store) > limit:
+        store.popitem(last=False)
+    return value
+
+
 _MODELS: OrderedDict = OrderedDict()  # (config, layout, rank) -> meta model, the latest used last
 _MODELS_KEPT = 256
 
@@ -301,15 +314,11 @@ def _meta_model(cfg, layout: Layout, rank: int):
     # registered anew is built anew
     shape = layout.replace(microbatches=None) if layout.pp > 1 and layout.pp_schedule != "interleaved" else layout
     key = (type(cfg), repr(cfg), get_mode(layout.mode), repr(shape), rank)
-    if key in _MODELS:
-        _MODELS.move_to_end(key)
-        return ctx, _MODELS[key]
-    with torch.device("meta"):
-        model = build_model(cfg, ctx)
-    _MODELS[key] = model
-    if len(_MODELS) > _MODELS_KEPT:
-        _MODELS.popitem(last=False)
-    return ctx, model
+
+    def meta_build():
+        with torch.device("meta"):
+            return build_model(cfg, ctx)
+    return ctx, kept(_MODELS, _MODELS_KEPT, key, meta_build)
 
 
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,

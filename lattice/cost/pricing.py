@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from lattice.cost.machine import Machine
-from lattice.cost.model import _meta_model, estimate, spans_nodes
+from lattice.cost.model import _meta_model, estimate, kept, spans_nodes
 from lattice.cost.pipeline import in_flight, p2p_piece
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
@@ -160,14 +160,8 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
     share their stages'): read only."""
     key = (type(cfg), repr(cfg), get_mode(layout.mode), repr(layout), blocks, batch, machine, repr(topology),
            tuple(sorted(kw.items())))
-    if key in _PRICED:
-        _PRICED.move_to_end(key)
-        return _PRICED[key]
-    figures = _PRICED[key] = _blocks_figures(cfg, layout, blocks=blocks, batch=batch, machine=machine,
-                                             topology=topology, **kw)
-    while len(_PRICED) > _PRICED_KEPT:
-        _PRICED.popitem(last=False)
-    return figures
+    return kept(_PRICED, _PRICED_KEPT, key, lambda: _blocks_figures(cfg, layout, blocks=blocks, batch=batch,
+                                                                    machine=machine, topology=topology, **kw))
 
 
 def _blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
