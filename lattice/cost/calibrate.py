@@ -79,7 +79,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
     # and each of them on its own, as the cost model counts it (Machine.elementwise_rates)
-    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, _fwd_bwd, reps)
+    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, _fwd_bwd, reps,
+                                        cores=len(os.sched_getaffinity(0)))
     # the framework's time per operation the family describes: a serial model of it of one and of two
     # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
     # and backward's two per operation)
@@ -223,7 +224,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     return dataclasses.replace(machine, pipeline_actions=_pipeline_actions(cfg, machine, reps)) if p > 1 else machine
 
 
-def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int):
+def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int,
+                       cores: int | None = None):
     """((operator, elements/s), ...) of every operator of lattice.cost.builder.ELEMENTWISE_OPERATORS,
     forward and backward (the work counts 1 + 2), counted as the builder counts it: on x (a rank's
     share of the activations; rotary on x's elements as heads of `head_size` over T positions) and
@@ -235,7 +237,15 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     between half those rows and all of them (a step's tensors are no larger): the time per call that does not grow with the elements
     is the framework's (Machine.op_overhead, which times it apart), and at a tensor-parallel
     rank's share it made up half of a LayerNorm's (1.9 ns per element on 512 x 48, 1.1 ns in the
-    model's 512 x 96)."""
+    model's 512 x 96).
+
+    Where the world's ranks outnumber its `cores`, the first `cores` ranks time the operators while
+    the others wait, and each rate is shared, times cores / p (the others return inf, for the
+    caller's minimum over the ranks). Timed with every rank at once, the slope was the scheduler's:
+    over validation runs 34-38 the 4-rank rates came out 0.01-0.76 of the 2-rank ones and the 8-rank
+    rates of LayerNorm, GELU and the add 0.01-0.13, where sharing the cores gives 0.5 and 0.25; and
+    a pipeline's calibrated time per chunk (_pipeline_actions), the rest of its growth beyond these
+    prices, then came out too short."""
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
     from lattice.models.components import ACTIVATIONS, rotate
     from lattice.modes.kernels.layers import normalize_split_hidden
@@ -266,10 +276,22 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
         return {op: (cycled(fn, tensors), tensors[0].numel()) for op, (fn, tensors) in kernels.items()}
 
     half, whole = runs(1), runs(2)
-    seconds = timed_in_turn([run for run, _ in half.values()] + [run for run, _ in whole.values()], reps)
+    fns = [run for run, _ in half.values()] + [run for run, _ in whole.values()]
+    p = dist.get_world_size() if dist.is_initialized() else 1
+    share = 1.0
+    if cores and p > cores:
+        quiet = dist.new_group(list(range(cores)))
+        seconds = timed_in_turn(fns, reps, group=quiet) if dist.get_rank() < cores else None
+        dist.barrier()  # the waiting ranks start nothing of their own while the others time
+        dist.destroy_process_group(quiet)
+        if seconds is None:
+            return [(op, math.inf) for op in half]
+        share = cores / p
+    else:
+        seconds = timed_in_turn(fns, reps)
     k = len(half)
     # (where noise makes the whole no slower than the half, the whole call's time bounds it)
-    return [(op, 3 * ELEMENTWISE_OPERATORS[op] * (whole[op][1] - n) / (t2 - t1 if t2 > t1 else t2))
+    return [(op, share * 3 * ELEMENTWISE_OPERATORS[op] * (whole[op][1] - n) / (t2 - t1 if t2 > t1 else t2))
             for (op, (_, n)), t1, t2 in zip(half.items(), seconds[:k], seconds[k:])]
 
 

@@ -45,10 +45,10 @@ def _products(m: int, k: int, n: int):
     return step
 
 
-def timed_in_turn(fns: list, n: int, warm_rounds: int = 0) -> list[float]:
-    """Seconds per call of each of `fns` (zero-argument callables), every rank of the world running
-    them together: the median over n rounds of `timed_rounds`."""
-    return [statistics.median(s) for s in timed_rounds(fns, n, warm_rounds)]
+def timed_in_turn(fns: list, n: int, warm_rounds: int = 0, group=None) -> list[float]:
+    """Seconds per call of each of `fns` (zero-argument callables), every rank of the world (or of
+    `group`) running them together: the median over n rounds of `timed_rounds`."""
+    return [statistics.median(s) for s in timed_rounds(fns, n, warm_rounds, group=group)]
 
 
 def timed_differences(pairs: list[tuple], n: int, warm_rounds: int = 0) -> list[tuple[float, float]]:
@@ -63,9 +63,9 @@ def timed_differences(pairs: list[tuple], n: int, warm_rounds: int = 0) -> list[
             for with_it, without in zip(rounds[::2], rounds[1::2])]
 
 
-def timed_rounds(fns: list, n: int, warm_rounds: int = 0) -> list[list[float]]:
+def timed_rounds(fns: list, n: int, warm_rounds: int = 0, group=None) -> list[list[float]]:
     """Seconds per call of each of `fns` (zero-argument callables) in each of n rounds, every rank
-    of the world running them together, each round one sample of every fn in turn (starting one
+    of the world (or of `group`, the others elsewhere) running them together, each round one sample of every fn in turn (starting one
     later each round, as the validation interleaves its layouts), so that a drift of the machine's
     speed falls on all of them alike, after `warm_rounds` rounds untimed. A sample repeats its fn
     for at least SAMPLE_S, every rank the same number of times: a shorter one fits inside the
@@ -77,12 +77,12 @@ def timed_rounds(fns: list, n: int, warm_rounds: int = 0) -> list[list[float]]:
         fn()
         first.append(math.ceil(SAMPLE_S / max(time.perf_counter() - t, 1e-6)))
     repeats = torch.tensor(first)
-    dist.all_reduce(repeats, op=dist.ReduceOp.MAX)
+    dist.all_reduce(repeats, op=dist.ReduceOp.MAX, group=group)
     samples = [[] for _ in fns]
     for r in range(warm_rounds + n):
         for k in [(r + i) % len(fns) for i in range(len(fns))]:
             repeat = int(repeats[k])
-            dist.barrier()
+            dist.barrier(group=group)
             t = time.perf_counter()
             for _ in range(repeat):
                 fns[k]()
