@@ -31,7 +31,8 @@ COLD_POOL_BYTES = 16 * 2 ** 20
 
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
-    micro-benchmarks at once (so sharing the cores is part of the fit): matrix products, causal
+    micro-benchmarks at once (so sharing the cores is part of the fit; of the elementwise operators
+    on their own, see _elementwise_rates): matrix products, causal
     attention and elementwise operators (a mix of LayerNorm, GELU, bias add and cross-entropy, and
     each operator the cost model counts on its own), each forward and backward at this world's
     per-rank sizes; the framework's time per operation on a tiny model of `cfg`'s family; α and β
