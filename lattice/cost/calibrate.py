@@ -243,10 +243,10 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     Where the world's ranks outnumber its `cores`, the first `cores` ranks time the operators while
     the others wait, and each rate is shared, times cores / p (the others return inf, for the
     caller's minimum over the ranks). Timed with every rank at once, the slope was the scheduler's:
-    over validation runs 34-38 the 4-rank rates came out 0.01-0.76 of the 2-rank ones and the 8-rank
-    rates of LayerNorm, GELU and the add 0.01-0.13, where sharing the cores gives 0.5 and 0.25; and
-    a pipeline's calibrated time per chunk (_pipeline_actions), the rest of its growth beyond these
-    prices, then came out too short."""
+    the 4-rank rates came out 0.01-0.76 of the 2-rank ones (validation runs 34-37) and the 8-rank
+    rates of LayerNorm, GELU and the add 0.01-0.13 (runs 32, 34, 37, 38), where sharing the cores
+    gives 0.5 and 0.25; and a pipeline's calibrated time per chunk (_pipeline_actions), the rest of
+    its growth beyond these prices, then came out too short."""
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
     from lattice.models.components import ACTIVATIONS, rotate
     from lattice.modes.kernels.layers import normalize_split_hidden
