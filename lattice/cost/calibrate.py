@@ -38,6 +38,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     per-rank sizes; the framework's time per operation on a tiny model of `cfg`'s family; α and β
     of each collective; AdamW's update and the gradient norm and clipping before it."""
     p = dist.get_world_size()
+    cores = len(os.sched_getaffinity(0))  # the cores this node's ranks share
     h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
 
     def timed(fn, n=reps):
@@ -80,8 +81,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
     # and each of them on its own, as the cost model counts it (Machine.elementwise_rates)
-    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, _fwd_bwd, reps,
-                                        cores=len(os.sched_getaffinity(0)))
+    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, _fwd_bwd, reps, cores=cores)
     # the framework's time per operation the family describes: a serial model of it of one and of two
     # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
     # and backward's two per operation)
@@ -153,7 +153,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 chunk_a @ chunk_b
                 work.wait()
 
-        if p < len(os.sched_getaffinity(0)):
+        if p < cores:
             alone, in_turn, started = timed_in_turn([lambda: loop(None), after, beside], reps)
             overlap = min(max((in_turn - started) / max(min(in_turn - alone, alone), 1e-9), 0.0), 1.0)
         else:  # no core to spare: in a step nothing hides (gpt2-deep's 1d tp=2 at 2 ranks on 2 cores took
@@ -172,7 +172,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 if coll:
                     dist.all_reduce(activation)
 
-        counts = (1, 4, 16, 64) if p <= len(os.sched_getaffinity(0)) else ()
+        counts = (1, 4, 16, 64) if p <= cores else ()
         pairs = [(functools.partial(stretches, n, True), functools.partial(stretches, n, False)) for n in counts]
         wake_curve = tuple((without / LOOP_CALLS, max(extra, 0.0) / LOOP_CALLS)
                            for without, extra in (timed_differences(pairs, 3 * reps) if pairs else ()))
