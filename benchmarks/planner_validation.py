@@ -172,18 +172,19 @@ def _first_over_best(ranked: list, runs: list[dict]) -> float:
     return measured[top] / min(measured.values()) if top in measured else math.inf
 
 
-def _reprice(paths: list[str], out: str | None, preset: str) -> int:
+def _reprice(paths: list[str], out: str | None, preset: str, at_preset: bool = False) -> int:
     """Each measured layout of the runs in `paths` priced by the cost model as it is now, at its
-    case's stored calibration (the one its predictions used), beside the step measured then; the
-    first choice is the model's top at that calibration."""
+    case's stored calibration (the one its predictions used) or, `at_preset`, at the preset's own
+    rows as `lattice plan --machine` prices, beside the step measured then; the first choice is the
+    model's top at those rates."""
     cases, errors = [], []
     for path in paths:
         with open(path) as f:
             run = json.load(f)
         for case in run["cases"]:
             cfg = _config(case["shape"])
-            machine = dataclasses.replace(machine_named(preset),
-                                          by_world=frozen(case["by_world"]))
+            machine = machine_named(preset) if at_preset else dataclasses.replace(
+                machine_named(preset), by_world=frozen(case["by_world"]))
             plan = search(cfg, gpus=case["p"], machine=machine, batch=BATCH, ranks_per_node=case["p"],
                           precisions=(machine.precision,))
             now = {c.choice.describe(): c.step_s for c in plan.ranked}
@@ -208,7 +209,8 @@ def _reprice(paths: list[str], out: str | None, preset: str) -> int:
           f"{summary['median_abs_error']:.1%} over {len(errors)} runs")
     if out:
         with open(out, "w") as f:
-            json.dump({"machine": "repriced", "calibration": "stored, per case", "summary": summary, "cases": cases},
+            json.dump({"machine": "repriced", "calibration": f"the {preset} preset's" if at_preset else "stored, per case",
+                       "summary": summary, "cases": cases},
                       f, indent=1)
     return 0
 
@@ -225,7 +227,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per layout per round")
     p.add_argument("--machine", default="cpu-2core")
     p.add_argument("--preset", action="store_true", help="predict with the preset's rates as stored (default: "
-                                                          "calibrated afresh before each case)")
+                                                          "calibrated afresh before each case; with --reprice: "
+                                                          "the stored calibration of each case)")
     p.add_argument("--calibrate", action="store_true", help="print the calibration rows of each world size and stop")
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each case in this many separate worlds (the median is judged) and report how well "
@@ -237,7 +240,7 @@ def main() -> int:
                         "measure counts as a miss)")
     args = p.parse_args()
     if args.reprice:
-        return _reprice(args.reprice, args.out, args.machine)
+        return _reprice(args.reprice, args.out, args.machine, at_preset=args.preset)
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.calibrate:
         rows = _rows("gpt2-small", [1] + ranks, verbose=True)
