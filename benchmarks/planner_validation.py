@@ -236,7 +236,7 @@ def main() -> int:
     p.add_argument("-o", "--out", default=None)
     p.add_argument("--reprice", nargs="+", metavar="RUN.json",
                    help="price the layouts of earlier runs again with the model as it is now, at each case's stored "
-                        "calibration, and report the figures (no step is measured; a first choice the run did not "
+                        "calibration (with --preset, at the preset's own rows), and report the figures (no step is measured; a first choice the run did not "
                         "measure counts as a miss)")
     args = p.parse_args()
     if args.reprice:
