@@ -209,8 +209,8 @@ def _reprice(paths: list[str], out: str | None, preset: str, at_preset: bool = F
           f"{summary['median_abs_error']:.1%} over {len(errors)} runs")
     if out:
         with open(out, "w") as f:
-            json.dump({"machine": "repriced", "calibration": f"the {preset} preset's" if at_preset else "stored, per case",
-                       "summary": summary, "cases": cases},
+            calibration = f"the {preset} preset's" if at_preset else "stored, per case"
+            json.dump({"machine": "repriced", "calibration": calibration, "summary": summary, "cases": cases},
                       f, indent=1)
     return 0
 
@@ -236,8 +236,8 @@ def main() -> int:
     p.add_argument("-o", "--out", default=None)
     p.add_argument("--reprice", nargs="+", metavar="RUN.json",
                    help="price the layouts of earlier runs again with the model as it is now, at each case's stored "
-                        "calibration (with --preset, at the preset's own rows), and report the figures (no step is measured; a first choice the run did not "
-                        "measure counts as a miss)")
+                        "calibration (with --preset, at the preset's own rows), and report the figures (no step is "
+                        "measured; a first choice the run did not measure counts as a miss)")
     args = p.parse_args()
     if args.reprice:
         return _reprice(args.reprice, args.out, args.machine, at_preset=args.preset)
