@@ -178,13 +178,13 @@ def _reprice(paths: list[str], out: str | None, preset: str, at_preset: bool = F
     rows as `lattice plan --machine` prices, beside the step measured then; the first choice is the
     model's top at those rates."""
     cases, errors = [], []
+    base = machine_named(preset)
     for path in paths:
         with open(path) as f:
             run = json.load(f)
         for case in run["cases"]:
             cfg = _config(case["shape"])
-            machine = machine_named(preset) if at_preset else dataclasses.replace(
-                machine_named(preset), by_world=frozen(case["by_world"]))
+            machine = base if at_preset else dataclasses.replace(base, by_world=frozen(case["by_world"]))
             plan = search(cfg, gpus=case["p"], machine=machine, batch=BATCH, ranks_per_node=case["p"],
                           precisions=(machine.precision,))
             now = {c.choice.describe(): c.step_s for c in plan.ranked}

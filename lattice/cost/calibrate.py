@@ -32,11 +32,11 @@ COLD_POOL_BYTES = 16 * 2 ** 20
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
     micro-benchmarks at once (so sharing the cores is part of the fit; of the elementwise operators
-    on their own, see _elementwise_rates): matrix products, causal
-    attention and elementwise operators (a mix of LayerNorm, GELU, bias add and cross-entropy, and
-    each operator the cost model counts on its own), each forward and backward at this world's
-    per-rank sizes; the framework's time per operation on a tiny model of `cfg`'s family; α and β
-    of each collective; AdamW's update and the gradient norm and clipping before it."""
+    on their own, see _elementwise_rates): matrix products, causal attention and elementwise
+    operators (a mix of LayerNorm, GELU, bias add and cross-entropy, and each operator the cost
+    model counts on its own), each forward and backward at this world's per-rank sizes; the
+    framework's time per operation on a tiny model of `cfg`'s family; α and β of each collective;
+    AdamW's update and the gradient norm and clipping before it."""
     p = dist.get_world_size()
     cores = len(os.sched_getaffinity(0))  # the cores this node's ranks share
     h, M, T, V = cfg.d_model, batch * cfg.seq_len, cfg.seq_len, cfg.vocab_size
@@ -235,10 +235,10 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     the operators before them wrote among its other activations: on one input, hot in the cache,
     GELU's forward and backward took half the time (252 against 495 µs on 512 x 96 here) and
     gpt2-deep's operators in a model ran at about half the rates so timed. The rate is the slope
-    between half those rows and all of them (a step's tensors are no larger): the time per call that does not grow with the elements
-    is the framework's (Machine.op_overhead, which times it apart), and at a tensor-parallel
-    rank's share it made up half of a LayerNorm's (1.9 ns per element on 512 x 48, 1.1 ns in the
-    model's 512 x 96).
+    between half those rows and all of them (a step's tensors are no larger): the time per call
+    that does not grow with the elements is the framework's (Machine.op_overhead, which times it
+    apart), and at a tensor-parallel rank's share it made up half of a LayerNorm's (1.9 ns per
+    element on 512 x 48, 1.1 ns in the model's 512 x 96).
 
     Where the world's ranks outnumber its `cores`, the first `cores` ranks time the operators while
     the others wait, and each rate is shared, times cores / p (the others return inf, for the

@@ -68,9 +68,9 @@ def timed_rounds(fns: list, n: int, warm_rounds: int = 0, group=None) -> list[li
     of the world (or of `group`, the others elsewhere) running them together, each round one sample
     of every fn in turn (starting one later each round, as the validation interleaves its layouts),
     so that a drift of the machine's speed falls on all of them alike, after `warm_rounds` rounds
-    untimed. A sample repeats its fn for at least SAMPLE_S, every rank the same number of times: a shorter one fits inside the
-    scheduler's time slice, and where ranks outnumber the cores it would time one rank running
-    alone rather than the ranks sharing them as in a step."""
+    untimed. A sample repeats its fn for at least SAMPLE_S, every rank the same number of times: a
+    shorter one fits inside the scheduler's time slice, and where ranks outnumber the cores it
+    would time one rank running alone rather than the ranks sharing them as in a step."""
     first = []
     for fn in fns:
         t = time.perf_counter()
