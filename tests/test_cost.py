@@ -482,7 +482,7 @@ def _check_rates_timed_on_the_cores(cores: int):
     import lattice.cost.calibrate as calibrate
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
 
-    timed_by = []  # the ranks of each timing's group
+    timed_by, widths = [], set()  # the ranks of each timing's group, the widths of the inputs timed
 
     def timed_in_turn(runs, reps, group=None):
         timed_by.append(dist.get_world_size(group))
@@ -493,29 +493,35 @@ def _check_rates_timed_on_the_cores(cores: int):
     calibrate.timed_in_turn = timed_in_turn
     try:
         rates = dict(calibrate._elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
-                                                  fwd_bwd=lambda fn, *inputs: (lambda: inputs[0].numel()),
+                                                  fwd_bwd=lambda fn, *inputs: (widths.add(inputs[0].shape[-1]) or
+                                                                               (lambda: inputs[0].numel())),
                                                   reps=1, cores=cores))
     finally:
         calibrate.timed_in_turn = real
     expected = {op: 3 * n * 1e9 * min(1.0, cores / dist.get_world_size()) for op, n in ELEMENTWISE_OPERATORS.items()}
-    return timed_by, rates, expected
+    return timed_by, rates, expected, widths
 
 
 def test_where_ranks_outnumber_the_cores_the_elementwise_operators_are_timed_on_as_many_ranks_as_cores():
     """At 4 ranks on 2 cores the first 2 ranks time the operators while the other 2 wait, and each
-    rate is 2/4 of what they time; the waiting ranks report inf (the caller takes the minimum over
-    the ranks). Catches the rates timed by every rank at once (their slope was the scheduler's:
-    4-rank rates 0.01-0.76 of the 2-rank ones in validation runs 34-38), the share left out, and a
-    waiting rank's own figure let into the minimum. With a core per rank nothing changes."""
+    rate is 2/4 of what they time, on the shares of a world of 2 (twice the 4-rank share's width);
+    the waiting ranks report inf (the caller takes the minimum over the ranks). Catches the rates
+    timed by every rank at once (their slope was the scheduler's: 4-rank rates 0.01-0.76 of the
+    2-rank ones in validation runs 34-38), the share left out, a waiting rank's own figure let into
+    the minimum, and the operators timed at the world's own shares (at 8 ranks gpt2-deep's 512 x 12
+    elements, whose slope was noise: rates 0.03-0.73 of the 2-rank ones shared, in run 40). With a
+    core per rank nothing changes."""
     results = run_distributed(4, _check_rates_timed_on_the_cores, 2)
-    for rank, (timed_by, rates, expected) in enumerate(results):
+    for rank, (timed_by, rates, expected, widths) in enumerate(results):
         if rank < 2:
             assert timed_by == [2]
             assert rates == pytest.approx(expected, rel=1e-9)
         else:
             assert timed_by == [] and set(rates.values()) == {math.inf} and set(rates) == set(expected)
-    for timed_by, rates, expected in run_distributed(4, _check_rates_timed_on_the_cores, 4):
+        assert widths == {48, 80, 8}  # x's 24 and the logits' 40 columns twice as wide; rotary's heads
+    for timed_by, rates, expected, widths in run_distributed(4, _check_rates_timed_on_the_cores, 4):
         assert timed_by == [4] and rates == pytest.approx(expected, rel=1e-9)
+        assert widths == {24, 40, 8}
 
 
 @pytest.mark.parametrize("arch,schedule", [("gpt2", "1f1b"), ("llama", "interleaved"), ("bert", "1f1b")])

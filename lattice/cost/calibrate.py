@@ -241,17 +241,25 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     element on 512 x 48, 1.1 ns in the model's 512 x 96).
 
     Where the world's ranks outnumber its `cores`, the first `cores` ranks time the operators while
-    the others wait, and each rate is shared, times cores / p (the others return inf, for the
-    caller's minimum over the ranks). Timed with every rank at once, the slope was the scheduler's:
-    the 4-rank rates came out 0.01-0.76 of the 2-rank ones (validation runs 34-37) and the 8-rank
-    rates of LayerNorm, GELU and the add 0.01-0.13 (runs 32, 34, 37, 38), where sharing the cores
-    gives 0.5 and 0.25; and a pipeline's calibrated time per chunk (_pipeline_actions), the rest of
-    its growth beyond these prices, then came out too short."""
+    the others wait, on the shares of a world of one rank per core (x and logits p / cores times as
+    wide), and each rate is shared, times cores / p (the others return inf, for the caller's
+    minimum over the ranks). Timed with every rank at once, the slope was the scheduler's: the
+    4-rank rates came out 0.01-0.76 of the 2-rank ones (validation runs 34-37) and the 8-rank rates
+    of LayerNorm, GELU and the add 0.01-0.13 (runs 32, 34, 37, 38), where sharing the cores gives
+    0.5 and 0.25; and a pipeline's calibrated time per chunk (_pipeline_actions), the rest of its
+    growth beyond these prices, then came out too short. Timed by the cores' ranks at the world's
+    own shares, the slope between half and all of gpt2-deep's 512 x 12 elements was noise: run
+    40's 8-rank rates were 0.03 (the add) to 0.73 (LayerNorm) of the 2-rank ones shared, 91 of the
+    173 ms its serial layouts were priced to compute, and those layouts were priced 43-53% over
+    their steps; at the 2-rank rates shared, -6% to +1%."""
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
     from lattice.models.components import ACTIVATIONS, rotate
     from lattice.modes.kernels.layers import normalize_split_hidden
 
     cos, sin = torch.randn(T, head_size), torch.randn(T, head_size)
+    p = dist.get_world_size() if dist.is_initialized() else 1
+    if cores and p > cores:  # the shares of a world of a rank per core, p / cores times as wide
+        x, logits = (torch.randn(t.shape[0], t.shape[1] * p // cores) for t in (x, logits))
 
     def pool(*shape) -> list[torch.Tensor]:
         return [torch.randn(*shape) for _ in range(max(2, math.ceil(COLD_POOL_BYTES / (4 * math.prod(shape)))))]
@@ -278,7 +286,6 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
 
     half, whole = runs(1), runs(2)
     fns = [run for run, _ in half.values()] + [run for run, _ in whole.values()]
-    p = dist.get_world_size() if dist.is_initialized() else 1
     share = 1.0
     if cores and p > cores:
         quiet = dist.new_group(list(range(cores)))
