@@ -63,9 +63,10 @@ def frozen(value):
 
 def _cpu_rows() -> tuple:
     """cpu-2core's rows at 2, 4 and 8 ranks (cpu_2core.json: every column of BY_WORLD_FIELDS of the
-    validation's calibrations of gpt2-small in the latest run of each world size, runs 42, 41 and
-    40): the preset prices those runs' measured steps of all four shapes to a median |error| of
-    6.6%, where the rows of run 32 it held before were 29.4% below them (the host ran faster then)."""
+    validation's calibrations of gpt2-small in the latest run of each world size, runs 42, 44 and
+    43): the preset prices those runs' measured steps of all four shapes to a median |error| of
+    7.7%, where the 4- and 8-rank rows of runs 41 and 40 it held before gave 18.4% (the host ran
+    slower then, and their elementwise rates were timed at the world's own shares)."""
     with open(os.path.join(os.path.dirname(__file__), "cpu_2core.json")) as f:
         rows = json.load(f)["rows"]
     return tuple(frozen([row[name] for name in BY_WORLD_FIELDS]) for row in rows)
@@ -81,7 +82,7 @@ MACHINES: dict[str, Machine] = {
         alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.78e+09, attn_rate=6.04e+08,
         update_per_tensor=3.92e-06, mem_bandwidth=5.31e+10, op_overhead=1.6e-05, norm_per_tensor=3.86e-06,
         memory_gib=0.0, cores=2, kernel_rows=9.0,
-        # and of 2, 4 and 8 ranks: the validation's calibrations of runs 42, 41 and 40, every column (_cpu_rows)
+        # and of 2, 4 and 8 ranks: the validation's calibrations of runs 42, 44 and 43, every column (_cpu_rows)
         by_world=((1, 8.23e+10, 1.78e+09, 6.04e+08, 1e-05, 1e-10, 3.92e-06, 5.31e+10, 1.6e-05, 0, 0, 3.86e-06,
                    (), 9.0), *_cpu_rows())),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
