@@ -250,8 +250,8 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     growth beyond these prices, then came out too short. Timed by the cores' ranks at the world's
     own shares, the slope between half and all of gpt2-deep's 512 x 12 elements was noise: run
     40's 8-rank rates were 0.03 (the add) to 0.73 (LayerNorm) of the 2-rank ones shared, 91 of the
-    173 ms its serial layouts were priced to compute, and those layouts were priced 43-53% over
-    their steps; at the 2-rank rates shared, -6% to +1%."""
+    173 ms its serial layouts were priced to compute, and its three fastest (1F1B pipelines) were
+    priced 43-53% over their steps; at the 2-rank rates shared, -6% to +1%."""
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
     from lattice.models.components import ACTIVATIONS, rotate
     from lattice.modes.kernels.layers import normalize_split_hidden
