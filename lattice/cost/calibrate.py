@@ -258,7 +258,8 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
 
     cos, sin = torch.randn(T, head_size), torch.randn(T, head_size)
     p = dist.get_world_size() if dist.is_initialized() else 1
-    if cores and p > cores:  # the shares of a world of a rank per core, p / cores times as wide
+    outnumbered = bool(cores) and p > cores
+    if outnumbered:  # the shares of a world of a rank per core, p / cores times as wide
         x, logits = (torch.randn(t.shape[0], t.shape[1] * p // cores) for t in (x, logits))
 
     def pool(*shape) -> list[torch.Tensor]:
@@ -287,7 +288,7 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     half, whole = runs(1), runs(2)
     fns = [run for run, _ in half.values()] + [run for run, _ in whole.values()]
     share = 1.0
-    if cores and p > cores:
+    if outnumbered:
         quiet = dist.new_group(list(range(cores)))
         seconds = timed_in_turn(fns, reps, group=quiet) if dist.get_rank() < cores else None
         dist.barrier()  # the waiting ranks start nothing of their own while the others time
