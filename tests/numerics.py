@@ -1,4 +1,7 @@
-"""Helpers the equivalence tests share: a relative difference and a random token batch."""
+"""Helpers the equivalence tests share: a relative difference, a random token batch and the
+comparison of metered communication with the cost model's."""
+
+import math
 
 import torch
 
@@ -6,6 +9,17 @@ import torch
 def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref| (0 for two zero tensors)."""
     return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
+
+
+def assert_comm_equal(measured: dict, modelled: dict, context=()) -> None:
+    """Metered against modelled communication, each a {(phase, op, group size): (calls, elements)}:
+    the same keys, the calls exactly, the elements to 1e-9 relative (the model sums float
+    products). Key by key rather than pytest.approx, which refuses mappings of tuples."""
+    assert set(measured) == set(modelled), (*context, "keys only one side has:", set(measured) ^ set(modelled))
+    for key, (calls, elements) in measured.items():
+        want_calls, want_elements = modelled[key]
+        assert calls == want_calls and math.isclose(elements, want_elements, rel_tol=1e-9), \
+            (*context, key, "measured", (calls, elements), "modelled", modelled[key])
 
 
 def random_batch(n: int, t: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,6 @@ linear, no position table, a per-head bias, a gated MLP, the pooled classificati
 
 import contextlib
 import importlib.util
-import math
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import cached_init, run_distributed
+from numerics import assert_comm_equal
 
 import lattice
 from lattice import LatticeConfigError, MeshAxis, checkpoint
@@ -318,10 +318,7 @@ def assert_layout_equals_serial(family: str, layout: dict, plugins=()) -> None:
             worst = max(r["loss"], r["grads"], r["step"], r["moments"], r["logits"])
             assert worst < 1e-10, (rank, r)
         for shape, ckpt, measured, modelled in result["comm"]:
-            assert set(measured) == set(modelled), (rank, shape, ckpt, set(measured) ^ set(modelled))
-            for key, (calls, elements) in measured.items():
-                assert calls == modelled[key][0] and math.isclose(elements, modelled[key][1], rel_tol=1e-9), \
-                    (rank, shape, ckpt, key, (calls, elements), modelled[key])
+            assert_comm_equal(measured, modelled, (rank, shape, ckpt))
         for shape, saved, modelled in result["activations"]:
             assert saved == pytest.approx(modelled, rel=0.02), (rank, shape, saved, modelled)
     worst = max(max(r["loss"], r["grads"], r["step"], r["moments"]) for res in results for r in res["exact"])
