@@ -7,6 +7,12 @@
     lattice convert --from hf runs/a-hf runs/c       # a local HF directory (its config.json's model_type
                                                      #   names the family) -> a lattice checkpoint (step 0,
                                                      #   no optimizer state) to train --resume from
+    lattice convert runs/a --to hf runs/a-hf --overwrite   # replace an earlier export's files there
+
+A destination that holds anything (an HF directory, a file, a run) is refused; `--overwrite`
+lets an export replace what an export writes (HF_EXPORT_FILES, or the one .pt file) and keeps the
+rest. An HF export is written into a hidden directory beside the destination and moved into place
+once whole, so an export that fails leaves the destination as it was.
 
 Between a sharded checkpoint and an HF directory (either way) one full tensor is in memory at a
 time, plus, on export, the safetensors shard being written (at most 2 GiB); writing the single
@@ -17,6 +23,8 @@ resharding needs no conversion (every layout loads every sharded checkpoint).
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,6 +37,11 @@ from lattice.models import arch_of_hf, available_archs, get_arch, hf
 from lattice.parallel.context import LatticeConfigError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# the files an HF export consists of (its config, generation config, weights, and tokenizer in either
+# of transformers' forms): with --overwrite these are removed from a used destination, nothing else
+HF_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                   "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 _NOT_CARRIED = {"format", "version", "files", "path", "tensors", "checksums", "model", "optimizer", "rng",
                 "optimizer_step"}
 
@@ -43,6 +56,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="what SRC is (default lattice)")
     p.add_argument("--arch", default=None, choices=available_archs(),
                    help="the model family SRC must hold (default: whatever it holds)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="export into a DST that already holds a file or an HF directory: replace the files an export "
+                        "writes (the .pt file; config, weights, tokenizer) and keep the rest")
 
 
 def convert(args) -> dict:
@@ -61,25 +77,86 @@ def convert(args) -> dict:
     if args.arch is not None and meta["arch"] != args.arch:
         raise LatticeConfigError(f"{args.src} holds a {meta['arch']} model, not {args.arch}; drop --arch or pass "
                                  f"another source")
-    _check_destination(Path(args.dst), to)
-    where = {"sharded": _write_sharded, "single": _write_single, "hf": _write_hf}[to](Path(args.dst), meta, tensors)
+    dst = Path(args.dst)
+    _check_destination(dst, to, getattr(args, "overwrite", False))
+    if to == "hf":  # written whole beside the destination, then moved in (`publish_hf`)
+        staging = hf_staging(dst)
+        try:
+            _write_hf(staging, meta, tensors)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        meta, where = {**meta, "staging": staging}, dst
+    else:
+        replaced = to == "single" and checkpoint.single_file(dst).exists()
+        where = {"sharded": _write_sharded, "single": _write_single}[to](dst, meta, tensors)
+        if replaced:
+            print(f"--overwrite: replaced the file that was at {where}")
     print(f"wrote {to} checkpoint {where} (step {meta['step']}, "
           f"{sum(t.numel() for k, t in tensors.items() if k.startswith('model/')):,} parameters"
           f"{', with AdamW moments' if meta['optimizer_step'] and to != 'hf' else ''})")
     return {**meta, "to": to}
 
 
-def _check_destination(dst: Path, to: str) -> None:
-    """Refuse, before reading any tensor, a destination that cannot take the form: a file where a
-    directory goes, a place that cannot be created or written, a run directory holding a run."""
+def _check_destination(dst: Path, to: str, overwrite: bool) -> None:
+    """Refuse, before reading any tensor, a destination that cannot take the form (a file where a
+    directory goes, a place that cannot be created or written, a run directory holding a run) or
+    that holds what this conversion did not write, unless `overwrite` (exports only)."""
     if to == "single":
-        check_out_dir(checkpoint.single_file(dst).parent, flag="destination directory")
+        target = checkpoint.single_file(dst)
+        if target.exists() and not overwrite:
+            raise LatticeConfigError(f"destination {target} already exists ({_size(target)}); convert to a new path, "
+                                     f"or pass --overwrite to replace it")
+        check_out_dir(target.parent, flag="destination directory")
         return
     if to == "sharded" and dst.suffix != ".pt" and dst.is_dir() and (found := run_dir.describe(dst)):
         raise LatticeConfigError(f"destination {dst} holds {found}; convert into a new directory (lattice never "
                                  f"mixes two runs in one)")
+    if to == "hf" and dst.is_dir() and (held := sorted(p.name for p in dst.iterdir())) and not overwrite:
+        what = "a HuggingFace model directory" if "config.json" in held else "a directory in use"
+        raise LatticeConfigError(f"destination {dst} is {what} holding {len(held)} entries ({_listing(held)}); export "
+                                 f"into a new directory, or pass --overwrite to replace the files an export writes "
+                                 f"(config, weights, tokenizer) and keep the rest")
     if dst.suffix != ".pt":
+        if to == "hf" and not dst.exists():  # created by the move into place: only its parent now
+            check_out_dir(dst.parent, flag="destination's directory")
+            return
         check_out_dir(dst, flag="destination")
+
+
+def _size(path: Path) -> str:
+    return f"{path.stat().st_size:,} bytes" if path.is_file() else "a directory"
+
+
+def _listing(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f", ... {len(names) - shown} more" if len(names) > shown else "")
+
+
+def hf_staging(dst: Path) -> Path:
+    """The hidden directory beside `dst` an HF export is written into before `publish_hf`."""
+    staging = dst.parent / f".{dst.name}.export-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)  # (a killed export of this same pid number)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish_hf(staging: Path, dst: Path) -> tuple[list[str], list[str]]:
+    """The whole export in `staging` moved to `dst`: renamed into place where `dst` is new or
+    empty; else (--overwrite) the HF_EXPORT_FILES there removed and the new files moved in. Returns
+    (the names removed, the names kept) of what `dst` held."""
+    if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+        if dst.exists():
+            dst.rmdir()
+        os.replace(staging, dst)
+        return [], []
+    held = sorted(p.name for p in dst.iterdir())
+    removed = sorted({p.name for pattern in HF_EXPORT_FILES for p in dst.glob(pattern) if p.is_file()})
+    for name in removed:
+        (dst / name).unlink()
+    for path in sorted(staging.iterdir()):
+        os.replace(path, dst / path.name)
+    staging.rmdir()
+    return removed, [name for name in held if name not in removed]
 
 
 def _full_tensors(ckpt: dict) -> tuple[dict, dict[str, torch.Tensor]]:

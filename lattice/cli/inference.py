@@ -103,7 +103,7 @@ def run_inference(args, argv: list[str]) -> int:
     import torch.distributed as dist
 
     from lattice import checkpoint
-    from lattice.data.corpus import load_corpus
+    from lattice.data.corpus import load_corpus, tokenizer_specials
     from lattice.models import build_model
     from lattice.modes.layout import init
 
@@ -154,17 +154,22 @@ def run_inference(args, argv: list[str]) -> int:
             raise LatticeConfigError("--prompt encodes to no tokens; give some text")
         copies = smallest_batch(model)
         prompt = torch.tensor([ids] * copies, dtype=torch.int64, device=ctx.device)
+        answers = "seq2seq" in model.family.tasks  # an encoder-decoder: its answer, up to the end token
+        # a decoder stops at its tokenizer's end-of-text token, as transformers' generate on its export
+        eos = None if answers or tokenizer is None else \
+            tokenizer_specials(tokenizer, checkpoint.run_of(args.run)).get("eos")
         t0 = time.perf_counter()
-        out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                             **({} if eos is None else {"eos_token_id": eos}))
         dt = time.perf_counter() - t0
         if ctx.rank == 0:
-            answers = "seq2seq" in model.family.tasks  # an encoder-decoder: its answer, up to the end token
             if answers:
                 answer = out[0, 1:].tolist()
                 answer = answer[:answer.index(cfg.eos_token_id)] if cfg.eos_token_id in answer else answer
                 print(decode([t for t in answer if t not in (cfg.pad_token_id, cfg.decoder_start_token_id)]))
             else:
-                print(args.prompt + decode(out[0, len(ids):].tolist()))
+                made = out[0, len(ids):].tolist()
+                print(args.prompt + decode(made[:made.index(eos)] if eos in made else made))
             made = out.shape[1] - (1 if answers else len(ids))
             print(f"{made} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
                   f"{copies * made / dt:.1f} tokens/s (batch {copies}, {args.mode} on "

@@ -288,7 +288,7 @@ def cmd_train(args, argv: list[str]) -> int:
             if not kept:  # a resumed run's own file stays as it is, byte for byte
                 trainer.corpus.tokenizer.save(str(out / "tokenizer.json"))
                 write_specials(trainer.corpus, out)
-            (out / "data.json").write_text(_data_identity(tcfg))
+            (out / "data.json").write_text(_data_identity(tcfg, getattr(trainer.task, "label_names", None)))
         result = trainer.fit()
         if ctx.rank == 0:
             if result["stopped_by"]:
@@ -381,13 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _data_identity(tcfg) -> str:
+def _data_identity(tcfg, labels: list[str] | None) -> str:
     import json
 
     from lattice.data.corpus import data_files
 
     files = [str(p) for p in data_files(tcfg.data)] if tcfg.data else ["built-in corpus (pydoc_data.topics)"]
     return json.dumps({"data": tcfg.data, "files": files, "format": tcfg.data_format, "text_key": tcfg.text_key,
-                       "content_hash": tcfg.data_hash, "tokenizer": tcfg.tokenizer}, indent=1) + "\n"
+                       "content_hash": tcfg.data_hash, "tokenizer": tcfg.tokenizer,
+                       **({"labels": labels} if labels else {})}, indent=1) + "\n"
 
 

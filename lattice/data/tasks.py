@@ -213,6 +213,11 @@ class Classify:
     def num_labels(self) -> int:
         return len(self.examples[2])
 
+    @property
+    def label_names(self) -> list[str]:
+        """Each class id's label as the data spell it (recorded in the run's data.json)."""
+        return self.examples[2]
+
     def check(self, batch_size: int, seq_len: int, dp: int) -> None:
         if batch_size % dp:
             raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of {dp}")

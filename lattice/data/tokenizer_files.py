@@ -19,15 +19,17 @@ from lattice.models.hf import transformers_module
 ROLE_FILES = (SPECIALS_FILE, "tokenizer_config.json")  # which of a tokenizer's tokens are [CLS], <pad>, ...
 
 
-def carry_tokenizer(src: Path, dst: Path, *, to: str, from_hf: bool, meta: dict, run: Path) -> None:
+def carry_tokenizer(src: Path, dst: Path, *, to: str, from_hf: bool, meta: dict, run: Path,
+                    shown: Path | None = None) -> None:
     """After `lattice convert` wrote `dst`: the tokenizer beside the source (`run`: the run
     directory of a lattice checkpoint) into an HF export, or an HF directory's into the run an
-    import writes (which generate, eval and train then use). Prints what it carried."""
+    import writes (which generate, eval and train then use). Prints what it carried, naming
+    `shown` (where `dst` will be moved) for `dst`."""
     if to == "hf":
         source = run / "tokenizer.json"
         if source.is_file():
             added = export_tokenizer(source, dst, meta)
-            print(f"tokenizer: {source} -> {dst}/tokenizer.json (AutoTokenizer.from_pretrained loads it"
+            print(f"tokenizer: {source} -> {shown or dst}/tokenizer.json (AutoTokenizer.from_pretrained loads it"
                   f"{'; with ' + ', '.join(added) if added else ''})")
         else:
             print(f"tokenizer: none beside {src}; the export holds the model only")
@@ -72,3 +74,48 @@ def export_tokenizer(source: Path, dst: Path, meta: dict) -> list[str]:
         tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **{f"{r}_token": t for r, t in roles.items()})
     fast.save_pretrained(dst)
     return added
+
+
+def describe_export(run: Path, dst: Path, meta: dict) -> None:
+    """An HF export's config.json given the run's special-token ids (bos, eos, pad: the
+    tokenizer's own by role, and the tokens its task appended) and a classifier's label names (the
+    run's data.json), with a generation_config.json of the same ids, so that transformers'
+    generate stops at the run's end-of-text token and pipelines name the classes. Prints what it set."""
+    import json
+
+    transformers = transformers_module()
+    config = transformers.AutoConfig.from_pretrained(dst, local_files_only=True)
+    ids = _special_ids(run, meta)
+    for key, value in ids.items():
+        setattr(config, key, value)
+    labels = json.loads((run / "data.json").read_text()).get("labels") if (run / "data.json").is_file() else None
+    named = bool(labels) and getattr(config, "num_labels", 0) == len(labels) and bool(meta["model_config"].get("num_labels"))
+    if named:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+    config.save_pretrained(dst)
+    family = get_arch(meta["arch"])
+    generates = bool({"lm", "seq2seq"} & set(family.tasks)) and getattr(config, "eos_token_id", None) is not None
+    if generates:
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(dst)
+    shown = ", ".join(f"{k} {v}" for k, v in ids.items())
+    if shown or named:
+        print(f"config: {shown}{'; ' if shown and named else ''}{'labels ' + ', '.join(labels) if named else ''}"
+              f"{'; generation_config.json with them' if generates else ''}")
+
+
+def _special_ids(run: Path, meta: dict) -> dict[str, int]:
+    """{"bos_token_id" | "eos_token_id" | "pad_token_id": id} of the run's tokenizer and task; {}
+    without the run's tokenizer.json (an encoder-decoder's own ids are in its model config)."""
+    source = run / "tokenizer.json"
+    if not source.is_file():
+        return {}
+    tokenizer = read_tokenizer(source, "the run's tokenizer", "restore the run's tokenizer.json")
+    specials = tokenizer_specials(tokenizer, run)
+    train = meta.get("train_config") or {}
+    task = train.get("task") or get_arch(meta["arch"]).tasks[0]
+    tokens = TaskTokens.of(task, train.get("vocab_size") or tokenizer.get_vocab_size(), specials)
+    found = {**specials, **tokens.ids}
+    model = meta["model_config"]
+    return {f"{role}_token_id": model.get(f"{role}_token_id", found[role]) for role in ("bos", "eos", "pad")
+            if role in found or model.get(f"{role}_token_id") is not None}

@@ -392,7 +392,8 @@ class Model(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, use_cache: bool = True,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None) -> torch.Tensor:
         """Continue (B, T0) prompts, identical on every rank of the replica, by `max_new_tokens`
         tokens: greedy at temperature 0, else sampled from softmax(logits / temperature) over the
         top_k, with a generator seeded alike on every rank (so every rank draws the same tokens).
@@ -400,7 +401,9 @@ class Model(nn.Module):
         runs the newest position alone; only the last position's logits are computed. Prompts of
         different lengths are left-padded with an `attention_mask` (B, T0) that is 0 at the
         padding, as for transformers' generate: a token's position counts its sequence's tokens
-        before it, and no position attends to padding."""
+        before it, and no position attends to padding. With `eos_token_id`, as transformers'
+        generate: a sequence that produced it is continued with `pad_token_id` (default: the end
+        token), and generation stops once every sequence has (the result is then shorter)."""
         check_context_batch(self.ctx, cached=True)
         if prompt.shape[1] + max_new_tokens > self.cfg.seq_len:
             raise LatticeConfigError(f"prompt length {prompt.shape[1]} + {max_new_tokens} new tokens exceeds seq_len = "
@@ -413,10 +416,16 @@ class Model(nn.Module):
         step_input, start = tokens, 0
         padded = {} if attention_mask is None else {"attention_mask": attention_mask,
                                                     "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp_min(0)}
+        finished = torch.zeros(prompt.shape[0], 1, dtype=torch.bool, device=prompt.device)
         for _ in range(max_new_tokens):
             logits = self(step_input, cache=cache, start=start, last_only=True, **padded)[:, -1].float()  # (B, V)
             nxt = next_token(logits, temperature, top_k, gen).to(tokens.device)
+            if eos_token_id is not None:  # (the same tokens on every rank: every rank stops alike)
+                nxt = torch.where(finished, pad_token_id if pad_token_id is not None else eos_token_id, nxt)
+                finished = finished | (nxt == eos_token_id)
             tokens = torch.cat([tokens, nxt], dim=1)
+            if eos_token_id is not None and bool(finished.all()):
+                break
             if padded:  # the new token is a token, one position after its sequence's last
                 mask = torch.cat([padded["attention_mask"], torch.ones_like(nxt)], dim=1)
                 after = padded["position_ids"][:, -1:] + 1

@@ -333,7 +333,8 @@ def read_hf_dir(family, src: Path, hf_config) -> tuple[Any, dict[str, LazyTensor
 
 
 def write_hf_dir(family, cfg, tensors: dict, dst: Path, *, max_shard_bytes: int = 2 << 30) -> list[Path]:
-    """A directory `from_pretrained` loads: config.json and safetensors files of at most
+    """A directory `from_pretrained` loads (`dst`: new or empty; the caller moves it into place):
+    config.json and safetensors files of at most
     `max_shard_bytes` each (with model.safetensors.index.json when there are several), written
     from lattice full tensors (tensors or LazyTensors: each is loaded, converted and written
     before the next shard fills, so the peak is one shard plus one full tensor)."""
@@ -360,8 +361,6 @@ def write_hf_dir(family, cfg, tensors: dict, dst: Path, *, max_shard_bytes: int 
         shard[m.export_name(t.hf)] = tensor
         shard_bytes, total = shard_bytes + size, total + size
     flush()
-    for old in list(dst.glob("model*.safetensors")) + [dst / INDEX]:
-        old.unlink(missing_ok=True)  # a previous export's files would shadow or contradict these
     paths = []
     for i, (path, keys) in enumerate(written):
         name = WEIGHTS if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
