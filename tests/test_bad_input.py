@@ -31,7 +31,10 @@ TABLE = {
     "resume missing": (["train", "--resume", "nope"], "checkpoint nope does not exist"),
     "resume a text file": (["train", "--resume", "text.txt"], "is not a torch.save archive"),
     "resume a directory without checkpoint": (["train", "--resume", "emptydir"], "emptydir holds no checkpoint"),
-    "resume another family": (["train", "--resume", "run", "--arch", "llama"], "holds a gpt2 model, not llama"),
+    "resume another family": (["train", "--resume", "run", "--arch", "llama"],
+                              "holds a gpt2 model, and --arch llama asks for another family; drop --arch"),
+    "resume another family with sizes it refuses": (["train", "--resume", "run", "--arch", "llama", "--n-kv-heads",
+                                                     "5"], "holds a gpt2 model, and --arch llama asks for another"),
     "resume another size": (["train", "--resume", "run", "--vocab-size", "1024"], "vocab_size 512 vs 1024"),
     "resume changing the schedule": (["train", "--resume", "run", "--steps", "9"], "steps 2 -> 9"),
     "resume an older step": (["train", "--resume", "run/checkpoints/step-00000001"],
@@ -69,7 +72,11 @@ TABLE = {
                                                 "n_layers + n_decoder_layers = 4 blocks do not split evenly into 3"),
     "a target length for a decoder": (["train", "--target-len", "5"], "--target-len is an encoder-decoder's"),
     "init-from another family": (["train", "--arch", "bert", "--init-from", "run"],
-                                 "holds a gpt2 model, this run trains --arch bert"),
+                                 "holds a gpt2 model, this run trains --arch bert; drop --arch"),
+    "a learning rate that is no number": (["train", "--lr", "nan", "--out-dir", "fresh"],
+                                          "--lr nan is out of range: it must be a finite number in (0, inf)"),
+    "an infinite gradient clip": (["train", "--grad-clip", "inf"], "--grad-clip inf is out of range"),
+    "a beta of one or more": (["train", "--beta2", "1.5"], "--beta2 1.5 is out of range"),
     "init-from another size": (["train", "--init-from", "run", "--d-model", "96"], "holds another model: {'d_model'"),
     # eval and generate
     "eval a missing run": (["eval", "nope"], "checkpoint nope does not exist"),
@@ -90,6 +97,9 @@ TABLE = {
     "convert to HF into a file": (["convert", "run", "--to", "hf", "text.txt"], "destination text.txt is a file"),
     "convert into a place that cannot be created": (["convert", "run", "/proc/lattice/x.pt"], "cannot be created"),
     "convert the wrong family": (["convert", "run", "x.pt", "--arch", "llama"], "holds a gpt2 model, not llama"),
+    "convert from a truncated safetensors file": (["convert", "--from", "hf", "truncated_hf", "imported"],
+                                                  "truncated_hf/model.safetensors cannot be read as safetensors"),
+    "convert onto an existing file": (["convert", "run", "text.txt"], "destination text.txt already exists (6 bytes)"),
     # info, plan, bench
     "info sizes that do not divide": (["info", "--mode", "1d", "--tp", "2", "--n-heads", "3", "--d-model", "48"],
                                       "n_heads = 3 is not divisible by tp = 2"),
@@ -112,6 +122,9 @@ def workspace(tmp_path_factory):
                          "--out-dir", "run"]) == 0
     finally:
         os.chdir(cwd)
+    assert cli.main(["convert", str(here / "run"), "--to", "hf", str(here / "truncated_hf")]) == 0
+    weights = here / "truncated_hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     (here / "text.txt").write_text("hello\n")
     (here / "empty.txt").write_bytes(b"")
     (here / "emptydir").mkdir()
@@ -132,11 +145,13 @@ def _timeout(signum, frame):
 
 @pytest.mark.parametrize("case", TABLE)
 def test_a_bad_input_is_one_line_with_the_fix(case, workspace, capsys, monkeypatch):
-    """Catches a traceback, several lines, exit status 0/1, or a refusal that happens only after
-    processes, a process group or training started (the 60 s alarm)."""
+    """Catches a traceback, several lines, exit status 0/1, a refusal that happens only after
+    processes, a process group or training started (the 60 s alarm), or one that leaves a
+    directory or file behind (a stub run directory that the next try is then refused for)."""
     argv, expected = TABLE[case]
     argv = ["train", *TINY, *argv[1:]] if argv[0] == "train" else argv  # the case's own flags come last and win
     monkeypatch.chdir(workspace)
+    before = sorted(p.name for p in workspace.iterdir())
     capsys.readouterr()
     previous = signal.signal(signal.SIGALRM, _timeout)
     signal.alarm(60)
@@ -149,6 +164,7 @@ def test_a_bad_input_is_one_line_with_the_fix(case, workspace, capsys, monkeypat
     lines = captured.err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "Traceback" not in captured.err + captured.out, (rc, captured.err)
     assert lines[0].startswith(("error: ", "lattice bench: ")) and expected in lines[0], lines[0]
+    assert sorted(p.name for p in workspace.iterdir()) == before
 
 
 def test_every_rank_prints_the_line(workspace):

@@ -337,27 +337,36 @@ def test_an_hf_t5_with_transformers_default_ids_continues_on_pairs_and_data_para
     assert losses[0] and losses[0] == losses[1], losses
 
 
-def test_the_train_command_with_pipeline_stages_prints_serial_losses(tmp_path, capfd, monkeypatch):
-    """Catches a T5 run with pp > 1 that fails at its first validation (the exact match generates,
-    which needs every stage) or trains other weights than serial, and a bare --resume that does
-    not continue the run as it was (it took the family's 2000 steps of 32 sequences and refused
-    the change): the stages' losses, then those of the run resumed in serial, equal the serial
-    run's, the score left to `lattice eval`, which the run names."""
+@pytest.mark.parametrize("split", [["--pp", "2"], ["--cp", "2"]], ids=["pp", "cp"])
+def test_the_train_command_with_stages_or_context_chunks_prints_serial_losses(split, tmp_path, capfd, monkeypatch):
+    """Catches a T5 run with pp > 1 or cp > 1 that fails at its first validation (the exact match
+    generates, which needs every stage and whole sequences) and so loses every step, or trains
+    other weights than serial, and a bare --resume that does not continue the run as it was (it
+    took the family's 2000 steps of 32 sequences and refused the change) or does not say where it
+    starts: the split run's losses, then those of the run resumed in serial, equal the serial
+    run's, the score left to `lattice eval`, which the run names and which refuses cp in one line."""
     from lattice.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     common = ["train", "--arch", "t5", "--model", "tiny", "--steps", "4", "--batch-size", "8", "--eval-batches", "1",
+              "--seq-len", "16", "--target-len", "20",  # (each a multiple of 2·cp)
               "--eval-interval", "1", "--no-progress", "--dtype", "float64"]
     losses = re.compile(r"train loss ([\d.]+), val loss ([\d.]+)")
     assert cli.main(common + ["--out-dir", "serial"]) == 0
     serial = losses.findall(capfd.readouterr().out)
-    assert cli.main(common + ["--pp", "2", "--nproc", "2", "--stop-at", "2", "--out-dir", "stages"]) == 0
+    assert cli.main(common + [*split, "--nproc", "2", "--stop-at", "2", "--out-dir", "split"]) == 0
     out = capfd.readouterr().out
-    assert "with --pp 2 validation reports the loss only; `lattice eval stages`" in out
+    assert f"with {' '.join(split)} validation reports the loss only" in out and "`lattice eval split`" in out
     staged = losses.findall(out)
-    assert cli.main(["train", "--resume", "stages", "--no-progress"]) == 0  # as it was, but in serial
-    resumed = losses.findall(capfd.readouterr().out)
+    assert cli.main(["train", "--resume", "split", "--no-progress"]) == 0  # as it was, but in serial
+    out = capfd.readouterr().out
+    assert "resuming from split/checkpoints/step-00000002 at step 2" in out
+    resumed = losses.findall(out)
     assert len(serial) == 4 and serial == staged + resumed, (serial, staged, resumed)
+    if split[0] == "--cp":
+        assert cli.main(["eval", "split", "--cp", "2", "--nproc", "2"]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and "drop --cp 2" in err, err
 
 
 def test_info_shows_which_stage_holds_which_stack(capsys):

@@ -76,6 +76,9 @@ def load_for_inference(args, nproc: int | None = None):
     if args.command == "generate" and layout.cp > 1:
         raise LatticeConfigError(f"generation runs with cp = 1 (each new token attends to every position before it); "
                                  f"drop --cp {layout.cp}, in any tensor layout")
+    if args.command == "eval" and layout.cp > 1 and "seq2seq" in get_arch(arch).tasks:
+        raise LatticeConfigError(f"lattice eval scores a {arch} model's exact match by greedy generation, which runs "
+                                 f"with cp = 1; drop --cp {layout.cp} (any tensor layout serves)")
     get_mode(layout.mode).check_model(cfg, layout.context())  # the layout's size checks
     if nproc is not None:
         check_process_count(layout, nproc, args.command)

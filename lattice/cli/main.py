@@ -94,14 +94,19 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     resumed_run = checkpoint.run_of(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None
     run = run_dir.choose(args.out_dir, resumed_run, int(ckpt["step"]) if ckpt is not None else None, args.overwrite)
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
-    arch = args.arch or (checkpoint.arch_of(ckpt) if ckpt is not None else DEFAULT_ARCH)
+    if ckpt is not None and args.arch is not None and checkpoint.arch_of(ckpt) != args.arch:
+        raise LatticeConfigError(f"--resume {where} holds a {checkpoint.arch_of(ckpt)} model, and --arch {args.arch} "
+                                 f"asks for another family; drop --arch (a resumed run continues its own family)")
+    init = None
+    if ckpt is None and args.init_from and Path(args.init_from).exists():
+        init = checkpoint.read(args.init_from)  # read once: the plan takes it as it is
+    # the family: --arch, else the checkpoint's that the run resumes or starts from
+    arch = args.arch or next((checkpoint.arch_of(c) for c in (ckpt, init) if c is not None), DEFAULT_ARCH)
     recorded = {}
     if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
         recorded = {**_recorded_data(args, saved, where), **_resumed_tokenizer(args, where, saved),
                     "model_from": _resumed_model(args, ckpt, arch)}
-    init = None
-    if ckpt is None and args.init_from and Path(args.init_from).exists():
-        init = checkpoint.read(args.init_from)  # read once: the plan takes it as it is
+    if init is not None:
         recorded = _init_from_model(args, init, arch)
     tcfg = train_config(args, saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
@@ -235,7 +240,7 @@ def cmd_train(args, argv: list[str]) -> int:
     from lattice.data.corpus import skipped_files, write_specials
     from lattice.modes.layout import init
     from lattice.training import faults
-    from lattice.training.trainer import Trainer
+    from lattice.training.trainer import Trainer, validation_metric
 
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
     if args.nproc is not None and args.nproc < 1:
@@ -271,6 +276,8 @@ def cmd_train(args, argv: list[str]) -> int:
             (out / "config.toml").write_text(config_toml(run_config(layout, tcfg)))
         if ctx.world_size > 1:
             dist.barrier()  # the run directory exists before any rank writes into it
+        if ckpt is not None and ctx.rank == 0:
+            print(f"resuming from {checkpoint.resolve(args.resume)} at step {ckpt['step']}", flush=True)
         if ckpt is not None and not checkpoint.is_sharded(ckpt):  # training resumes the sharded form
             plan = dataclasses.replace(plan, resume=_converted_to_sharded(ckpt, checkpoint.resolve(args.resume), out, ctx))
         trainer = Trainer.from_plan(plan, ctx, corpus)
@@ -280,9 +287,10 @@ def cmd_train(args, argv: list[str]) -> int:
         specials = trainer.task.tokens.describe(trainer.corpus.tokenizer)
         if specials and ctx.rank == 0:
             print(specials, flush=True)
-        if trainer.task.metric and ctx.pipeline is not None and ctx.rank == 0:
-            print(f"with --pp {ctx.pp} validation reports the loss only; `lattice eval {out}` (pp = 1, any tensor "
-                  f"layout) gives the {trainer.task.metric}", flush=True)
+        _, left_out = validation_metric(trainer.task, ctx)
+        if left_out and ctx.rank == 0:
+            print(f"{left_out}; `lattice eval {out}` (pp = 1, cp = 1, any tensor layout) gives the "
+                  f"{trainer.task.metric}", flush=True)
         if ctx.rank == 0:  # the run directory describes itself: tokenizer and data
             kept = tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()
             if not kept:  # a resumed run's own file stays as it is, byte for byte

@@ -51,6 +51,7 @@ class Seq2Seq:
     """`seq2seq`: (source, labels) batches of (B, seq_len) and (B, target_len)."""
 
     metric, loss_unit = "exact match", "token"
+    scored_by_generation = True  # the score decodes greedily, which runs with pp = 1 and cp = 1
     trivial_name = "copying the source"
 
     def __init__(self, corpus: Corpus, *, data: str | None, source_key: str, target_key: str, target_len: int,

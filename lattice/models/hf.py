@@ -276,7 +276,7 @@ def read_hf_config(src: Path):
 def _safetensors_files(src: Path) -> dict[str, Path]:
     """Every tensor's key -> the safetensors file holding it (a sharded directory's index, or
     the one model.safetensors)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if (src / INDEX).is_file():
         try:
@@ -291,8 +291,12 @@ def _safetensors_files(src: Path) -> dict[str, Path]:
                                      f"copy the whole directory")
         return files
     if (src / WEIGHTS).is_file():
-        with safe_open(src / WEIGHTS, "pt") as f:
-            return {k: src / WEIGHTS for k in f.keys()}
+        try:
+            with safe_open(src / WEIGHTS, "pt") as f:
+                return {k: src / WEIGHTS for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise LatticeConfigError(f"{src / WEIGHTS} cannot be read as safetensors ({str(e)[:160]}); it is truncated "
+                                     f"or damaged: copy the model directory again") from None
     raise LatticeConfigError(f"{src} holds no {WEIGHTS} or {INDEX}; lattice reads safetensors only (re-save the model "
                              f"with save_pretrained(..., safe_serialization=True))")
 
@@ -319,8 +323,8 @@ def read_hf_dir(family, src: Path, hf_config) -> tuple[Any, dict[str, LazyTensor
                     piece = f.get_slice(k)
                     shapes[k], dtypes[k] = tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype())
     except (SafetensorError, OSError) as e:
-        raise LatticeConfigError(f"{src}: a weight file cannot be read ({str(e)[:160]}); pass an intact HuggingFace "
-                                 f"model directory") from None
+        raise LatticeConfigError(f"{src}: a weight file cannot be read ({str(e)[:160]}); it is truncated or damaged: "
+                                 f"copy the model directory again") from None
     plan = import_plan(family, cfg, shapes, lambda a, b: torch.equal(_read_one(files[a], a), _read_one(files[b], b)))
     out = {}
     for item in plan:

@@ -6,6 +6,7 @@ use the same names); from it come the training text, the task and the model's co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -136,8 +137,20 @@ class TrainConfig:
         for name in ("warmup", "checkpoint_interval", "keep"):
             if getattr(self, name) < 0:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise LatticeConfigError(f"lr must be positive, got {self.lr}")
+        # (NaN fails every comparison: each range is stated so that NaN falls outside it)
+        for name, low, high, closed_low, closed_high in (
+                ("lr", 0.0, math.inf, False, False), ("min_lr_ratio", 0.0, 1.0, True, True),
+                ("weight_decay", 0.0, math.inf, True, False), ("beta1", 0.0, 1.0, True, False),
+                ("beta2", 0.0, 1.0, True, False), ("grad_clip", 0.0, math.inf, True, False),
+                ("dist_timeout", 0.0, math.inf, False, False), ("peak_tflops", 0.0, math.inf, False, False)):
+            value = getattr(self, name)
+            if value is None and name == "peak_tflops":
+                continue
+            inside = (low <= value if closed_low else low < value) and (value <= high if closed_high else value < high)
+            if not inside:
+                interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+                raise LatticeConfigError(f"--{name.replace('_', '-')} {value} is out of range: it must be a finite "
+                                         f"number in {interval}")
         if self.data_format not in DATA_FORMATS:
             raise LatticeConfigError(f"data_format must be one of {DATA_FORMATS}, got {self.data_format!r}")
         if self.on_nan not in ON_NAN:

@@ -204,6 +204,20 @@ def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> flo
     return dp_mean(total, ctx)
 
 
+def validation_metric(task, ctx: ParallelContext) -> tuple[str | None, str | None]:
+    """(the score validation reports beside the loss, or None; why the task's score is left out
+    in this layout, or None). A pipeline cannot score (scoring runs every stage at once), and
+    context parallelism cannot generate (each new token attends to every position before it)."""
+    if not task.metric:
+        return None, None
+    if ctx.pipeline is not None:
+        return None, f"with --pp {ctx.pp} validation reports the loss only"
+    if ctx.cp > 1 and getattr(task, "scored_by_generation", False):
+        return None, f"with --cp {ctx.cp} validation reports the loss only ({task.metric} is scored by generation, " \
+                     f"which runs with cp = 1)"
+    return task.metric, None
+
+
 def task_score(task, model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
     """The task's score of `batches` (this replica's) over every replica: the accuracy of a
     classifier, the exact match of an encoder-decoder's greedy outputs."""
@@ -218,7 +232,8 @@ def check_init_from(cfg: TrainConfig, model_config, ckpt: dict | None = None) ->
     ckpt = ckpt if ckpt is not None else checkpoint.read(cfg.init_from)
     if checkpoint.arch_of(ckpt) != cfg.arch:
         raise LatticeConfigError(f"--init-from {where} holds a {checkpoint.arch_of(ckpt)} model, this run trains "
-                                 f"--arch {cfg.arch}; pass a checkpoint of the same family")
+                                 f"--arch {cfg.arch}; drop --arch (the family is read from the checkpoint) or pass a "
+                                 f"{cfg.arch} checkpoint")
     ours = model_config.to_dict()
     theirs = {**ours, **ckpt.get("model_config", {})}
     differ = {k: (theirs[k], ours[k]) for k in ours if k not in ("num_labels", "dropout") and theirs[k] != ours[k]}
@@ -451,8 +466,7 @@ class Trainer:
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
                           tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
         val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
-        # a pipeline validates losses only: the score generates, which needs every stage at once
-        metric = self.task.metric if self.ctx.pipeline is None else None
+        metric, _ = validation_metric(self.task, self.ctx)
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
         try:
             with faults.StopRequest() as stop:
@@ -461,11 +475,19 @@ class Trainer:
                     row = self.train_step()
                     row["val_loss"] = None
                     if self.step % cfg.eval_interval == 0 or self.step == until:
-                        row["val_loss"] = val_loss = self.evaluate()
-                        scored = ""
-                        if metric:
-                            val_score = self.val_score()
-                            scored = f", val {metric} {val_score:.3f}"
+                        try:
+                            row["val_loss"] = val_loss = self.evaluate()
+                            scored = ""
+                            if metric:
+                                val_score = self.val_score()
+                                scored = f", val {metric} {val_score:.3f}"
+                        except LatticeConfigError:
+                            # a refusal is raised alike on every rank (before any collective): the
+                            # steps trained so far are saved before it ends the run
+                            if out and self._saved_step != self.step:
+                                self.save(out)
+                                self.checkpoints.wait()
+                            raise
                         if is_main:
                             metrics.say(f"step {self.step}: train loss {row['train_loss']:.4f}, val loss "
                                         f"{val_loss:.4f}{scored}")
