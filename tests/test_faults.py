@@ -113,6 +113,38 @@ def test_a_flipped_byte_is_refused_naming_the_tensor(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("nproc", [2])
+def test_ctrl_c_under_nproc_saves_and_every_process_exits_at_once(nproc, tmp_path):
+    """Catches the two ways one Ctrl-C went wrong under --nproc: the copy of SIGINT that torchrun's
+    agent passes on, arriving during the save the first one started, interrupted it (nothing
+    saved); and workers that saved, then waited for an agent that no longer read their result,
+    until it SIGKILLed them after 30 s ("Unable to shutdown process"). SIGINT to the whole process
+    group, as a terminal sends it, three times: a checkpoint of the step printed, exit status 130."""
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        run = _lattice(["--nproc", str(nproc), "--dp", str(nproc), *LONG], out, start_new_session=True)
+        _beats(out, nproc)
+        os.killpg(run.pid, signal.SIGINT)
+        stdout, err = run.communicate(timeout=120)
+        assert run.returncode == 128 + signal.SIGINT, err[-2000:]
+        assert "Unable to shutdown process" not in err and "Traceback" not in err, err[-2000:]
+        assert f"stopped by SIGINT at step {checkpoint.read(out)['step']}; checkpoint saved" in stdout
+
+
+def test_a_repeated_signal_is_one_request_and_a_later_one_interrupts():
+    """Catches a StopRequest that takes the agent's copy of a Ctrl-C (milliseconds after the
+    terminal's) for a second Ctrl-C and interrupts the save, or one that swallows a real second
+    Ctrl-C: within DUPLICATE_S the same signal changes nothing; after it, KeyboardInterrupt."""
+    with faults.StopRequest() as stop:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal == signal.SIGINT
+        stop._first_at -= faults.StopRequest.DUPLICATE_S  # as if the first came that long ago
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_sigterm_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     """Catches SIGTERM ending in a traceback with nothing saved, and a signal checkpoint that
     resumes anything other than exactly where the run stopped."""
@@ -120,7 +152,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
     _beats_serial(tmp_path / "a")
     run.send_signal(signal.SIGTERM)
     out, err = run.communicate(timeout=120)
-    assert run.returncode == 0, err[-2000:]
+    assert run.returncode == 128 + signal.SIGTERM, err[-2000:]  # saved, and a shell's `&&` does not go on
     stopped = checkpoint.read(tmp_path / "a")["step"]
     assert f"stopped by SIGTERM at step {stopped}" in out and stopped < 3000
     until = stopped + 5

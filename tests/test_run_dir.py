@@ -108,7 +108,7 @@ def test_ctrl_c_then_the_printed_command_continues_a_run_of_a_non_default_preset
 
     monkeypatch.setattr(Trainer, "train_step", step_then_ctrl_c)
     assert cli.main(["train", "--arch", arch, "--model", "tiny", "--vocab-size", "300", "--batch-size", "4",
-                     "--eval-batches", "1", "--no-progress", "--steps", "3", "--warmup", "1"]) == 0
+                     "--eval-batches", "1", "--no-progress", "--steps", "3", "--warmup", "1"]) == 128 + signal.SIGINT
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stopped by SIGINT at step 1"))
     monkeypatch.setattr(Trainer, "train_step", step)
     command = shlex.split(line.split("continue with: ", 1)[1])

@@ -13,6 +13,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 import torch
 
@@ -80,6 +81,28 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
     return 0
 
 
+# a command's exit status when SIGINT or SIGTERM stopped it (after its checkpoint was saved)
+STOPPED_BY_SIGNAL = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+RESULT_HANDED_S = 0.5
+
+
+def _leave_soon() -> None:
+    """A worker stopped by a signal hands its result to the agent and waits until the agent has
+    read it; but an agent that got the signal itself is shutting down, reads no result, and
+    SIGKILLs its workers after 30 s. So the worker leaves by itself, with status 0, RESULT_HANDED_S
+    after its command ended: by then its result is in the pipe (written as the command returns),
+    where a live agent still reads it after the exit."""
+    import threading
+
+    def leave():
+        time.sleep(RESULT_HANDED_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    threading.Thread(target=leave, daemon=True, name="lattice-leave-after-signal").start()
+
+
 def _forked_worker(argv: list[str], threads: int, launcher: int) -> None:
     """One worker forked from the launcher (process `launcher`): `python -m lattice argv` in this
     process, leaving with its exit status. OpenMP read OMP_NUM_THREADS when the launcher imported
@@ -90,13 +113,18 @@ def _forked_worker(argv: list[str], threads: int, launcher: int) -> None:
     before that ends it here."""
     from lattice.training import faults
 
+    # the agent's handlers, inherited through fork, would raise its SignalException in this worker
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     faults.die_with_parent()
     torch.set_num_threads(threads)
     sys.argv = ["lattice", *argv]
     try:
         runpy.run_module("lattice", run_name="__main__", alter_sys=True)
     except SystemExit as stop:
-        if stop.code:
+        if stop.code in STOPPED_BY_SIGNAL:  # saved and stopped: a clean end for the agent
+            _leave_soon()
+        elif stop.code:
             raise
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's graceful stop is over
     if os.getppid() != launcher:

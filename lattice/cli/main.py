@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -298,12 +299,15 @@ def cmd_train(args, argv: list[str]) -> int:
                 write_specials(trainer.corpus, out)
             (out / "data.json").write_text(_data_identity(tcfg, getattr(trainer.task, "label_names", None)))
         result = trainer.fit()
+        by = result["stopped_by"]
+        if by:
+            if ctx.rank == 0:
+                print(f"stopped by {'--stop-at' if by == 'stop_at' else by} at step {result['step']}; checkpoint "
+                      f"saved in {out}; continue with: {run_dir.resume_command(argv, out)}", flush=True)
+            # a signal: 128 + its number, as a shell reports a process it ended (so that `lattice train
+            # ... && next` does not go on), once the checkpoint is saved
+            return 0 if by == "stop_at" else 128 + int(signal.Signals[by])
         if ctx.rank == 0:
-            if result["stopped_by"]:
-                by = "--stop-at" if result["stopped_by"] == "stop_at" else result["stopped_by"]
-                print(f"stopped by {by} at step {result['step']}; checkpoint saved in {out}; continue with: "
-                      f"{run_dir.resume_command(argv, out)}", flush=True)
-                return 0
             print(f"final val loss: {result['val_loss']:.4f} nats/{trainer.task.loss_unit} (step {result['step']})")
             if "metric" in result:
                 name, trivial = result["trivial"]

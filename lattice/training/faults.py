@@ -105,13 +105,17 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 class StopRequest:
     """SIGTERM / SIGINT set a flag instead of raising; the trainer saves at the next step
-    boundary and exits cleanly (how clusters pre-empt jobs). A second signal of the same kind
-    restores the default behaviour, so a second Ctrl-C still interrupts at once."""
+    boundary and exits cleanly (how clusters pre-empt jobs). One Ctrl-C reaches a worker twice,
+    from the terminal and again from torchrun's agent passing it on: the same signal within
+    DUPLICATE_S of the first is that one request. A later one has the signal's default effect,
+    so a second Ctrl-C still interrupts at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    DUPLICATE_S = 2.0
 
     def __init__(self):
         self.signal: int | None = None
+        self._first_at = 0.0
         self._previous = {}
 
     def __enter__(self):
@@ -120,8 +124,17 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame):
-        self.signal = signum
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if self.signal is None:
+            self.signal, self._first_at = signum, time.monotonic()
+            return
+        if signum == self.signal and time.monotonic() - self._first_at < self.DUPLICATE_S:
+            return
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

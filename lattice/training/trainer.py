@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -468,8 +469,10 @@ class Trainer:
         val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
         metric, _ = validation_metric(self.task, self.ctx)
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
-        try:
-            with faults.StopRequest() as stop:
+        # (the last checkpoint is written inside it too: the copy of a Ctrl-C that torchrun's agent
+        # passes on arrives after the one from the terminal, and must not interrupt that save)
+        with faults.StopRequest() as stop:
+            try:
                 while self.step < until:
                     heartbeat.beat(self.step)
                     row = self.train_step()
@@ -494,23 +497,23 @@ class Trainer:
                     self.elapsed = row["elapsed_s"] = start + time.perf_counter() - clock
                     self.history.append(row)
                     metrics.log(row)
-                    if self._stop_requested(stop):
-                        stopped_by = stop.name or "a signal on another rank"
+                    if signum := self._stop_requested(stop):
+                        stopped_by = signal.Signals(signum).name
                         break
                     if out and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                         self.save(out)
-        finally:
-            heartbeat.stop()
-            metrics.close()
-        self._finish_param_gathers()  # the weights are whole when fit returns
-        if val_loss is None and stopped_by is None:
-            val_loss = self.evaluate()
-        if stopped_by is None and self.step < cfg.steps:
-            stopped_by = "stop_at"
-        if out:
-            if self._saved_step != self.step:
-                self.save(out)
-            self.checkpoints.wait()  # the last checkpoint is complete when fit returns
+            finally:
+                heartbeat.stop()
+                metrics.close()
+            self._finish_param_gathers()  # the weights are whole when fit returns
+            if val_loss is None and stopped_by is None:
+                val_loss = self.evaluate()
+            if stopped_by is None and self.step < cfg.steps:
+                stopped_by = "stop_at"
+            if out:
+                if self._saved_step != self.step:
+                    self.save(out)
+                self.checkpoints.wait()  # the last checkpoint is complete when fit returns
         summary = {"step": self.step, "val_loss": val_loss, "history": self.history, "stopped_by": stopped_by,
                    "skipped": self.skipped}
         if metric:
@@ -521,13 +524,13 @@ class Trainer:
             summary["unigram_baseline"] = unigram_baseline(self.corpus)
         return summary
 
-    def _stop_requested(self, stop: faults.StopRequest) -> bool:
-        """Whether any rank was asked to stop (one tiny all-reduce, so that all ranks stop at the
-        same step boundary even when the signal reached only some of them)."""
-        flag = torch.tensor([1.0 if stop.signal else 0.0], device=self.ctx.device)
+    def _stop_requested(self, stop: faults.StopRequest) -> int:
+        """The signal any rank was asked to stop by, or 0 (one tiny all-reduce, so that all ranks
+        stop at the same step boundary even when the signal reached only some of them)."""
+        flag = torch.tensor([float(stop.signal or 0)], device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
 
     def _finish_param_gathers(self) -> None:
         """Await the all-gathers of updated weights that --overlap-param-gather leaves to the next
