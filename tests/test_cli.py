@@ -127,7 +127,7 @@ def _other_value(f, default):
     kind = f.type.split(" |")[0]
     if "choices" in f.metadata:
         return next(c for c in f.metadata["choices"]() if c != default)
-    return {"bool": lambda: not default, "int": lambda: (default or 0) + 2, "float": lambda: (default or 0) + 0.5,
+    return {"bool": lambda: not default, "int": lambda: (default or 0) + 2, "float": lambda: default / 2 if default else 0.5,  # (inside every range)
             "str": lambda: f"{default or ''}x"}[kind]()
 
 
