@@ -131,10 +131,20 @@ def test_ctrl_c_under_nproc_saves_and_every_process_exits_at_once(nproc, tmp_pat
         assert f"stopped by SIGINT at step {checkpoint.read(out)['step']}; checkpoint saved" in stdout
 
 
+def test_a_launch_leaves_the_callers_signal_handlers_as_they_were(tmp_path, monkeypatch):
+    """Catches `--nproc` called in-process (a test, a notebook) leaving torchrun's agent handler
+    on SIGINT, so that the caller's next Ctrl-C raises the agent's SignalException."""
+    monkeypatch.chdir(tmp_path)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    assert cli.main(["train", *TINY, "--steps", "1", "--nproc", "2", "--dp", "2", "--out-dir", "run"]) == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_a_repeated_signal_is_one_request_and_a_later_one_interrupts():
     """Catches a StopRequest that takes the agent's copy of a Ctrl-C (milliseconds after the
     terminal's) for a second Ctrl-C and interrupts the save, or one that swallows a real second
     Ctrl-C: within DUPLICATE_S the same signal changes nothing; after it, KeyboardInterrupt."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (no launcher left its own)
     with faults.StopRequest() as stop:
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)

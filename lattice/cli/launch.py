@@ -51,6 +51,8 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
     # set for the workers only (they inherit this process's environment), then restored, so that
     # a caller in the same process (a test, a notebook) keeps its own setting
     saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    # torchrun's agent installs its own handlers in this process and leaves them: restored below
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     fork = not torch.backends.cuda.is_built()
     if fork:
@@ -73,6 +75,8 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
         print(f"stopped by {e.sigval.name}: the workers saved a checkpoint; continue with: {resume_hint}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
