@@ -135,9 +135,17 @@ def test_a_launch_leaves_the_callers_signal_handlers_as_they_were(tmp_path, monk
     """Catches `--nproc` called in-process (a test, a notebook) leaving torchrun's agent handler
     on SIGINT, so that the caller's next Ctrl-C raises the agent's SignalException."""
     monkeypatch.chdir(tmp_path)
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    assert cli.main(["train", *TINY, "--steps", "1", "--nproc", "2", "--dp", "2", "--out-dir", "run"]) == 0
-    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+    def callers_own(signum, frame):
+        raise AssertionError("not reached: no signal is sent")
+
+    before = {sig: signal.signal(sig, callers_own) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main(["train", *TINY, "--steps", "1", "--nproc", "2", "--dp", "2", "--out-dir", "run"]) == 0
+        assert all(signal.getsignal(sig) is callers_own for sig in before), [signal.getsignal(s) for s in before]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def test_a_repeated_signal_is_one_request_and_a_later_one_interrupts():
