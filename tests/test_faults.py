@@ -152,15 +152,19 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_interrupts():
     """Catches a StopRequest that takes the agent's copy of a Ctrl-C (milliseconds after the
     terminal's) for a second Ctrl-C and interrupts the save, or one that swallows a real second
     Ctrl-C: within DUPLICATE_S the same signal changes nothing; after it, KeyboardInterrupt."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (no launcher left its own)
-    with faults.StopRequest() as stop:
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)
-        assert stop.signal == signal.SIGINT
-        stop._first_at -= faults.StopRequest.DUPLICATE_S  # as if the first came that long ago
-        with pytest.raises(KeyboardInterrupt):
+    # (Python's own handler, whatever this process inherited: a background job ignores SIGINT)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with faults.StopRequest() as stop:
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            signal.raise_signal(signal.SIGINT)
+            assert stop.signal == signal.SIGINT
+            stop._first_at -= faults.StopRequest.DUPLICATE_S  # as if the first came that long ago
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes_bit_exactly(tmp_path):
