@@ -7,7 +7,7 @@
 2. `lattice bench --sweep all`: strong and weak scaling over p = 1, 2, 4, 8, 9 with a calibration
    before every mode, and the cost model's projection to 16, 36 and 64 GPUs (sweeps.*);
 3. Optimus Table 1 from `lattice plan --table1` and SUPER's Eq. 4-7 (tables.json);
-4. benchmarks/README.md, the section for the project README, rendered from those files.
+4. benchmarks/README.md, rendered from those files (the project README links to it).
 """
 
 from __future__ import annotations
@@ -219,22 +219,7 @@ def main() -> int:
     section = render(single, sweeps, tables)
     (HERE / "README.md").write_text(section)
     print(f"wrote {HERE / 'README.md'}")
-    splice_into_project_readme(section)
     return 0
-
-
-def splice_into_project_readme(section: str) -> None:
-    """The project README shows the same section between two markers, paths from the repo root."""
-    readme = HERE.parent / "README.md"
-    begin, end = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"{readme} lacks the {begin} / {end} markers around its benchmark section")
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    body = section.replace("](results/", "](benchmarks/results/")
-    readme.write_text(f"{head}{begin}\n{body}{end}{tail}")
-    print(f"updated the benchmark section of {readme}")
 
 
 if __name__ == "__main__":
