@@ -1,5 +1,6 @@
-"""The README and docs/ as a reader follows them: every relative link leads to a file, and every
-`lattice ...` command shown parses with the command line's own parser."""
+"""The README and docs/ as a reader follows them: a README of at most 250 lines and pages of at most
+400, every relative link leads to a file, and every `lattice ...` command shown parses with the
+command line's own parser."""
 
 import re
 import shlex
@@ -42,6 +43,16 @@ def _argv(command: str) -> list[str]:
         if cut in words:
             words = words[:words.index(cut)]
     return words[1:]
+
+
+@pytest.mark.fast
+def test_the_readme_is_a_front_door_and_each_page_one_topic():
+    """Catches the README growing back into a notebook (over 250 lines) or a docs page past 400
+    lines, where a reader stops finding things (docs/history/ is a frozen record, not read to
+    find something)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+    long = {p.name: n for p in (ROOT / "docs").glob("*.md") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
 
 
 @pytest.mark.fast
