@@ -244,12 +244,11 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     the others wait, on the shares of a world of one rank per core (x and logits p / cores times as
     wide), and each rate is shared, times cores / p (the others return inf, for the caller's
     minimum over the ranks). Timed with every rank at once, the slope was the scheduler's: the
-    4-rank rates came out 0.01-0.76 of the 2-rank ones (validation runs 34-37) and the 8-rank rates
-    of LayerNorm, GELU and the add 0.01-0.13 (runs 32, 34, 37, 38), where sharing the cores gives
-    0.5 and 0.25; and a pipeline's calibrated time per chunk (_pipeline_actions), the rest of its
+    4-rank rates came out 0.01-0.76 of the 2-rank ones and the 8-rank rates of LayerNorm, GELU and
+    the add 0.01-0.13, where sharing the cores gives 0.5 and 0.25; and a pipeline's calibrated time per chunk (_pipeline_actions), the rest of its
     growth beyond these prices, then came out too short. Timed by the cores' ranks at the world's
-    own shares, the slope between half and all of gpt2-deep's 512 x 12 elements was noise: run
-    40's 8-rank rates were 0.03 (the add) to 0.73 (LayerNorm) of the 2-rank ones shared, 91 of the
+    own shares, the slope between half and all of gpt2-deep's 512 x 12 elements was noise: its
+    8-rank rates were 0.03 (the add) to 0.73 (LayerNorm) of the 2-rank ones shared, 91 of the
     173 ms its serial layouts were priced to compute, and its three fastest (1F1B pipelines) were
     priced 43-53% over their steps; at the 2-rank rates shared, -6% to +1%."""
     from lattice.cost.builder import ELEMENTWISE_OPERATORS

@@ -5,9 +5,10 @@ process on this CPU), at published rates or this repository's micro-benchmarks:
   `python benchmarks/planner_validation.py --calibrate` (matrix products, attention and elementwise
   operators at the per-rank shapes of a p-way split, α and β from collectives between compute,
   a point-to-point exchange's latency between compute, AdamW; every sample at least 50 ms) at 1
-  rank, and at 2, 4 and 8 ranks by the validation's calibrations of run 32 with every curve the
-  model reads (cpu_2core.json): where ranks outnumber the cores they share them, and every
-  collective waits for its ranks to be scheduled (`Machine.by_world`).
+  rank, and at 2, 4 and 8 ranks by the planner validation's calibrations of gpt2-small, with every
+  curve the model reads (cpu_2core.json, which names the result files they come from): where ranks
+  outnumber the cores they share them, and every collective waits for its ranks to be scheduled
+  (`Machine.by_world`).
 - `frontera-rtx` (Optimus's testbed: 4 Quadro RTX 5000 per node, PCIe, InfiniBand FDR),
   `longhorn-v100` (the 3D paper's: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR),
   `lassen-v100` (SUPER's: as Longhorn with dual-rail EDR), `a100-node` (DGX A100: 8 GPUs, NVSwitch,
@@ -63,26 +64,24 @@ def frozen(value):
 
 def _cpu_rows() -> tuple:
     """cpu-2core's rows at 2, 4 and 8 ranks (cpu_2core.json: every column of BY_WORLD_FIELDS of the
-    validation's calibrations of gpt2-small in the latest run of each world size, runs 42, 44 and
-    43): the preset prices those runs' measured steps of all four shapes to a median |error| of
-    7.7%, where the 4- and 8-rank rows of runs 41 and 40 it held before gave 18.4% (the host ran
-    slower then, and their elementwise rates were timed at the world's own shares)."""
+    planner validation's calibrations of gpt2-small at each world size; the file names its sources).
+    docs/validation.md gives how closely they price the measured steps."""
     with open(os.path.join(os.path.dirname(__file__), "cpu_2core.json")) as f:
         rows = json.load(f)["rows"]
     return tuple(frozen([row[name] for name in BY_WORLD_FIELDS]) for row in rows)
 
 
 MACHINES: dict[str, Machine] = {
-    # the rates of one rank: `benchmarks/planner_validation.py --calibrate` on 2026-11-26 (each sample of a
+    # the rates of one rank: `benchmarks/planner_validation.py --calibrate` (each sample of a
     # micro-benchmark at least 50 ms long, so that ranks beyond the cores share them while it is timed);
-    # the update's per tensor and bandwidth then scaled to the fused AdamW (x0.267 and x3.82: the fused
-    # form against the foreach one the calibration timed before, in turn, 2026-11-28; cpu_2core.json)
+    # the update's per tensor and bandwidth scaled to the fused AdamW (x0.267 and x3.82: the fused form
+    # against the foreach one that calibration timed, timed in turn; cpu_2core.json)
     "cpu-2core": Machine(
         "this machine (2 cores, gloo, 1 thread per rank)", flop_rate=8.23e+10, alpha_intra=1e-5, beta_intra=1e-10,
         alpha_inter=1e-5, beta_inter=1e-10, ranks_per_node=8, elem_rate=1.78e+09, attn_rate=6.04e+08,
         update_per_tensor=3.92e-06, mem_bandwidth=5.31e+10, op_overhead=1.6e-05, norm_per_tensor=3.86e-06,
         memory_gib=0.0, cores=2, kernel_rows=9.0,
-        # and of 2, 4 and 8 ranks: the validation's calibrations of runs 42, 44 and 43, every column (_cpu_rows)
+        # and of 2, 4 and 8 ranks: the validation's calibrations, every column (_cpu_rows)
         by_world=((1, 8.23e+10, 1.78e+09, 6.04e+08, 1e-05, 1e-10, 3.92e-06, 5.31e+10, 1.6e-05, 0, 0, 3.86e-06,
                    (), 9.0), *_cpu_rows())),
     "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,

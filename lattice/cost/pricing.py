@@ -290,7 +290,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     # summing again, took 0.2 to 0.9 ms per sum beyond its parts timed alone, where the world of 2
     # gave a sum after such a stretch 0.7 to 1.1 ms more than after the shortest (at 8 ranks, 0.1
     # to 0.4: there an upper bound). Without it sub-graph's common="subgrid" at tp = 4 was priced
-    # 7-15% below its measured steps (validation runs 35-36), and the planner chose it first.
+    # 7-15% below its measured steps in the planner validation, and the planner chose it first.
     syncs = {int(k[6:]): v * per_step for k, v in f.items() if k.startswith("syncs_")}
     for k, v in f.items():
         if k.startswith("grad_syncs_"):
