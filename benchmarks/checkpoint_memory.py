@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lattice.bench.provenance import provenance
 from lattice.bench.world import spawn
 
 MIB = 2 ** 20
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['rank']:>4} " + " ".join(f"{r[c] / MIB:>14.1f}" for c in cols))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=1))
     return 0
 
 

@@ -19,6 +19,7 @@ import time
 import torch
 
 import lattice
+from lattice.bench.provenance import provenance
 from lattice.cost import estimate
 from lattice.models import get_arch
 from lattice.models import hf as lhf
@@ -222,7 +223,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if ctx.device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}", flush=True)
     parts = args.parts.split(",")
-    out = {"device": name, "torch": torch.__version__, "exactness": exactness(ctx) if "exactness" in parts else []}
+    out = {"provenance": provenance(), "device": name, "torch": torch.__version__, "exactness": exactness(ctx) if "exactness" in parts else []}
     torch.backends.cuda.matmul.allow_tf32 = True
     out["gemm"] = gemm_curve(ctx) if "gemm" in parts and not args.cpu_dry_run else []
     out["kernels"] = kernel_rates(ctx) if "kernels" in parts and not args.cpu_dry_run else []

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from lattice.bench.provenance import provenance
 from lattice.bench.world import spawn
 
 FWD_S, BWD_S = 0.020, 0.040
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         print(f"  {r['stage']:<7}{g / 1024:>10.1f}{f / 1024:>10.1f}{f / g:>12.3f}   (1F1B bound: "
               f"{min(8, args.pp - r['stage'])}/8 = {min(8, args.pp - r['stage']) / 8:.3f})")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": provenance(), "rows": out}, indent=1))
     return 0
 
 

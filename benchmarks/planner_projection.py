@@ -15,7 +15,7 @@ the paper's number, and the planner's own choice at 64, 256 and 1024 GPUs.
 - SUPER (Lassen): D&SP against data parallelism for T5-Large at one sequence per GPU on 4 and 8
   GPUs: 2.22x and 3.05x.
 - The GPU model against an H200's measured serial bf16 steps with the optimizer's full update
-  (benchmarks/results/cuda_h200_2.json).
+  (benchmarks/results/cuda_h200_steps.json).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 
+from lattice.bench.provenance import provenance
 from lattice.cost.machines import MACHINES
 from lattice.cost.plan import model_config
 from lattice.cost.search import Choice, uneven_split, price, search
@@ -130,7 +131,7 @@ def choices(rows: list) -> None:
 def h200(rows: list) -> None:
     """The GPU model against what an H200 measured here (benchmarks/cuda_check.py, serial bf16
     steps with fp32 masters, each step AdamW's update of every master row as the planner prices it:
-    benchmarks/results/cuda_h200_2.json; the steps of cuda_h200.json skipped that update): an H200
+    benchmarks/results/cuda_h200_steps.json; the steps of cuda_h200.json skipped that update): an H200
     machine from the same recipe as the presets (989 TFLOP/s dense bf16, 4.8 TB/s)."""
     from pathlib import Path
 
@@ -138,7 +139,7 @@ def h200(rows: list) -> None:
 
     machine = _gpu("H200", peak_half=989e12, peak_fp32=494e12, hbm=4.8e12, memory_gib=141, ranks_per_node=1,
                    intra_gbs=450, alpha_intra=5e-6, node_nic_gbs=50)
-    measured = json.loads((Path(__file__).parent / "results" / "cuda_h200_2.json").read_text())["throughput"]
+    measured = json.loads((Path(__file__).parent / "results" / "cuda_h200_steps.json").read_text())["throughput"]
     for run in measured:
         cfg = model_config(run["arch"], run["preset"], seq_len=run["seq_len"])
         p = price(cfg, Choice(Layout("serial"), precision="bf16"), batch=run["batch"], machine=machine)
@@ -171,7 +172,7 @@ def main() -> None:
               f"planner {value}{extra}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+            json.dump({"provenance": provenance(), "rows": rows}, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
 
 
 if __name__ == "__main__":

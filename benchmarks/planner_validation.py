@@ -7,7 +7,7 @@ the measured best or within 5% of it, the Spearman rank correlation of predicted
 times, and over every run the median |error| of the predicted step time.
 
     python benchmarks/planner_validation.py --calibrate          # the cpu preset's rows (lattice.cost.machines)
-    python benchmarks/planner_validation.py -o benchmarks/results/planner_validation.json
+    python benchmarks/planner_validation.py --ranks 4 -o benchmarks/results/planner_validation_p4.json  # one world size a file
 
 The predictions use the `cpu-2core` machine preset with its rates calibrated afresh just before
 each case is measured (`--preset`: as stored), by `--calibrate`'s micro-benchmarks (matrix
@@ -32,6 +32,7 @@ import sys
 import time
 
 import lattice
+from lattice.bench.provenance import provenance
 from lattice.bench.world import spawn
 from lattice.cost.machine import BY_WORLD_FIELDS
 from lattice.cost.machines import frozen, machine_named
@@ -210,8 +211,8 @@ def _reprice(paths: list[str], out: str | None, preset: str, at_preset: bool = F
     if out:
         with open(out, "w") as f:
             calibration = f"the {preset} preset's" if at_preset else "stored, per case"
-            json.dump({"machine": "repriced", "calibration": calibration, "summary": summary, "cases": cases},
-                      f, indent=1)
+            json.dump({"provenance": provenance(), "machine": "repriced", "calibration": calibration,
+                       "summary": summary, "cases": cases}, f, indent=1)
     return 0
 
 
@@ -334,7 +335,8 @@ def _summary(cases: list[dict], errors: list[float]) -> dict:
 
 def _write(path: str, machine: str, args, cases: list[dict], errors: list[float]) -> None:
     with open(path, "w") as f:
-        json.dump({"machine": machine, "calibration": "stored" if args.preset else "fresh, per case",
+        json.dump({"provenance": provenance(), "machine": machine,
+                   "calibration": "stored" if args.preset else "fresh, per case",
                    "rounds": args.rounds or ROUNDS_RULE, "summary": _summary(cases, errors),
                    "cases": cases}, f, indent=1)
 

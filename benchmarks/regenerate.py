@@ -24,6 +24,7 @@ sys.path.insert(0, str(HERE.parent))
 import lattice  # noqa: E402
 from lattice import bench, cost  # noqa: E402
 from lattice.bench import report  # noqa: E402
+from lattice.bench.provenance import provenance  # noqa: E402
 
 RESULTS = HERE / "results"
 SINGLE = ["--model", "small", "--vocab-size", "2048", "--batch", "8", "--steps", "10", "--warmup", "2", "--calibrate"]
@@ -212,7 +213,8 @@ def main() -> int:
         for p in (2, 4):
             _bench(["--nproc", str(p)] + SINGLE)
         _bench(["--sweep", "all", "--steps", "6", "--warmup", "1"])
-        (RESULTS / "tables.json").write_text(json.dumps(paper_tables(), indent=1))
+        (RESULTS / "tables.json").write_text(json.dumps({"provenance": provenance("python benchmarks/regenerate.py"),
+                                                         **paper_tables()}, indent=1))
     single = {f"p{p}": json.loads((RESULTS / f"bench_p{p}.json").read_text()) for p in (2, 4)}
     sweeps = json.loads((RESULTS / "sweeps.json").read_text())
     tables = json.loads((RESULTS / "tables.json").read_text())

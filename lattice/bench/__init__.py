@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from lattice.bench.provenance import provenance
 from lattice.bench.measure import label_options, variants
 from lattice.bench.report import (SIZES, STRONG, STRONG_BATCH, WEAK, crossovers, format_projection, format_table,
                                   machine_info, plot_single, plot_sweeps, prediction_errors, projection, weak_config)
@@ -103,8 +104,8 @@ def run_bench(args) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info(), "command": "lattice bench " + " ".join(sys.argv[2:] if
-                                                                                 sys.argv[1:2] == ["bench"] else sys.argv[1:])}
+    command = "lattice bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    report = {"provenance": provenance(command), "machine": machine_info(), "command": command}
     if args.sweep:
         return _run_sweeps(args, out, report)
     from lattice.cost.plan import model_config
