@@ -13,7 +13,7 @@ from lattice.cli.main import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md",
-         RESULTS / "README.md"]
+         RESULTS / "README.md", ROOT / "tests" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
