@@ -92,7 +92,7 @@ def test_every_suggested_global_batch_is_accepted():
     whose replica batch the micro-batches or the mesh then cannot split, as '2d q = 2 with 4
     micro-batches: give each replica a multiple of 2' did): every global batch a refusal names
     passes the whole check of the run."""
-    from lattice.training.trainer import TrainConfig, check_run
+    from lattice.training.run_spec import TrainConfig, check_run
 
     cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=32, n_heads=4, n_layers=4)
     refused = applied = 0

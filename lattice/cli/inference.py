@@ -118,7 +118,9 @@ def run_inference(args, argv: list[str]) -> int:
     ctx = init(layout_from_args(args), seed=args.seed)
     try:
         if args.command == "eval":
-            from lattice.training.trainer import TrainConfig, evaluate, model_and_batches, task_score
+            from lattice.training.config import TrainConfig
+            from lattice.training.evaluation import evaluate, task_score
+            from lattice.training.run_spec import model_and_batches
 
             saved = ckpt.get("train_config", {})
             other = {}

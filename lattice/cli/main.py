@@ -49,7 +49,7 @@ from lattice.parallel.context import LatticeConfigError, TrainingStopped
 if TYPE_CHECKING:  # (run_dir reaches torch.distributed.checkpoint: imported when training)
     from lattice.checkpoint.run_dir import RunDir
     from lattice.data.corpus import Corpus
-    from lattice.training.trainer import RunPlan
+    from lattice.training.run_spec import RunPlan
 
 # subcommands whose arguments and implementation live in another module, imported only when used
 # (so that `lattice train` does not import the benchmark's plotting)
@@ -76,7 +76,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     """A train request checked whole and decided without processes: the layout (and, with
     `nproc`, the processes the launcher is about to start), the checkpoint to resume and its
     family, the run's data and tokenizer (the corpus is built here: the model's vocabulary is the
-    tokenizer's), the run plan (lattice.training.trainer.plan_run: every size, the schedule, the
+    tokenizer's), the run plan (lattice.training.run_spec.plan_run: every size, the schedule, the
     --init-from weights), the directory it writes into (lattice.checkpoint.run_dir). Changes
     nothing but the token cache (an explicit out-dir is created if missing, once everything else
     passed, so a refused request leaves no directory behind); the launcher runs it
@@ -87,7 +87,7 @@ def check_train(args, nproc: int | None = None) -> tuple[Layout, RunPlan, Corpus
     from lattice.checkpoint import run_dir
     from lattice.data.corpus import check_data
     from lattice.training import faults
-    from lattice.training.trainer import plan_run
+    from lattice.training.run_spec import plan_run
 
     layout = layout_from_args(args)
     ckpt = checkpoint.read(args.resume) if args.resume else None
@@ -241,7 +241,8 @@ def cmd_train(args, argv: list[str]) -> int:
     from lattice.data.corpus import skipped_files, write_specials
     from lattice.modes.layout import init
     from lattice.training import faults
-    from lattice.training.trainer import Trainer, validation_metric
+    from lattice.training.evaluation import validation_metric
+    from lattice.training.trainer import Trainer
 
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
     if args.nproc is not None and args.nproc < 1:

@@ -205,7 +205,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         raise LatticeConfigError(f"a global batch of {batch} does not split over dp={lay.dp} replicas")
     if getattr(cfg, "num_labels", 0) and (lay.pp > 1 or lay.cp > 1):
         raise LatticeConfigError("a classifier trains with pp = 1 and cp = 1 (one target per sequence, scored whole)")
-    # what training refuses (lattice.training.trainer.check_run): micro-batches of zero sequences, a
+    # what training refuses (lattice.training.run_spec.check_run): micro-batches of zero sequences, a
     # layout that cannot split a micro-batch (sub-graph's common layers), chunks of cp
     ctx = lay.context()
     for length in (n for n in (cfg.seq_len, getattr(cfg, "target_len", None)) if n):

@@ -19,13 +19,13 @@ and builds its layers in `build()` from the mode's blocks (`self.mode`: embeddin
 linears, LM head, per-head parameters, pooling) and the shared components
 (lattice.models.components). The model holds only this rank's shards; everything else here --
 initialisation, loading and gathering full tensors, gradient sums, the training step,
-generation, HuggingFace import/export -- is written once for every family.
+generation, HuggingFace import/export -- is written once for every family (the full tensors and
+HF in lattice.models.weights, generation in lattice.models.generation).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -34,14 +34,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from lattice.models.components import DropoutSeeds
-from lattice.models.registry import build_model
+from lattice.models.generation import Generation
+from lattice.models.weights import FullWeights
 from lattice.modes import get_mode
 from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError, ParallelContext
 from lattice.parallel.context_parallel import (check_context_batch, context_positions, gather_context, take_context_chunks,
                                                whole_loss)
-from lattice.parallel.sharding import (ShardSpec, check_state_dict_keys, collect_specs, gather_full_many,
-                                       sum_replica_grads)
+from lattice.parallel.sharding import ShardSpec, collect_specs, sum_replica_grads
 
 
 # ----------------------------------------------------------------------------- configs
@@ -107,7 +107,7 @@ class Parts:
     everywhere: tuple[str, ...] = ()
 
 
-class Model(nn.Module):
+class Model(FullWeights, Generation, nn.Module):
     """Base of every family's model: this rank's shards of the full model under ctx's layout.
     Parameter names are the serial model's."""
 
@@ -390,130 +390,6 @@ class Model(nn.Module):
             raise LatticeConfigError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int = 0, use_cache: bool = True,
-                 attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None) -> torch.Tensor:
-        """Continue (B, T0) prompts, identical on every rank of the replica, by `max_new_tokens`
-        tokens: greedy at temperature 0, else sampled from softmax(logits / temperature) over the
-        top_k, with a generator seeded alike on every rank (so every rank draws the same tokens).
-        With `use_cache` each block keeps its keys and values in the mode's layout and every step
-        runs the newest position alone; only the last position's logits are computed. Prompts of
-        different lengths are left-padded with an `attention_mask` (B, T0) that is 0 at the
-        padding, as for transformers' generate: a token's position counts its sequence's tokens
-        before it, and no position attends to padding. With `eos_token_id`, as transformers'
-        generate: a sequence that produced it is continued with `pad_token_id` (default: the end
-        token), and generation stops once every sequence has (the result is then shorter)."""
-        check_context_batch(self.ctx, cached=True)
-        if prompt.shape[1] + max_new_tokens > self.cfg.seq_len:
-            raise LatticeConfigError(f"prompt length {prompt.shape[1]} + {max_new_tokens} new tokens exceeds seq_len = "
-                                     f"{self.cfg.seq_len}; shorten the prompt or ask for fewer tokens")
-        was_training = self.training
-        self.eval()
-        gen = torch.Generator().manual_seed(seed)
-        tokens = prompt
-        cache = [{} for _ in self.blocks] if use_cache else None
-        step_input, start = tokens, 0
-        padded = {} if attention_mask is None else {"attention_mask": attention_mask,
-                                                    "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp_min(0)}
-        finished = torch.zeros(prompt.shape[0], 1, dtype=torch.bool, device=prompt.device)
-        for _ in range(max_new_tokens):
-            logits = self(step_input, cache=cache, start=start, last_only=True, **padded)[:, -1].float()  # (B, V)
-            nxt = next_token(logits, temperature, top_k, gen).to(tokens.device)
-            if eos_token_id is not None:  # (the same tokens on every rank: every rank stops alike)
-                nxt = torch.where(finished, pad_token_id if pad_token_id is not None else eos_token_id, nxt)
-                finished = finished | (nxt == eos_token_id)
-            tokens = torch.cat([tokens, nxt], dim=1)
-            if eos_token_id is not None and bool(finished.all()):
-                break
-            if padded:  # the new token is a token, one position after its sequence's last
-                mask = torch.cat([padded["attention_mask"], torch.ones_like(nxt)], dim=1)
-                after = padded["position_ids"][:, -1:] + 1
-                positions = after if use_cache else torch.cat([padded["position_ids"], after], dim=1)
-                padded = {"attention_mask": mask, "position_ids": positions}
-            if use_cache:
-                step_input, start = nxt, tokens.shape[1] - 1
-            else:
-                step_input = tokens
-        self.train(was_training)
-        return tokens
-
-    # ---- weights
-    def init_full(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The full initial tensor of one parameter, from the seed and its name alone, so that
-        every layout starts from the serial model's weights: biases zero, norm weights one,
-        matrices normal with `init_std`."""
-        if name.endswith("bias"):
-            return torch.zeros(shape)
-        if len(shape) == 1 and name.endswith(".weight"):  # a norm's scale
-            return torch.ones(shape)
-        gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen).mul_(self.init_std(name))  # in place: one full tensor alive
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        """Serial's initial weights: one full tensor at a time, of which this rank keeps its shard
-        (so a rank's peak is its shards plus the largest single full tensor)."""
-        params = dict(self.named_parameters())
-        for name, spec in self.specs.items():
-            if name in params:
-                full = self.init_full(name, spec.full_shape)
-                params[name].copy_(spec.shard(full, self.ctx.coords, self.ctx.topology))
-                del full
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The parameters' dtype (a rank may hold none: an idle rank of D&SP-cSub's common
-        layers with projections in the common layers too; then the dtype it was built with)."""
-        first = next(self.parameters(), None)
-        return self._built_dtype if first is None else first.dtype
-
-    def is_mirror(self, name: str) -> bool:
-        """Whether this rank's `name` is a copy of a parameter another rank holds (it trains like
-        the original but counts once); see lattice.parallel.pipeline."""
-        return False
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full (serial) tensors; each rank keeps its shard. No communication."""
-        check_state_dict_keys(self.specs, state_dict)
-        params = dict(self.named_parameters())
-        for name, spec in self.specs.items():
-            full = state_dict[name]
-            if tuple(full.shape) != spec.full_shape:
-                raise LatticeConfigError(f"{name}: expected shape {list(spec.full_shape)}, got {list(full.shape)}; "
-                                         f"the weights were saved for a different model config")
-            if name in params:
-                params[name].copy_(spec.shard(full.to(self.dtype), self.ctx.coords, self.ctx.topology))
-
-    def full_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
-        """Full tensors (a collective: every rank must call it). By default identical on every
-        rank; with `to_rank`, gathered a bucket of tensors at a time onto that global rank alone, the
-        others returning {} and holding no more than their own shards and one bucket's copy of them."""
-        params = dict(self.named_parameters())
-        fulls = gather_full_many([(params.get(name), spec) for name, spec in self.specs.items()], self.ctx,
-                                 dtype=self.dtype, dst=to_rank)
-        return {name: full for name, full in zip(self.specs, fulls) if full is not None}
-
-    def gather_grads(self) -> dict[str, torch.Tensor]:
-        """Full gradients of the synced local ones, averaged over data-parallel replicas (a
-        collective); a missing gradient counts as zero."""
-        params = dict(self.named_parameters())
-        fulls = gather_full_many([(params[name].grad if name in params else None, spec)
-                                  for name, spec in self.specs.items()], self.ctx, dtype=self.dtype, average_dp=True)
-        return dict(zip(self.specs, fulls))
-
-    def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """Full gradients of the global mean loss (averaged over data-parallel replicas),
-        identical on every rank (a collective). Runs `sync_grads` first if a backward has not been
-        synced yet."""
-        self.sync_grads()
-        return self.gather_grads()
-
-    def num_parameters(self) -> int:
-        """Parameters of the full model (not this rank's shards)."""
-        return sum(math.prod(s.full_shape) for s in self.specs.values())
-
     # ---- one training step
     def sync_grads(self, over_cp: bool = True) -> None:
         """Sum the partial gradients that the shard specs declare (`ShardSpec.grad_sum`) over
@@ -535,26 +411,6 @@ class Model(nn.Module):
         self.sync_grads()
         return float(loss.detach())
 
-    # ---- HuggingFace
-    @classmethod
-    def from_hf(cls, model_or_state_dict, ctx: ParallelContext, *, config=None, dtype: torch.dtype | None = None):
-        """This family's model (this rank's shards, under ctx's layout; its pipeline stages with
-        pp > 1) with a HuggingFace model's weights: a transformers model, or a state dict with
-        config= (see lattice.models.hf). dtype defaults to that of the weights. No communication: every
-        rank passes the same weights."""
-        from lattice.models import hf
-
-        cfg, full = hf.read_hf(cls, model_or_state_dict, config=config)
-        model = build_model(cfg, ctx, dtype=dtype or next(iter(full.values())).dtype)
-        model.load_full_state_dict(full)
-        return model
-
-    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the HuggingFace model's names (a collective: every rank calls it)."""
-        from lattice.models import hf
-
-        return hf.to_hf_state_dict(self.family, self.cfg, self.full_state_dict())
-
 
 def check_ids(name: str, ids: torch.Tensor, vocab: int, *, labels: bool = False) -> None:
     """One line unless every id in `ids` is a token of a vocabulary of `vocab` (with `labels`,
@@ -567,19 +423,6 @@ def check_ids(name: str, ids: torch.Tensor, vocab: int, *, labels: bool = False)
         raise LatticeConfigError(f"{name} hold ids outside the vocabulary [0, {vocab})" +
                                  (" (-100 marks an ignored label)" if labels else "") +
                                  "; encode with the model's tokenizer or raise vocab_size")
-
-
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
-    """(B, 1) from (B, V) logits: the argmax at temperature 0, else a draw from
-    softmax(logits / temperature) over the top_k, on a CPU generator seeded alike on every rank
-    (so that every rank draws the same)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=gen)
 
 
 class DecoderLM(Model):

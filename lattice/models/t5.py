@@ -50,7 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from lattice.models.base import Model, ModelConfig, Parts, check_ids, next_token
+from lattice.models.base import Model, ModelConfig, Parts, check_ids
+from lattice.models.generation import next_token
 from lattice.models.components import MLP, CrossAttention, SelfAttention, bucketed_bias, residual_dropout
 from lattice.models.hf import HFMapping, HFTensor, transformers_module
 from lattice.models.registry import register
