@@ -78,7 +78,7 @@ def convert(args) -> dict:
         raise LatticeConfigError(f"{args.src} holds a {meta['arch']} model, not {args.arch}; drop --arch or pass "
                                  f"another source")
     dst = Path(args.dst)
-    _check_destination(dst, to, getattr(args, "overwrite", False))
+    _check_destination(dst, to, args.overwrite)
     if to == "hf":  # written whole beside the destination, then moved in (`publish_hf`)
         staging = hf_staging(dst)
         try:

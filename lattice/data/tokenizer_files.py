@@ -89,7 +89,7 @@ def describe_export(run: Path, dst: Path, meta: dict) -> None:
     for key, value in ids.items():
         setattr(config, key, value)
     labels = json.loads((run / "data.json").read_text()).get("labels") if (run / "data.json").is_file() else None
-    named = bool(labels) and getattr(config, "num_labels", 0) == len(labels) and bool(meta["model_config"].get("num_labels"))
+    named = bool(labels) and bool(meta["model_config"].get("num_labels")) and config.num_labels == len(labels)
     if named:
         config.id2label = dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
@@ -116,6 +116,7 @@ def _special_ids(run: Path, meta: dict) -> dict[str, int]:
     task = train.get("task") or get_arch(meta["arch"]).tasks[0]
     tokens = TaskTokens.of(task, train.get("vocab_size") or tokenizer.get_vocab_size(), specials)
     found = {**specials, **tokens.ids}
-    model = meta["model_config"]
-    return {f"{role}_token_id": model.get(f"{role}_token_id", found[role]) for role in ("bos", "eos", "pad")
-            if role in found or model.get(f"{role}_token_id") is not None}
+    model = meta["model_config"]  # (an encoder-decoder's own ids win: its model was built with them)
+    ids = {role: model[f"{role}_token_id"] if model.get(f"{role}_token_id") is not None else found.get(role)
+           for role in ("bos", "eos", "pad")}
+    return {f"{role}_token_id": i for role, i in ids.items() if i is not None}
