@@ -159,7 +159,7 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_interrupts():
             signal.raise_signal(signal.SIGINT)
             signal.raise_signal(signal.SIGINT)
             assert stop.signal == signal.SIGINT
-            stop._first_at -= faults.StopRequest.DUPLICATE_S  # as if the first came that long ago
+            stop._first_at[signal.SIGINT] -= faults.StopRequest.DUPLICATE_S  # as if the first came that long ago
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGINT)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -107,15 +107,15 @@ class StopRequest:
     """SIGTERM / SIGINT set a flag instead of raising; the trainer saves at the next step
     boundary and exits cleanly (how clusters pre-empt jobs). One Ctrl-C reaches a worker twice,
     from the terminal and again from torchrun's agent passing it on: the same signal within
-    DUPLICATE_S of the first is that one request. A later one has the signal's default effect,
-    so a second Ctrl-C still interrupts at once."""
+    DUPLICATE_S of its first arrival is that one request. A later one of the same kind has the
+    signal's default effect, so a second Ctrl-C still interrupts at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     DUPLICATE_S = 2.0
 
     def __init__(self):
-        self.signal: int | None = None
-        self._first_at = 0.0
+        self.signal: int | None = None  # the first signal that asked to stop
+        self._first_at: dict[int, float] = {}  # each kind's first arrival
         self._previous = {}
 
     def __enter__(self):
@@ -124,10 +124,11 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame):
-        if self.signal is None:
-            self.signal, self._first_at = signum, time.monotonic()
+        if signum not in self._first_at:
+            self._first_at[signum] = time.monotonic()
+            self.signal = self.signal or signum
             return
-        if signum == self.signal and time.monotonic() - self._first_at < self.DUPLICATE_S:
+        if time.monotonic() - self._first_at[signum] < self.DUPLICATE_S:
             return
         previous = self._previous.get(signum, signal.SIG_DFL)
         signal.signal(signum, previous)
