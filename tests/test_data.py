@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from lattice.data.corpus import corpus_text, global_batch, load_corpus, train_batch, unigram_baseline, val_batches
+from lattice.data.batches import global_batch, train_batch, val_batches
+from lattice.data.corpus import corpus_text, load_corpus, unigram_baseline
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 
 VOCAB = 512
@@ -120,7 +121,8 @@ def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path, monkey
     (seed, step) ones."""
     import numpy as np
 
-    from lattice.data.corpus import global_batch, load_data_corpus
+    from lattice.data.batches import global_batch
+    from lattice.data.corpus import load_data_corpus
 
     (tmp_path / "a.txt").write_text("Sphinx of black quartz, judge my vow. " * 200)
     (tmp_path / "b.txt").write_text("How vexingly quick daft zebras jump! " * 200)

@@ -22,7 +22,7 @@ from lattice.checkpoint import sharded
 from lattice.checkpoint.dcp_io import item_name
 from lattice.checkpoint.files import crc_file
 from lattice.cli import main as cli
-from lattice.data.corpus import train_batch
+from lattice.data.batches import train_batch
 from lattice.parallel.context import LatticeConfigError
 from lattice.training.trainer import TrainConfig, Trainer
 

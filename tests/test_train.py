@@ -110,7 +110,7 @@ def _accumulated_steps(layout: dict, zero: int) -> dict:
     """Two float64 steps of the Trainer with the replica batch whole and in 2 micro-batches, the
     first half of every replica's rows with most targets unlabelled (so the micro-batches weigh 1:4
     or so, not 1:1); the losses, the weights after them and what the step's collectives moved."""
-    from lattice.data.corpus import Batch
+    from lattice.data.batches import Batch
     from lattice.modes.kernels.loss import IGNORE_INDEX
 
     out = {}

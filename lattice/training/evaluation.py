@@ -24,7 +24,7 @@ def dp_mean(value: torch.Tensor, ctx: ParallelContext) -> float:
 
 
 def replica_weight(model, batch, ctx: ParallelContext) -> float:
-    """dp x this replica's labelled targets / the global batch's (lattice.data.corpus.Batch): the
+    """dp x this replica's labelled targets / the global batch's (lattice.data.batches.Batch): the
     weight of the replica's mean loss by which the replicas' average is the global batch's mean
     (1 with equal counts, as without padding)."""
     if ctx.dp == 1:
@@ -35,7 +35,7 @@ def replica_weight(model, batch, ctx: ParallelContext) -> float:
 
 @torch.no_grad()
 def evaluate(model, batches, ctx: ParallelContext, *, bf16: bool = False) -> float:
-    """Mean loss of `model` over `batches` (each this replica's lattice.data.corpus.Batch), each
+    """Mean loss of `model` over `batches` (each this replica's lattice.data.batches.Batch), each
     batch's the mean over its labelled targets, identical on every rank. No optimizer, no
     data-parallel wrapper: `lattice eval` calls this directly."""
     model.eval()

@@ -1,0 +1,122 @@
+"""Batches of a corpus (lattice.data.corpus), the same in every layout: the global batch of step t
+is a function of (seed, t) alone, so a resumed run sees the same data as an uninterrupted one.
+Data-parallel replica r of `dp` takes rows [r*B/dp, (r+1)*B/dp) of it; every rank of one
+tensor-parallel group gets that same replica batch. The validation windows are fixed; the checks
+say when a batch does not fit the data."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lattice.data.corpus import Corpus
+from lattice.modes.kernels.loss import IGNORE_INDEX
+from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
+
+
+def truncated(what: str, lengths: list[int], room: int, flag: str, cut: str | None = None) -> str | None:
+    """One line on the `lengths` (in tokens) over `room`, or None when none is; `cut`: how one is
+    cut (default: to its first `room` tokens)."""
+    over = [n for n in lengths if n > room]
+    if not over:
+        return None
+    return (f"{len(over)} of {len(lengths)} {what} are longer than the {room} tokens a batch holds (the longest "
+            f"{max(over)}): each is cut {cut or f'to its first {room}'}; a longer {flag} keeps more")
+
+
+def check_batch_size(corpus: Corpus, batch_size: int, seq_len: int, dp: int) -> None:
+    """Raise a one-line LatticeConfigError unless the batch splits over dp and fits both splits."""
+    for tokens, split in ((corpus.train, "training"), (corpus.val, "validation")):
+        _check_batch(batch_size, seq_len, dp, tokens, split)
+
+
+def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, split: str):
+    if batch_size % dp:
+        lower = batch_size - batch_size % dp
+        raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of "
+                                 f"{dp} (for example {lower or dp} or {lower + dp})")
+    if len(tokens) < seq_len + 1:
+        raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
+                                 f"{seq_len + 1}; use a shorter seq_len or a larger corpus")
+
+
+class Batch(NamedTuple):
+    """A replica's batch: its tokens and targets, what the model takes beside them (`inputs`:
+    attention_mask, token_types) and how many targets of the whole global batch are labelled
+    (`labelled`), by which the replicas' mean losses are weighed into the global mean."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    inputs: dict
+    labelled: int
+
+
+def replica_batch(ctx: ParallelContext, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> Batch:
+    """This replica's rows of a global batch (tokens, targets and the `inputs` given, None
+    dropped) on ctx.device. The tasks mark every target they do not score -100 (a padded
+    target too), so the labelled count is theirs."""
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    labelled = targets != IGNORE_INDEX
+    rows = replica_rows(tokens.shape[0], ctx)
+    tokens, targets = on_device(ctx, tokens[rows], targets[rows])
+    return Batch(tokens, targets, {k: v[rows].to(ctx.device) for k, v in inputs.items()}, int(labelled.sum()))
+
+
+def on_device(ctx: ParallelContext, *tensors) -> tuple:
+    return tuple(t.to(ctx.device) for t in tensors)
+
+
+def replica_rows(batch_size: int, ctx: ParallelContext) -> slice:
+    """Rows of the global batch that this rank's data-parallel replica trains on."""
+    per = batch_size // ctx.dp
+    r = ctx.coord(MeshAxis.DP)
+    return slice(r * per, (r + 1) * per)
+
+
+def windows(tokens, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """(n, length) int64 windows of `tokens` (a tensor, or a memory-mapped array of which only
+    these windows are read)."""
+    if isinstance(tokens, np.ndarray):
+        return torch.from_numpy(np.stack([np.asarray(tokens[s:s + length], dtype=np.int64) for s in starts.tolist()]))
+    return tokens[starts[:, None] + torch.arange(length)]
+
+
+def global_batch(tokens, step: int, *, seed: int, batch_size: int, seq_len: int,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of the batch of `step`: `batch_size` random windows, a function of (seed, step)
+    only; only the windows of those rows are read."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)[rows]
+    window = windows(tokens, starts, seq_len + 1)  # (rows, T+1)
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def train_batch(corpus: Corpus, step: int, ctx: ParallelContext, *, seed: int, batch_size: int,
+                seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's replica batch (B/dp, T) of step `step`, on ctx.device."""
+    _check_batch(batch_size, seq_len, ctx.dp, corpus.train, "training")
+    x, y = global_batch(corpus.train, step, seed=seed, batch_size=batch_size, seq_len=seq_len,
+                        rows=replica_rows(batch_size, ctx))
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def val_windows(corpus: Corpus, *, batch_size: int, seq_len: int, num_batches: int) -> torch.Tensor:
+    """(num_batches, batch_size, seq_len) windows evenly spread over the validation split: the
+    global batches every validation of every run with these sizes reads."""
+    n = batch_size * num_batches
+    starts = torch.linspace(0, len(corpus.val) - seq_len, n).long()
+    return windows(corpus.val, starts, seq_len).view(num_batches, batch_size, seq_len)
+
+
+def val_batches(corpus: Corpus, ctx: ParallelContext, *, batch_size: int, seq_len: int,
+                num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of validation batches (windows evenly spread over the split), this replica's
+    rows of each. The same for every run with the same sizes, so validation losses compare."""
+    _check_batch(batch_size, seq_len, ctx.dp, corpus.val, "validation")
+    window = val_windows(corpus, batch_size=batch_size, seq_len=seq_len + 1, num_batches=num_batches)
+    rows = replica_rows(batch_size, ctx)
+    return [(w[rows, :-1].contiguous().to(ctx.device), w[rows, 1:].contiguous().to(ctx.device))
+            for w in window]
+
