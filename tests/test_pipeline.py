@@ -269,7 +269,7 @@ def test_train_command_with_pp_prints_serial_losses(tmp_path, capfd):
 
 def test_bubble_formula():
     """The schedule's idle fraction as papers/002 states it: (p-1)/m, interleaved (p-1)/(v m)."""
-    from lattice.parallel.pipeline import PipelineConfig
+    from lattice.parallel.pipeline_config import PipelineConfig
 
     assert PipelineConfig(stages=4, microbatches=8).bubble() == 3 / 8
     assert PipelineConfig(stages=4, microbatches=8, schedule="interleaved").bubble() == 3 / 16

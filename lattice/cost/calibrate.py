@@ -342,7 +342,7 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     from lattice.models import build_model
     from lattice.models.registry import arch_of_config
     from lattice.modes.layout import Layout, init
-    from lattice.parallel.pipeline import SCHEDULES
+    from lattice.parallel.pipeline_config import SCHEDULES
 
     if getattr(cfg, "num_labels", 0):  # a classifier trains without a pipeline
         return ()

@@ -82,7 +82,7 @@ class Cost:
     stem: dict[str, dict[str, float]] = field(default_factory=dict)  # the same for the layers alone
     memory: dict[str, float] = field(default_factory=dict)  # bytes: parameters, gradients, optimizer, activations
     param_tensors: int = 0  # parameter tensors on this rank (the optimizer's per-tensor work)
-    pipeline: object = None  # lattice.parallel.pipeline.PipelineConfig with pp > 1, and this rank's stage
+    pipeline: object = None  # lattice.parallel.pipeline_config.PipelineConfig with pp > 1, and this rank's stage
     stage: int = 0
     # without a pipeline: (first, last), whether the rank runs the model's first part (the embedding)
     # and its last (the final norm and the head), as a pipeline's stage would (None: both)

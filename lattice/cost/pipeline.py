@@ -8,7 +8,7 @@ from lattice.cost.stages import stage_sends
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import MeshAxis
-from lattice.parallel.pipeline import PipelineConfig
+from lattice.parallel.pipeline_config import PipelineConfig
 
 
 def p2p_piece(cfg, layout: Layout, *, batch: int, seq: int | None = None) -> float:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lattice.modes import REFERENCE_MODE, available_modes, get_mode
 from lattice.modes.options import flag
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
-from lattice.parallel.pipeline import SCHEDULES, PipelineConfig
+from lattice.parallel.pipeline_config import SCHEDULES, PipelineConfig
 
 
 def _axis_combinations(topo: Topology, mode_cls) -> list[tuple]:
@@ -67,7 +67,7 @@ class Layout:
         Layout.of("1d", tp=2, sequence_parallel=True)   # keyword arguments as lattice.init takes them
 
     The pipeline settings (`microbatches`, `pp_schedule`, `pp_virtual`, `pp_layers`,
-    `pp_scatter_gather`; see lattice.parallel.pipeline.PipelineConfig) need pp > 1, but
+    `pp_scatter_gather`; see lattice.parallel.pipeline_config.PipelineConfig) need pp > 1, but
     `microbatches`, which with pp = 1 is gradient accumulation (the replica batch in that many
     forward and backward passes before one update); None leaves each at its default."""
 

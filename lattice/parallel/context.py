@@ -210,7 +210,7 @@ class ParallelContext:
     #: creates those the mode declares in `Mode.groups`, and the model-parallel group)
     multi_axis_groups: Mapping[tuple, Any] = field(default_factory=dict)
     #: pipeline parallelism (stages, micro-batches, schedule), None without it
-    pipeline: Any = None  # lattice.parallel.pipeline.PipelineConfig | None
+    pipeline: Any = None  # lattice.parallel.pipeline_config.PipelineConfig | None
     #: with pp > 2 and tied embeddings: the group of this tensor position's first and last stage
     embedding_group: Any = None
     #: the lattice.modes.layout.Layout this context was built from (None for a context built by hand)
