@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from multiproc import cached_init, run_distributed
 from numerics import rel_diff
 from test_bert import _worst_grad, random_hf_bert
-from test_hf import random_hf_model
+from test_gpt2 import random_hf_model
 from test_llama import random_hf_llama
 from test_t5 import random_hf_t5
 
