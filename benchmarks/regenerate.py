@@ -213,7 +213,7 @@ def main() -> int:
         for p in (2, 4):
             _bench(["--nproc", str(p)] + SINGLE)
         _bench(["--sweep", "all", "--steps", "6", "--warmup", "1"])
-        (RESULTS / "tables.json").write_text(json.dumps({"provenance": provenance("python benchmarks/regenerate.py"),
+        (RESULTS / "tables.json").write_text(json.dumps({"provenance": provenance(),
                                                          **paper_tables()}, indent=1))
     single = {f"p{p}": json.loads((RESULTS / f"bench_p{p}.json").read_text()) for p in (2, 4)}
     sweeps = json.loads((RESULTS / "sweeps.json").read_text())

@@ -173,8 +173,9 @@ def run_inference(args, argv: list[str]) -> int:
                 answer = answer[:answer.index(cfg.eos_token_id)] if cfg.eos_token_id in answer else answer
                 print(decode([t for t in answer if t not in (cfg.pad_token_id, cfg.decoder_start_token_id)]))
             else:
-                made = out[0, len(ids):].tolist()
-                print(args.prompt + decode(made[:made.index(eos)] if eos in made else made))
+                continuation = out[0, len(ids):].tolist()
+                print(args.prompt + decode(continuation[:continuation.index(eos)] if eos in continuation
+                                           else continuation))
             made = out.shape[1] - (1 if answers else len(ids))
             print(f"{made} tokens in {dt:.2f} s: {copies / dt:.2f} sequences/s, "
                   f"{copies * made / dt:.1f} tokens/s (batch {copies}, {args.mode} on "

@@ -52,12 +52,8 @@ def export_tokenizer(source: Path, dst: Path, meta: dict) -> list[str]:
     from tokenizers import AddedToken
     from tokenizers.processors import TemplateProcessing
 
-    tokenizer = read_tokenizer(source, "the run's tokenizer", "restore the run's tokenizer.json")
-    specials = tokenizer_specials(tokenizer, source.parent)
-    train = meta.get("train_config") or {}
-    task = train.get("task") or get_arch(meta["arch"]).tasks[0]
-    vocab = train.get("vocab_size") or tokenizer.get_vocab_size()
-    tokens = TaskTokens.of(task, vocab, specials)
+    tokenizer, specials, task, tokens = _run_tokens(source, meta)
+    vocab = tokens.tokenizer_vocab
     added = [APPENDED[r] for r in tokens.appended]
     if added:
         filler = [f"[unused{i}]" for i in range(vocab - tokenizer.get_vocab_size())]
@@ -110,13 +106,20 @@ def _special_ids(run: Path, meta: dict) -> dict[str, int]:
     source = run / "tokenizer.json"
     if not source.is_file():
         return {}
-    tokenizer = read_tokenizer(source, "the run's tokenizer", "restore the run's tokenizer.json")
-    specials = tokenizer_specials(tokenizer, run)
-    train = meta.get("train_config") or {}
-    task = train.get("task") or get_arch(meta["arch"]).tasks[0]
-    tokens = TaskTokens.of(task, train.get("vocab_size") or tokenizer.get_vocab_size(), specials)
+    _, specials, _, tokens = _run_tokens(source, meta)
     found = {**specials, **tokens.ids}
     model = meta["model_config"]  # (an encoder-decoder's own ids win: its model was built with them)
     ids = {role: model[f"{role}_token_id"] if model.get(f"{role}_token_id") is not None else found.get(role)
            for role in ("bos", "eos", "pad")}
     return {f"{role}_token_id": i for role, i in ids.items() if i is not None}
+
+
+def _run_tokens(source: Path, meta: dict) -> tuple:
+    """(tokenizer, its special tokens by role, the run's task, the task's TaskTokens) of a run's
+    tokenizer.json and its checkpoint's configs (`meta`): the vocabulary the run counted from."""
+    tokenizer = read_tokenizer(source, "the run's tokenizer", "restore the run's tokenizer.json")
+    specials = tokenizer_specials(tokenizer, source.parent)
+    train = meta.get("train_config") or {}
+    task = train.get("task") or get_arch(meta["arch"]).tasks[0]
+    vocab = train.get("vocab_size") or tokenizer.get_vocab_size()
+    return tokenizer, specials, task, TaskTokens.of(task, vocab, specials)
