@@ -31,7 +31,7 @@ def _one(model: str, mode: str, tp: int, rank: int, vocab: int) -> dict:
 
     torch.set_num_threads(1)
     cfg = GPTConfig.preset(model, vocab_size=vocab)
-    ctx = lattice.plan(mode, tp=tp, rank=rank)
+    ctx = lattice.context(mode, tp=tp, rank=rank)
     with torch.device("meta"):  # specs only, to size the shards without allocating
         meta = lattice.build_model(cfg, ctx)
     shard_bytes = sum(p.numel() * 4 for p in meta.parameters())

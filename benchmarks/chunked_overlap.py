@@ -19,7 +19,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from lattice.cost.timing import timed_rounds
+from lattice.calibration.timing import timed_rounds
 
 
 def main():

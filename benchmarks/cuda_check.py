@@ -44,7 +44,7 @@ def exactness(ctx) -> list[dict]:
             gen = torch.Generator().manual_seed(k)
             tokens = torch.randint(0, cfg.vocab_size, (4, 8), generator=gen)
             targets = get_arch(family).random_targets(cfg, tokens, gen)
-            cpu = lattice.build_model(cfg, lattice.plan("serial"), dtype=torch.float64)
+            cpu = lattice.build_model(cfg, lattice.context("serial"), dtype=torch.float64)
             gpu = lattice.build_model(cfg, ctx, dtype=torch.float64)
             gpu.load_full_state_dict(cpu.full_state_dict())
             loss_cpu = cpu.forward_backward(tokens, targets)
@@ -77,7 +77,7 @@ def exactness(ctx) -> list[dict]:
 def throughput(ctx, arch: str, preset: str, batch: int, seq_len: int | None, steps: int, peak_tflops: float) -> dict:
     """Serial bf16 training as `lattice train --precision bf16` runs it: bf16 weights and
     activations, fp32 master weights and AdamW moments. Median step time after warm-up."""
-    from lattice.cost.plan import model_config
+    from lattice.cost import model_config
     from lattice.parallel.zero import ZeroOptimizer
 
     cfg = model_config(arch, preset, seq_len=seq_len)
@@ -172,7 +172,7 @@ def overheads(ctx) -> dict:
     """The framework's time per operation a family describes (Machine.op_overhead) and the
     optimizer's per parameter tensor, on this device: a serial GPT-2 of one and two blocks at sizes
     whose work is negligible, forward + backward and the bf16 step with fp32 masters (as
-    `lattice.cost.calibrate` measures them on a CPU)."""
+    `lattice.calibration.calibrate` measures them on a CPU)."""
     from lattice.models.gpt2 import GPTConfig
     from lattice.parallel.zero import ZeroOptimizer
 

@@ -151,7 +151,7 @@ def collectives_free():
     names = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
              "reduce", "all_gather", "reduce_scatter", "_reduce_scatter_base", "_all_gather_base"]
     saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-    saved_comm = {name: getattr(comm, name) for name in ("_all_gather_tensor", "_native_reduce_scatter")}
+    saved_comm = {name: getattr(comm, name) for name in ("unmetered_all_gather", "_native_reduce_scatter")}
     try:
         for name in saved:
             setattr(dist, name, nothing)

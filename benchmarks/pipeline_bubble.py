@@ -7,7 +7,7 @@ blocks) under GPipe, 1F1B and interleaved 1F1B (v = 2). Each block also spends e
 time (sleeping 20 ms in forward and 40 ms in backward, far more than its real work on this tiny
 model), so that the four stages overlap as on four devices even though this machine has two
 cores. With micro-batches of a fixed size, the ideal step is m x (one micro-batch through one
-rank's blocks); the measured bubble is (step - ideal) / ideal, beside papers/002's
+rank's blocks); the measured bubble is (step - ideal) / ideal, beside docs/references.md#megatron-lm's
 (p - 1)/m and, interleaved, (p - 1)/(v m).
 
 Part 2, activations. At m = 8, the peak bytes of tensors autograd holds for backward on each

@@ -1,4 +1,4 @@
-"""The papers' crossovers from the planner (`lattice.cost.search`) on the papers' machines, each beside
+"""The papers' crossovers from the planner (`lattice.planner.search`) on the papers' machines, each beside
 the paper's number, and the planner's own choice at 64, 256 and 1024 GPUs.
 
     python benchmarks/planner_projection.py [-o benchmarks/results/planner_projection.json]
@@ -26,8 +26,8 @@ import json
 
 from lattice.bench.provenance import provenance
 from lattice.cost.machines import MACHINES
-from lattice.cost.plan import model_config
-from lattice.cost.search import Choice, uneven_split, price, search
+from lattice.cost import model_config
+from lattice.planner.search import Choice, uneven_split, price, search
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
 
@@ -135,9 +135,9 @@ def h200(rows: list) -> None:
     machine from the same recipe as the presets (989 TFLOP/s dense bf16, 4.8 TB/s)."""
     from pathlib import Path
 
-    from lattice.cost.machines import _gpu
+    from lattice.cost.machines import gpu_machine
 
-    machine = _gpu("H200", peak_half=989e12, peak_fp32=494e12, hbm=4.8e12, memory_gib=141, ranks_per_node=1,
+    machine = gpu_machine("H200", peak_half=989e12, peak_fp32=494e12, hbm=4.8e12, memory_gib=141, ranks_per_node=1,
                    intra_gbs=450, alpha_intra=5e-6, node_nic_gbs=50)
     measured = json.loads((Path(__file__).parent / "results" / "cuda_h200_steps.json").read_text())["throughput"]
     for run in measured:

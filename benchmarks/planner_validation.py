@@ -36,8 +36,8 @@ from lattice.bench.provenance import provenance
 from lattice.bench.world import spawn
 from lattice.cost.machine import BY_WORLD_FIELDS
 from lattice.cost.machines import frozen, machine_named
-from lattice.cost.plan import model_config
-from lattice.cost.search import price, search
+from lattice.cost import model_config
+from lattice.planner.search import price, search
 
 BATCH = 8
 ROUNDS_RULE = "12 at 2 ranks, 5 above"  # the default rounds per case, as default_rounds gives them
@@ -69,7 +69,7 @@ def _config(shape: str):
 def _calibrate_world(shape: str) -> dict:
     import torch.distributed as dist
 
-    from lattice.cost.calibrate import calibrate
+    from lattice.calibration.calibrate import calibrate
 
     machine = calibrate(_config(shape), BATCH)
     return vars(machine) if dist.get_rank() == 0 else {}

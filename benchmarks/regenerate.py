@@ -44,7 +44,7 @@ def paper_tables() -> dict:
     super_rows = []
     for n, g, n_node in ((8, 2, 4), (16, 4, 4), (16, 8, 4), (64, 16, 4)):
         for aware in (False, True):
-            topo = lattice.plan("subgraph", tp=n, subgrids=g, ranks_per_node=n_node,
+            topo = lattice.context("subgraph", tp=n, subgrids=g, ranks_per_node=n_node,
                                 placement="topology" if aware else "natural").topology
             super_rows.append({"n": n, "g": g, "n_node": n_node, "placement": "topology" if aware else "natural",
                                "equations": cost.super_messages(n, g, n_node, aware),

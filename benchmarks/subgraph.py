@@ -1,4 +1,4 @@
-"""SUPER's own experiment (papers/003 §V): D&SP and D&SP-cSub beside pure data parallelism on the
+"""SUPER's own experiment (docs/references.md#super §V): D&SP and D&SP-cSub beside pure data parallelism on the
 same ranks and global batch, measured here; both placements' message counts; and the cost
 model's projection to the paper's scale beside the speedups it reports.
 

@@ -34,7 +34,7 @@ STRETCHES = ((2, 1), (4, 1), (8, 2), (16, 4), (16, 1), (32, 2))  # (busy product
 def _median_seconds(fns: list, reps: int, calls: list[int]) -> list[float]:
     """Seconds per call of each of `fns`, every rank running it, the slowest rank's median over
     `reps` rounds, the fns in turn (starting one later each round), each sample `calls` calls.
-    Not lattice.cost.timing.timed_in_turn: it sizes a sample by each rank's first call, and a rank
+    Not lattice.calibration.timing.timed_in_turn: it sizes a sample by each rank's first call, and a rank
     that idles through a fn (the waiting ranks here) asks for 50,000 calls of it."""
     samples = [[] for _ in fns]
     for r in range(reps):

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 
     llama = get_arch("llama").config_class.preset("llama3-8b")
     with torch.device("meta"):
-        n = lattice.build_model(llama, lattice.plan("serial")).num_parameters()
+        n = lattice.build_model(llama, lattice.context("serial")).num_parameters()
     print(f"\nLlama-3-8B ({n / 1e9:.2f} B parameters) from the cost model (no processes), one replica of tp = 1; "
           f"GiB per rank (bytes per parameter; formula):")
     print("| precision | dp | zero 0 | zero 1 | zero 2 |")

@@ -4,7 +4,7 @@ they price."""
 import dataclasses
 
 from lattice.cost.machines import MACHINES
-from lattice.cost.plan import model_config
+from lattice.cost import model_config
 
 MACHINE = dataclasses.replace(MACHINES["h100-node"], ranks_per_node=4)
 

@@ -20,7 +20,7 @@ VARIANTS = ((64, True, True), (61, True, True), (61, False, False))
 
 
 def _serial_reference(cfg, dtype, seed=1):
-    model = GPT(cfg, lattice.plan("serial"), dtype=dtype)
+    model = GPT(cfg, lattice.context("serial"), dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -221,7 +221,7 @@ def test_local_shapes_follow_the_megatron_layout():
     cfg = GPTConfig(vocab_size=61, **SIZES)
     h = cfg.d_model
     for rank in range(4):
-        model = GPT(cfg, lattice.plan("1d", tp=4, rank=rank))
+        model = GPT(cfg, lattice.context("1d", tp=4, rank=rank))
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         assert shapes["blocks.0.attn.qkv.weight"] == (h, 3, h // 4)
         assert shapes["blocks.0.attn.qkv.bias"] == (3, h // 4)
@@ -268,7 +268,7 @@ def test_sizes_that_do_not_divide_fail_on_every_rank_before_any_collective():
         assert seq.startswith("sequence length = 6 is not divisible by tp = 4") and "sequence_parallel" in seq, seq
         assert all("\n" not in m for m in messages)
     with pytest.raises(LatticeConfigError, match="sequence_parallel must be True or False"):
-        lattice.plan("1d", tp=2, sequence_parallel="yes")
+        lattice.context("1d", tp=2, sequence_parallel="yes")
 
 
 def _check_dropout(sp):

@@ -23,7 +23,7 @@ VARIANTS = [dict(bias=True, tie_embeddings=True), dict(bias=False, tie_embedding
 
 
 def _serial(cfg, dtype=torch.float64):
-    return lattice.GPT(cfg, lattice.plan("serial"), dtype=dtype)
+    return lattice.GPT(cfg, lattice.context("serial"), dtype=dtype)
 
 
 def _serial_loss_and_grads(serial, tokens, targets):
@@ -398,20 +398,20 @@ def test_bad_sizes_raise_clear_errors_on_every_rank():
 
 
 def test_non_square_tp_is_refused_without_processes():
-    """lattice.plan refuses tp that is not q*q (q >= 2) and names the nearest squares."""
+    """lattice.context refuses tp that is not q*q (q >= 2) and names the nearest squares."""
     with pytest.raises(LatticeConfigError, match=r"tp=4 \(q=2\) or tp=9 \(q=3\)"):
-        lattice.plan("2d", tp=6)
+        lattice.context("2d", tp=6)
     with pytest.raises(LatticeConfigError, match=r"tp=4 \(q=2\)"):
-        lattice.plan("2d", tp=1)
-    assert lattice.plan("2d", tp=9, dp=2).topology.shape == (2, 3, 3)
+        lattice.context("2d", tp=1)
+    assert lattice.context("2d", tp=9, dp=2).topology.shape == (2, 3, 3)
 
 
 def test_keep_gathered_without_the_all_gather_form_is_refused():
     """keep_gathered keeps what the all-gather form gathered; with the broadcast form there is
     nothing to keep, and a silent no-op would leave the user believing it ran."""
     with pytest.raises(LatticeConfigError, match=r"keep_gathered=True .* summa='all_gather'"):
-        lattice.plan("2d", tp=4, keep_gathered=True)
-    assert lattice.plan("2d", tp=4, keep_gathered=True, summa="all_gather").options["keep_gathered"]
+        lattice.context("2d", tp=4, keep_gathered=True)
+    assert lattice.context("2d", tp=4, keep_gathered=True, summa="all_gather").options["keep_gathered"]
 
 
 # ----------------------------------------------------------------------------- placement
@@ -432,8 +432,8 @@ def test_bunched_placement_keeps_columns_in_fewer_nodes(tp, dp, per_node, col_no
     """placement="topology" against natural placement (no processes): column groups touch fewer
     nodes and every node holds exactly ranks_per_node ranks. Catches a permutation that is not
     a permutation, or a tiling that leaves column traffic crossing every node."""
-    natural = lattice.plan("2d", tp=tp, dp=dp, ranks_per_node=per_node).topology
-    bunched = lattice.plan("2d", tp=tp, dp=dp, ranks_per_node=per_node, placement="topology").topology
+    natural = lattice.context("2d", tp=tp, dp=dp, ranks_per_node=per_node).topology
+    bunched = lattice.context("2d", tp=tp, dp=dp, ranks_per_node=per_node, placement="topology").topology
     assert set(_nodes(bunched, MeshAxis.ROW)) == {col_nodes}
     assert set(_nodes(bunched, MeshAxis.COL)) == {row_nodes}
     assert max(_nodes(bunched, MeshAxis.ROW)) < max(_nodes(natural, MeshAxis.ROW))

@@ -19,7 +19,7 @@ CFG = dict(vocab_size=61, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
 def step_bytes(B, T, h, V, L, q, bias, ckpt, itemsize=4, keep=False, replicated=False, table_rows=CFG["seq_len"]):
     """Bytes CommMeter counts on a rank for one forward + backward, worked out from the algorithm
-    (DESIGN.md "3D"), per collective kind. Per linear X [M, N] W [N, K] (M = B·T): forward
+    (docs/references.md#3d), per collective kind. Per linear X [M, N] W [N, K] (M = B·T): forward
     all-gathers of X (M·N/q² gathered) and W (N·K/q²) and a reduce-scatter of Y (M·K/q²);
     backward all-gathers dY, X, W again and reduce-scatters dX and dW. The four linears of a layer
     have N, K = (h, 3h), (h, h), (h, 4h), (4h, h); the head is X Eᵀ with K = V' (V padded to
@@ -135,7 +135,7 @@ def test_parameters_and_activations_per_rank_are_a_pth_of_serial():
     per rank, parameters and saved activations at most 1.15 x serial / p (printed beside 1d at
     p = 8 and 2d at p = 4 on the same model)."""
     cfg = lattice.GPTConfig(**MEMORY_CFG)
-    serial = lattice.GPT(cfg, lattice.plan("serial"))
+    serial = lattice.GPT(cfg, lattice.context("serial"))
     tokens, targets = _batch(4, 8, cfg.vocab_size, seed=9)
     serial_saved = saved_activation_bytes(serial, lambda: serial(tokens, targets))
     serial_params = sum(p.numel() * p.element_size() for p in serial.parameters())
@@ -153,7 +153,7 @@ def test_parameters_and_activations_per_rank_are_a_pth_of_serial():
 def _check_bf16():
     ctx = cached_init(mode="3d", tp=8)
     cfg = lattice.GPTConfig(**CFG)
-    serial = lattice.GPT(cfg, lattice.plan("serial"))
+    serial = lattice.GPT(cfg, lattice.context("serial"))
     model = lattice.GPT(cfg, ctx)
     model.load_full_state_dict(serial.full_state_dict())
     tokens, targets = _batch(4, 16, cfg.vocab_size, seed=5)
@@ -200,4 +200,4 @@ def test_sizes_the_cube_does_not_divide_fail_on_every_rank_before_any_collective
         assert messages[1].startswith("n_heads = 3 is not divisible by the 3D cube side q = 2")
         assert "give each replica a multiple of 4 sequences (for example 4 or 8)" in messages[2]
     with pytest.raises(LatticeConfigError, match=r"tp=9 is not such a cube: use tp=8 \(q=2\) or tp=27 \(q=3\)"):
-        lattice.plan("3d", tp=9)
+        lattice.context("3d", tp=9)

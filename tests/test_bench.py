@@ -26,7 +26,7 @@ def test_peer_is_lattices_serial_model_in_plain_pytorch():
     """Catches a weight mapping bug (W[in, out] not transposed into nn.Linear, q/k/v taken from the
     wrong slice of the stacked qkv, an untied head): float64 logits must equal lattice's."""
     cfg = lattice.GPTConfig(**CFG)
-    ref = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    ref = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
     peer = peers.PeerGPT(cfg).double()
     peer.load_lattice(ref.full_state_dict())
     tokens, _ = _batch(cfg)
@@ -36,7 +36,7 @@ def test_peer_is_lattices_serial_model_in_plain_pytorch():
 
 def _peer_on_ranks():
     cfg = lattice.GPTConfig(**CFG)
-    ref = lattice.GPT(cfg, lattice.plan("serial"))
+    ref = lattice.GPT(cfg, lattice.context("serial"))
     sd = ref.full_state_dict()
     tokens, targets = _batch(cfg)
     ref_loss = ref(tokens, targets)
@@ -70,7 +70,7 @@ def _llama_peer_on_ranks():
     from lattice.models.llama import LlamaConfig
 
     cfg = LlamaConfig.preset("tiny", vocab_size=64, seq_len=8)
-    ref = lattice.build_model(cfg, lattice.plan("serial"))
+    ref = lattice.build_model(cfg, lattice.context("serial"))
     tokens, targets = _batch(cfg)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()

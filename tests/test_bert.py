@@ -49,7 +49,7 @@ def test_serial_bert_equals_transformers(num_labels):
     targets counted in the mean, the pooler's tanh or the wrong pooled position, or a
     transposed / misnamed tensor in the HF mapping."""
     hf_model = random_hf_bert(num_labels)
-    model = lattice.from_hf(hf_model, lattice.plan("serial"))
+    model = lattice.from_hf(hf_model, lattice.context("serial"))
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, CFG["vocab_size"], (4, 12), generator=gen)
     if num_labels:
@@ -74,7 +74,7 @@ def test_hf_export_names_the_class_of_the_head(tmp_path):
     """Catches a classifier exported as a masked LM (or the reverse): the directory's config names
     BertForSequenceClassification with its labels, and loading it back gives the same function."""
     hf_model = random_hf_bert(3)
-    model = lattice.from_hf(hf_model, lattice.plan("serial"))
+    model = lattice.from_hf(hf_model, lattice.context("serial"))
     assert model.cfg.num_labels == 3
     lhf.write_hf_dir(Bert, model.cfg, model.full_state_dict(), tmp_path)
     back = lattice.models.load_hf_dir(tmp_path)

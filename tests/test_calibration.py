@@ -1,4 +1,4 @@
-"""Calibration (lattice.cost.calibrate, calibrate_comm, timing) and the machine presets it fills:
+"""Calibration (lattice.calibration: calibrate, comm, timing) and the machine presets it fills:
 each rate and curve fitted from micro-benchmark timings the test sets, the cpu preset read from
 its file."""
 
@@ -20,17 +20,17 @@ def test_kernel_rows_fitted_over_the_row_counts():
     (the two-count solve it replaces gave 35 for the shortest); a larger product slower per row than a smaller one
     (out of cache), a smaller no slower per row, or a single row count give 0, never a negative or
     infinite term."""
-    from lattice.cost.calibrate import _kernel_rows
+    from lattice.calibration.calibrate import fit_kernel_rows
 
     rows = (64, 128, 256, 512)
-    assert _kernel_rows([(m, (m + 20) * 3e-6) for m in rows]) == pytest.approx(20.0)
+    assert fit_kernel_rows([(m, (m + 20) * 3e-6) for m in rows]) == pytest.approx(20.0)
     for off in rows:
         for factor in (0.85, 1.15):
             noisy = [(m, (m + 20) * 3e-6 * (factor if m == off else 1.0)) for m in rows]
-            assert abs(_kernel_rows(noisy) - 20) < 10, (off, factor)
-    assert _kernel_rows([(m, m * (1 + m / 2048) * 3e-6) for m in rows]) == 0.0
-    assert _kernel_rows([(m, m * 3e-6) for m in rows]) == 0.0
-    assert _kernel_rows([(512, 1.0)]) == 0.0
+            assert abs(fit_kernel_rows(noisy) - 20) < 10, (off, factor)
+    assert fit_kernel_rows([(m, m * (1 + m / 2048) * 3e-6) for m in rows]) == 0.0
+    assert fit_kernel_rows([(m, m * 3e-6) for m in rows]) == 0.0
+    assert fit_kernel_rows([(512, 1.0)]) == 0.0
 
 
 def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> float:
@@ -41,8 +41,8 @@ def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> flo
     descheduling cannot stretch them (busy-waited, the fit came out 9 under a full test run)."""
     import types
 
-    import lattice.cost.calibrate as calibrate
-    import lattice.cost.timing as timing
+    import lattice.calibration.calibrate as calibrate
+    import lattice.calibration.timing as timing
 
     now = [0.0]
 
@@ -60,7 +60,7 @@ def _row_term_of_products_slow_at_first(*, warm_and_in_turn: bool = True) -> flo
             seconds = [timing.timed_in_turn([product(m)], 5)[0] for m in rows]
     finally:
         timing.time = real_time
-    return calibrate._kernel_rows(list(zip(rows, seconds)))
+    return calibrate.fit_kernel_rows(list(zip(rows, seconds)))
 
 
 def _differences_under_drift() -> list[tuple[float, float]]:
@@ -69,7 +69,7 @@ def _differences_under_drift() -> list[tuple[float, float]]:
     collective adds 10 ms plus 0 to 12 ms of its own noise."""
     import types
 
-    import lattice.cost.timing as timing
+    import lattice.calibration.timing as timing
 
     now, calls = [0.0], {"with": 0, "without": 0}
     drift = [0.0, 0.8, 0.1, 0.9, 0.2]  # seconds, per round
@@ -125,7 +125,7 @@ def _waits_of_one_slow_rank() -> tuple:
     import torch
     import torch.distributed as dist
 
-    from lattice.cost.calibrate import _skew_curve
+    from lattice.calibration.calibrate import measure_skew_curve
 
     pause = 0.002 if dist.get_rank() == 3 else 0.001
     spent = [0.0, 0]
@@ -136,7 +136,7 @@ def _waits_of_one_slow_rank() -> tuple:
         spent[0] += time.perf_counter() - t
         spent[1] += 1
 
-    curve = _skew_curve(work, stretches=(0.02, 0.06), samples=5)
+    curve = measure_skew_curve(work, stretches=(0.02, 0.06), samples=5)
     # a loaded host oversleeps every pause by a fraction of a millisecond, the same on every rank:
     # the expected waits are derived from each rank's measured pause, not from the nominal 1 and 2 ms
     mine = torch.tensor([spent[0] / spent[1]], dtype=torch.float64)
@@ -189,6 +189,20 @@ def test_machine_presets_and_files():
     assert isinstance(MACHINES["cpu-2core"], Machine)
 
 
+def test_each_machine_field_is_in_one_group_and_gpus_leave_the_shared_core_fields_alone():
+    """Catches a field added to Machine without saying whether it is the papers' model, a measured
+    departure from it or a wait of ranks sharing cores (each field in exactly one group), and a
+    GPU preset that prices core sharing its ranks do not have."""
+    from lattice.cost.machine import MEASURED_FIELDS, PAPER_FIELDS, SHARED_CORE_FIELDS
+
+    groups = PAPER_FIELDS + MEASURED_FIELDS + SHARED_CORE_FIELDS
+    assert sorted(groups) == sorted(f.name for f in dataclasses.fields(Machine)) and len(set(groups)) == len(groups)
+    defaults = {f.name: f.default for f in dataclasses.fields(Machine) if f.name in SHARED_CORE_FIELDS}
+    gpus = [m for name, m in MACHINES.items() if not name.startswith("cpu")]
+    assert len(gpus) >= 5 and all(getattr(m, k) == v for m in gpus for k, v in defaults.items())
+    assert any(getattr(MACHINES["cpu-2core"], k) != v for k, v in defaults.items())
+
+
 def test_the_cpu_presets_rows_are_read_column_by_column_from_its_file():
     """Catches the cpu-2core preset losing its calibrated curves or reading them into the wrong
     columns: each of its rows at 2, 4 and 8 ranks is the file's, named field by field as
@@ -212,12 +226,12 @@ def test_the_cpu_presets_rows_are_read_column_by_column_from_its_file():
 
 
 def _pipeline_actions_on_set_timings() -> tuple:
-    """`_pipeline_actions` on steps timed as if each schedule took 10 ms + 4 ms per micro-batch
+    """`measure_pipeline_actions` on steps timed as if each schedule took 10 ms + 4 ms per micro-batch
     (gpipe), 3 ms (1f1b) or 5 ms (interleaved), against a price of 20 ms + 1 ms per micro-batch;
     with what the price was asked: (sizes of the model, micro-batches, batch, the machine's actions)."""
-    import lattice.cost.calibrate as calibrate
-    import lattice.cost.pricing as pricing
-    from lattice.cost.plan import model_config
+    import lattice.calibration.calibrate as calibrate
+    import lattice.planner.pricing as pricing
+    from lattice.cost import model_config
 
     per_microbatch = {"gpipe": 0.004, "1f1b": 0.003, "interleaved": 0.005}
     # the timed pairs in calibrate's order: each schedule at 3 micro-batches per stage beyond 1 (p = 2)
@@ -234,7 +248,7 @@ def _pipeline_actions_on_set_timings() -> tuple:
     try:
         machine = dataclasses.replace(MACHINE, pipeline_actions=(("1f1b", 1.0),))
         cfg = model_config("gpt2", "small", vocab_size=2048, d_model=48, seq_len=16)
-        return calibrate._pipeline_actions(cfg, machine, 1), asked
+        return calibrate.measure_pipeline_actions(cfg, machine, 1), asked
     finally:
         calibrate.timed_differences, pricing.price = real, real_price
 
@@ -256,8 +270,8 @@ def test_a_schedules_own_time_per_chunk_is_its_slope_beyond_its_price():
 
 
 def _group_curves_on_set_timings() -> tuple:
-    """`_group_curves` at 4 ranks with the loop's gain set to 8 x k ms for the k-th size."""
-    import lattice.cost.calibrate_comm as calibrate
+    """`measure_group_curves` at 4 ranks with the loop's gain set to 8 x k ms for the k-th size."""
+    import lattice.calibration.comm as calibrate
 
     gains = iter(range(1, 100))
 
@@ -266,7 +280,7 @@ def _group_curves_on_set_timings() -> tuple:
 
     real, calibrate.timed_differences = calibrate.timed_differences, fake
     try:
-        return calibrate._group_curves(lambda coll: None, 1)
+        return calibrate.measure_group_curves(lambda coll: None, 1)
     finally:
         calibrate.timed_differences = real
 
@@ -277,7 +291,7 @@ def test_the_group_curves_are_each_sizes_gain_per_call_at_a_ranks_wire_bytes():
     (2 (n - 1)/n of them: the buffer itself for a pair) or per loop rather than per call (8 calls)."""
     from multiproc import run_distributed
 
-    from lattice.cost.calibrate import COLLECTIVE_SIZES
+    from lattice.calibration.calibrate import COLLECTIVE_SIZES
 
     expected = (("all_reduce", 2, tuple((numel * 4.0, k * 1e-3) for k, numel in enumerate(COLLECTIVE_SIZES, 1))),)
     for curves in run_distributed(4, _group_curves_on_set_timings):
@@ -288,13 +302,13 @@ def test_the_group_curves_are_each_sizes_gain_per_call_at_a_ranks_wire_bytes():
 
 
 def _grad_sums_on_a_set_clock() -> tuple:
-    """`_grad_sum_ratios` at 2 ranks with a clock that the all-reduce alone moves (1 ns per
+    """`measure_grad_sum_ratios` at 2 ranks with a clock that the all-reduce alone moves (1 ns per
     element), what it runs recorded: ("stretch" | "barrier" | elements and buffer of an all-reduce)."""
     import types
 
     import torch
 
-    import lattice.cost.calibrate_comm as calibrate
+    import lattice.calibration.comm as calibrate
 
     now, calls, buffers = [0.0], [], []
     real_reduce, real_barrier, real_time = calibrate.dist.all_reduce, calibrate.dist.barrier, calibrate.time
@@ -310,7 +324,7 @@ def _grad_sums_on_a_set_clock() -> tuple:
     calibrate.time = types.SimpleNamespace(perf_counter=lambda: now[0])
     try:
         looped = {n: n * 0.5e-9 for n in calibrate.GRAD_SUM_SIZES}
-        ratios = calibrate._grad_sum_ratios(lambda: calls.append("stretch"), looped, 3)
+        ratios = calibrate.measure_grad_sum_ratios(lambda: calls.append("stretch"), looped, 3)
     finally:
         calibrate.dist.all_reduce, calibrate.dist.barrier, calibrate.time = real_reduce, real_barrier, real_time
     return ratios, calls, len({id(b) for b in buffers}), len(buffers), [b.numel() for b in buffers]
@@ -324,7 +338,7 @@ def test_the_gradient_sum_is_timed_after_compute_and_a_barrier_on_a_fresh_buffer
     all-reduce moves (1 ns per element) against a loop of 0.5 ns per element gives 2 at every size."""
     from multiproc import run_distributed
 
-    from lattice.cost.calibrate_comm import GRAD_SUM_SIZES
+    from lattice.calibration.comm import GRAD_SUM_SIZES
 
     for ratios, calls, distinct, total, sizes in run_distributed(2, _grad_sums_on_a_set_clock):
         assert [w for w, _ in ratios] == [n * 4.0 for n in GRAD_SUM_SIZES]
@@ -341,10 +355,10 @@ def test_kernel_rows_and_rate_from_the_median_of_the_product_bursts():
     1 µs and (rows + 50) x 1.3 µs, the row term is 50 and the rate the median of what each burst
     gives the batch's products with it: weights x (512 + 50) over 562, 662 and 730.6 µs, the
     second's."""
-    from lattice.cost.calibrate import _product_rates
+    from lattice.calibration.calibrate import fit_product_rates
 
     rows = [64, 128, 256, 512]
     bursts = [[(m + 50) * 1e-6 for m in rows], [(m + 150) * 1e-6 for m in rows], [(m + 50) * 1.3e-6 for m in rows]]
-    kernel_rows, rate = _product_rates(rows, bursts, weights=1e6)
+    kernel_rows, rate = fit_product_rates(rows, bursts, weights=1e6)
     assert kernel_rows == pytest.approx(50.0)
     assert rate == pytest.approx(1e6 * 562 / 662e-6)

@@ -139,7 +139,8 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     TrainConfig."""
     from dataclasses import fields
 
-    from lattice.cli.arguments import config_toml, layout_from_args, run_config, train_config, with_config_file
+    from lattice.cli.arguments import layout_from_args, train_request, with_config_file
+    from lattice.training.config import config_toml, run_config
     from lattice.training.trainer import TrainConfig
 
     layout = lattice.Layout("1d", tp=2, dp=2, pp=2, microbatches=4, pp_schedule="interleaved", pp_virtual=2,
@@ -157,7 +158,7 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
         (tmp_path / "run.toml").write_text(config_toml(run_config(layout, tcfg)))
         args = with_config_file(["train", "--config", str(tmp_path / "run.toml")], str(tmp_path / "run.toml"))
         assert layout_from_args(args) == layout
-        assert train_config(args) == tcfg
+        assert train_request(args).config() == tcfg
 
 
 def test_a_single_file_run_directory_resumes_exactly_through_the_sharded_form(tmp_path, capsys):

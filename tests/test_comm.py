@@ -52,7 +52,7 @@ def _check_collectives():
         expect_dx = torch.cat([ady[r].chunk(world, 1)[rank] for r in range(world)], 0)
         assert torch.allclose(dx, expect_dx)
     # started and awaited later (3d's overlap, ZeRO's buckets); on gloo an all-to-all and a sum
-    # here, not gloo's reduce-scatter (lattice.parallel.comm._reduce_scatter_tensor)
+    # here, not gloo's reduce-scatter (lattice.parallel.comm.unmetered_reduce_scatter)
     started, work = comm.start_reduce_scatter(xs[rank].clone(), group)
     work.wait()
     assert torch.allclose(started, total_x[rank * 2:(rank + 1) * 2], rtol=0, atol=1e-14)

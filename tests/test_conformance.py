@@ -64,7 +64,7 @@ def _pipelined(family: str) -> bool:
     """Whether the family declares parts for pipeline stages."""
     cls = get_arch(family)
     with torch.device("meta"):
-        return cls(cls.config_class(**cls.test_shapes[0]), lattice.plan(REFERENCE_MODE)).parts() is not None
+        return cls(cls.config_class(**cls.test_shapes[0]), lattice.context(REFERENCE_MODE)).parts() is not None
 
 
 def _cases(with_pipeline: bool):
@@ -98,7 +98,7 @@ def _fast_subset(cases: list[tuple[str, dict]]) -> set[str]:
 
 
 def _world(layout: dict) -> int:
-    return lattice.plan(**layout).world_size
+    return lattice.context(**layout).world_size
 
 
 def _batch(cfg, n: int, seed: int):
@@ -139,7 +139,7 @@ def test_every_family_and_mode_declares_what_the_suite_runs():
     for mode in lattice.available_modes():
         assert get_mode(mode).test_layouts, f"mode {mode!r} declares no test_layouts"
         for layout in get_mode(mode).test_layouts:
-            assert lattice.plan(mode, **layout).world_size <= 8, (mode, layout)
+            assert lattice.context(mode, **layout).world_size <= 8, (mode, layout)
     for family in lattice.available_archs():
         assert get_arch(family).test_shapes, f"family {family!r} declares no test_shapes"
 
@@ -166,14 +166,17 @@ def plugins_registered(paths=()):
     finally:
         for name, stem in added:
             sys.modules.pop(name, None)
-            registry = mode_registry._REGISTRY if name.startswith("lattice.modes") else family_registry._FAMILIES
-            for key in [k for k, cls in registry.items() if cls.__module__ == name]:
-                del registry[key]
+            if name.startswith("lattice.modes"):
+                listed, get, registry = mode_registry.available_modes(), mode_registry.get_mode, mode_registry
+            else:
+                listed, get, registry = family_registry.available_archs(), family_registry.get_arch, family_registry
+            for key in [k for k in listed if get(k).__module__ == name]:
+                registry.unregister(key)
 
 
 def _serial_step(cfg, tokens, targets):
     """Serial's loss, gradients, and parameters and AdamW moments after one step (float64)."""
-    serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+    serial = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
     weights = {k: v.clone() for k, v in serial.full_state_dict().items()}
     loss = serial.forward_backward(tokens, targets)
     grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
@@ -202,7 +205,7 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
         cfg = get_arch(family).config_class(**shape)
         tokens, targets = _batch(cfg, REPLICA_BATCH * dp, seed=7)
         weights, ref_loss, ref_grads, ref_after, ref_moments = _serial_step(cfg, tokens, targets)
-        replica_ref = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+        replica_ref = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
         replica_ref.load_full_state_dict(weights)
         replica_loss = float(replica_ref(tokens[mine], targets[mine]).detach())
         for ckpt in (False, True) if k == 0 else (False,):  # checkpointing with the first shape
@@ -290,7 +293,7 @@ def _check_refusals_registered(family: str, layout: dict, root: str) -> dict:
                                 for k in before))
     hf_equal = None
     if cls.hf is not None:
-        serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+        serial = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
         expected = hf.to_hf_state_dict(cls, cfg, serial.full_state_dict())
         model = cls.from_hf(expected, ctx, config=cls.hf.config_to_hf(cfg))
         exported = model.to_hf_state_dict()
@@ -337,7 +340,7 @@ def test_layout_refuses_bad_sizes_and_round_trips_checkpoints_and_hf_weights(fam
 
 def assert_refusals_and_round_trips(family: str, layout: dict, tmp_path, plugins=()) -> None:
     world = _world(layout)
-    replica = lattice.plan(**layout).topology.tp_size
+    replica = lattice.context(**layout).topology.tp_size
     for result in run_distributed(world, _check_refusals, family, layout, str(tmp_path), tuple(plugins)):
         assert result["sent"] == 0 and result["checkpoint_equal"], result
         if get_arch(family).hf is not None:

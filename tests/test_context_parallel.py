@@ -69,7 +69,7 @@ def _check(family: str, layout: dict, checkpointing: bool = False) -> list[dict]
     out = []
     for padded in (False, True):
         tokens, targets, inputs = _batch(family, cfg, ctx.cp, padded)
-        serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+        serial = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
         weights = serial.full_state_dict()
         ref_loss = serial.forward_backward(tokens, targets, **inputs)
         ref_grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
@@ -92,7 +92,7 @@ def _check(family: str, layout: dict, checkpointing: bool = False) -> list[dict]
 
 
 def assert_cp_equals_serial(family: str, layout: dict, checkpointing: bool = False) -> None:
-    results = run_distributed(lattice.plan(**layout).world_size, _check, family, layout, checkpointing)
+    results = run_distributed(lattice.context(**layout).world_size, _check, family, layout, checkpointing)
     for rank, result in enumerate(results):
         for r in result:
             assert r["keys"] and max(r["loss"], r["grads"]) < 1e-10, (rank, r)
@@ -150,7 +150,7 @@ def _short_texts_padded_long() -> dict:
     targets = torch.randint(2, cfg.vocab_size, (B, T), generator=gen)
     mask = torch.zeros(B, T, dtype=torch.long)
     mask[:, :3] = 1
-    serial = lattice.build_model(cfg, lattice.plan(REFERENCE_MODE), dtype=torch.float64)
+    serial = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
     ref_loss = serial.forward_backward(tokens, targets, attention_mask=mask)
     model = lattice.build_model(cfg, ctx, dtype=torch.float64)
     model.load_full_state_dict(serial.full_state_dict())
@@ -250,7 +250,7 @@ def test_context_parallel_refuses_what_it_cannot_run_in_one_line():
     groups are needed to refuse)."""
     cls = get_arch("llama")
     cfg = cls.config_class(**cls.test_shapes[0])
-    ctx = lattice.plan("serial", cp=2, rank=1)
+    ctx = lattice.context("serial", cp=2, rank=1)
     assert ctx.cp == 2 and ctx.coord(MeshAxis.CP) == 1 and ctx.tp == 1 and ctx.topology.replica_size == 2
     model = lattice.build_model(cfg, ctx, dtype=torch.float64)
     tokens = torch.randint(0, cfg.vocab_size, (2, 10))
@@ -266,16 +266,16 @@ def test_context_parallel_refuses_what_it_cannot_run_in_one_line():
     with pytest.raises(LatticeConfigError, match="attention dropout .* not implemented under context parallelism"):
         lattice.build_model(gpt.config_class(**{**gpt.test_shapes[0], "dropout": 0.1}), ctx)
     with pytest.raises(LatticeConfigError, match="cp must be a positive integer"):
-        lattice.plan("serial", cp=0)
+        lattice.context("serial", cp=0)
     with pytest.raises(LatticeConfigError, match="cp_attention must be one of"):
-        lattice.plan("serial", cp=2, cp_attention="rings")
-    ulysses = lattice.plan("serial", cp=4, cp_attention="ulysses")
+        lattice.context("serial", cp=2, cp_attention="rings")
+    ulysses = lattice.context("serial", cp=4, cp_attention="ulysses")
     with pytest.raises(LatticeConfigError, match="'ulysses' splits each rank's heads over cp = 4, but this rank holds "
                                                  "4 and 2 query and key heads"):
         lattice.build_model(cfg, ulysses)  # n_kv_heads 2 does not split over 4
     t5 = get_arch("t5")
     with pytest.raises(LatticeConfigError, match="'ulysses' takes no additive position bias"):
-        lattice.build_model(t5.config_class(**t5.test_shapes[0]), lattice.plan("serial", cp=2, cp_attention="ulysses"))
+        lattice.build_model(t5.config_class(**t5.test_shapes[0]), lattice.context("serial", cp=2, cp_attention="ulysses"))
 
 
 def test_train_refuses_a_run_cp_cannot_split_before_launching(tmp_path, monkeypatch, capsys):

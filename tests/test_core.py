@@ -34,13 +34,13 @@ def test_placement_that_reorders_group_members_is_refused():
 def test_bad_layout_requests_are_refused_with_the_fix():
     """Catches unknown modes/options or a non-positive size slipping through to a later crash."""
     with pytest.raises(lattice.LatticeConfigError, match="unknown mode '4d'"):
-        lattice.plan("4d")
+        lattice.context("4d")
     with pytest.raises(lattice.LatticeConfigError, match="does not take option"):
-        lattice.plan("serial", sequence_parallel=True)
+        lattice.context("serial", sequence_parallel=True)
     with pytest.raises(lattice.LatticeConfigError, match="dp must be a positive integer"):
-        lattice.plan("serial", dp=0)
+        lattice.context("serial", dp=0)
     with pytest.raises(lattice.LatticeConfigError, match="tp=1"):
-        lattice.plan("serial", tp=2)
+        lattice.context("serial", tp=2)
     with pytest.raises(lattice.LatticeConfigError, match="n_heads = 5"):
         lattice.GPTConfig(d_model=64, n_heads=5)
 
@@ -122,7 +122,7 @@ def _serial_dp_grads():
     half = tokens.chunk(2)[ctx.coord(MeshAxis.DP)]
     model(half[:, :-1], half[:, 1:]).backward()
     grads = model.full_grad_dict()
-    reference = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    reference = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
     reference(tokens[:, :-1], tokens[:, 1:]).backward()
     worst = max(((grads[k] - p.grad).norm() / p.grad.norm()).item() for k, p in reference.named_parameters())
     return worst
@@ -139,7 +139,7 @@ def test_dropout_masks_repeat_under_activation_checkpointing():
     tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
     grads = []
     for checkpointing in (False, True):
-        model = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64,
+        model = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64,
                             activation_checkpointing=checkpointing)
         model.train()
         loss = model(tokens, tokens)
@@ -160,7 +160,7 @@ def test_dropout_draws_new_masks_every_step():
     loss again (masks are a function of seed, count and site, not of global RNG)."""
     cfg = lattice.GPTConfig(**{**CFG, "dropout": 0.3})
     tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
-    model = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    model = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
     model.train()
     with torch.no_grad():
         first, second = model(tokens, tokens).item(), model(tokens, tokens).item()
@@ -175,9 +175,9 @@ def test_initial_weights_depend_on_seed_not_on_construction():
     """Catches initialisation that depends on module order or global RNG (layouts would start apart)."""
     cfg = lattice.GPTConfig(**CFG)
     torch.manual_seed(123)
-    a = lattice.GPT(cfg, lattice.plan("serial")).full_state_dict()
+    a = lattice.GPT(cfg, lattice.context("serial")).full_state_dict()
     torch.manual_seed(456)
-    b = lattice.GPT(cfg, lattice.plan("serial")).full_state_dict()
+    b = lattice.GPT(cfg, lattice.context("serial")).full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert a["blocks.0.ln_1.weight"].eq(1).all() and a["blocks.0.attn.qkv.bias"].eq(0).all()
     std = a["blocks.0.mlp.fc.weight"].std().item()
@@ -311,13 +311,13 @@ def test_every_rank_starts_from_its_shard_of_serials_initial_weights(mode):
 
     cfg = lattice.GPTConfig(vocab_size=61, seq_len=8, d_model=24, n_heads=4, n_layers=2, bias=True,
                             tie_embeddings=False)
-    serial = {k: p.detach() for k, p in lattice.GPT(cfg, lattice.plan("serial")).named_parameters()}
+    serial = {k: p.detach() for k, p in lattice.GPT(cfg, lattice.context("serial")).named_parameters()}
     layouts = get_mode(mode).test_layouts
     assert layouts, f"mode {mode!r} declares no test_layouts"
     for layout in layouts:
         pieces: dict[str, dict] = {}
-        for rank in range(lattice.plan(mode, **layout).topology.world_size):
-            ctx = lattice.plan(mode, rank=rank, **layout)
+        for rank in range(lattice.context(mode, **layout).topology.world_size):
+            ctx = lattice.context(mode, rank=rank, **layout)
             model = lattice.GPT(cfg, ctx)
             for name, shard in model.named_parameters():
                 key = tuple(_mixed_radix(ctx, axes) for _, axes in model.specs[name].splits)
@@ -353,7 +353,7 @@ def test_building_a_model_leaves_its_mode_unchanged(mode):
 
     layout = get_mode(mode).test_layouts[0] if get_mode(mode).test_layouts else {}
     cfg = lattice.GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-    ctx = lattice.plan(mode, **layout)
+    ctx = lattice.context(mode, **layout)
     built = get_mode(mode)(cfg, ctx)
     before = {name: repr(value) for name, value in vars(built).items()}
     with torch.device("meta"):

@@ -15,6 +15,7 @@ import lattice
 from lattice import cost
 from lattice.cli import main as cli
 from lattice.cli import plan as cost_plan
+from lattice.cost import model_config
 from lattice.parallel.context import MeshAxis
 
 # ----------------------------------------------------------------------------- the papers
@@ -33,7 +34,7 @@ def test_optimus_table1_reproduced(b, s, h, p):
 
 def test_3d_and_subgraph_layer_volumes_match_their_closed_forms():
     """Catches a 3D linear that gathers or scatters the wrong block, or a sub-graph branch whose
-    split/join volume is not B·T·h/n_g per rank. Closed forms worked by hand from DESIGN.md "3D"
+    split/join volume is not B·T·h/n_g per rank. Closed forms worked by hand from docs/references.md#3d
     (per linear: all-gather X [M/q², N/q] along j, W [N/q², K/q] along i, reduce-scatter Y along l,
     each (q-1)/q per element; summed over qkv, proj, fc, proj: ΣMN = 7bsh, ΣNK = 12h², ΣMK = 9bsh)
     and SUPER §IV-B (segmented all-gather in, reduce-scatter out, over g ranks)."""
@@ -58,7 +59,7 @@ def test_super_message_counts_equal_counting_on_the_layouts(n, g, n_node):
     miscounted Eq. 4-7: each rank sends one message to every member of its cross-sub-grid group,
     counted here rank by rank on the natural and the topology-aware layouts."""
     for aware in (False, True):
-        topo = lattice.plan("subgraph", tp=n, subgrids=g, ranks_per_node=n_node,
+        topo = lattice.context("subgraph", tp=n, subgrids=g, ranks_per_node=n_node,
                             placement="topology" if aware else "natural").topology
         assert cost.count_messages(topo, (MeshAxis.SUBGRID,)) == cost.super_messages(n, g, n_node, aware)
 
@@ -145,10 +146,10 @@ def test_a_collectives_curve_is_its_time_beyond_its_latency_steps_at_each_size()
     """Catches the calibration's collective curve holding the whole time of a call (its latency
     steps then counted twice), another op's α subtracted, or its sizes out of order: samples whose
     curve is worked out by hand."""
-    from lattice.cost.calibrate import _collective_curves
+    from lattice.calibration.calibrate import fit_collective_curves
 
     samples = {"all_reduce": [(6, 4000.0, 0.009), (6, 40.0, 0.0061)], "broadcast": [(2, 40.0, 0.0009)]}
-    curves = dict(_collective_curves(samples, {"all_reduce": 0.001, "broadcast": 0.0005}))
+    curves = dict(fit_collective_curves(samples, {"all_reduce": 0.001, "broadcast": 0.0005}))
     assert [w for w, _ in curves["all_reduce"]] == [40.0, 4000.0]
     assert [t for _, t in curves["all_reduce"]] == pytest.approx([0.0001, 0.003])
     assert curves["broadcast"] == ((40.0, 0.0),)  # 0.0009 - 2 x 0.0005 < 0
@@ -201,8 +202,8 @@ def test_parameter_bytes_equal_the_storage_every_rank_allocates(mode):
 
     cfg = lattice.GPTConfig(**CFG)
     for layout in get_mode(mode).test_layouts:
-        for rank in range(lattice.plan(mode, **layout).world_size):
-            ctx = lattice.plan(mode, rank=rank, **layout)
+        for rank in range(lattice.context(mode, **layout).world_size):
+            ctx = lattice.context(mode, rank=rank, **layout)
             storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                         for p in lattice.GPT(cfg, ctx).parameters()}
             modelled = cost.estimate(cfg, mode, batch=8, rank=rank, **layout).memory["parameters"]
@@ -221,7 +222,7 @@ def test_the_update_prices_the_trainers_norm_and_clip_per_tensor_of_the_real_mod
     base = cost.Machine("m", flop_rate=1e12, alpha_intra=1e-6, beta_intra=1e-10, alpha_inter=1e-5,
                         beta_inter=1e-9, ranks_per_node=4, mem_bandwidth=1e12)
     for mode, layout in (("serial", {}), ("1d", {"tp": 2})):
-        ctx = lattice.plan(mode, rank=0, **layout)
+        ctx = lattice.context(mode, rank=0, **layout)
         params = list(lattice.GPT(cfg, ctx).parameters())
         c = cost.estimate(cfg, mode, batch=8, rank=0, **layout)
         slow = dataclasses.replace(base, norm_per_tensor=1e-3)
@@ -252,7 +253,7 @@ def test_saved_activations_equal_the_model_and_2d_3d_are_a_pth_of_serial():
     replicated copy of something serial saves (gathered blocks, whole LayerNorm inputs): measured
     bytes within 2% of the model, and 2D/3D at most 1.15 x serial / p."""
     cfg = lattice.GPTConfig(**CFG)
-    model = lattice.GPT(cfg, lattice.plan("serial"))
+    model = lattice.GPT(cfg, lattice.context("serial"))
     gen = torch.Generator().manual_seed(3)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen) for _ in range(2))
     from lattice.bench.measure import saved_activation_bytes
@@ -333,9 +334,9 @@ def test_published_presets_carry_their_vocabulary_and_context(capsys):
         assert cli.main(["plan", "--arch", "gpt2", "--model", preset, "--mode", "serial", "--tp", "1"]) == 0
         assert "vocab_size=50257, seq_len=1024" in capsys.readouterr().out
         with torch.device("meta"):
-            model = lattice.build_model(cost_plan.model_config("gpt2", preset), lattice.plan("serial"))
+            model = lattice.build_model(model_config("gpt2", preset), lattice.context("serial"))
         assert model.num_parameters() == count, preset
-    assert cost_plan.model_config("t5", "t5-small").vocab_size == 32128
+    assert model_config("t5", "t5-small").vocab_size == 32128
 
 
 def test_data_parallel_reduction_prices_one_copy_of_the_gradients_into_its_buffer():
@@ -350,7 +351,7 @@ def test_data_parallel_reduction_prices_one_copy_of_the_gradients_into_its_buffe
     narrow = dataclasses.replace(base, mem_bandwidth=base.mem_bandwidth / 2)
     for layout in ({}, {"pp": 2, "microbatches": 2}):
         for dp in (1, 2):
-            ctx = lattice.plan("serial", rank=0, dp=dp, **layout)
+            ctx = lattice.context("serial", rank=0, dp=dp, **layout)
             held = sum(p.numel() * 4 for p in lattice.build_model(cfg, ctx).parameters())  # rank 0's stage
             c = cost.estimate(cfg, "serial", batch=8, rank=0, dp=dp, **layout)
             passes = c.time(narrow)["update"] - c.time(base)["update"]
@@ -375,7 +376,6 @@ def test_elementwise_work_equals_the_elements_the_models_operators_write(arch):
     here) and is left out by a vocabulary of 16."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lattice.cost.plan import model_config
     from lattice.models import build_model
     from lattice.modes.layout import Layout
 
@@ -407,8 +407,7 @@ def test_operation_overhead_is_calibrated_on_the_family_priced():
     calls each than GPT-2's, and a config's own options (Qwen2's q/k/v biases) are kept."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lattice.cost.calibrate import _op_overhead
-    from lattice.cost.plan import model_config
+    from lattice.calibration.calibrate import measure_op_overhead
 
     class Calls(TorchDispatchMode):
         count = 0
@@ -422,7 +421,7 @@ def test_operation_overhead_is_calibrated_on_the_family_priced():
             fn()
         return float(calls.count)
 
-    per_op = {arch: _op_overhead(model_config(arch, "small", vocab_size=2048), calls_as_seconds)
+    per_op = {arch: measure_op_overhead(model_config(arch, "small", vocab_size=2048), calls_as_seconds)
               for arch in ("gpt2", "llama", "qwen2")}
     assert per_op["llama"] > 1.3 * per_op["gpt2"]
     assert per_op["qwen2"] > per_op["llama"]  # three bias adds more per block
@@ -433,7 +432,6 @@ def test_each_elementwise_operator_is_priced_at_its_own_rate():
     elem_rate: forward compute grows by exactly the GELU's elements, B·T·4h per block, at the
     difference of the two rates. Catches the per-operator rates being ignored, or applied to
     elements of other operators."""
-    from lattice.cost.plan import model_config
 
     cfg = model_config("gpt2", "tiny", vocab_size=64)
     batch = 2
@@ -457,7 +455,7 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
     again in the rates (half a LayerNorm's time at a rank's share), and counts other than the
     builder's; and each operator timed on one input hot in the cache (GELU in half the time a
     step's take) rather than cycling over inputs of COLD_POOL_BYTES."""
-    import lattice.cost.calibrate as calibrate
+    import lattice.calibration.calibrate as calibrate
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
 
     inputs_of = {}  # (operator's function, input size) -> the distinct inputs it runs on
@@ -467,7 +465,7 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
         return lambda: inputs[0].numel()
 
     monkeypatch.setattr(calibrate, "timed_in_turn", lambda runs, reps: [100e-6 + run() * 1e-9 for run in runs])
-    rates = dict(calibrate._elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
+    rates = dict(calibrate.measure_elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
                                               fwd_bwd=fwd_bwd, reps=1))
     assert set(rates) == set(ELEMENTWISE_OPERATORS)
     for op, rate in rates.items():
@@ -479,7 +477,7 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
 def _check_rates_timed_on_the_cores(cores: int):
     import torch.distributed as dist
 
-    import lattice.cost.calibrate as calibrate
+    import lattice.calibration.calibrate as calibrate
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
 
     timed_by, widths = [], set()  # the ranks of each timing's group, the widths of the inputs timed
@@ -492,7 +490,7 @@ def _check_rates_timed_on_the_cores(cores: int):
     real = calibrate.timed_in_turn
     calibrate.timed_in_turn = timed_in_turn
     try:
-        rates = dict(calibrate._elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
+        rates = dict(calibrate.measure_elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
                                                   fwd_bwd=lambda fn, *inputs: (widths.add(inputs[0].shape[-1]) or
                                                                                (lambda: inputs[0].numel())),
                                                   reps=1, cores=cores))
@@ -534,7 +532,7 @@ def test_a_pipeline_stages_flops_are_its_blocks_and_the_end_parts_it_holds(arch,
     from lattice.modes.layout import Layout
     from lattice.training.metrics import step_flops
 
-    cfg = cost_plan.model_config(arch, "small", vocab_size=512, n_layers=4)
+    cfg = model_config(arch, "small", vocab_size=512, n_layers=4)
     virtual = {"pp_virtual": 2} if schedule == "interleaved" else {}
     pipelined = Layout("serial", pp=2, microbatches=2, pp_schedule=schedule, **virtual)
     stages = [step_flops(cfg, pipelined.context(rank), batch_size=4, activation_checkpointing=False) for rank in (0, 1)]
@@ -552,7 +550,7 @@ def test_products_are_timed_as_the_three_plain_kernels_a_linear_runs(monkeypatch
     stride-0 output gradient slowing the backward's products (F 100 against 150 GFLOP/s). A
     linear of X (m, k) by W (k, n) is timed as Y = X W, dX = dY Wᵀ and dW = Xᵀ dY, none of them
     recording autograd."""
-    import lattice.cost.timing as timing
+    import lattice.calibration.timing as timing
 
     calls = []
     real_mm = torch.mm
@@ -562,7 +560,7 @@ def test_products_are_timed_as_the_three_plain_kernels_a_linear_runs(monkeypatch
         return real_mm(a, b)
 
     monkeypatch.setattr(torch, "mm", mm)
-    timing._products(6, 4, 10)()
+    timing.linear_products(6, 4, 10)()
     assert calls == [((6, 4), (4, 10), False), ((6, 10), (10, 4), False), ((4, 6), (6, 10), False)]
 
 
@@ -570,11 +568,11 @@ def test_fwd_bwd_starts_the_backward_from_a_gradient_of_the_outputs_own_layout()
     """Catches the micro-benchmarks' backward started from `.sum()`: its gradient is a stride-0
     expansion, on which the backward's kernels ran a product 10-20% slower than on a step's
     contiguous gradient, and which no step's backward sees."""
-    from lattice.cost.timing import _fwd_bwd
+    from lattice.calibration.timing import fwd_bwd_once
 
     seen = []
     x = torch.randn(5, 3)
-    step = _fwd_bwd(lambda t: _Hooked.apply(t, seen), x)
+    step = fwd_bwd_once(lambda t: _Hooked.apply(t, seen), x)
     step()
     step()
     assert len(seen) == 2 and all(g.shape == (5, 3) and g.is_contiguous() and g.stride() == (3, 1) for g in seen)

@@ -111,3 +111,33 @@ def _parse_fails(command: str) -> bool:
     except SystemExit:
         return True
     return False
+
+
+CITATION = re.compile(r"references\.md#([a-z0-9-]+)")
+
+
+def cited_papers(text: str) -> set[str]:
+    return set(CITATION.findall(text))
+
+
+def reference_anchors() -> set[str]:
+    """The anchors of docs/references.md: its second-level headings, as GitHub makes them."""
+    headings = re.findall(r"^## (.+)$", (ROOT / "docs" / "references.md").read_text(), re.M)
+    return {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.fast
+def test_papers_are_cited_by_anchors_that_exist():
+    """Catches a citation of a file that is not in the repository (`papers/000`, DESIGN.md) and
+    one of a paper docs/references.md does not list: every `references.md#name` in the package,
+    tests, benchmarks and docs is a heading of that page."""
+    files = [f for folder in ("lattice", "tests", "benchmarks", "docs") for f in (ROOT / folder).rglob("*")
+             if f.suffix in (".py", ".md") and "history" not in f.parts and f.name != "test_docs.py"]
+    texts = {f: f.read_text() for f in files + [ROOT / "README.md"]}
+    stale = [str(f.relative_to(ROOT)) for f, t in texts.items() if re.search(r"papers/0\d\d|DESIGN\.md", t)]
+    assert stale == []
+    anchors = reference_anchors()
+    assert {"optimus", "megatron-lm", "3d", "super"} <= anchors
+    unknown = {(str(f.relative_to(ROOT)), a) for f, t in texts.items() for a in cited_papers(t) - anchors}
+    assert unknown == set()
+    assert cited_papers("SUMMA (docs/references.md#optimus §2.4), see references.md#nope") - anchors == {"nope"}

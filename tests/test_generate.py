@@ -17,7 +17,7 @@ def _prompts(batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def _serial(dtype=torch.float64):
-    return lattice.GPT(lattice.GPTConfig(**CFG), lattice.plan("serial"), dtype=dtype)
+    return lattice.GPT(lattice.GPTConfig(**CFG), lattice.context("serial"), dtype=dtype)
 
 
 def test_cached_and_uncached_decoding_give_the_same_logits():

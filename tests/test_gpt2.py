@@ -231,7 +231,7 @@ def test_from_hf_equals_transformers_in_every_mode_and_in_pipeline_stages(layout
     along the wrong dim, the tied head's two gradients not summed across stages) or a family
     lookup that picks the wrong model: lattice.from_hf(GPT2LMHeadModel) gives transformers'
     float64 loss and every gradient within 1e-10 on every rank."""
-    world = lattice.plan(**layout).world_size
+    world = lattice.context(**layout).world_size
     results = run_distributed(world, _equals_transformers, layout)
     for loss, grads in results:
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)

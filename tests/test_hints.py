@@ -77,7 +77,7 @@ def test_the_reported_one_d_case_suggests_what_works(tp, works):
     to use d_model 190 or 195, which n_heads = 12 then refused."""
     cfg = lattice.GPTConfig.preset("small", vocab_size=2048)
     with pytest.raises(LatticeConfigError) as e:
-        lattice.build_model(cfg, lattice.plan("1d", tp=tp))
+        lattice.build_model(cfg, lattice.context("1d", tp=tp))
     assert str(e.value).endswith(f"values that work with everything else as given: {works}"), str(e.value)
 
 

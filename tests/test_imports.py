@@ -115,10 +115,12 @@ def test_family_modules_do_not_know_about_pipelines():
 
 
 # The rooms, lowest first: a module may import from its own room and the rooms before it, never
-# from one after it. `lattice` is the public API (`import lattice`), which offers what the rooms
+# from one after it. The analytic model and its machines (cost) sit below the planner, which
+# prices whole setups on them; calibration sits above both, since it fits what the planner's
+# price of a pipeline leaves out. `lattice` is the public API (`import lattice`), which offers what the rooms
 # below it build; `lattice.__main__` is `python -m lattice`.
 LAYERS = ("lattice.parallel", "lattice.modes", "lattice.models", "lattice.checkpoint", "lattice.data",
-          "lattice.cost", "lattice.training", "lattice.bench", "lattice.cli", "lattice", "lattice.__main__")
+          "lattice.cost", "lattice.planner", "lattice.calibration", "lattice.training", "lattice.bench", "lattice.cli", "lattice", "lattice.__main__")
 
 
 def room(module: str) -> str:
@@ -153,3 +155,64 @@ def test_imports_point_down_the_rooms():
     the same room or one below."""
     edges = import_graph()
     assert upward_imports(edges) == []
+
+
+def private_imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, str, int]]:
+    """(module, name, line) of every underscore name `path` takes from a lattice module: imported
+    by name, or read as an attribute of a lattice module it imported."""
+    tree = ast.parse(path.read_text())
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lattice"):
+            for a in node.names:
+                if f"{node.module}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                elif a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append((node.module, a.name, node.lineno))
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.name.startswith("lattice") and a.asname})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append((aliases[node.value.id], node.attr, node.lineno))
+    return found
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    out = {}
+    for f in root.rglob("*.py"):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def test_the_private_check_sees_a_private_import(tmp_path):
+    """Catches a private-import check that passes on anything: a name imported and an attribute
+    read, both underscored, are each reported."""
+    test = tmp_path / "test_x.py"
+    test.write_text("from lattice.cost.model import _hidden\nimport lattice.cost.machine as m\nm._along(1)\n")
+    found = private_imports(test, module_files())
+    assert sorted(found) == [("lattice.cost.machine", "_along", 3), ("lattice.cost.model", "_hidden", 1)]
+
+
+def test_no_private_name_crosses_a_room():
+    """Catches a room that reaches into another's private helpers (calibration taking the
+    cost model's underscored functions, a test pinning a private helper of the planner): no
+    module takes an underscore name from a module of another room, and no test or benchmark
+    takes one from lattice at all."""
+    modules = module_files()
+    crossing = [f"{f.relative_to(ROOT.parent)}:{line} {mod}.{name}" for m, f in modules.items()
+                for mod, name, line in private_imports(f, modules) if room(mod) != room(m)]
+    outside = [f"{f.relative_to(ROOT.parent)}:{line} {mod}.{name}"
+               for folder in ("tests", "benchmarks") for f in sorted((ROOT.parent / folder).glob("*.py"))
+               for mod, name, line in private_imports(f, modules)]
+    assert crossing + outside == []
+
+
+def test_no_module_holds_more_than_450_lines():
+    """Catches a module grown past what one reads in a sitting, holding several concerns (as the
+    model base, the trainer and the corpus once did): every module of the package is at most 450
+    lines."""
+    sizes = {str(f.relative_to(ROOT.parent)): len(f.read_text().splitlines()) for f in ROOT.rglob("*.py")}
+    assert len(sizes) > 50
+    assert {f: n for f, n in sizes.items() if n > 450} == {}

@@ -82,7 +82,7 @@ def test_layout_equals_transformers(layout):
     wrong kv head), a k/v segment sharded along the wrong dim, a cache holding another rank's kv
     heads, or the pipeline/data-parallel paths losing a gradient: every rank's loss and full
     gradients must equal transformers' within 1e-10, and the listed layouts' greedy tokens its."""
-    world = lattice.plan(**layout).world_size
+    world = lattice.context(**layout).world_size
     results = run_distributed(world, _equals_transformers, layout, layout in GENERATES)
     for loss, grads, same_tokens in results:
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)
@@ -105,7 +105,7 @@ def test_bad_sizes_are_refused_in_one_line(change, layout, match):
     of one line naming it: the config or the layout refuses it before anything is allocated.
     (Every layout's refusal runs on every rank before any collective: test_conformance.)"""
     with pytest.raises(lattice.LatticeConfigError, match=match) as e:
-        cfg, ctx = LlamaConfig(**{**CFG, **change}), lattice.plan(**layout)
+        cfg, ctx = LlamaConfig(**{**CFG, **change}), lattice.context(**layout)
         with torch.device("meta"):
             lattice.build_model(cfg, ctx)
     assert "\n" not in str(e.value)
@@ -116,7 +116,7 @@ def test_presets_build_on_meta_with_their_published_sizes():
     Llama-3.2-1B (1.24 B, tied), Llama-3-8B (8.03 B) and Llama-3-70B (70.6 B), as Meta states
     them, from a meta-device build in the layouts that fit them."""
     expected = {"llama3.2-1b": 1.24e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9}
-    ctx = lattice.plan("1d", tp=8)
+    ctx = lattice.context("1d", tp=8)
     for preset, count in expected.items():
         with torch.device("meta"):
             model = lattice.build_model(LlamaConfig.preset(preset), ctx)
@@ -152,7 +152,7 @@ def test_hf_directory_trains_in_2d_like_serial_and_exports_what_transformers_loa
     _lattice(["convert", "run2d", "--to", "hf", "exported"], capfd)
     _lattice(["convert", "run2d", "--to", "single", "trained.pt"], capfd)
     saved = torch.load(tmp_path / "trained.pt", weights_only=False)
-    model = lattice.build_model(LlamaConfig.from_dict(saved["model_config"]), lattice.plan("serial"))
+    model = lattice.build_model(LlamaConfig.from_dict(saved["model_config"]), lattice.context("serial"))
     model.load_full_state_dict(saved["model"])
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     x = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(3))

@@ -152,7 +152,7 @@ def test_padded_batches_equal_transformers(layout, families):
     the activations saved, the masks' copies included, within 2% of the cost model's); and
     left-padded prompts generated with positions that count the padding (GPT-2's table rows,
     Llama's rotary angles) or attending to it: greedy tokens equal to transformers' generate."""
-    world = lattice.plan(**layout).world_size
+    world = lattice.context(**layout).world_size
     results = run_distributed(world, _padded_equals_transformers, layout, families)
     for rank_result in results:
         for family, (loss, grads, same_tokens) in rank_result.items():

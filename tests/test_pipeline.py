@@ -29,7 +29,7 @@ def _batch(cfg):
 
 
 def _serial_reference(cfg):
-    serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    serial = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
     x, y = _batch(cfg)
     loss = serial(x, y)
     loss.backward()
@@ -98,7 +98,7 @@ def test_pipeline_equals_serial_in_float64(layout, overrides):
             assert abs(evaluated - serial_loss) <= 1e-10 * abs(serial_loss)
         else:  # each replica's own half of the batch
             rows = BATCH // layout["dp"]
-            ref = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+            ref = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
             ref.load_full_state_dict(_serial_reference(cfg)[0].full_state_dict())
             with torch.no_grad():
                 half = float(ref(x[d * rows:(d + 1) * rows], y[d * rows:(d + 1) * rows]))
@@ -218,7 +218,7 @@ def test_bad_pipeline_requests_are_refused_in_one_line_on_every_rank(layout, ove
     collective."""
     world = layout.get("tp", 1) * layout["pp"]
     try:
-        lattice.plan(**layout)
+        lattice.context(**layout)
     except LatticeConfigError as e:  # refused by the layout itself, before any process
         assert expect is not None and expect in str(e) and "\n" not in str(e), str(e)
         return
@@ -237,8 +237,8 @@ def test_a_world_that_does_not_match_tp_pp_dp_is_refused(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pp=2" in err and "use --nproc 4" in err
     with pytest.raises(LatticeConfigError, match="configure pipeline parallelism, which needs pp > 1"):
-        lattice.plan("serial", pp_schedule="gpipe")
-    assert lattice.plan("serial", microbatches=4).pipeline is None  # without a pipeline: gradient accumulation
+        lattice.context("serial", pp_schedule="gpipe")
+    assert lattice.context("serial", microbatches=4).pipeline is None  # without a pipeline: gradient accumulation
 
 
 def test_pipeline_options_from_the_command_line(tmp_path, capsys):
@@ -268,7 +268,7 @@ def test_train_command_with_pp_prints_serial_losses(tmp_path, capfd):
 
 
 def test_bubble_formula():
-    """The schedule's idle fraction as papers/002 states it: (p-1)/m, interleaved (p-1)/(v m)."""
+    """The schedule's idle fraction as docs/references.md#megatron-lm states it: (p-1)/m, interleaved (p-1)/(v m)."""
     from lattice.parallel.pipeline_config import PipelineConfig
 
     assert PipelineConfig(stages=4, microbatches=8).bubble() == 3 / 8
@@ -278,7 +278,7 @@ def test_bubble_formula():
 
 def _hf_export_and_generate(layout: dict):
     cfg = _cfg()
-    serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    serial = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
     model = lattice.build_model(cfg, cached_init(**layout), dtype=torch.float64)
     model.load_full_state_dict(serial.full_state_dict())
     exported, expect = model.to_hf_state_dict(), serial.to_hf_state_dict()
@@ -322,7 +322,7 @@ def test_recomputed_blocks_draw_the_dropout_masks_of_their_first_pass():
 
 def _two_batch_sizes(layout: dict):
     cfg = _cfg()
-    serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+    serial = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
     model = lattice.build_model(cfg, cached_init(**layout), dtype=torch.float64)
     model.load_full_state_dict(serial.full_state_dict())
     x, y = _batch(cfg)

@@ -90,7 +90,7 @@ def test_batches_equal_transformers_tokenizer_and_logits_equal_transformers_bert
     assert corpus.specials == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
     task = Classify(corpus, data=str(tmp_path / "d.jsonl"), text_key="text", label_key="label",
                     pair_key="other" if pairs else None)
-    ctx = lattice.plan("serial")
+    ctx = lattice.context("serial")
     T = 64  # shorter than many texts: both cut the same way
     tokens, targets, inputs, _ = task.train_batch(0, ctx, seed=0, batch_size=8, seq_len=T)
     rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
@@ -182,7 +182,7 @@ def test_an_exported_bert_tokenizer_builds_the_inputs_lattice_trained_on(tmp_pat
     assert torch.equal(inputs["attention_mask"], encoded["attention_mask"])
     assert torch.equal(inputs["token_types"], encoded["token_type_ids"])
     ckpt = checkpoint.read(run)
-    model = build_model(BertConfig.from_dict(ckpt["model_config"]), lattice.plan("serial"))
+    model = build_model(BertConfig.from_dict(ckpt["model_config"]), lattice.context("serial"))
     checkpoint.load_into(ckpt, model)
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
     with torch.no_grad():

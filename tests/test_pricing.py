@@ -1,4 +1,4 @@
-"""Pricing a whole setup (lattice.cost.pricing through `search.price`): without a pipeline the
+"""Pricing a whole setup (lattice.planner.pricing through `search.price`): without a pipeline the
 cost model's own step, plus the terms measured on ranks sharing cores (skew, wakes, group
 curves), pipelines paced by their slowest stage, hops and overlap as training runs them."""
 
@@ -11,8 +11,8 @@ from planner_cases import MACHINE, small
 from lattice.cost.machines import MACHINES
 from lattice.cost.model import estimate, spans_nodes
 from lattice.cost.pipeline import p2p_piece
-from lattice.cost.plan import model_config
-from lattice.cost.search import Choice, price
+from lattice.cost import model_config
+from lattice.planner.search import Choice, price
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 
@@ -121,7 +121,7 @@ def test_kernel_rows_add_each_products_weight_piece_per_row(mode, tp, options, w
 
 
 def _ring_send_latency_check(batch: int, beta: float) -> tuple[float, int]:
-    import lattice.cost.calibrate_comm as calibrate
+    import lattice.calibration.comm as calibrate
     from lattice.models.llama import LlamaConfig
 
     ran = []
@@ -135,7 +135,7 @@ def _ring_send_latency_check(batch: int, beta: float) -> tuple[float, int]:
     try:
         cfg = LlamaConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1,
                           intermediate_size=64)
-        return calibrate._ring_send_latency(cfg, batch, beta, reps=1), len(ran)
+        return calibrate.measure_send_latency(cfg, batch, beta, reps=1), len(ran)
     finally:
         calibrate.timed_in_turn = real
 
@@ -333,7 +333,7 @@ def test_ranks_sharing_cores_compute_at_the_mean_of_their_tensor_groups_work():
     pricing rank 0's work put gpt2-wide's tp=2 pp=2 dp=2 layout at +44% of its measured step on 8
     ranks of 2 cores. Its compute and update are the mean of each rank's as the cost model prices
     that rank alone at the world's rates; 1d, whose ranks work alike, keeps rank 0's."""
-    from lattice.cost.pricing import _trainer_scalars
+    from lattice.planner.pricing import trainer_scalar_seconds
 
     cfg = model_config("gpt2", "small", vocab_size=2048, n_layers=2)
     machine = MACHINES["cpu-2core"]
@@ -345,7 +345,7 @@ def test_ranks_sharing_cores_compute_at_the_mean_of_their_tensor_groups_work():
         priced = price(cfg, Choice(lay), batch=8, machine=machine)
         assert (compute[0] > 1.3 * compute[1]) == uneven  # sub-grid 0 runs the MLPs and the head
         assert priced.terms["compute"] == pytest.approx(sum(compute) / 2, rel=1e-9)
-        assert priced.terms["update"] - _trainer_scalars(lay, Choice(lay), machine) == pytest.approx(sum(update) / 2)
+        assert priced.terms["update"] - trainer_scalar_seconds(lay, Choice(lay), machine) == pytest.approx(sum(update) / 2)
 
 
 def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_core_of_its_own():
@@ -359,7 +359,7 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     core each (left out, sub-graph at tp = 4 on 4 ranks was priced 7-15% below its measured steps
     and chosen first). With 2 sub-grids over 2 replicas 4 ranks run the
     common layers, more than the cores, and the mean rank at the world's rates stays."""
-    from lattice.cost.pricing import _group, _trainer_scalars
+    from lattice.planner.pricing import comm_group, trainer_scalar_seconds
 
     from lattice.cost.machine import BY_WORLD_FIELDS
 
@@ -375,7 +375,7 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
         c = estimate(cfg, lay, batch=8 // lay.dp, rank=rank)
         c.topology = lay.topology
         t = c.time(at)
-        data = sum(s for term, s in c.term_times(at) if _group(term.site) == "data")
+        data = sum(s for term, s in c.term_times(at) if comm_group(term.site) == "data")
         return t["forward_compute"] + t["backward_compute"], t["update"] + t["update_overlapped"], data
 
     few = Layout("subgraph", tp=8, options={"subgrids": 4, "common": "subgrid", "projections": "common"},
@@ -386,7 +386,7 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     assert idle[1] == idle[2] == 0  # rank 2 (sub-grid 1) holds no parameters
     assert priced["compute"] == pytest.approx(rank_figures(few, 2, world)[0] + busy[0] - idle[0], rel=1e-9)
     assert priced["data"] == pytest.approx(busy[2], rel=1e-9) and busy[2] > 0
-    scalars = _trainer_scalars(few, Choice(few), own)  # the gradient norm's all-reduce, the others waiting
+    scalars = trainer_scalar_seconds(few, Choice(few), own)  # the gradient norm's all-reduce, the others waiting
     assert priced["update"] - scalars == pytest.approx(busy[1], rel=1e-9)
     assert busy[1] < rank_figures(few, 0, world)[1]
     # the busy ranks meet at every collective on a core each: each pays its waiting partners' wake
@@ -406,10 +406,10 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     # the loss's one-number sum over the 8 ranks, which the busy ranks reach last, at a core's rates;
     # the branches' scatters and gathers, which every rank runs busy, at the world's
     loss = [t for t in c.terms if t.site == "loss"]
-    assert loss and all(t.elements == 1 and _group(t.site) == "tensor" for t in loss)
+    assert loss and all(t.elements == 1 and comm_group(t.site) == "tensor" for t in loss)
 
     def tensor(at, terms=None):
-        return sum(s for term, s in c.term_times(at, terms) if _group(term.site) == "tensor")
+        return sum(s for term, s in c.term_times(at, terms) if comm_group(term.site) == "tensor")
 
     assert tensor(world, loss) > 1.5 * tensor(own, loss)
     assert priced["tensor"] == pytest.approx(tensor(world) - tensor(world, loss) + tensor(own, loss), rel=1e-9)
@@ -421,7 +421,7 @@ def test_work_only_as_many_ranks_as_cores_do_runs_at_the_rates_of_a_rank_with_a_
     assert priced["compute"] == pytest.approx(sum(r[0] for r in ranks) / 4, rel=1e-9)
     c = estimate(cfg, many, batch=4, rank=0)
     c.topology = many.topology
-    assert priced["tensor"] == pytest.approx(sum(s for term, s in c.term_times(world) if _group(term.site) == "tensor"),
+    assert priced["tensor"] == pytest.approx(sum(s for term, s in c.term_times(world) if comm_group(term.site) == "tensor"),
                                              rel=1e-9)
 
 

@@ -90,7 +90,7 @@ def test_layout_equals_transformers(which, layout):
     keys the window no longer reaches (or drops ones it does), and the pipeline or data-parallel
     paths losing a gradient: the loss and every gradient within 1e-10 of transformers' on every
     rank, and greedy tokens past the window equal to its generate()."""
-    world = lattice.plan(**layout).world_size
+    world = lattice.context(**layout).world_size
     results = run_distributed(world, _equals_transformers, which, layout, layout in GENERATES)
     for loss, grads, same_tokens in results:
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)
@@ -106,13 +106,13 @@ def test_the_window_changes_what_mistral_computes():
     the same weights, and with a window of 5 a different loss."""
     x, y = _tokens(6), _tokens(7)
     hf = random_hf("mistral", seed=5)
-    windowed = lattice.from_hf(hf, lattice.plan("serial"))
+    windowed = lattice.from_hf(hf, lattice.context("serial"))
     sd = windowed.full_state_dict()
     full_cfg = MistralConfig(**{**CONFIGS["mistral"][2], "sliding_window": None})
-    full = lattice.build_model(full_cfg, lattice.plan("serial"))
+    full = lattice.build_model(full_cfg, lattice.context("serial"))
     full.load_full_state_dict(sd)
     llama = lattice.build_model(lattice.get_arch("llama").config_class(
-        **{k: v for k, v in CONFIGS["mistral"][2].items() if k != "sliding_window"}), lattice.plan("serial"))
+        **{k: v for k, v in CONFIGS["mistral"][2].items() if k != "sliding_window"}), lattice.context("serial"))
     llama.load_full_state_dict(sd)
     with torch.no_grad():
         assert abs(full(x, y).item() - llama(x, y).item()) < 1e-12
@@ -126,7 +126,7 @@ def test_mistrals_kv_cache_keeps_only_what_the_window_reaches():
     the text; attention would still mask them) or drops ones it does (wrong logits): after a
     prompt longer than the window and after each new token, every layer holds window - 1
     positions, and the last position's logits equal a full forward's without a cache."""
-    model = lattice.from_hf(random_hf("mistral", seed=5), lattice.plan("serial"))
+    model = lattice.from_hf(random_hf("mistral", seed=5), lattice.context("serial"))
     window = model.cfg.sliding_window
     tokens = _tokens(9, batch=2, length=12)
     cache = [{} for _ in model.blocks]

@@ -1,4 +1,4 @@
-"""The planner's search (`lattice plan --auto`, lattice.cost.search): it covers the space a hand
+"""The planner's search (`lattice plan --auto`, lattice.planner.search): it covers the space a hand
 enumeration gives, honours the memory limit (with ZeRO, checkpointing and accumulation to rescue a
 setup), never prices a layout training refuses, and the command answers in text and JSON with a
 train command that runs its first choice."""
@@ -13,8 +13,9 @@ import pytest
 from planner_cases import MACHINE, small
 
 from lattice.cli import main as cli
-from lattice.cost.plan import mode_verdicts, model_config
-from lattice.cost.search import Choice, price, search
+from lattice.cli.plan_report import mode_verdicts
+from lattice.cost import model_config
+from lattice.planner.search import Choice, price, search
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
 
@@ -227,11 +228,11 @@ def test_every_pipeline_the_search_ranks_splits_as_training_splits_it():
 
 
 def test_the_stage_figures_the_search_keeps_follow_every_argument_they_depend_on():
-    """Catches the planner's kept stage figures (pricing._priced_blocks) answering a later price
+    """Catches the planner's kept stage figures (pricing.priced_blocks) answering a later price
     with the figures of another: a key that leaves out the machine, the placement of the groups on
     nodes, the ZeRO stage, the precision or the batch would price the second setup as the first.
-    Each must equal the figures computed afresh (pricing._blocks_figures), and each pair differ."""
-    from lattice.cost import pricing
+    Each must equal the figures computed afresh (pricing.blocks_figures), and each pair differ."""
+    from lattice.planner import pricing
 
     cfg = small(n_layers=4)
     lay = Layout("1d", tp=4, dp=2, ranks_per_node=8)
@@ -243,8 +244,8 @@ def test_the_stage_figures_the_search_keeps_follow_every_argument_they_depend_on
     kept = []
     for change in variants:
         args = {**base, **change}
-        kept.append(pricing._priced_blocks(cfg, lay, **args))
-        assert kept[-1] == pricing._blocks_figures(cfg, lay, **args), change
-        assert pricing._priced_blocks(cfg, lay, **args) is kept[-1]  # the second ask is kept
+        kept.append(pricing.priced_blocks(cfg, lay, **args))
+        assert kept[-1] == pricing.blocks_figures(cfg, lay, **args), change
+        assert pricing.priced_blocks(cfg, lay, **args) is kept[-1]  # the second ask is kept
     for (a, fa), (b, fb) in itertools.combinations(zip(variants, kept), 2):
         assert fa != fb, (a, b)

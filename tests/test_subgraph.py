@@ -45,7 +45,7 @@ def _check_equals_serial(p: int, batch: int) -> list[dict]:
     out = []
     for variant in VARIANTS:
         cfg = lattice.GPTConfig(**TINY, **variant)
-        serial = lattice.GPT(cfg, lattice.plan("serial"), dtype=torch.float64)
+        serial = lattice.GPT(cfg, lattice.context("serial"), dtype=torch.float64)
         weights = serial.full_state_dict()
         tokens, targets = _batch(batch, 7, cfg.vocab_size, seed=p)
         ref_loss = serial(tokens, targets)
@@ -222,9 +222,9 @@ def test_sizes_that_do_not_divide_fail_on_every_rank_before_any_collective():
         assert "give each replica a multiple of 4 sequences" in messages[1]  # D&SP: all 4 ranks
         assert "give each replica a multiple of 2 sequences" in messages[2]  # cSub: sub-grid 0's 2
     with pytest.raises(LatticeConfigError, match=r"subgrids = 3 does not divide tp = 4; use subgrids among \[1, 2, 4\]"):
-        lattice.plan("subgraph", tp=4, subgrids=3)
+        lattice.context("subgraph", tp=4, subgrids=3)
     with pytest.raises(LatticeConfigError, match=r"option common must be one of \['all', 'subgrid'\]"):
-        lattice.plan("subgraph", tp=4, common="some")
+        lattice.context("subgraph", tp=4, common="some")
 
 
 def test_topology_aware_placement_keeps_segmented_collectives_in_a_node():
@@ -234,7 +234,7 @@ def test_topology_aware_placement_keeps_segmented_collectives_in_a_node():
 
     for n, g, n_node in ((8, 2, 4), (8, 4, 4), (16, 4, 4), (16, 8, 4), (8, 2, 2)):
         for placement, aware in (("natural", False), ("topology", True)):
-            topo = lattice.plan("subgraph", tp=n, subgrids=g, ranks_per_node=n_node, placement=placement).topology
+            topo = lattice.context("subgraph", tp=n, subgrids=g, ranks_per_node=n_node, placement=placement).topology
             counted = count_messages(topo, (MeshAxis.SUBGRID,))
             assert counted == super_messages(n, g, n_node, aware), (n, g, n_node, placement, counted)
 

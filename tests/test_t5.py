@@ -133,7 +133,7 @@ def test_layout_equals_transformers(layout):
     target's length), a sequence-parallel gather of the memory over the wrong length, or the
     data-parallel path losing a gradient: every rank's loss and full gradients equal
     transformers' within 1e-10 for both variants, and the listed layouts' greedy tokens its."""
-    world = lattice.plan(**layout).world_size
+    world = lattice.context(**layout).world_size
     results = run_distributed(world, _equals_transformers, layout, layout in GENERATES)
     for result in results:
         for variant, (loss, grads, same_tokens) in result.items():
@@ -220,7 +220,7 @@ def test_bad_sizes_are_refused_in_one_line_before_anything_is_allocated(change, 
     spec, naming the dimension and the divisor), and config values T5 cannot take."""
     with pytest.raises(lattice.LatticeConfigError, match=re.escape(fragment)) as e:
         with torch.device("meta"):
-            lattice.build_model(T5Config(**{**BASE, **change}), lattice.plan(**layout))
+            lattice.build_model(T5Config(**{**BASE, **change}), lattice.context(**layout))
     assert "\n" not in str(e.value)
 
 
@@ -247,7 +247,7 @@ def test_presets_build_on_meta_with_their_published_sizes():
     expected = {"t5-small": 60.51e6, "t5-base": 222.9e6, "t5-large": 737.7e6, "t5-v1_1-base": 247.6e6}
     for preset, count in expected.items():
         with torch.device("meta"):
-            model = lattice.build_model(T5Config.preset(preset), lattice.plan("serial"))
+            model = lattice.build_model(T5Config.preset(preset), lattice.context("serial"))
         assert abs(model.num_parameters() - count) / count < 0.005, (preset, model.num_parameters())
 
 

@@ -38,7 +38,7 @@ def _replicas(layout: dict, dtype, family: str = "gpt2"):
     ctx = cached_init(**layout)
     family = get_arch(family)
     cfg = family.config_class(**family.test_shapes[0])
-    weights = lattice.build_model(cfg, lattice.plan("serial"), dtype=dtype).full_state_dict()
+    weights = lattice.build_model(cfg, lattice.context("serial"), dtype=dtype).full_state_dict()
     d = ctx.coord(MeshAxis.DP)
     mine = slice(d * REPLICA_BATCH, (d + 1) * REPLICA_BATCH)
 
@@ -65,7 +65,7 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
     model's on the whole global batch."""
     ctx, cfg, weights, replica_step = _replicas(layout, torch.float64, family)
     dp, d = ctx.dp, ctx.coord(MeshAxis.DP)
-    serial = lattice.build_model(cfg, lattice.plan("serial"), dtype=torch.float64)
+    serial = lattice.build_model(cfg, lattice.context("serial"), dtype=torch.float64)
     serial.load_full_state_dict(weights)
     serial_loss = serial.forward_backward(*_batch(cfg, REPLICA_BATCH * dp, 0))
     serial_grads = {n: p.grad.clone() for n, p in serial.named_parameters()}

@@ -108,7 +108,7 @@ def run_bench(args) -> int:
     report = {"provenance": provenance(command), "machine": machine_info(), "command": command}
     if args.sweep:
         return _run_sweeps(args, out, report)
-    from lattice.cost.plan import model_config
+    from lattice.cost import model_config
 
     try:
         cfg = model_config(args.arch, args.model, vocab_size=args.vocab_size, seq_len=args.seq_len,

@@ -80,7 +80,7 @@ def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_
     """Collective over the world: build `mode` (or the peer, or serial on rank 0 alone), check its
     loss against serial's, meter one step, measure saved activations and parameters. Returns the
     prepared mode, or an error row."""
-    from lattice.modes.layout import init, plan
+    from lattice.modes.layout import init, context
 
     p, rank = dist.get_world_size(), dist.get_rank()
     ckpt = args.activation_checkpointing
@@ -92,7 +92,7 @@ def prepare(label: str, mode: str, options: dict, cfg, sd, tokens, targets, ref_
         forward, backward, meter_ctx = (lambda: peer_loss(model, tokens, targets)), peer_backward, DTensorComm
         analytic = costmodel.estimate(cfg, peer_mode("dtensor"), batch=args.batch, tp=p, activation_checkpointing=ckpt)
     else:
-        ctx = plan(REFERENCE_MODE) if mode == REFERENCE_MODE else init(mode, tp=p, **options)
+        ctx = context(REFERENCE_MODE) if mode == REFERENCE_MODE else init(mode, tp=p, **options)
         model = build_model(cfg, ctx, activation_checkpointing=ckpt)
         model.load_full_state_dict(sd)
         forward = lambda: model(tokens, targets)  # noqa: E731
@@ -223,7 +223,7 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
     """([(label, mode, options)], [(label, why not)]) for p processes: every registered mode (and
     the peer) whose layout fits p ranks and whose size checks pass this model and batch."""
     from lattice.modes import get_mode
-    from lattice.modes.layout import plan
+    from lattice.modes.layout import context
 
     labels = wanted or parallel_modes() + ["dtensor"]
     if p == 1:
@@ -246,7 +246,7 @@ def applicable(cfg, batch: int, p: int, wanted: list[str] | None) -> tuple[list,
             continue
         options = {**get_mode(mode).fit_options(cfg, p), **options}
         try:
-            ctx = plan(mode, tp=p, **options)
+            ctx = context(mode, tp=p, **options)
             get_mode(mode).check_model(cfg, ctx)
             get_mode(mode).check_batch(ctx, torch.zeros(batch, cfg.seq_len, dtype=torch.int64))
             costmodel.estimate(cfg, mode, batch=batch, tp=p, **options)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lattice import cost as costmodel
 from lattice.bench.measure import Prepared, applicable, prepare, report_row
-from lattice.cost.calibrate import calibrate
+from lattice.calibration.calibrate import calibrate
 from lattice.models import arch_of_config, build_model, get_arch
 from lattice.modes import REFERENCE_MODE
 
@@ -24,14 +24,14 @@ def _world(payload: dict):
     """Runs in every process of a world: prepare every mode, then time them with their steps
     interleaved round-robin (the order rotating each round), so that a change in the machine's
     load falls on all of them alike; calibrate just before and after the timing."""
-    from lattice.modes.layout import plan
+    from lattice.modes.layout import context
 
     cfg = get_arch(payload["arch"]).config_class(**payload["cfg"])
     args = argparse.Namespace(**payload["args"])
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=gen)
-    serial = build_model(cfg, plan(REFERENCE_MODE))
+    serial = build_model(cfg, context(REFERENCE_MODE))
     sd = serial.full_state_dict()
     with torch.no_grad():
         ref_loss = float(serial(tokens, targets))

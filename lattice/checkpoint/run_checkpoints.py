@@ -9,6 +9,7 @@ written, so that a diverged run never overwrites its last good checkpoint."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +21,33 @@ from lattice.checkpoint import sharded
 from lattice.parallel.context import TrainingStopped
 
 
+class AsyncWriter:
+    """Writes checkpoints on a background thread over a process group of its own (gloo), so
+    that its collectives never interleave with training's. One save in flight at a time:
+    `submit` first waits for the previous one. The state must be staged (copied) by the caller."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lattice-checkpoint")
+        self.pending: Future | None = None
+
+    def submit(self, root: Path, meta: dict, state: dict[str, sharded.Chunk], *, keep: int) -> Future:
+        self.wait()
+        self.pending = self.pool.submit(sharded.write, root, meta, state, keep=keep, group=self.group)
+        return self.pending
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is complete; re-raises its error."""
+        pending, self.pending = self.pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown()
+
+
 class RunCheckpoints:
     """The checkpoints of one Trainer's run (`cfg`: its TrainConfig)."""
 
@@ -29,7 +57,7 @@ class RunCheckpoints:
 
     def start_async(self) -> None:
         """The background writer of async_checkpoint (a collective: its own process group)."""
-        self.async_writer = sharded.AsyncWriter()
+        self.async_writer = AsyncWriter()
 
     def wait(self) -> None:
         """Until the last checkpoint submitted to the background writer is complete."""

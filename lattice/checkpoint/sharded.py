@@ -30,7 +30,6 @@ import os
 import pickle
 import shutil
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -258,33 +257,6 @@ def _publish(partial: Path, final: Path, meta: dict, sums: dict, keep: int, root
     fsync_dir(base)
     shutil.rmtree(old, ignore_errors=True)
     prune(root, keep, written=final)
-
-
-class AsyncWriter:
-    """Writes checkpoints on a background thread over a process group of its own (gloo), so
-    that its collectives never interleave with training's. One save in flight at a time:
-    `submit` first waits for the previous one. The state must be staged (copied) by the caller."""
-
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lattice-checkpoint")
-        self.pending: Future | None = None
-
-    def submit(self, root: Path, meta: dict, state: dict[str, Chunk], *, keep: int) -> Future:
-        self.wait()
-        self.pending = self.pool.submit(write, root, meta, state, keep=keep, group=self.group)
-        return self.pending
-
-    def wait(self) -> Path | None:
-        """Block until the save in flight (if any) is complete; re-raises its error."""
-        pending, self.pending = self.pending, None
-        return pending.result() if pending is not None else None
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self.pool.shutdown()
 
 
 # ----------------------------------------------------------------------------- read (no collective)

@@ -102,7 +102,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """`lattice train`'s flags: the Layout's, the TrainConfig's and the launch's."""
-    from lattice.training.config import TrainConfig
+    from lattice.training.config import RESUMED_FIELDS, TrainConfig
 
     for title in HELP_GROUPS:  # in the order users scan them
         group(p, title)
@@ -129,51 +129,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "writes; flags given here override it (default: none)")
 
 
-#: what a resumed run keeps unless its flag is given: the model (family, preset, sizes, the
-#: tokenizer's vocabulary), the task it was trained on and how its data are read, its schedule
-#: and optimizer, its precision, validation and checkpoints: a bare --resume continues as it was
-RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task",
-                  "dropout", "data_format", "text_key", "label_key", "pair_key", "source_key", "target_key", "steps",
-                  "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
-                  "eval_interval", "eval_batches", "activation_checkpointing", "zero", "checkpoint_interval", "keep",
-                  "dtype", "precision", "grad_reduce_dtype")
-
-
-def train_config(args, resumed: dict | None = None, **changes):
-    """The TrainConfig the flags ask for: a RESUMED_FIELDS flag not given takes the resumed
-    run's recorded value (`resumed`: its train_config), else TrainConfig's default; `changes`
-    replace fields."""
+def train_request(args):
+    """The `lattice train` request the flags make (lattice.training.request.TrainRequest): the
+    layout, every TrainConfig flag as given, the family's size flags given, and the checkpoint
+    and run-directory choices. Nothing is read or decided here."""
     from lattice.training.config import TrainConfig
+    from lattice.training.request import TrainRequest
 
     given = {f.name: getattr(args, f.name) for f in flag_fields(TrainConfig)}
-    defaults = {f.name: f.default for f in flag_fields(TrainConfig)}
-    for name in RESUMED_FIELDS:
-        if given[name] is None:
-            given[name] = (resumed or {}).get(name, defaults[name])
-    given["arch"] = given["arch"] or DEFAULT_ARCH
-    given["model_sizes"] = given_sizes(args, skip=set(given))
-    return TrainConfig(**{**given, **changes})
-
-
-def run_config(layout: Layout, tcfg) -> dict:
-    """A run's settings by flag name, from the fields of its Layout (with its mode's options)
-    and its TrainConfig: what `lattice train` prints, writes to config.toml and reads back with
-    `--config`."""
-    from lattice.training.config import TrainConfig
-
-    out = {f.name: getattr(layout, f.name) for f in flag_fields(Layout)}
-    out.update(layout.options)
-    out.update({f.name: getattr(tcfg, f.name) for f in flag_fields(TrainConfig)})
-    out.update(tcfg.model_sizes)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(out.items()) if v is not None}
-
-
-def config_toml(config: dict) -> str:
-    """A run_config as a TOML file that `--config` reads back (JSON scalars, strings and lists
-    are valid TOML values)."""
-    import json
-
-    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items())
+    return TrainRequest(layout_from_args(args), given, given_sizes(args, skip=set(given)), resume=args.resume,
+                        overwrite=args.overwrite, allow_config_change=args.allow_config_change)
 
 
 def with_config_file(argv: list[str], path: str) -> argparse.Namespace:

@@ -13,7 +13,8 @@ import os
 import sys
 
 from lattice.cli.arguments import add_layout_arguments, layout_from_args
-from lattice.cli.launch import check_process_count, launch_local
+from lattice.modes.layout import check_process_count
+from lattice.cli.launch import launch_local
 from lattice.models import get_arch
 from lattice.parallel.context import LatticeConfigError
 

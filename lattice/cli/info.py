@@ -22,7 +22,7 @@ def run_info(args) -> int:
     """Print a layout from the shard specs alone: no processes, no weights (a meta model)."""
     import torch
 
-    from lattice.cost.plan import model_config
+    from lattice.cost import model_config
     from lattice.models import build_model
 
     ctx = layout_from_args(args).context()

@@ -17,23 +17,6 @@ import time
 
 import torch
 
-from lattice.parallel.context import LatticeConfigError
-
-
-def check_process_count(layout, nproc: int, command: str) -> None:
-    """Refuse, before any process starts, a layout whose ranks are not the processes `lattice
-    COMMAND` will run in: the --nproc N it starts, or (nproc 1) the one process it is."""
-    need = layout.world_size
-    if nproc == need:
-        return
-    axes = " x ".join(f"{a.value}={s}" for a, s in layout.topology.axes)
-    has = f"mode {layout.mode!r} with {axes} has {need} ranks"
-    if nproc > 1:
-        raise LatticeConfigError(f"--nproc {nproc} does not match the layout: {has}; use --nproc {need} or change "
-                                 f"--tp/--dp/--pp/--cp")
-    raise LatticeConfigError(f"{has}, one process each; add --nproc {need} to start them on this machine (or start "
-                             f"them with torchrun --nproc-per-node {need} -m lattice {command} ...), or change "
-                             f"--tp/--dp/--pp/--cp")
 
 
 def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) -> int:

@@ -15,13 +15,11 @@ import json
 import torch
 
 from lattice.cli.arguments import add_layout_flags, add_size_flags, given_sizes, layout_from_args
+from lattice.cli.plan_report import (format_cost, format_pipeline, format_search, format_splits, format_table1,
+                                     mode_verdicts)
 from lattice.cost.machine import PAPER_CLUSTER
-from lattice.cost.model import estimate
-from lattice.cost.machines import MACHINES
-from lattice.cost.plan import (format_cost, format_pipeline, format_search, format_splits, format_table1,
-                               machine_from_spec, model_config, mode_verdicts)
-from lattice.cost.pricing import Choice, command_flag, price
-from lattice.cost.search import search
+from lattice.cost.machines import MACHINES, machine_named
+from lattice.cost.model import estimate, model_config
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
 from lattice.modes import available_modes, get_mode, parallel_modes
@@ -29,6 +27,8 @@ from lattice.modes.layout import PIPELINE_SETTINGS
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.pipeline import batch_problem
 from lattice.parallel.zero import ZERO_STAGES
+from lattice.planner.pricing import Choice, command_flag, price
+from lattice.planner.search import search
 from lattice.training.config import PRECISIONS, REDUCE_DTYPES
 
 
@@ -114,12 +114,12 @@ def run_plan(args) -> int:
     if args.table1:
         print(format_table1(batch, cfg.seq_len, cfg.d_model, args.tp))
         return 0
-    machine = machine_from_spec(args.machine) if args.machine else PAPER_CLUSTER
+    machine = machine_named(args.machine) if args.machine else PAPER_CLUSTER
     if args.ranks_per_node is None:  # the machine's nodes place the layout's groups
         args.ranks_per_node = machine.ranks_per_node
     elif args.ranks_per_node != machine.ranks_per_node:
         machine = dataclasses.replace(machine, ranks_per_node=args.ranks_per_node)
-    # what the planner prices (lattice.cost.pricing.price): the setups that `plan --auto` ranks
+    # what the planner prices (lattice.planner.pricing.price): the setups that `plan --auto` ranks
     setup = dict(zero=args.zero, precision=args.precision, checkpointing=args.activation_checkpointing)
     if args.splits:
         print(format_splits(cfg, args.splits, batch=batch, machine=machine, setup=setup,
@@ -150,14 +150,14 @@ def run_plan(args) -> int:
 
 
 def _run_auto(args, cfg, *, batch: int) -> int:
-    """`--auto`: the planner's ranking (lattice.cost.search), as text or JSON."""
+    """`--auto`: the planner's ranking (lattice.planner.search), as text or JSON."""
     if not args.gpus or args.gpus < 1:
         raise LatticeConfigError("--auto needs --gpus N, the ranks to plan for (e.g. --gpus 16)")
     if args.memory is not None and args.memory <= 0:
         raise LatticeConfigError(f"--memory {args.memory}: give the memory per rank in GiB, e.g. --memory 80")
     if args.top < 1:
         raise LatticeConfigError(f"--top {args.top}: list at least one setup")
-    machine = machine_from_spec(args.machine or AUTO_MACHINE)
+    machine = machine_named(args.machine or AUTO_MACHINE)
     rpn = args.ranks_per_node or machine.ranks_per_node
     machine = dataclasses.replace(machine, ranks_per_node=rpn)
     if args.precision and args.precision != machine.precision and not machine.other_precision_flop_rate:

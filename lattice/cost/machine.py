@@ -98,8 +98,13 @@ class Machine:
     and between nodes, and per rank: the matrix-product rate F (FLOP/s), the rate of elementwise
     operators (LayerNorm, GELU, bias and residual adds, softmax: elements/s), of causal attention
     (score elements B·n·T² per second, forward), and the optimizer update's cost per parameter
-    tensor (s) and memory bandwidth (bytes/s). Backward runs at the same rates (twice the work)."""
+    tensor (s) and memory bandwidth (bytes/s). Backward runs at the same rates (twice the work).
 
+    The fields come in three groups, each listed in a tuple below the class: the papers' model
+    itself (PAPER_FIELDS), a device's measured departures from it (MEASURED_FIELDS), and the waits
+    of ranks that share a CPU's cores (SHARED_CORE_FIELDS)."""
+
+    # The papers' α-β-F model (PAPER_FIELDS).
     name: str
     flop_rate: float
     alpha_intra: float
@@ -115,8 +120,13 @@ class Machine:
     # gradient tensor; beyond it each reads every gradient twice and writes it once at mem_bandwidth
     norm_per_tensor: float = 0.0
     pipelined_broadcast: bool = False  # True: broadcast / reduce as pipelined rings (NCCL), else trees
-    # what the α-β-F model misses, each fitted to micro-benchmark or published curves (never to the
-    # step times the planner is judged on):
+    precision: str = "fp32"  # the precision flop_rate is for ("bf16": bf16 weights with fp32 masters)
+    other_precision_flop_rate: float = 0.0  # F under the other precision (0: unknown, not planned)
+    memory_gib: float = 0.0  # device memory per rank (0: unknown)
+
+    # Where a device's kernels and collectives depart from the α-β-F model (MEASURED_FIELDS), each
+    # fitted to micro-benchmarks or published curves by lattice.calibration, never to the step
+    # times the planner is judged on; a field left at its default adds nothing.
     # a matrix product of f FLOPs runs at F·f/(f + kernel_flops) (a GPU's efficiency at small
     # per-kernel work: launch and tail), i.e. each product costs kernel_flops/F more
     kernel_flops: float = 0.0
@@ -137,19 +147,6 @@ class Machine:
     # ends must be scheduled, and each step merges its block into the output and runs its Python:
     # at 2 ranks on 2 cores 1.3-1.6 ms where α is 0.2-0.7 ms
     alpha_send: float = 0.0
-    # where ranks share cores, the scheduler does not share them evenly over tens of milliseconds
-    # and every synchronisation waits for the slowest rank: how much longer the slowest rank's ~30 ms
-    # segment of compute takes than the mean rank's, started together (0: a device per rank); the
-    # step's forward and backward take that fraction more
-    skew: float = 0.0
-    # the same wait measured per synchronisation, against the stretch of compute before it and the
-    # ranks it joins: ((group ranks, stretch s, slowest of the group beyond the mean rank, s), ...).
-    # Where ranks outnumber cores the wait is about a scheduler's slice, whatever the stretch
-    # (6-18 ms at 8 ranks on 2 cores after stretches of 8 to 320 ms: 77% to 6% of them), so a
-    # fixed fraction of compute overcharges a step of few long stretches and undercharges one of
-    # many short ones; with a curve, the step's skew is that of its synchronisations
-    # (skew_seconds), else skew x compute
-    skew_curve: tuple = ()
     # a collective's own time against the stretch of compute before it, where every rank has a core
     # of its own: ((stretch s, seconds per collective), ...), the first at the stretch the
     # collectives' α and β were fitted after (one product of the loop). The longer the ranks compute
@@ -177,12 +174,6 @@ class Machine:
     # waits for the scheduler too: at 4 ranks on 2 cores gpt2-wide's pipeline grew 27.4 ms per
     # micro-batch where its price grew 17.8; a schedule not listed costs its hop only
     pipeline_actions: tuple = ()
-    # an all-reduce over groups smaller than the world, every group at once (a dp = 2 or tp = 2 group
-    # at 4 or 8 ranks): ((op, group ranks, ((wire bytes, seconds per call), ...)), ...), read in place
-    # of the world's α and curve. Where ranks share cores, the other groups' copies and sums take the
-    # cores too: at 4 ranks on 2 cores two pairs' all-reduces of 4.2 MB each took 7.1 ms, where the
-    # world's α and curve at a pair's wire bytes said 3.6; a group size not listed reads the world's
-    group_curves: tuple = ()
     # the gradients' sum over replicas as a step runs it (after backward, every rank's gradients
     # copied into one buffer, summed, divided) over the same all-reduce timed back to back, which
     # `collectives` and the curves above are: ((wire bytes, ratio), ...), read between the points
@@ -195,15 +186,34 @@ class Machine:
     # elem_rate's mix, mostly the cross-entropy over the vocabulary, priced a GPT-2 block's GELU and
     # LayerNorm at a quarter to a half of their time; an operator not listed runs at elem_rate
     elementwise_rates: tuple = ()
+
+    # Ranks sharing a node's cores (SHARED_CORE_FIELDS): a CPU running more ranks than it has
+    # cores; a GPU machine, one rank per device, leaves them all at their defaults.
     # cores a node's ranks share (0: each rank has a device of its own); with more ranks than cores a
-    # pipeline's waiting stages leave theirs to the busy ones (lattice.cost.pricing prices that)
+    # pipeline's waiting stages leave theirs to the busy ones (lattice.planner.pricing prices that)
     cores: int = 0
+    # where ranks share cores, the scheduler does not share them evenly over tens of milliseconds
+    # and every synchronisation waits for the slowest rank: how much longer the slowest rank's ~30 ms
+    # segment of compute takes than the mean rank's, started together (0: a device per rank); the
+    # step's forward and backward take that fraction more
+    skew: float = 0.0
+    # the same wait measured per synchronisation, against the stretch of compute before it and the
+    # ranks it joins: ((group ranks, stretch s, slowest of the group beyond the mean rank, s), ...).
+    # Where ranks outnumber cores the wait is about a scheduler's slice, whatever the stretch
+    # (6-18 ms at 8 ranks on 2 cores after stretches of 8 to 320 ms: 77% to 6% of them), so a
+    # fixed fraction of compute overcharges a step of few long stretches and undercharges one of
+    # many short ones; with a curve, the step's skew is that of its synchronisations
+    # (skew_seconds), else skew x compute
+    skew_curve: tuple = ()
+    # an all-reduce over groups smaller than the world, every group at once (a dp = 2 or tp = 2 group
+    # at 4 or 8 ranks): ((op, group ranks, ((wire bytes, seconds per call), ...)), ...), read in place
+    # of the world's α and curve. Where ranks share cores, the other groups' copies and sums take the
+    # cores too: at 4 ranks on 2 cores two pairs' all-reduces of 4.2 MB each took 7.1 ms, where the
+    # world's α and curve at a pair's wire bytes said 3.6; a group size not listed reads the world's
+    group_curves: tuple = ()
     # calibrations at other world sizes on this node, rows of BY_WORLD_FIELDS (a prefix of them):
     # where ranks outnumber cores they share them, and every collective waits for its ranks
     by_world: tuple = ()
-    precision: str = "fp32"  # the precision flop_rate is for ("bf16": bf16 weights with fp32 masters)
-    other_precision_flop_rate: float = 0.0  # F under the other precision (0: unknown, not planned)
-    memory_gib: float = 0.0  # device memory per rank (0: unknown)
 
     def at(self, world: int) -> "Machine":
         """This machine as `world` ranks on it see it: the calibration of the nearest world size
@@ -319,6 +329,14 @@ class Machine:
                 f"{'pipelined' if self.pipelined_broadcast else 'tree'} broadcast / reduce"
                 + (f"; compute hides {self.overlap:.0%} of a collective beside it" if self.overlap < 1 else "")
                 + "".join(f"; {op} α = {a * 1e6:.3g} µs, β = 1/({1e-9 / b:.3g} GB/s)" for op, a, b in self.collectives))
+
+
+PAPER_FIELDS = ("name", "flop_rate", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "ranks_per_node",
+                "elem_rate", "attn_rate", "update_per_tensor", "mem_bandwidth", "norm_per_tensor",
+                "pipelined_broadcast", "precision", "other_precision_flop_rate", "memory_gib")
+MEASURED_FIELDS = ("kernel_flops", "kernel_rows", "overlap", "op_overhead", "alpha_send", "wake_curve", "collectives",
+                   "collective_curves", "pipeline_actions", "grad_sum_ratios", "elementwise_rates")
+SHARED_CORE_FIELDS = ("cores", "skew", "skew_curve", "group_curves", "by_world")
 
 
 # A GPU cluster like the papers' (4 GPUs per node: Frontera RTX, Longhorn V100), for projections.

@@ -46,7 +46,7 @@ _OPS_RECOUNT = 9 / 8
 _H200_OP_OVERHEAD = 44e-6 * _OPS_RECOUNT  # s per described operation (forward; backward twice), the H200's host
 
 
-def _gpu(name: str, *, peak_half: float, peak_fp32: float, hbm: float, memory_gib: float, ranks_per_node: int,
+def gpu_machine(name: str, *, peak_half: float, peak_fp32: float, hbm: float, memory_gib: float, ranks_per_node: int,
          intra_gbs: float, alpha_intra: float, node_nic_gbs: float) -> Machine:
     return Machine(
         name, flop_rate=peak_half * _H200_EFFICIENCY, other_precision_flop_rate=peak_fp32 * _H200_EFFICIENCY,
@@ -84,19 +84,19 @@ MACHINES: dict[str, Machine] = {
         # and of 2, 4 and 8 ranks: the validation's calibrations, every column (_cpu_rows)
         by_world=((1, 8.23e+10, 1.78e+09, 6.04e+08, 1e-05, 1e-10, 3.92e-06, 5.31e+10, 1.6e-05, 0, 0, 3.86e-06,
                    (), 9.0), *_cpu_rows())),
-    "frontera-rtx": _gpu("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
+    "frontera-rtx": gpu_machine("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
                          alpha_intra=10e-6, node_nic_gbs=7),
-    "longhorn-v100": _gpu("Longhorn: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR", peak_half=125e12,
+    "longhorn-v100": gpu_machine("Longhorn: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR", peak_half=125e12,
                           peak_fp32=15.7e12, hbm=900e9, memory_gib=16, ranks_per_node=4, intra_gbs=75,
                           alpha_intra=5e-6, node_nic_gbs=12.5),
-    "lassen-v100": _gpu("Lassen: 4 V100 SXM2 per node, NVLink 2.0, dual-rail InfiniBand EDR", peak_half=125e12,
+    "lassen-v100": gpu_machine("Lassen: 4 V100 SXM2 per node, NVLink 2.0, dual-rail InfiniBand EDR", peak_half=125e12,
                         peak_fp32=15.7e12, hbm=900e9, memory_gib=16, ranks_per_node=4, intra_gbs=75,
                         alpha_intra=5e-6, node_nic_gbs=25),
-    "a100-node": _gpu("DGX A100: 8 A100 80GB per node, NVSwitch, 8 x InfiniBand HDR 200 Gb/s", peak_half=312e12,
+    "a100-node": gpu_machine("DGX A100: 8 A100 80GB per node, NVSwitch, 8 x InfiniBand HDR 200 Gb/s", peak_half=312e12,
                       peak_fp32=156e12, hbm=2.0e12, memory_gib=80, ranks_per_node=8, intra_gbs=300,
                       alpha_intra=5e-6, node_nic_gbs=200),
-    "h100-node": _gpu("DGX H100: 8 H100 80GB per node, NVSwitch, 8 x InfiniBand NDR 400 Gb/s", peak_half=989e12,
+    "h100-node": gpu_machine("DGX H100: 8 H100 80GB per node, NVSwitch, 8 x InfiniBand NDR 400 Gb/s", peak_half=989e12,
                       peak_fp32=494e12, hbm=3.35e12, memory_gib=80, ranks_per_node=8, intra_gbs=450,
                       alpha_intra=5e-6, node_nic_gbs=400),
 }

@@ -15,7 +15,7 @@ all-to-all, the gathered output for all-gather, the full input for reduce-scatte
 measured / analytic is a ratio of like with like. `wire()` converts to the papers' per-rank
 volume (ring all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, tree
 broadcast / reduce log2 n), in which `lattice.cost.tables.optimus_table1` reproduces Table 1 of
-Optimus (papers/000).
+Optimus (docs/references.md#optimus).
 
 Symbols: B sequences of T tokens per replica, M = B·T tokens, h = d_model, L layers, V' the
 vocabulary padded to what the layout divides, p ranks per replica (q = √p in 2D, ∛p in 3D).
@@ -29,15 +29,17 @@ import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 import torch
 
 from lattice.cost.builder import DDP_BUCKET_BYTES, WORK_KINDS, CostBuilder  # noqa: F401  (lattice.cost's names)
 from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
-from lattice.models import build_model
+from lattice.data.corpus import DEFAULT_VOCAB
+from lattice.models import build_model, get_arch
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout, as_layout
-from lattice.parallel.context import MeshAxis, Topology
+from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
 
 # ----------------------------------------------------------------------------- the estimate
 
@@ -305,7 +307,7 @@ _MODELS: OrderedDict = OrderedDict()  # (config, layout, rank) -> meta model, th
 _MODELS_KEPT = 256
 
 
-def _meta_model(cfg, layout: Layout, rank: int):
+def meta_model(cfg, layout: Layout, rank: int):
     """The context and meta model of `rank` under `layout` (its shard specs and local shapes,
     nothing allocated), built once for the planner's many prices of one layout (the cost builder
     only reads the model)."""
@@ -344,7 +346,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     stage so)."""
     if precision == "bf16":
         dtype = torch.bfloat16
-    ctx, model = _meta_model(cfg, as_layout(layout, layout_kwargs), rank)
+    ctx, model = meta_model(cfg, as_layout(layout, layout_kwargs), rank)
     if parts is not None and ctx.pipeline is not None:
         raise ValueError("estimate(parts=...) is for a layout without a pipeline; a pipeline's stage holds its own parts")
     mode = ctx.mode
@@ -357,3 +359,17 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
                 parts=parts)
     CostBuilder(cost, model).build()
     return cost
+
+
+def model_config(arch: str, preset: str | None, **sizes):
+    """The config of `arch`'s preset (its default one without a name) with the sizes given (None: the preset's)."""
+    config_class = get_arch(arch).config_class
+    name = preset or config_class.default_preset
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    unknown = sorted(set(sizes) - {f.name for f in dataclass_fields(config_class)})
+    if unknown:
+        raise LatticeConfigError(f"--arch {arch} has no {', '.join(unknown)} (its sizes: "
+                                 f"{', '.join(f.name for f in dataclass_fields(config_class))})")
+    if "vocab_size" not in sizes and "vocab_size" not in config_class.presets.get(name, {}):
+        sizes["vocab_size"] = DEFAULT_VOCAB  # the built-in corpus's, for presets of no published model
+    return config_class.preset(name, **sizes)

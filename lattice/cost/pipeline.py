@@ -1,5 +1,5 @@
-"""Pipeline parallelism in the cost model (papers/002 §2.2, §3): the point-to-point traffic of
-each stage and the micro-batches it holds in flight (a pipelined step's time: lattice.cost.pricing)."""
+"""Pipeline parallelism in the cost model (docs/references.md#megatron-lm §2.2, §3): the point-to-point traffic of
+each stage and the micro-batches it holds in flight (a pipelined step's time: lattice.planner.pricing)."""
 
 from __future__ import annotations
 

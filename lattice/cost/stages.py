@@ -1,4 +1,4 @@
-"""A pipeline stage in the cost model (papers/002 §2.2, §4.1): the point-to-point traffic of a
+"""A pipeline stage in the cost model (docs/references.md#megatron-lm §2.2, §4.1): the point-to-point traffic of a
 stage's chunks and the terms the pipeline adds to a stage's tensor-parallel ones."""
 
 from __future__ import annotations

@@ -200,9 +200,9 @@ def import_plan(family, cfg, shapes: dict[str, tuple[int, ...]], equal) -> list[
 
 def _lattice_shapes(family, cfg) -> dict[str, tuple[int, ...]]:
     """The serial lattice model's parameter shapes (fused tensors), from a meta build."""
-    from lattice.modes.layout import plan
+    from lattice.modes.layout import context
 
-    serial = plan("serial")
+    serial = context("serial")
     with torch.device("meta"):
         specs = family(cfg, serial).specs
     return {name: spec.full_shape for name, spec in specs.items()}

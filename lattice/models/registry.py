@@ -31,11 +31,16 @@ def register(cls: type[nn.Module]) -> type[nn.Module]:
     return cls
 
 
+def unregister(name: str) -> None:
+    """Remove the family registered under `name` (a plugin unloaded); nothing where there is none."""
+    _FAMILIES.pop(name, None)
+
+
 @functools.cache  # the package's files are listed once per process, not at every lookup
 def _load_builtin() -> None:
     # every module of this package but the shared ones defines and registers one family
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if info.name not in ("base", "components", "registry", "hf"):
+        if info.name not in ("base", "components", "encoder_decoder", "generation", "hf", "registry", "weights"):
             importlib.import_module(f"lattice.models.{info.name}")
 
 

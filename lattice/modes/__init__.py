@@ -18,6 +18,11 @@ def register(cls: type[Mode]) -> type[Mode]:
     return cls
 
 
+def unregister(name: str) -> None:
+    """Remove the mode registered under `name` (a plugin unloaded); nothing where there is none."""
+    _REGISTRY.pop(name, None)
+
+
 def get_mode(name: str) -> type[Mode]:
     _load_builtin()
     if name not in _REGISTRY:

@@ -252,7 +252,7 @@ class Mode:
     # ---- analysis
     @classmethod
     def optimus_table1_row(cls, b: int, s: int, h: int, p: int) -> dict[str, float] | None:
-        """This layout's row of Optimus Table 1 (papers/000) as printed, if it has one: one layer
+        """This layout's row of Optimus Table 1 (docs/references.md#optimus) as printed, if it has one: one layer
         with activation checkpointing, "forward"/"backward" scalars moved per rank and
         "forward_mults"/"backward_mults" scalar multiplications per rank."""
         return None

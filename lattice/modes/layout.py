@@ -200,10 +200,26 @@ def as_layout(mode, kwargs: dict) -> Layout:
     return Layout.of(mode, **kwargs)
 
 
-def plan(mode="serial", *, rank: int = 0, **layout) -> ParallelContext:
+def context(mode="serial", *, rank: int = 0, **layout) -> ParallelContext:
     """A ParallelContext without process groups (a Layout, or the keyword arguments of `init`),
     for inspecting layouts and building meta models."""
     return as_layout(mode, layout).context(rank)
+
+
+def check_process_count(layout, nproc: int, command: str) -> None:
+    """Refuse, before any process starts, a layout whose ranks are not the processes `lattice
+    COMMAND` will run in: the --nproc N it starts, or (nproc 1) the one process it is."""
+    need = layout.world_size
+    if nproc == need:
+        return
+    axes = " x ".join(f"{a.value}={s}" for a, s in layout.topology.axes)
+    has = f"mode {layout.mode!r} with {axes} has {need} ranks"
+    if nproc > 1:
+        raise LatticeConfigError(f"--nproc {nproc} does not match the layout: {has}; use --nproc {need} or change "
+                                 f"--tp/--dp/--pp/--cp")
+    raise LatticeConfigError(f"{has}, one process each; add --nproc {need} to start them on this machine (or start "
+                             f"them with torchrun --nproc-per-node {need} -m lattice {command} ...), or change "
+                             f"--tp/--dp/--pp/--cp")
 
 
 def init(mode: str | Layout = REFERENCE_MODE, *, backend: str | None = None, seed: int = 0,

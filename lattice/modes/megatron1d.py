@@ -1,4 +1,4 @@
-"""1D tensor parallelism (Megatron-LM, papers/002), with optional sequence parallelism.
+"""1D tensor parallelism (Megatron-LM, docs/references.md#megatron-lm), with optional sequence parallelism.
 
 p = tp ranks per model replica, one mesh axis TP. Rank r holds:
 

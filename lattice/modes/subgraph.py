@@ -1,4 +1,4 @@
-"""Sub-graph parallelism: SUPER's D&SP and D&SP-cSub (papers/003 §III-V).
+"""Sub-graph parallelism: SUPER's D&SP and D&SP-cSub (docs/references.md#super §III-V).
 
     ctx = lattice.init("subgraph", tp=4, subgrids=2, common="all")     # D&SP
     ctx = lattice.init("subgraph", tp=4, subgrids=2, common="subgrid") # D&SP-cSub
@@ -56,86 +56,12 @@ from lattice.modes.kernels.layers import (TiedHead, idle_output, linear_params, 
                                           register_linear, register_weight_and_bias, rows_on_every_rank, split_segments,
                                           vocab_bias_spec)
 from lattice.modes.kernels.loss import labelled_count
+from lattice.modes.kernels.subgraph import Segments
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.sharding import ShardSpec
 
 SUB, MEM = MeshAxis.SUBGRID, MeshAxis.MEMBER
-
-
-class Segments:
-    """This rank's place in the sub-grids, its rows of the replica batch, and the segmented
-    collectives over its cross-sub-grid group (along SUBGRID; group rank = k). `batch`: the step's
-    replica batch (SubGraph.begin_batch), which sizes what an idle rank of D&SP-cSub receives."""
-
-    def __init__(self, mode: "SubGraph"):
-        self.ctx = mode.ctx
-        self.g, self.n_g = mode.g, mode.n_g
-        self.k, self.m = self.ctx.coord(SUB), self.ctx.coord(MEM)
-        self.common_all = mode.common_all
-        self.by_all_gather = mode.slice_collective == "all_gather"
-        self.runs_common = self.common_all or self.k == 0
-        self.batch = 0
-
-    @property
-    def cross(self):
-        return self.ctx.group(SUB)  # looked up at call time: a planning context has no groups
-
-    def common_rows(self, batch: int, k: int | None = None, m: int | None = None) -> slice:
-        """Rows of the replica batch that the common layers of rank (k, m) process (this rank's
-        by default; empty on idle ranks)."""
-        k, m = (self.k if k is None else k), (self.m if m is None else m)
-        if self.common_all:
-            rows = batch // (self.g * self.n_g)
-            start = (m * self.g + k) * rows
-        else:
-            rows = batch // self.n_g if k == 0 else 0
-            start = m * (batch // self.n_g)
-        return slice(start, start + rows)
-
-    def branch_rows(self, batch: int) -> int:
-        return batch // self.n_g
-
-    # ---- split and sum: (common rows, T, h) <-> (B/n_g, T, h)
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """Copy the common activation into every branch: member m of each sub-grid gets its
-        B/n_g sequences."""
-        if self.common_all:  # rows m·g+k of every k, concatenated in k order: B/n_g rows
-            return comm.all_gather(x, self.cross, 0)
-        return comm.SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
-
-    def sum(self, y: torch.Tensor) -> torch.Tensor:
-        """Add the branches' partial outputs and return each common rank its rows."""
-        if self.common_all:
-            return comm.reduce_scatter(y, self.cross, 0)
-        return comm.SegmentedReduce.apply(y, self.cross)
-
-    # ---- slice and concat: heads leave / join the last dim
-    def slice(self, x: torch.Tensor) -> torch.Tensor:
-        """(common rows, T, .., h) -> (B/n_g, T, .., h/g): sub-grid k keeps head block k."""
-        width = x.shape[-1] // self.g
-        if self.common_all and not self.by_all_gather:
-            return comm.all_to_all(x, self.cross, -1, 0)
-        if self.common_all:
-            full = comm.all_gather(x, self.cross, 0)
-        elif not self.by_all_gather:
-            shape = (self.branch_rows(self.batch),) + tuple(x.shape[1:-1]) + (width,)
-            return comm.SegmentedScatter.apply(x, shape, self.cross)
-        else:
-            full = comm.SegmentedBroadcast.apply(x, (self.branch_rows(self.batch),) + tuple(x.shape[1:]), self.cross)
-        return full.narrow(-1, self.k * width, width)
-
-    def concat(self, y: torch.Tensor) -> torch.Tensor:
-        """(B/n_g, T, h/g) of head block k -> (common rows, T, h) with every head."""
-        if self.common_all and not self.by_all_gather:
-            return comm.all_to_all(y, self.cross, 0, -1)
-        if not self.common_all and not self.by_all_gather:
-            return comm.SegmentedGather.apply(y, self.cross)
-        full = comm.all_gather(y, self.cross, y.dim() - 1)  # (B/n_g, T, h) on every rank
-        if self.common_all:
-            rows = y.shape[0] // self.g
-            return full.narrow(0, self.k * rows, rows)
-        return full if self.k == 0 else full[:0]
 
 
 # ----------------------------------------------------------------------------- common layers

@@ -1,4 +1,4 @@
-"""2D tensor parallelism: SUMMA / Optimus (papers/000 §3.2) on a q x q mesh per replica.
+"""2D tensor parallelism: SUMMA / Optimus (docs/references.md#optimus §3.2) on a q x q mesh per replica.
 
     tensor                       full            on rank (i, j)                        held by
     residual x, LN, linear in    (B, T, h)       (B/q, T, h/q): batch i, hidden j      all
@@ -29,7 +29,7 @@ from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_nor
                                           register_linear, register_position_tables, register_weight_and_bias, round_up,
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
-from lattice.modes.kernels.summa import SummaGrid, summa_ab, summa_abt
+from lattice.modes.kernels.summa import SummaEmbed, SummaGrid, summa_ab, summa_abt
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -61,45 +61,6 @@ def hosted(param, shape, grid: SummaGrid, dtype: torch.dtype, device) -> torch.T
     return comm.broadcast(src, grid.col, 0)
 
 
-class _Embed2D(torch.autograd.Function):
-    """x = onehot(tokens) E as SUMMA C = A B with A = onehot [B·T, V] never built: row i holds
-    the tokens of batch block i, so A_il is local. Step l: bcast E_lj along column j; tokens in
-    vocab block l take their rows. Backward dE = Aᵀ dx (Alg. 3): scatter-add dx rows into block
-    l, reduce along column j to (l, j)."""
-
-    @staticmethod
-    def forward(ctx, table, ids, grid):  # table (V_pad/q, h/q), ids (m,) -> (m, h/q)
-        ctx.grid = grid
-        table = table.contiguous()
-        vb = table.shape[0]
-        buf, _ = grid.workspace.pair(table.numel(), 0, table.dtype, table.device)
-        out = torch.zeros(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
-        for l in range(grid.q):
-            block = grid.bcast_col(table, l, buf)
-            local = ids - l * vb
-            hit = ((local >= 0) & (local < vb)).unsqueeze(1)
-            # a select, not a masked copy: exact, and no host sync on GPU
-            out = torch.where(hit, block[local.clamp(0, vb - 1)], out)
-        ctx.save_for_backward(ids)
-        ctx.table_shape = table.shape
-        return out
-
-    @staticmethod
-    def backward(ctx, dx):
-        (ids,) = ctx.saved_tensors
-        grid, (vb, hq) = ctx.grid, ctx.table_shape
-        _, buf = grid.workspace.pair(0, vb * hq, dx.dtype, dx.device)
-        dtable = torch.empty(vb, hq, dtype=dx.dtype, device=dx.device)
-        for l in range(grid.q):
-            part = dtable if grid.i == l else buf.view(vb, hq)
-            part.zero_()
-            local = ids - l * vb
-            hit = ((local >= 0) & (local < vb)).unsqueeze(1)
-            part.index_add_(0, local.clamp(0, vb - 1), torch.where(hit, dx, 0.0))  # misses add exact zeros
-            comm.raw_reduce(part, grid.col, l)
-        return dtable, None, None
-
-
 class Embedding(nn.Module):
     """Tokens (B, T), identical on every rank of the replica -> x (B/q, T, h/q)."""
 
@@ -114,7 +75,7 @@ class Embedding(nn.Module):
         g = self.grid
         B, T = tokens.shape
         mine = slice(g.i * (B // g.q), (g.i + 1) * (B // g.q))
-        x = _Embed2D.apply(self.wte, tokens[mine].reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
+        x = SummaEmbed.apply(self.wte, tokens[mine].reshape(-1), g).view(B // g.q, T, -1)  # (B/q, T, h/q)
         if not self.positions:
             return x
         first, count, index = position_span(start, T, positions)

@@ -113,7 +113,7 @@ def group_rank(group) -> int:
 # ----------------------------------------------------------------------------- raw collectives
 
 # torch renamed the tensor forms of these collectives; use whichever this version has
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+unmetered_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -131,7 +131,7 @@ class _SummedPieces:
         return True
 
 
-def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+def unmetered_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
     """`dist.reduce_scatter_tensor(out, x)`, except on gloo, whose reduce-scatter clones x,
     all-reduces all of it and keeps one chunk: twice the bytes a reduce-scatter needs. There the
     chunks are exchanged by one all-to-all ((n-1)/n of x out and in, as a ring's reduce-scatter)
@@ -167,7 +167,7 @@ def raw_all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
     record("all_gather", group, out.numel(), x.dtype)
-    _all_gather_tensor(out, moved, group=group)
+    unmetered_all_gather(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -180,7 +180,7 @@ def start_all_gather(x: torch.Tensor, group):
     x = x.contiguous()
     out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
     record("all_gather", group, out.numel(), x.dtype)
-    return out, _all_gather_tensor(out, x, group=group, async_op=True)
+    return out, unmetered_all_gather(out, x, group=group, async_op=True)
 
 
 def raw_reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -193,7 +193,7 @@ def raw_reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n,) + moved.shape[1:], dtype=x.dtype, device=x.device)
     record("reduce_scatter", group, moved.numel(), x.dtype)
-    _reduce_scatter_tensor(out, moved, group=group)
+    unmetered_reduce_scatter(out, moved, group=group)
     out = out.movedim(0, dim)
     # scattered along the last dim, the chunk's rows are strided: elementwise kernels on such a
     # view ran up to 8x slower on this CPU (GELU's backward of a 2d MLP block) than on a copy
@@ -222,7 +222,7 @@ def start_reduce_scatter(x: torch.Tensor, group):
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
     record("reduce_scatter", group, x.numel(), x.dtype)
-    return out, _reduce_scatter_tensor(out, x, group=group, async_op=True)
+    return out, unmetered_reduce_scatter(out, x, group=group, async_op=True)
 
 
 def raw_broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
@@ -408,77 +408,3 @@ def all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torch
     """Forward: chunk k of X along split_dim goes to rank k; received chunks concat along concat_dim.
     Backward: the inverse all-to-all of dY (split along concat_dim, concat along split_dim)."""
     return x if group is None else _AllToAll.apply(x, group, split_dim, concat_dim)
-
-
-# ----------------------------------------------------------------------------- segmented (SUPER's D&SP-cSub)
-# Group rank 0 holds the activation (sub-grid 0 in SUPER's D&SP-cSub); the other ranks pass and
-# receive empty (0, ...) tensors there. Inputs of idle ranks require grad so that the
-# backward collective runs on every rank.
-
-
-class SegmentedBroadcast(torch.autograd.Function):
-    """Forward: Y = X_0 on every rank of the group (broadcast). Backward: dX_0 = Σ_ranks dY
-    (reduce to rank 0); the others' (empty) inputs get empty gradients."""
-
-    @staticmethod
-    def forward(ctx, x, shape, group):
-        ctx.group, ctx.empty = group, x.shape
-        out = x.clone() if group_rank(group) == 0 else x.new_empty(shape)
-        return raw_broadcast(out, group, 0)
-
-    @staticmethod
-    def backward(ctx, dy):
-        total = raw_reduce(dy.clone(), ctx.group, 0)
-        return (total if group_rank(ctx.group) == 0 else dy.new_zeros(ctx.empty)), None, None
-
-
-class SegmentedReduce(torch.autograd.Function):
-    """Forward: Y_0 = Σ_ranks X on rank 0 (reduce); the others return empty. Backward: dX = dY_0
-    on every rank (broadcast)."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group, ctx.shape = group, y.shape
-        total = raw_reduce(y.clone(), group, 0)
-        return total if group_rank(group) == 0 else total[:0].clone()
-
-    @staticmethod
-    def backward(ctx, dy):
-        grad = dy.contiguous() if group_rank(ctx.group) == 0 else dy.new_empty(ctx.shape)
-        return raw_broadcast(grad, ctx.group, 0), None
-
-
-class SegmentedScatter(torch.autograd.Function):
-    """Forward: rank 0's X cut along the last dim, piece k to rank k (scatter). Backward: the
-    pieces of dY gathered back to rank 0 (gather)."""
-
-    @staticmethod
-    def forward(ctx, x, shape, group):
-        ctx.group, ctx.empty = group, x.shape
-        n = group_size(group)
-        chunks = list(x.chunk(n, dim=-1)) if group_rank(group) == 0 else None
-        return raw_scatter(chunks, x.new_empty(shape), group, 0)
-
-    @staticmethod
-    def backward(ctx, dy):
-        parts = raw_gather(dy, ctx.group, 0)
-        return (torch.cat(parts, dim=-1) if parts is not None else dy.new_zeros(ctx.empty)), None, None
-
-
-class SegmentedGather(torch.autograd.Function):
-    """Forward: every rank's Y joined along the last dim on rank 0 (gather); the others return
-    empty. Backward: rank 0's dY cut along the last dim, piece k to rank k (scatter)."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group, ctx.shape = group, y.shape
-        parts = raw_gather(y, group, 0)
-        if parts is None:
-            return y.new_empty((0,) + tuple(y.shape[1:-1]) + (y.shape[-1] * group_size(group),))
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, dy):
-        n = group_size(ctx.group)
-        chunks = list(dy.chunk(n, dim=-1)) if group_rank(ctx.group) == 0 else None
-        return raw_scatter(chunks, dy.new_empty(ctx.shape), ctx.group, 0), None

@@ -19,7 +19,7 @@ original (its gradient is summed with the first stage's before the optimizer ste
 Megatron does), so both stay equal.
 
 Bubble: a fraction (p - 1) / m of a GPipe or 1F1B step idles, (p - 1) / (v m) interleaved
-(Narayanan et al. 2021, papers/002). 1F1B keeps at most p micro-batches' activations in flight
+(Narayanan et al. 2021, docs/references.md#megatron-lm). 1F1B keeps at most p micro-batches' activations in flight
 where GPipe keeps all m. The point-to-point traffic and the activations in flight are the cost
 model's (lattice.cost).
 """
@@ -38,7 +38,7 @@ from lattice.parallel.context_parallel import check_context_batch, take_context_
 from lattice.parallel.sharding import collect_specs, sum_replica_grads
 
 class _KeepOwnSlice(torch.autograd.Function):
-    """Megatron's scatter/gather optimisation, sending side (papers/002 §4.1): the activation X,
+    """Megatron's scatter/gather optimisation, sending side (docs/references.md#megatron-lm §4.1): the activation X,
     replicated over the t tensor ranks, leaves the stage as X_i, this rank's 1/t of the hidden
     dim. Forward: X -> X_i. Backward: all-gather the dX_i into dX (every rank then holds the
     whole gradient of the replicated X)."""

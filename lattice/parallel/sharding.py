@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lattice.parallel.comm import _all_gather_tensor, raw_all_reduce
+from lattice.parallel.comm import unmetered_all_gather, raw_all_reduce
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, Topology
 
 
@@ -200,7 +200,7 @@ def gather_full_many(shards: list[tuple[torch.Tensor | None, ShardSpec]], ctx: P
             if dst is None or ctx.rank == dst:
                 everyone = torch.empty(topo.world_size * buf.numel(), dtype=dtype, device=buf.device)
             if dst is None:
-                _all_gather_tensor(everyone, buf)
+                unmetered_all_gather(everyone, buf)
             else:
                 dist.gather(buf, list(everyone.chunk(topo.world_size)) if everyone is not None else None, dst=dst)
                 if everyone is None:

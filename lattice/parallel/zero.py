@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lattice.parallel.comm import _all_gather_tensor, _reduce_scatter_tensor, raw_all_reduce, record
+from lattice.parallel.comm import unmetered_all_gather, unmetered_reduce_scatter, raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
@@ -236,7 +236,7 @@ class ZeroOptimizer:
         if self.shards > 1:
             bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
             record("reduce_scatter", self.group, flat.numel(), dtype, phase="backward")
-            bucket.work = _reduce_scatter_tensor(bucket.reduced, flat.view(-1), group=self.group, async_op=True)
+            bucket.work = unmetered_reduce_scatter(bucket.reduced, flat.view(-1), group=self.group, async_op=True)
             bucket.flat = flat  # alive until the reduction is done
         else:
             bucket.reduced = flat.view(-1)
@@ -372,7 +372,7 @@ class ZeroOptimizer:
         gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
         if phase is not None:
             record("all_gather", self.group, gathered.numel(), dtype, phase=phase)
-        return gathered, _all_gather_tensor(gathered.view(-1), mine, group=self.group, async_op=True)
+        return gathered, unmetered_all_gather(gathered.view(-1), mine, group=self.group, async_op=True)
 
     def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
         """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching

@@ -6,6 +6,7 @@ use the same names); from it come the training text, the task and the model's co
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -14,7 +15,8 @@ from lattice import checkpoint
 from lattice.data.corpus import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
 from lattice.data.tasks import APPENDED, BUILTIN_CLASSES, TASKS, TaskTokens, check_task, make_task, read_labelled
 from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
-from lattice.modes.options import flag
+from lattice.modes.layout import Layout
+from lattice.modes.options import flag, flag_fields
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.zero import ZERO_STAGES
 
@@ -288,3 +290,35 @@ class TrainConfig:
             return cfg
         return config_class.preset(self.model or config_class.default_preset, dropout=self.dropout,
                                    vocab_size=tokens.model_vocab, **tokens.model_fields(), **self.model_sizes, **shape)
+
+
+#: what a resumed run keeps unless its flag is given: the model (family, preset, sizes, the
+#: tokenizer's vocabulary), the task it was trained on and how its data are read, its schedule
+#: and optimizer, its precision, validation and checkpoints: a bare --resume continues as it was
+RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task",
+                  "dropout", "data_format", "text_key", "label_key", "pair_key", "source_key", "target_key", "steps",
+                  "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
+                  "eval_interval", "eval_batches", "activation_checkpointing", "zero", "checkpoint_interval", "keep",
+                  "dtype", "precision", "grad_reduce_dtype")
+
+
+def flag_defaults() -> dict:
+    """Every TrainConfig flag's default, by field name."""
+    return {f.name: f.default for f in flag_fields(TrainConfig)}
+
+
+def run_config(layout: Layout, tcfg) -> dict:
+    """A run's settings by flag name, from the fields of its Layout (with its mode's options)
+    and its TrainConfig: what `lattice train` prints, writes to config.toml and reads back with
+    `--config`."""
+    out = {f.name: getattr(layout, f.name) for f in flag_fields(Layout)}
+    out.update(layout.options)
+    out.update({f.name: getattr(tcfg, f.name) for f in flag_fields(TrainConfig)})
+    out.update(tcfg.model_sizes)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(out.items()) if v is not None}
+
+
+def config_toml(config: dict) -> str:
+    """A run_config as a TOML file that `--config` reads back (JSON scalars, strings and lists
+    are valid TOML values)."""
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items())

@@ -1,6 +1,6 @@
 """What a training run is, decided once before any collective: the run's config, the model it
 trains, the checkpoint it resumes or starts from (read and validated) and the schedule changes a
-resume may make (`plan_run` -> `RunPlan`); every size checked against the layout (`check_run`),
+resume may make (`specify_run` -> `RunSpec`); every size checked against the layout (`check_run`),
 so that the launcher, every rank and the trainer refuse a bad request in the same one line."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,8 @@ from lattice.training.optim import lr_at
 
 
 @dataclasses.dataclass(frozen=True)
-class RunPlan:
-    """Every decision of a training run, each taken once (`plan_run`) before any collective, and
+class RunSpec:
+    """Every decision of a training run, each taken once (`specify_run`) before any collective, and
     what the trainer builds from without checking again: the run's config, the model it trains
     (its token table the tokenizer's vocabulary plus the task's special tokens), the checkpoint
     it resumes and the one whose weights it starts from, both read and validated, and the
@@ -40,11 +41,19 @@ class RunPlan:
     resume_from: str = "checkpoint"  # where `resume` was read, for messages
     init_from: dict | None = None
     schedule_changes: tuple[str, ...] = ()
+    # what a command-line request adds (lattice.training.request.prepare_run): its layout, the
+    # corpus it reads, the directory it writes, where its checkpoint was read and whether that
+    # is a single file to convert to the sharded form first
+    layout: Any = None
+    corpus: Corpus | None = None
+    run: Any = None
+    resume_path: Path | None = None
+    single_file: bool = False
 
 
-def plan_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: str | os.PathLike | dict | None = None,
+def specify_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: str | os.PathLike | dict | None = None,
              allow_config_change: bool = False, resume_from: str | os.PathLike | None = None,
-             init_from: dict | None = None) -> RunPlan:
+             init_from: dict | None = None) -> RunSpec:
     """Check a run whole and decide it (pure: no process group, nothing allocated), so that the
     launcher, with a planned context, and every rank refuse a bad request in the same one line
     before any collective. `resume`: a checkpoint path or run directory, or a checkpoint already
@@ -61,7 +70,7 @@ def plan_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: 
     changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
                                     resume_from) if ckpt is not None else []
     donor = check_init_from(cfg, model_config, init_from) if ckpt is None and cfg.init_from else None
-    return RunPlan(cfg, model_config, ckpt, str(resume_from), donor, tuple(changed))
+    return RunSpec(cfg, model_config, ckpt, str(resume_from), donor, tuple(changed))
 
 
 def model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, ckpt: dict | None = None,

@@ -35,7 +35,7 @@ from lattice.training.config import TrainConfig
 from lattice.training.evaluation import autocast, dp_mean, evaluate, replica_weight, task_score, validation_metric
 from lattice.training.metrics import Metrics, step_flops
 from lattice.training.optim import clip_grads, grad_norm, lr_at, make_optimizer
-from lattice.training.run_spec import RunPlan, checked_model_and_batches, init_weights_from, plan_run, schedule_change
+from lattice.training.run_spec import RunSpec, checked_model_and_batches, init_weights_from, specify_run, schedule_change
 
 
 def _metered_allreduce_hook(group, bucket):
@@ -53,24 +53,24 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, *, corpus: Corpus | None = None,
                  resume: str | os.PathLike | dict | None = None, allow_config_change: bool = False):
         """`resume`: a sharded checkpoint or run directory, or one already read with
-        `lattice.checkpoint.read`. The run is checked and decided (`plan_run`) before the first
-        collective (DDP's constructor is one); `Trainer.from_plan` builds from a plan made before."""
+        `lattice.checkpoint.read`. The run is checked and decided (`specify_run`) before the first
+        collective (DDP's constructor is one); `Trainer.from_spec` builds from a run specification made before."""
         corpus = corpus or cfg.corpus()
-        self._build(plan_run(cfg, ctx, corpus, resume=resume, allow_config_change=allow_config_change), ctx, corpus)
+        self._build(specify_run(cfg, ctx, corpus, resume=resume, allow_config_change=allow_config_change), ctx, corpus)
 
     @classmethod
-    def from_plan(cls, plan: RunPlan, ctx: ParallelContext, corpus: Corpus) -> "Trainer":
-        """The trainer of a run `plan_run` decided (as `lattice train` does on every rank before
+    def from_spec(cls, spec: RunSpec, ctx: ParallelContext, corpus: Corpus) -> "Trainer":
+        """The trainer of a run `specify_run` decided (as `lattice train` does on every rank before
         creating its process groups), built without checking it again."""
         trainer = cls.__new__(cls)
-        trainer._build(plan, ctx, corpus)
+        trainer._build(spec, ctx, corpus)
         return trainer
 
-    def _build(self, plan: RunPlan, ctx: ParallelContext, corpus: Corpus) -> None:
-        cfg, ckpt, where, donor = plan.cfg, plan.resume, plan.resume_from, plan.init_from
-        self.cfg, self.ctx, self.corpus, self.model_config = cfg, ctx, corpus, plan.model_config
-        self.seq_len = cfg.batch_lengths(plan.model_config)[0]  # the batches' (a checkpoint's model may take longer)
-        self.model, self.val_set, self.task = checked_model_and_batches(cfg, ctx, corpus, plan.model_config)
+    def _build(self, spec: RunSpec, ctx: ParallelContext, corpus: Corpus) -> None:
+        cfg, ckpt, where, donor = spec.cfg, spec.resume, spec.resume_from, spec.init_from
+        self.cfg, self.ctx, self.corpus, self.model_config = cfg, ctx, corpus, spec.model_config
+        self.seq_len = cfg.batch_lengths(spec.model_config)[0]  # the batches' (a checkpoint's model may take longer)
+        self.model, self.val_set, self.task = checked_model_and_batches(cfg, ctx, corpus, spec.model_config)
         if ckpt is not None and not checkpoint.is_sharded(ckpt):
             raise LatticeConfigError(f"{where} is a single-file checkpoint, and training resumes sharded ones; convert "
                                      f"it (lattice convert {where} RUN_DIR) and resume from RUN_DIR, or let `lattice "
@@ -92,8 +92,8 @@ class Trainer:
         if ckpt is not None:
             self.step, self.elapsed = self.checkpoints.restore(ckpt)
             self._saved_step = self.step
-            if plan.schedule_changes and ctx.rank == 0:
-                print(schedule_change(ckpt["train_config"], cfg, self.step, list(plan.schedule_changes)), flush=True)
+            if spec.schedule_changes and ctx.rank == 0:
+                print(schedule_change(ckpt["train_config"], cfg, self.step, list(spec.schedule_changes)), flush=True)
         if donor is not None:
             fresh = init_weights_from(donor, self.model, ctx)
             if cfg.distributed_optimizer:

@@ -1,4 +1,4 @@
-"""SUMMA on a q x q mesh (Optimus, papers/000 §2.4, Algorithms 1-3) as autograd operations.
+"""SUMMA on a q x q mesh (Optimus, docs/references.md#optimus §2.4, Algorithms 1-3) as autograd operations.
 
 Rank (i, j) holds block (i, j) of every matrix: rows block i, columns block j. "Row i" is the q
 ranks (i, 0..q-1) -- the process group along `MeshAxis.COL`; "column j" is the q ranks
@@ -285,3 +285,42 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor
 def summa_atb(a: torch.Tensor, b: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
     """C = Aᵀ B (Alg. 3). Backward (Eq. 2): dA = B dCᵀ (Alg. 2), dB = A dC (Alg. 1)."""
     return _Summa.apply("atb", *_autocast(a, b), grid)
+
+
+class SummaEmbed(torch.autograd.Function):
+    """x = onehot(tokens) E as SUMMA C = A B with A = onehot [B·T, V] never built: row i holds
+    the tokens of batch block i, so A_il is local. Step l: bcast E_lj along column j; tokens in
+    vocab block l take their rows. Backward dE = Aᵀ dx (Alg. 3): scatter-add dx rows into block
+    l, reduce along column j to (l, j)."""
+
+    @staticmethod
+    def forward(ctx, table, ids, grid):  # table (V_pad/q, h/q), ids (m,) -> (m, h/q)
+        ctx.grid = grid
+        table = table.contiguous()
+        vb = table.shape[0]
+        buf, _ = grid.workspace.pair(table.numel(), 0, table.dtype, table.device)
+        out = torch.zeros(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+        for l in range(grid.q):
+            block = grid.bcast_col(table, l, buf)
+            local = ids - l * vb
+            hit = ((local >= 0) & (local < vb)).unsqueeze(1)
+            # a select, not a masked copy: exact, and no host sync on GPU
+            out = torch.where(hit, block[local.clamp(0, vb - 1)], out)
+        ctx.save_for_backward(ids)
+        ctx.table_shape = table.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dx):
+        (ids,) = ctx.saved_tensors
+        grid, (vb, hq) = ctx.grid, ctx.table_shape
+        _, buf = grid.workspace.pair(0, vb * hq, dx.dtype, dx.device)
+        dtable = torch.empty(vb, hq, dtype=dx.dtype, device=dx.device)
+        for l in range(grid.q):
+            part = dtable if grid.i == l else buf.view(vb, hq)
+            part.zero_()
+            local = ids - l * vb
+            hit = ((local >= 0) & (local < vb)).unsqueeze(1)
+            part.index_add_(0, local.clamp(0, vb - 1), torch.where(hit, dx, 0.0))  # misses add exact zeros
+            raw_reduce(part, grid.col, l)
+        return dtable, None, None

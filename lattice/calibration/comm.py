@@ -1,5 +1,5 @@
 """The communication and synchronisation micro-benchmarks of the calibration
-(`lattice.cost.calibrate`): each collective at the sizes a step sends, the all-reduce over groups
+(`lattice.calibration.calibrate`): each collective at the sizes a step sends, the all-reduce over groups
 smaller than the world, a cp ring's exchange, and the wait for the slowest rank after a stretch of
 compute."""
 
@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lattice.cost.machine import wire_factor
-from lattice.cost.timing import _fwd_bwd, timed_differences, timed_in_turn
+from lattice.calibration.timing import fwd_bwd_once, timed_differences, timed_in_turn
 
 
-def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
+def measure_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
     """Machine.alpha_send from a cp pair's ring attention (lattice.parallel.context_parallel),
     forward and backward, every pair of the world at once, at a cp = 2 rank's share of the batch
     (dp = p/2: 2·batch/p sequences, every head, half of each sequence): its time beyond its blocks'
@@ -36,8 +36,8 @@ def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
     q, k, v = torch.randn(B, heads, T, hs), torch.randn(B, kv_heads, T, hs), torch.randn(B, kv_heads, T, hs)
 
     expand = heads // kv_heads
-    ring_attention = _fwd_bwd(lambda q, k, v: ring_attend(ring, q, k, v, causal=True), q, k, v)
-    block = _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
+    ring_attention = fwd_bwd_once(lambda q, k, v: ring_attend(ring, q, k, v, causal=True), q, k, v)
+    block = fwd_bwd_once(lambda q, k, v: F.scaled_dot_product_attention(
         q, k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1), is_causal=True), q, k, v)
     t_ring, t_block = timed_in_turn([ring_attention, block], reps, warm_rounds=1)
     for group in groups:
@@ -45,15 +45,15 @@ def _ring_send_latency(cfg, batch: int, beta: float, reps: int) -> float:
     return max(t_ring - 1.5 * t_block, 0.0) / 4 - 2 * k.numel() * k.element_size() * beta
 
 
-def _collectives(numel: int, p: int) -> list:
+def collective_calls(numel: int, p: int) -> list:
     """(op, call) of each collective the layouts run, on a CommMeter buffer of `numel` elements
     (the gathered output of an all-gather, the whole input of a reduce-scatter)."""
-    from lattice.parallel.comm import _all_gather_tensor, _reduce_scatter_tensor
+    from lattice.parallel.comm import unmetered_all_gather, unmetered_reduce_scatter
 
     whole, piece = torch.randn(numel), torch.randn(numel // p)
     return [("all_reduce", lambda: dist.all_reduce(whole)), ("broadcast", lambda: dist.broadcast(whole, 0)),
-            ("reduce", lambda: dist.reduce(whole, 0)), ("all_gather", lambda: _all_gather_tensor(whole, piece)),
-            ("reduce_scatter", lambda: _reduce_scatter_tensor(piece, whole)),
+            ("reduce", lambda: dist.reduce(whole, 0)), ("all_gather", lambda: unmetered_all_gather(whole, piece)),
+            ("reduce_scatter", lambda: unmetered_reduce_scatter(piece, whole)),
             ("all_to_all", lambda: dist.all_to_all_single(piece.new_empty(numel), whole))]
 
 
@@ -65,7 +65,7 @@ COLLECTIVE_SIZES = (16, 4096, 65536, 1 << 18, 1 << 20, 1 << 22)
 LOOP_CALLS = 8
 
 
-def _gain_per_call(loop, coll, reps: int) -> float:
+def gain_per_call(loop, coll, reps: int) -> float:
     """Seconds one call of `coll` adds to `loop` (LOOP_CALLS products, `coll` after each, or none):
     the median over rounds of the difference within each (timed_differences), per call, at
     least 1 µs."""
@@ -73,7 +73,7 @@ def _gain_per_call(loop, coll, reps: int) -> float:
     return max(extra, 1e-6) / LOOP_CALLS
 
 
-def _group_curves(loop, reps: int) -> tuple:
+def measure_group_curves(loop, reps: int) -> tuple:
     """Machine.group_curves: the all-reduce over groups of each size that divides the world, from 2
     up to half of it (groups of consecutive ranks, every group at once), at the collectives' sizes:
     the time `loop` (8 products with a collective after each) gains from it, per call, against the
@@ -85,7 +85,7 @@ def _group_curves(loop, reps: int) -> tuple:
         mine, points = groups[rank // n], []
         for numel in COLLECTIVE_SIZES:
             buffer = torch.randn(numel)
-            gain = _gain_per_call(loop, lambda: dist.all_reduce(buffer, group=mine), reps)
+            gain = gain_per_call(loop, lambda: dist.all_reduce(buffer, group=mine), reps)
             points.append((wire_factor("all_reduce", n) * numel * 4, gain))
         for group in groups:
             dist.destroy_process_group(group)
@@ -97,7 +97,7 @@ def _group_curves(loop, reps: int) -> tuple:
 GRAD_SUM_SIZES = (1 << 18, 1 << 20, 1 << 22)
 
 
-def _grad_sum_ratios(stretch, looped: dict[int, float], reps: int) -> tuple:
+def measure_grad_sum_ratios(stretch, looped: dict[int, float], reps: int) -> tuple:
     """Machine.grad_sum_ratios: the gradients' sum over the world as a step runs it, over the same
     all-reduce timed back to back (`looped`: {elements: seconds per call}, the collectives' loop),
     at each of GRAD_SUM_SIZES, against the wire bytes of a rank. Each call runs as the Trainer's
@@ -127,14 +127,14 @@ def _grad_sum_ratios(stretch, looped: dict[int, float], reps: int) -> tuple:
     return tuple(ratios)
 
 
-def _collective_curves(samples: dict, latency: dict) -> tuple:
+def fit_collective_curves(samples: dict, latency: dict) -> tuple:
     """Machine.collective_curves from the collectives' samples ({op: [(steps, wire bytes, seconds)]})
     and each op's fitted α: at each size, the seconds beyond steps x α (never below 0)."""
     return tuple((op, tuple(sorted((wire, max(seconds - steps * latency[op], 0.0)) for steps, wire, seconds in rows)))
                  for op, rows in samples.items())
 
 
-def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+def fit_alpha_beta(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(α, β) of t = steps·α + bytes·β by least squares on relative error, so that the latency of
     small messages is fitted as closely as the bandwidth of large ones (an unweighted fit gives
     the largest all of the say)."""
@@ -146,7 +146,7 @@ def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
-def _skew(cfg, batch: int, samples: int = 12) -> float:
+def measure_skew(cfg, batch: int, samples: int = 12) -> float:
     """Machine.skew: the median over samples of (the slowest rank's time) / (the mean rank's) - 1
     for one forward and backward of a serial one-block GPT-2 of `cfg`'s width, heads, sequence
     and vocabulary on this rank's share of the batch (batch / p sequences, no communication),
@@ -177,7 +177,7 @@ def _skew(cfg, batch: int, samples: int = 12) -> float:
     return max(statistics.median(ratios) - 1, 0.0)
 
 
-def _skew_curve(work, stretches=(0.002, 0.008, 0.032, 0.128), samples: int = 12) -> tuple:
+def measure_skew_curve(work, stretches=(0.002, 0.008, 0.032, 0.128), samples: int = 12) -> tuple:
     """Machine.skew_curve: stretches of `work` (a zero-argument callable) repeated to about each of
     `stretches` seconds of the mean rank's time, every rank starting together after a barrier as
     after a synchronisation: the median over samples of the mean rank's time and, for each group

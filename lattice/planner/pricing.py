@@ -7,7 +7,7 @@ Without a pipeline a setup's step is the estimate's step of rank 0; with one eac
 as the tensor layout running its blocks and the end parts that stage holds. A model deeper than
 two blocks is priced at one and two blocks and extrapolated along the depth (every figure is
 linear in the blocks a rank holds but for the gradient buckets' count, which is rounded). The
-planner (`lattice.cost.search`) ranks the setups by these prices.
+planner (`lattice.planner.search`) ranks the setups by these prices.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from lattice.cost.machine import Machine
-from lattice.cost.model import _meta_model, estimate, kept, spans_nodes
+from lattice.cost.model import meta_model, estimate, kept, spans_nodes
 from lattice.cost.pipeline import in_flight, p2p_piece
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
@@ -29,7 +29,7 @@ COMM_GROUPS = ("tensor", "context", "data", "pipeline")
 TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "skew", "update")  # a Priced step's terms, in print order
 
 
-def _group(site: str) -> str:
+def comm_group(site: str) -> str:
     """Which communication a term is: of the tensor layout, of context parallelism, the gradients'
     reduction over replicas (and the parameters' all-gather of ZeRO), or pipeline sends."""
     if site in ("layer.ring", "layer.context") or site.startswith(("layer.ring.", "layer.context.")):
@@ -135,7 +135,7 @@ def _figures(c, machine: Machine) -> dict[str, float]:
     out["tensor_loss"] = 0.0  # of the tensor term, the loss's (its one-number sums: `_uneven_ranks`)
     for term, seconds in c.term_times(machine):
         if term.phase in ("forward", "backward"):
-            groups[_group(term.site)] += seconds
+            groups[comm_group(term.site)] += seconds
             if term.site == "loss":
                 out["tensor_loss"] += seconds
     out.update(groups)
@@ -147,11 +147,11 @@ def _figures(c, machine: Machine) -> dict[str, float]:
     return out
 
 
-_PRICED: OrderedDict = OrderedDict()  # _priced_blocks' arguments -> its figures, the latest used last
+_PRICED: OrderedDict = OrderedDict()  # priced_blocks' arguments -> its figures, the latest used last
 _PRICED_KEPT = 16384
 
 
-def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
+def priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
     """`_figures` of rank 0 of `layout` (no pipeline) running `blocks` of the model's blocks with
     its first and last parts, its groups placed on nodes as in `topology`: from the model itself
     when it is that shallow, else from one and two blocks, extrapolated along the depth (every
@@ -160,12 +160,12 @@ def _priced_blocks(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
     share their stages'): read only."""
     key = (type(cfg), repr(cfg), get_mode(layout.mode), repr(layout), blocks, batch, machine, repr(topology),
            tuple(sorted(kw.items())))
-    return kept(_PRICED, _PRICED_KEPT, key, lambda: _blocks_figures(cfg, layout, blocks=blocks, batch=batch,
+    return kept(_PRICED, _PRICED_KEPT, key, lambda: blocks_figures(cfg, layout, blocks=blocks, batch=batch,
                                                                     machine=machine, topology=topology, **kw))
 
 
-def _blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
-    """`_priced_blocks`, computed."""
+def blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Machine, topology, **kw) -> dict[str, float]:
+    """`priced_blocks`, computed."""
 
     def figures(n):
         c = estimate(dataclasses.replace(cfg, n_layers=n), layout, batch=batch, **kw)
@@ -187,7 +187,7 @@ def _blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Ma
 
 def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     """Predicted seconds of one step of `choice` on `batch` sequences (global) and the memory of
-    its fullest rank. Without a pipeline: the cost model's step. With pp stages (papers/002 §2.2):
+    its fullest rank. Without a pipeline: the cost model's step. With pp stages (docs/references.md#megatron-lm §2.2):
     a stage is priced as the tensor layout (with its dp and cp) running its blocks of the
     pipeline's split on one micro-batch of B/m sequences, the first stage with the embedding, the
     last with the head (an encoder-decoder's each with both, an upper bound); the slowest stage
@@ -220,7 +220,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     if lay.pp == 1:
         # each pass of a micro-batch computes and runs the tensor and context collectives; the
         # gradients' reduction and the update come once, the activations are one micro-batch's
-        f = _priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica // accumulated, machine=machine,
+        f = priced_blocks(cfg, lay, blocks=cfg.n_layers, batch=replica // accumulated, machine=machine,
                            topology=lay.topology, **kw)
         terms = {"compute": accumulated * (f["forward_compute"] + f["backward_compute"]),
                  **{g: f[g] * (accumulated if g in ("tensor", "context") else 1) for g in COMM_GROUPS},
@@ -240,7 +240,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                        ranks_per_node=lay.ranks_per_node)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
         kinds = _stage_parts(cfg, lay)
-        figures = {(parts, blocks): _priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
+        figures = {(parts, blocks): priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
                                                    topology=lay.topology, parts=parts, **kw)
                    for parts, blocks in set(kinds)}
         piece = p2p_piece(dataclasses.replace(cfg, n_layers=1), lay, batch=replica)
@@ -298,14 +298,14 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     collectives = sum(syncs.values())
     if lay.pp > 1:  # and after the schedule the loss's broadcast over the stages, the sums of what
         # every stage holds over them and of a tied table between the first and the last (once each)
-        parts = _meta_model(dataclasses.replace(cfg, n_layers=1), stage, 0)[1].parts()
+        parts = meta_model(dataclasses.replace(cfg, n_layers=1), stage, 0)[1].parts()
         syncs[2] = syncs.get(2, 0.0) + 2 * lay.pipeline.m * lay.pipeline.v + bool(parts.shared)
         syncs[lay.pp] = syncs.get(lay.pp, 0.0) + 1 + bool(parts.everywhere)
         collectives += 1 + bool(parts.everywhere) + bool(parts.shared)  # all but the hops
     # a cp ring's exchanges each after a block of attention
     ring = (per_step * f["ring_compute"], per_step * f["ring_calls"])  # (per pass)
     terms["skew"] = meeting.skew_seconds(terms["compute"], syncs, collectives=collectives, apart=ring)
-    terms["update"] += _trainer_scalars(lay, choice, meeting)
+    terms["update"] += trainer_scalar_seconds(lay, choice, meeting)
     terms["overlapped"] += f["update_overlapped"]
     memory["total"] = sum(memory.values())
     return Priced(choice, sum(terms.values()), terms, memory)
@@ -325,7 +325,7 @@ def _stage_parts(cfg, lay: Layout) -> list[tuple]:
 
 
 def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[str, float]:
-    """{"compute": forward and backward seconds, "update": the update's} of `_priced_blocks`: rank
+    """{"compute": forward and backward seconds, "update": the update's} of `priced_blocks`: rank
     0's, or with `mean` the mean over the ranks of its tensor group (where its ranks' work differs:
     with common="subgrid" sub-graph's common layers and their parameters are on one sub-grid; dp
     and cp ranks work alike)."""
@@ -333,7 +333,7 @@ def _rank_mean(cfg, layout: Layout, *, blocks: int, mean: bool, **kw) -> dict[st
     ranks = topo.group_members(topo.tensor_axes, 0) if mean else [0]
     out = {"compute": 0.0, "update": 0.0}
     for rank in ranks:
-        f = _priced_blocks(cfg, layout, blocks=blocks, rank=rank, **kw)
+        f = priced_blocks(cfg, layout, blocks=blocks, rank=rank, **kw)
         out["compute"] += (f["forward_compute"] + f["backward_compute"]) / len(ranks)
         out["update"] += f["update"] / len(ranks)
     return out
@@ -361,8 +361,8 @@ def _uneven_ranks(cfg, layout: Layout, *, machine: Machine, **kw) -> dict[str, f
     ranks = topo.group_members(topo.tensor_axes, 0)
     copies = layout.world_size // len(ranks)  # the replicas and cp ranks, which work alike
     own = machine.at(machine.cores)
-    world = [_priced_blocks(cfg, layout, rank=r, machine=machine, **kw) for r in ranks]
-    alone = [_priced_blocks(cfg, layout, rank=r, machine=own, **kw) for r in ranks]
+    world = [priced_blocks(cfg, layout, rank=r, machine=machine, **kw) for r in ranks]
+    alone = [priced_blocks(cfg, layout, rank=r, machine=own, **kw) for r in ranks]
 
     def compute(f):
         return f["forward_compute"] + f["backward_compute"]
@@ -416,7 +416,7 @@ def _shared_cores(cfg, stage: Layout, lay: Layout, *, m: int, v: int, machine: M
     return shared, max(0.0, critical - shared)
 
 
-def _trainer_scalars(lay: Layout, choice: Choice, machine: Machine) -> float:
+def trainer_scalar_seconds(lay: Layout, choice: Choice, machine: Machine) -> float:
     """Seconds of the one-number all-reduces a Trainer step adds to the model's: the gradient norm
     over the replica's ranks (and over dp x cp where ZeRO splits the rows), the loss's mean
     over dp (lattice.training.trainer: grad_norm, dp_mean). Each is its ring's latency steps."""

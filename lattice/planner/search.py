@@ -5,7 +5,7 @@ the model and the memory allow, priced by the cost model and ranked by predicted
 
 A candidate is a whole training setup: the mode and its options, tp, cp, pp with its schedule,
 virtual stages and micro-batches, dp, the ZeRO stage, precision, activation checkpointing and
-the rank placement. Each is priced by `lattice.cost.pricing.price` (without a pipeline the
+the rank placement. Each is priced by `lattice.planner.pricing.price` (without a pipeline the
 estimate's step of rank 0, with one each stage priced as the tensor layout running its blocks
 and the end parts that stage holds). What training refuses is never priced (the Trainer's own
 checks). Pruning: each (mode, tp) keeps its fastest option setting and its smallest in memory;
@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lattice.cost.machine import Machine
-from lattice.cost.pricing import Choice, Priced, price
+from lattice.planner.pricing import Choice, Priced, price
 from lattice.modes import available_modes, get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
@@ -32,7 +32,7 @@ USABLE_MEMORY = 0.9  # of a device's memory: the rest for the runtime, workspace
 
 
 @dataclass
-class Plan:
+class Ranking:
     memory_limit: float | None  # bytes per rank (None: no limit)
     gpus: int  # the ranks searched
     ranked: list[Priced] = field(default_factory=list)  # every candidate that fits, fastest first
@@ -142,7 +142,7 @@ def _setups(lay: Layout, precision: str) -> list[Choice]:
 
 def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | None = None,
            ranks_per_node: int | None = None, precisions: tuple[str, ...] | None = None,
-           modes: list[str] | None = None, placements: tuple[str, ...] = ("natural", "topology")) -> Plan:
+           modes: list[str] | None = None, placements: tuple[str, ...] = ("natural", "topology")) -> Ranking:
     """Every feasible setup of `cfg` on `gpus` ranks for a global batch of `batch` sequences,
     priced on `machine` (`ranks_per_node` default the machine's) and ranked; setups whose fullest
     rank needs more than `memory_gib` (default: USABLE_MEMORY of the machine's memory, no limit where
@@ -153,7 +153,7 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
              USABLE_MEMORY * machine.memory_gib * 2 ** 30 if machine.memory_gib else None)
     precisions = precisions or tuple(p for p in (machine.precision, "bf16" if machine.precision == "fp32" else "fp32")
                                      if p == machine.precision or machine.other_precision_flop_rate)
-    plan = Plan(limit, gpus)
+    plan = Ranking(limit, gpus)
     multi_node = gpus > rpn
     for mode in modes or available_modes():
         for tp in divisors(gpus):
@@ -191,7 +191,7 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
     return plan
 
 
-def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batch, machine, precisions, placements):
+def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, batch, machine, precisions, placements):
     rest = gpus // tp
     for cp in [c for c in divisors(rest) if c <= MAX_CP]:
         for pp in [p for p in divisors(rest // cp) if p <= cfg.n_layers]:
@@ -229,7 +229,7 @@ def _search_tensor_layout(cfg, plan: Plan, mode, tp, options, *, gpus, rpn, batc
                                 plan.closest_over[mode] = smallest
 
 
-def _fitting_or_accumulated(cfg, plan: Plan, lay: Layout, precision: str, *, batch: int,
+def _fitting_or_accumulated(cfg, plan: Ranking, lay: Layout, precision: str, *, batch: int,
                             machine: Machine) -> tuple[Priced | None, Priced]:
     """`_fitting` of the layout's setups; without a pipeline, where its fastest is over the memory
     limit and activations are what a smaller pass could save, also gradient accumulation over
@@ -260,7 +260,7 @@ def _fitting_or_accumulated(cfg, plan: Plan, lay: Layout, precision: str, *, bat
     return fitted, smallest
 
 
-def _fitting(cfg, plan: Plan, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
+def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
     """(the fastest of `setups` that fits the plan's memory limit or None, the one that saves the most
     memory): the fastest first; else the last (where it does not fit, none does); else the others
     in the order of their time."""

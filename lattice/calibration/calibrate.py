@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lattice.cost.calibrate_comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, LOOP_CALLS, _collective_curves,
-                                         _collectives, _fit, _gain_per_call, _grad_sum_ratios, _group_curves,
-                                         _ring_send_latency, _skew, _skew_curve)
+from lattice.calibration.comm import (COLLECTIVE_SIZES, GRAD_SUM_SIZES, LOOP_CALLS, fit_collective_curves,
+                                         collective_calls, fit_alpha_beta, gain_per_call, measure_grad_sum_ratios, measure_group_curves,
+                                         measure_send_latency, measure_skew, measure_skew_curve)
 from lattice.cost.machine import Machine, message_steps, wire_factor
-from lattice.cost.timing import _fwd_bwd, _products, timed_differences, timed_in_turn
+from lattice.calibration.timing import fwd_bwd_once, linear_products, timed_differences, timed_in_turn
 from lattice.parallel.sharding import weighted_square_sum
 from lattice.parallel.zero import adamw
 
@@ -32,7 +32,7 @@ COLD_POOL_BYTES = 16 * 2 ** 20
 def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     """Fit the machine of `lattice.cost.Machine` here, every rank of the world running the
     micro-benchmarks at once (so sharing the cores is part of the fit; of the elementwise operators
-    on their own, see _elementwise_rates): matrix products, causal attention and elementwise
+    on their own, see measure_elementwise_rates): matrix products, causal attention and elementwise
     operators (a mix of LayerNorm, GELU, bias add and cross-entropy, and each operator the cost
     model counts on its own), each forward and backward at this world's per-rank sizes; the
     framework's time per operation on a tiny model of `cfg`'s family; α and β of each collective;
@@ -49,7 +49,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     def products(rows):
         shapes = [(rows, h, max(1, 3 * h // p)), (rows, max(1, h // p), h), (rows, h, max(1, 4 * h // p)),
                   (rows, max(1, 4 * h // p), h)]
-        steps = [_products(m, k, n) for m, k, n in shapes]
+        steps = [linear_products(m, k, n) for m, k, n in shapes]
         return (lambda: [f() for f in steps]), 6 * sum(k * n for _, k, n in shapes)
 
     # the products on one sequence's rows up to the batch's: (rows, seconds) of the slowest rank,
@@ -72,23 +72,23 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # causal attention of this rank's share of the heads: score elements per second (forward)
     heads = max(1, batch * cfg.n_heads // p)
     q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
-    attn = _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    attn = fwd_bwd_once(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
     attn_rate = 3 * heads * T * T / timed(attn)
     # elementwise operators on a rank's share of the activations and of the logits
     x, bias, logits = torch.randn(M, max(1, h // p)), torch.randn(max(1, h // p)), torch.randn(M, max(1, V // p))
     targets = torch.randint(0, logits.shape[1], (M,))
-    ew = _fwd_bwd(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
+    ew = fwd_bwd_once(lambda x, b, z: F.layer_norm(x, x.shape[-1:]).sum() + F.gelu(x, approximate="tanh").sum()
                  + (x + b).sum() + F.cross_entropy(z, targets), x, bias, logits)
     elem_rate = 3 * (3 * x.numel() + 2 * logits.numel()) / timed(ew)
     # and each of them on its own, as the cost model counts it (Machine.elementwise_rates)
-    operator_rates = _elementwise_rates(x, logits, cfg.head_size, T, _fwd_bwd, reps, cores=cores)
+    operator_rates = measure_elementwise_rates(x, logits, cfg.head_size, T, fwd_bwd_once, reps, cores=cores)
     # the framework's time per operation the family describes: a serial model of it of one and of two
     # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
     # and backward's two per operation)
-    op_overhead = _op_overhead(cfg, timed)
+    op_overhead = measure_op_overhead(cfg, timed)
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
-    # by least squares on the time a loop gains from its collectives (_gain_per_call); α and β of
+    # by least squares on the time a loop gains from its collectives (gain_per_call); α and β of
     # all-reduce and broadcast together, and each collective's own (Machine.collectives)
     collectives = ()
     if p > 1:
@@ -104,25 +104,25 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         samples, looped = {}, {}  # op -> [(steps, wire bytes, seconds)]; all-reduce elements -> seconds
         for size in sorted(set(COLLECTIVE_SIZES) | set(GRAD_SUM_SIZES)):
             numel = p * -(-size // p)
-            for op, fn in _collectives(numel, p):
-                seconds = _gain_per_call(loop, fn, reps)
+            for op, fn in collective_calls(numel, p):
+                seconds = gain_per_call(loop, fn, reps)
                 samples.setdefault(op, []).append((message_steps(op, p), wire_factor(op, p) * numel * 4, seconds))
                 if op == "all_reduce":  # by the size asked: rounded to p's multiple where p does not divide it
                     looped[size] = seconds
-        alpha, beta = _fit(samples["all_reduce"] + samples["broadcast"])
-        collectives = tuple((op, *_fit(rows)) for op, rows in samples.items())
+        alpha, beta = fit_alpha_beta(samples["all_reduce"] + samples["broadcast"])
+        collectives = tuple((op, *fit_alpha_beta(rows)) for op, rows in samples.items())
         # and each one's time beyond its latency steps at each size measured (Machine.collective_curves):
         # the time per byte grows with the message, which one β fitted on relative error misses
-        collective_curves = _collective_curves(samples, {op: a for op, a, _ in collectives})
+        collective_curves = fit_collective_curves(samples, {op: a for op, a, _ in collectives})
         # and the all-reduce over groups smaller than the world, every group at once (Machine.group_curves)
-        group_curves = _group_curves(loop, reps)
+        group_curves = measure_group_curves(loop, reps)
         # and the gradients' sum as a step runs it, against that loop (Machine.grad_sum_ratios)
-        grad_sum_ratios = _grad_sum_ratios(lambda: [chunk_a @ chunk_b for _ in range(16)], looped, reps)
+        grad_sum_ratios = measure_grad_sum_ratios(lambda: [chunk_a @ chunk_b for _ in range(16)], looped, reps)
         # the latency of one point-to-point exchange of a cp ring's step beyond its bytes: from ring
-        # attention itself where the ranks pair up (_ring_send_latency), else from an exchange
+        # attention itself where the ranks pair up (measure_send_latency), else from an exchange
         # between two of the loop's products
         if p % 2 == 0:
-            alpha_send = _ring_send_latency(cfg, batch, beta, reps)
+            alpha_send = measure_send_latency(cfg, batch, beta, reps)
         else:
             rank, small = dist.get_rank(), torch.randn(4096)
             incoming = torch.empty_like(small)
@@ -133,7 +133,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
 
-            alpha_send = _gain_per_call(loop, exchange, reps) - small.numel() * 4 * beta
+            alpha_send = gain_per_call(loop, exchange, reps) - small.numel() * 4 * beta
         alpha_send = max(alpha_send, alpha)
         # how much of a collective compute beside it hides (a 1d backward's input-gradient all-reduce
         # beside the weight gradient's product): of an activation's all-reduce, the time a loop
@@ -180,9 +180,9 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
         alpha, beta, alpha_send, overlap, wake_curve, collective_curves, group_curves = 1e-5, 1e-10, 0.0, 1.0, (), (), ()
         grad_sum_ratios = ()
     bursts.append(products_timed())
-    skew = _skew(cfg, batch) if p > 1 else 0.0
+    skew = measure_skew(cfg, batch) if p > 1 else 0.0
     # the wait per synchronisation, after stretches of the collectives' loop's product
-    skew_curve = _skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
+    skew_curve = measure_skew_curve(lambda: chunk_a @ chunk_b) if p > 1 else ()
     # AdamW's update: a per-tensor cost (many small tensors) and a bandwidth (one large one)
     def adam(tensors):
         params = [nn.Parameter(t) for t in tensors]
@@ -204,7 +204,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     big = max(1, 12 * h * h * cfg.n_layers // p)
     mem_bw = 7 * big * 4 / max(timed(adam([torch.randn(big)])) - per_tensor, 1e-9)
     bursts.append(products_timed())
-    kernel_rows, flop_rate = _product_rates(row_counts, bursts, weights)  # the same on every rank
+    kernel_rows, flop_rate = fit_product_rates(row_counts, bursts, weights)  # the same on every rank
     # the slowest rank sets the pace
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw, *(r for _, r in operator_rates)], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
@@ -222,10 +222,10 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
                       collective_curves=collective_curves, group_curves=group_curves,
                       grad_sum_ratios=grad_sum_ratios)
     # a pipeline schedule's own time per chunk beyond its price at these rates (Machine.pipeline_actions)
-    return dataclasses.replace(machine, pipeline_actions=_pipeline_actions(cfg, machine, reps)) if p > 1 else machine
+    return dataclasses.replace(machine, pipeline_actions=measure_pipeline_actions(cfg, machine, reps)) if p > 1 else machine
 
 
-def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int,
+def measure_elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T: int, fwd_bwd, reps: int,
                        cores: int | None = None):
     """((operator, elements/s), ...) of every operator of lattice.cost.builder.ELEMENTWISE_OPERATORS,
     forward and backward (the work counts 1 + 2), counted as the builder counts it: on x (a rank's
@@ -245,7 +245,7 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
     wide), and each rate is shared, times cores / p (the others return inf, for the caller's
     minimum over the ranks). Timed with every rank at once, the slope was the scheduler's: the
     4-rank rates came out 0.01-0.76 of the 2-rank ones and the 8-rank rates of LayerNorm, GELU and
-    the add 0.01-0.13, where sharing the cores gives 0.5 and 0.25; and a pipeline's calibrated time per chunk (_pipeline_actions), the rest of its
+    the add 0.01-0.13, where sharing the cores gives 0.5 and 0.25; and a pipeline's calibrated time per chunk (measure_pipeline_actions), the rest of its
     growth beyond these prices, then came out too short. Timed by the cores' ranks at the world's
     own shares, the slope between half and all of gpt2-deep's 512 x 12 elements was noise: its
     8-rank rates were 0.03 (the add) to 0.73 (LayerNorm) of the 2-rank ones shared, 91 of the
@@ -303,17 +303,17 @@ def _elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: int, T:
             for (op, (_, n)), t1, t2 in zip(half.items(), seconds[:k], seconds[k:])]
 
 
-def _product_rates(row_counts: list[int], bursts: list[list[float]], weights: float) -> tuple[float, float]:
+def fit_product_rates(row_counts: list[int], bursts: list[list[float]], weights: float) -> tuple[float, float]:
     """(Machine.kernel_rows, flop_rate) from the products timed in several bursts, each the seconds
     of each row count (the largest the batch's, weights: 6·Σ k·n): the median of the bursts' row
     terms, and the median over the bursts of the rate that row term gives the batch's products,
     so that one burst timed while the machine was slow or uneven moves neither."""
-    kernel_rows = statistics.median(_kernel_rows(list(zip(row_counts, seconds))) for seconds in bursts)
+    kernel_rows = statistics.median(fit_kernel_rows(list(zip(row_counts, seconds))) for seconds in bursts)
     flop_rate = statistics.median(weights * (row_counts[-1] + kernel_rows) / seconds[-1] for seconds in bursts)
     return kernel_rows, flop_rate
 
 
-def _kernel_rows(samples: list[tuple[int, float]]) -> float:
+def fit_kernel_rows(samples: list[tuple[int, float]]) -> float:
     """Machine.kernel_rows from the same products timed on several row counts, (rows, seconds):
     the median over pairs of counts of the r with t₂ / t₁ = (rows₂ + r) / (rows₁ + r), so that one
     noisy timing moves it little (a single pair, or a least-squares line through all, lets a short
@@ -328,17 +328,17 @@ def _kernel_rows(samples: list[tuple[int, float]]) -> float:
     return statistics.median(solves) if solves else 0.0
 
 
-def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
+def measure_pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     """Machine.pipeline_actions: of each schedule, the seconds per chunk of one micro-batch beyond
     what the cost model prices for it (its operations at `machine`'s rates and its hop), from a
     pipeline of `cfg`'s own width and sequence (a vocabulary of 16), 2 blocks per rank cut into p
     stages, micro-batches of one sequence: the slope of the slowest rank's step over p and 3p
     micro-batches (`timed_differences`), every rank at once, less the slope of its price
-    (lattice.cost.pricing.price, no actions), per chunk. On the family's tiny preset the ranks
+    (lattice.planner.pricing.price, no actions), per chunk. On the family's tiny preset the ranks
     idled between their chunks' few operations, which a step's stages do not: at 4 ranks on 2
     cores gpt2-wide's pipeline grew 27.4 ms per micro-batch where its price grew 17.8, and the
     tiny model's grew 5.6."""
-    from lattice.cost.pricing import Choice, price
+    from lattice.planner.pricing import Choice, price
     from lattice.models import build_model
     from lattice.models.registry import arch_of_config
     from lattice.modes.layout import Layout, init
@@ -383,7 +383,7 @@ def _pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     return tuple(actions)
 
 
-def _op_overhead(cfg, timed) -> float:
+def measure_op_overhead(cfg, timed) -> float:
     """Seconds per operation of `Model.cost_layout` (forward; backward counts two), from a serial
     model of `cfg`'s family (its options kept) of one and of two blocks at the family's tiny
     preset's sizes and 4 tokens. Per family, since its operations differ in how many framework

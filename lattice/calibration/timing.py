@@ -1,5 +1,5 @@
 """Timing of micro-benchmarks in every rank of a world at once, for the calibration
-(`lattice.cost.calibrate`, `lattice.cost.calibrate_comm`)."""
+(`lattice.calibration.calibrate`, `lattice.calibration.comm`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 SAMPLE_S = 0.05
 
 
-def _fwd_bwd(fn, *inputs):
+def fwd_bwd_once(fn, *inputs):
     """One forward and backward of fn on fresh leaves of `inputs` (the work counts 1 + 2), the
     backward from a gradient of the output's own shape, as in a step: from `.sum()` it would be a
     stride-0 expansion, on which the backward's kernels ran a product 10-20% slower here."""
@@ -29,7 +29,7 @@ def _fwd_bwd(fn, *inputs):
     return step
 
 
-def _products(m: int, k: int, n: int):
+def linear_products(m: int, k: int, n: int):
     """A linear's three products as a step runs them, X (m, k) by W (k, n): Y = X W forward, and
     dX = dY Wᵀ and dW = Xᵀ dY backward, as plain kernels. Through autograd each product would
     add the engine's time per operation, which the cost model prices once, per operation

@@ -1,41 +1,18 @@
 """What `lattice plan` prints: the analytic model's figures for a layout, a pipeline split, every
-tp x pp split of N ranks, or Optimus Table 1, as text (the command itself is lattice.cli.plan)."""
+tp x pp split of N ranks, the planner's ranking, or Optimus Table 1, as text (the command itself
+is lattice.cli.plan)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import fields as dataclass_fields
-
 from lattice.cost.machine import Machine, message_steps, wire_factor
-from lattice.cost.machines import machine_named
-from lattice.cost.model import Cost, estimate
-from lattice.cost.pipeline import in_flight, stage_p2p
-from lattice.cost.pricing import TERMS, Choice, price
-from lattice.cost.search import divisors
+from lattice.cost.model import Cost
+from lattice.cost.pipeline import in_flight
 from lattice.cost.tables import layer_table, optimus_table1
-from lattice.data.corpus import DEFAULT_VOCAB
-from lattice.models import get_arch
-from lattice.modes import get_mode
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
-from lattice.parallel.pipeline import batch_problem
-
-
-def model_config(arch: str, preset: str | None, **sizes):
-    """The config of `arch`'s preset (its default one without a name) with the sizes given (None: the preset's)."""
-    config_class = get_arch(arch).config_class
-    name = preset or config_class.default_preset
-    sizes = {k: v for k, v in sizes.items() if v is not None}
-    unknown = sorted(set(sizes) - {f.name for f in dataclass_fields(config_class)})
-    if unknown:
-        raise LatticeConfigError(f"--arch {arch} has no {', '.join(unknown)} (its sizes: "
-                                 f"{', '.join(f.name for f in dataclass_fields(config_class))})")
-    if "vocab_size" not in sizes and "vocab_size" not in config_class.presets.get(name, {}):
-        sizes["vocab_size"] = DEFAULT_VOCAB  # the built-in corpus's, for presets of no published model
-    return config_class.preset(name, **sizes)
-
-
-machine_from_spec = machine_named  # `--machine`: a preset, a JSON file or inline JSON
+from lattice.planner.pricing import TERMS
+from lattice.planner.projection import pipeline_projection
+from lattice.planner.search import divisors
 
 
 def format_cost(c: Cost, machine: Machine) -> str:
@@ -69,36 +46,6 @@ def format_cost(c: Cost, machine: Machine) -> str:
     t = c.time(machine)
     lines.append("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items()))
     return "\n".join(lines)
-
-
-def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine, setup: dict | None = None) -> dict:
-    """One step of `layout` (tp x pp ranks per replica, papers/002 §2.2, §3) on `batch` sequences
-    per replica, as the planner prices it (lattice.cost.pricing.price: each stage its blocks and
-    the end parts it holds, paced by the slowest), with what `lattice plan` shows beside it: the
-    split, each stage's point-to-point elements, a micro-batch's activations, and the step's
-    slot (one micro-batch through the slowest chunk) and hop (its residual piece to the next
-    stage and the gradient back). `setup`: Choice's zero, precision and checkpointing."""
-    tp, pp, setup = layout.tp, layout.pp, setup or {}
-    if pp > 1:
-        pcfg = layout.pipeline
-        problem = batch_problem(pcfg.m, get_mode(layout.mode), layout.context(), batch, cfg.seq_len)
-        if problem:  # as training refuses it: no micro-batch of zero sequences
-            raise LatticeConfigError(f"{problem}; give each replica a multiple of {pcfg.m} sequences (--batch over "
-                                     f"--dp) or fewer --microbatches")
-    priced = price(cfg, Choice(layout, **setup), batch=batch * layout.dp, machine=machine)
-    if pp == 1:
-        return {"tp": tp, "pp": 1, "m": 1, "v": 1, "schedule": "none", "bubble": 0.0, "step_s": priced.step_s}
-    slots, terms = pcfg.m * pcfg.v, priced.terms
-    chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))  # an encoder-decoder's two stacks
-    stage = dataclasses.replace(cfg, n_layers=max(len(c) for c in chunks))  # the deepest chunk with both ends
-    c = estimate(stage, layout.stage_layout(), batch=batch // pcfg.m, zero=priced.choice.zero,
-                 precision=priced.choice.precision, activation_checkpointing=priced.choice.checkpointing)
-    return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
-            "slot_s": sum(terms[k] for k in ("compute", "tensor", "context", "overlapped")) / slots,
-            "p2p_s": terms["pipeline"] / slots, "step_s": priced.step_s,
-            "stage_p2p": [stage_p2p(cfg, layout, batch, s) for s in range(pp)],
-            "chunks": chunks, "itemsize": c.itemsize, "per_microbatch_activations": c.memory["activations"] / pcfg.v,
-            "pcfg": pcfg}
 
 
 def format_pipeline(cfg, layout: Layout, *, batch: int, machine: Machine, setup: dict | None = None) -> str:

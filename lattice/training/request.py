@@ -1,0 +1,215 @@
+"""What a `lattice train` run starts from, decided in one place: a request as the person gave it
+(`TrainRequest`: the layout, the flags given, the run-directory choices) becomes one run
+specification (`prepare_run` -> `RunSpec`): the checkpoint it resumes (read, its family, data,
+tokenizer and model kept, its schedule changes allowed or refused), the weights it starts from
+(`--init-from`), the tokenizer and data it reads, the directory it writes into, and whether a
+single-file checkpoint is converted first. The launcher runs it before starting processes and
+every rank before any process group exists; the run directory is then written from the
+specification (`write_run_files`) and the Trainer builds from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from lattice import checkpoint
+from lattice.checkpoint import run_dir
+from lattice.checkpoint.files import check_out_dir
+from lattice.data.corpus import check_data, data_files, data_hash, read_tokenizer, write_specials
+from lattice.models import DEFAULT_ARCH, get_arch
+from lattice.modes.layout import Layout, check_process_count
+from lattice.parallel.context import LatticeConfigError
+from lattice.training import faults
+from lattice.training.config import RESUMED_FIELDS, TrainConfig, flag_defaults
+from lattice.training.run_spec import RunSpec, specify_run
+
+#: the TrainConfig fields that say how a run's data are read, kept by a resume without --data
+DATA_FIELDS = ("data", "data_format", "text_key", "pair_key", "source_key", "target_key", "tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRequest:
+    """A training request as given, nothing read or decided: the layout, every TrainConfig flag
+    (None for a RESUMED_FIELDS flag not given: then the resumed run's value, else the default),
+    the family's size fields given, and the checkpoint and run-directory choices."""
+
+    layout: Layout
+    given: dict
+    sizes: dict = dataclasses.field(default_factory=dict)
+    resume: str | None = None
+    overwrite: bool = False
+    allow_config_change: bool = False
+
+    def config(self, resumed: dict | None = None, **changes) -> TrainConfig:
+        """The TrainConfig asked for: a RESUMED_FIELDS flag not given takes `resumed`'s recorded
+        value (a resumed run's train_config), else TrainConfig's default; `changes` replace fields."""
+        given, defaults = dict(self.given), flag_defaults()
+        for name in RESUMED_FIELDS:
+            if given.get(name) is None:
+                given[name] = (resumed or {}).get(name, defaults[name])
+        given["arch"] = given["arch"] or DEFAULT_ARCH
+        given["model_sizes"] = dict(self.sizes)
+        return TrainConfig(**{**given, **changes})
+
+
+def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
+    """The run `request` asks for, checked whole and decided without processes (and, with
+    `nproc`, against the processes the launcher is about to start): every refusal of a bad
+    request is made here, once, in one line. Changes nothing but the token cache (an explicit
+    out-dir is created if missing, once everything else passed, so that a refused request leaves
+    no directory behind)."""
+    layout = request.layout
+    ckpt = checkpoint.read(request.resume) if request.resume else None
+    where = checkpoint.resolve(request.resume) if ckpt is not None else None
+    resumed_run = checkpoint.run_of(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None
+    run = run_dir.choose(request.given['out_dir'], resumed_run, int(ckpt["step"]) if ckpt is not None else None,
+                         request.overwrite)
+    saved = ckpt.get("train_config", {}) if ckpt is not None else {}
+    if ckpt is not None and request.given['arch'] is not None and checkpoint.arch_of(ckpt) != request.given['arch']:
+        raise LatticeConfigError(f"--resume {where} holds a {checkpoint.arch_of(ckpt)} model, and --arch {request.given['arch']} "
+                                 f"asks for another family; drop --arch (a resumed run continues its own family)")
+    init = None
+    if ckpt is None and request.given['init_from'] and Path(request.given['init_from']).exists():
+        init = checkpoint.read(request.given['init_from'])  # read once: the specification takes it as it is
+    # the family: --arch, else the checkpoint's that the run resumes or starts from
+    arch = request.given['arch'] or next((checkpoint.arch_of(c) for c in (ckpt, init) if c is not None), DEFAULT_ARCH)
+    recorded = {}
+    if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
+        recorded = {**_recorded_data(request, saved, where), **_resumed_tokenizer(request, where, saved),
+                    "model_from": _resumed_model(request, ckpt, arch)}
+    if init is not None:
+        recorded = _init_from_model(request, init, arch)
+    tcfg = request.config(saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
+    check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
+    corpus = tcfg.corpus()
+    spec = specify_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
+                       allow_config_change=request.allow_config_change, init_from=init)
+    if nproc is not None:  # after the layout's own refusals, which say more about the request
+        check_process_count(layout, nproc, "train")
+    # last, as these create directories: a request refused above leaves none behind
+    if run.fresh:  # created later, by one process: here only its parent
+        check_out_dir(run.out.parent, checkpoint.FILENAME)
+    else:
+        check_out_dir(run.out, checkpoint.FILENAME)
+        faults.RunLock(run.out).probe()
+    return dataclasses.replace(spec, layout=layout, corpus=corpus, run=run,
+                               resume_path=where, single_file=ckpt is not None and not checkpoint.is_sharded(ckpt))
+
+
+def sharded_resume(spec: RunSpec, ctx) -> RunSpec:
+    """`spec` resuming the sharded form of its checkpoint: a single-file checkpoint (`lattice
+    convert`'s export, or OUT/ckpt.pt of an older run) converted by rank 0 into
+    OUT/checkpoints/step-N, as `lattice convert` does; every rank then resumes that."""
+    if not spec.single_file:
+        return spec
+    import torch.distributed as dist
+
+    from lattice.checkpoint import sharded
+    from lattice.checkpoint.convert import import_single
+
+    out = spec.run.out
+    target = out / sharded.SUBDIR / sharded.step_name(int(spec.resume["step"]))
+    alone = dist.new_group([0]) if ctx.world_size > 1 else None  # (every rank creates every group)
+    if ctx.rank == 0:
+        import_single(spec.resume, out, group=alone)
+        print(f"converted the single-file checkpoint {spec.resume_path} into {target} (as `lattice convert` does); "
+              f"resuming from it", flush=True)
+    if ctx.world_size > 1:
+        dist.barrier()
+    return dataclasses.replace(spec, resume=checkpoint.read(target), single_file=False)
+
+
+def write_run_config(spec: RunSpec, config_toml: str) -> None:
+    """The run's resolved flags (`config_toml`) into its directory's config.toml, which `lattice
+    train --config` reads back."""
+    (spec.run.out / "config.toml").write_text(config_toml)
+
+
+def write_run_files(spec: RunSpec, corpus, labels: list[str] | None) -> None:
+    """The run directory describes what its run reads: the tokenizer and its special tokens, and
+    data.json (the data's identity and the class names of a classifier). A resumed run's own
+    tokenizer file stays as it is, byte for byte."""
+    out, tcfg = spec.run.out, spec.cfg
+    if not (tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()):
+        corpus.tokenizer.save(str(out / "tokenizer.json"))
+        write_specials(corpus, out)
+    files = [str(p) for p in data_files(tcfg.data)] if tcfg.data else ["built-in corpus (pydoc_data.topics)"]
+    (out / "data.json").write_text(json.dumps({
+        "data": tcfg.data, "files": files, "format": tcfg.data_format, "text_key": tcfg.text_key,
+        "content_hash": tcfg.data_hash, "tokenizer": tcfg.tokenizer, **({"labels": labels} if labels else {})},
+        indent=1) + "\n")
+
+
+def _recorded_data(request: TrainRequest, saved: dict, where) -> dict:
+    """Without --data, a resumed run continues on the data it was trained on (and refuses it if
+    the files changed since): the TrainConfig fields that say so. --data given explicitly trains
+    on that instead."""
+    if request.given['data'] is not None or not saved.get("data"):
+        return {}
+    data = {k: saved[k] for k in DATA_FIELDS if k in saved}
+    now = data_hash(data["data"], saved.get("data_format", "text"), TrainConfig.from_dict(saved).data_keys())
+    if saved.get("data_hash") and now != saved["data_hash"]:
+        raise LatticeConfigError(f"the data {data['data']} changed since {where} was saved (content hash "
+                                 f"{saved['data_hash']} then, {now} now); pass --data {data['data']} to train on it as "
+                                 f"it is, or restore the original files")
+    return data
+
+
+def _resumed_model(request: TrainRequest, ckpt: dict, arch: str) -> dict:
+    """The model a resumed run continues: its checkpoint's whole config (an imported HF model's
+    sizes included), with the fields of a --model preset given in the request (a mismatch is
+    then refused by name, as for any size flag)."""
+    model = dict(ckpt["model_config"])
+    if request.given['model'] is not None:
+        config_class = get_arch(arch).config_class
+        if request.given['model'] not in config_class.presets:
+            config_class.preset(request.given['model'])  # refuses the unknown name, listing the family's presets
+        model.update(config_class.presets[request.given['model']])
+    return model
+
+
+def _init_from_model(request: TrainRequest, init: dict, arch: str) -> dict:
+    """A run started --init-from a checkpoint of its family trains the checkpoint's model (its
+    whole config, an imported HF model's sizes included; a --model preset or size flags replace
+    their fields, and the task sets the heads it adds), reading text as those weights were
+    trained to: with the checkpoint run's tokenizer (TrainConfig takes it) and its vocabulary
+    size, unless --tokenizer or --vocab-size say otherwise."""
+    if checkpoint.arch_of(init) != arch or "model_config" not in init:
+        return {}  # refused with its reason when the run is specified
+    model = {k: v for k, v in _resumed_model(request, init, arch).items() if k not in ("num_labels", "dropout")}
+    out = {"model_from": model}
+    run_tokenizer = checkpoint.run_of(checkpoint.resolve(request.given['init_from'])) / "tokenizer.json"
+    if request.given['vocab_size'] is None and request.given['tokenizer'] is None and run_tokenizer.is_file():
+        saved = init.get("train_config", {}).get("vocab_size")
+        out["vocab_size"] = saved or read_tokenizer(run_tokenizer, "the checkpoint's tokenizer",
+                                                    "restore its file or pass --tokenizer").get_vocab_size()
+    return out
+
+
+def _resumed_tokenizer(request: TrainRequest, where: Path, saved: dict) -> dict:
+    """A resumed run reads text with the tokenizer its weights were trained with, the run's
+    tokenizer.json, on its recorded data or on new --data alike: the TrainConfig field that says
+    so. An explicit --tokenizer is refused when its ids differ from that one's."""
+    run_tokenizer = checkpoint.run_of(where) / "tokenizer.json"
+    if not run_tokenizer.is_file():  # a single file exported elsewhere: the data decide
+        return {}
+    if request.given['tokenizer'] is None:
+        size = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab_size()
+        if request.given['vocab_size'] is not None and request.given['vocab_size'] != size:
+            raise LatticeConfigError(f"--vocab-size {request.given['vocab_size']} asks for a new BPE, and {where} reads its "
+                                     f"text with its own tokenizer.json of {size} tokens (vocab_size {size} vs "
+                                     f"{request.given['vocab_size']}); drop --vocab-size to continue the run, or start a new "
+                                     f"one with --init-from {where}")
+        # the vocabulary the run counted from (an import records none: its tokenizer's)
+        return {"tokenizer": str(run_tokenizer), "vocab_size": saved.get("vocab_size") or size}
+    given = Path(request.given['tokenizer']) / "tokenizer.json" if Path(request.given['tokenizer']).is_dir() else Path(request.given['tokenizer'])
+    if given.is_file() and given.resolve() != run_tokenizer.resolve():
+        theirs = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab()
+        ours = read_tokenizer(given, "--tokenizer", "pass a tokenizer.json, or drop --tokenizer").get_vocab()
+        if theirs != ours:
+            moved = sum(ours.get(token) != i for token, i in theirs.items())
+            raise LatticeConfigError(f"--tokenizer {request.given['tokenizer']} gives {moved} of the {len(theirs)} tokens of "
+                                     f"{run_tokenizer} other ids, and the resumed weights were trained on those ids; "
+                                     f"drop --tokenizer to keep the run's, or start a new run (--init-from {where})")
+    return {}
