@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lattice.checkpoint import files as checkpoint_files
 from lattice.checkpoint import sharded
-from lattice.parallel.context import TrainingStopped
+from lattice.parallel.context import Diverged
 
 
 class AsyncWriter:
@@ -73,7 +73,7 @@ class RunCheckpoints:
         if self.ctx.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
-            raise TrainingStopped(f"step {step}: the weights or optimizer moments hold NaN or infinity; "
+            raise Diverged(f"step {step}: the weights or optimizer moments hold NaN or infinity; "
                                          f"refusing to save over the last checkpoint in {path}")
         meta = {
             "step": step,

@@ -18,24 +18,29 @@ creates what was chosen (`create`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lattice.checkpoint import FILENAME as SINGLE_FILE
 from lattice.checkpoint import sharded
+from lattice.checkpoint.files import atomic_write
 from lattice.parallel.context import LatticeConfigError
 
 METRICS_FILE = "metrics.csv"
 HEARTBEAT_DIR = ".heartbeat"  # one file per rank: its step and pid (lattice.training.faults.Heartbeat)
+JOB_FILE = "job.json"  # which launcher job the run belongs to and how it ended (`read_job`)
+SKIPPED_DIR = "skipped"  # checkpoints a restart could not resume, kept as evidence
 RUNS = Path("runs")
 LATEST = "latest"
 # what a run writes into its directory (--overwrite removes these and nothing else)
 RUN_FILES = ("config.toml", METRICS_FILE, "tokenizer.json", "special_tokens_map.json", "tokenizer_config.json",
-             "data.json", SINGLE_FILE, "tensorboard", sharded.SUBDIR, HEARTBEAT_DIR)
+             "data.json", SINGLE_FILE, "tensorboard", sharded.SUBDIR, HEARTBEAT_DIR, JOB_FILE, SKIPPED_DIR)
 
 
 def next_numbered(runs: Path = RUNS) -> Path:
@@ -128,11 +133,9 @@ def create(run: RunDir) -> list[str]:
     return told
 
 
-def resume_command(argv: list[str], out: Path) -> str:
-    """The command that continues a stopped run: `argv` (the train command line as given, or as
-    torchrun's workers got it) without --resume/--out-dir/--stop-at/--overwrite, plus --resume OUT
-    (which continues in OUT)."""
-    dropped = {"--resume": 1, "--out-dir": 1, "--stop-at": 1, "--overwrite": 0}
+def without_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """`argv` without the given flags ({flag: how many values it takes}), whether written
+    `--flag value`, `--flag=value` or as an unambiguous abbreviation (as argparse accepts them)."""
     kept, skip = [], 0
     for token in argv:
         if skip:
@@ -140,11 +143,19 @@ def resume_command(argv: list[str], out: Path) -> str:
             continue
         name, eq, _ = token.partition("=")
         # argparse accepts unambiguous abbreviations: "--out" is --out-dir
-        flag = next((f for f in dropped if len(name) > 3 and f.startswith(name)), None) if name.startswith("--") else None
+        flag = next((f for f in flags if len(name) > 3 and f.startswith(name)), None) if name.startswith("--") else None
         if flag is None:
             kept.append(token)
         elif not eq:
-            skip = dropped[flag]
+            skip = flags[flag]
+    return kept
+
+
+def resume_command(argv: list[str], out: Path) -> str:
+    """The command that continues a stopped run: `argv` (the train command line as given, or as
+    torchrun's workers got it) without --resume/--out-dir/--stop-at/--overwrite, plus --resume OUT
+    (which continues in OUT)."""
+    kept = without_flags(argv, {"--resume": 1, "--out-dir": 1, "--stop-at": 1, "--overwrite": 0})
     launched_by_user = "WORLD_SIZE" in os.environ and not any(t == "--nproc" or t.startswith("--nproc=") for t in argv)
     if launched_by_user:  # workers of the user's own torchrun
         world, local = os.environ["WORLD_SIZE"], os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
@@ -153,3 +164,56 @@ def resume_command(argv: list[str], out: Path) -> str:
     else:
         prefix = "lattice"
     return " ".join([prefix, *map(shlex.quote, kept), "--resume", shlex.quote(str(out))])
+
+
+# ----------------------------------------------------------------------------- restarts
+
+
+def read_job(out: Path) -> dict | None:
+    """The run's job record (JOB_FILE): the launcher job it belongs to ("run_id", torchrun's
+    TORCHELASTIC_RUN_ID), its "state" ("running", "finished", or "stopped" with the "reason"
+    a restart would meet again), and its "recoveries"; None where there is none or it is not
+    readable (a record half written by a killed process reads as none)."""
+    try:
+        record = json.loads((Path(out) / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_job(out: Path, **fields) -> dict:
+    """Update the run's job record with `fields` (one process; atomic)."""
+    record = {**(read_job(out) or {}), **fields, "updated": time.time()}
+    atomic_write(Path(out) / JOB_FILE, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1) + "\n"))
+    return record
+
+
+def newest_intact(out: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of the run in `out` that verifies whole (`sharded.verify`), and the
+    newer ones passed over with the reason of each: a step directory without its marker (its
+    save was interrupted, or the marker is gone), a truncated file, a chunk whose checksum fails."""
+    base = Path(out) / sharded.SUBDIR
+    steps = sorted((p for p in base.glob("step-*") if p.is_dir()), key=lambda p: p.name, reverse=True) \
+        if base.is_dir() else []
+    skipped = []
+    for path in steps:
+        problem = sharded.verify(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def set_aside(out: Path, skipped: list[tuple[Path, str]]) -> list[str]:
+    """Move checkpoints a restart passed over into OUT/skipped/ (with the reason beside each),
+    so that the steps trained again can be saved under their names and nothing is deleted."""
+    told = []
+    for path, reason in skipped:
+        if not path.exists():
+            continue
+        target = Path(out) / SKIPPED_DIR / f"{path.name}-{int(time.time())}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        (target.parent / f"{target.name}.reason.txt").write_text(reason + "\n")
+        told.append(f"set aside {path} in {target}: {reason}")
+    return told

@@ -375,6 +375,22 @@ def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str
     return None
 
 
+def verify(path: Path) -> str | None:
+    """Why the checkpoint in `path` cannot be resumed, in one line, or None when it is whole: its
+    marker, files and index (`read`) and the checksum of every stored chunk, all of them (a
+    restart chooses a checkpoint before it knows which chunks each rank will read)."""
+    try:
+        saved = read(path)
+        index = read_index(Path(path))
+    except LatticeConfigError as e:
+        return str(e)
+    recorded = saved["checksums"]
+    for name, crc in checksums(Path(path), index.storage_data, list(index.storage_data)).items():
+        if recorded.get(name) != crc:
+            return f"checkpoint {path}: the stored chunk {name} does not match its checksum"
+    return None
+
+
 def load_full(saved: dict, keys, *, index: Metadata | None = None) -> dict[str, torch.Tensor]:
     """Full tensors of the given keys, in their saved dtype, in one process (for `lattice
     convert`, which asks for one key at a time and passes the DCP index it read once)."""

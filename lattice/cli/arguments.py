@@ -114,6 +114,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     group(p, "layout").add_argument("--nproc", type=int, default=None,
                                     help="start this many local processes through torch.distributed.run (default: "
                                          "none, one process or those torchrun started)")
+    group(p, "faults").add_argument("--max-restarts", type=int, default=0, metavar="N",
+                                    help="start the workers again after one fails, up to N times; each restart "
+                                         "resumes the run's newest intact checkpoint (default 0: a failure ends the "
+                                         "run; under torchrun pass torchrun's own --max-restarts)")
     checkpoints = group(p, "checkpoints")
     checkpoints.add_argument("--resume", default=None, metavar="CKPT",
                              help="a run directory (its newest complete checkpoint), a checkpoint directory or a "

@@ -19,11 +19,17 @@ import torch
 
 
 
-def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) -> int:
+#: torch's switch that gives the workers' process group a store of its own, apart from the rendezvous's
+SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None, max_restarts: int = 0) -> int:
     """Re-run `lattice argv` on `nproc` local processes through torchrun's Python API
     (`elastic_launch`; its command-line parser would mistake our --nproc for --nproc-per-node).
     The caller has refused what it can before: a bad request fails once, in one line, instead of
-    in every child's traceback. `resume_hint`: the command that continues a run stopped by a signal."""
+    in every child's traceback. `resume_hint`: the command that continues a run stopped by a signal;
+    `max_restarts`: how often the agent starts the workers again after one fails (each resumes its
+    run's newest intact checkpoint: lattice.training.request.elastic_restart)."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -33,7 +39,10 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
     # as torchrun does: N processes with all the cores' threads each would oversubscribe the CPU;
     # set for the workers only (they inherit this process's environment), then restored, so that
     # a caller in the same process (a test, a notebook) keeps its own setting
-    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", SHARED_STORE)}
+    # restarted workers that share the rendezvous store with their process group read the addresses
+    # of the workers before them (pytorch#135712): a restart then fails at its first connection
+    os.environ.setdefault(SHARED_STORE, "1")
     # torchrun's agent installs its own handlers in this process and leaves them: restored below
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -44,7 +53,7 @@ def launch_local(nproc: int, argv: list[str], resume_hint: str | None = None) ->
         sys.stdout.flush()  # (a child would write this process's unflushed output a second time)
         sys.stderr.flush()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           start_method="fork" if fork else "spawn")
     try:
         if fork:

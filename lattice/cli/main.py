@@ -32,12 +32,13 @@ import importlib
 import os
 import signal
 import sys
+import time
 
 from lattice.cli.arguments import add_layout_arguments, add_train_arguments, train_request, with_config_file
 from lattice.cli.inference import add_inference_arguments, run_inference
 from lattice.cli.info import run_info
-from lattice.cli.launch import launch_local
-from lattice.parallel.context import LatticeConfigError, TrainingStopped
+from lattice.cli.launch import SHARED_STORE, launch_local
+from lattice.parallel.context import Diverged, LatticeConfigError, TrainingStopped
 
 # subcommands whose arguments and implementation live in another module, imported only when used
 # (so that `lattice train` does not import the benchmark's plotting)
@@ -71,27 +72,45 @@ def cmd_train(args, argv: list[str]) -> int:
     from lattice.training import faults
     from lattice.training.config import config_toml, run_config
     from lattice.training.evaluation import validation_metric
-    from lattice.training.request import prepare_run, sharded_resume, write_run_config, write_run_files
+    from lattice.training.request import JobOver, prepare_run, sharded_resume, write_run_config, write_run_files
     from lattice.training.trainer import Trainer
 
+    started = faults.process_start_time()
     launched = "WORLD_SIZE" in os.environ  # started by torchrun (ours or the user's)
     if args.nproc is not None and args.nproc < 1:
         raise LatticeConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nproc and args.nproc > 1 and not launched:
-        run = prepare_run(train_request(args), nproc=args.nproc).run  # builds the tokenizer and token cache once, here
+    if args.max_restarts < 0:
+        raise LatticeConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if launched and args.max_restarts:
+        raise LatticeConfigError("--max-restarts is lattice's own launcher's; under torchrun pass it to torchrun "
+                                 f"(torchrun --max-restarts {args.max_restarts} ... -m lattice train ...)")
+    if (args.nproc and args.nproc > 1 or args.max_restarts) and not launched:
+        nproc = args.nproc or 1
+        run = prepare_run(train_request(args), nproc=nproc).run  # builds the tokenizer and token cache once, here
         for line in run_dir.create(run):
             print(line, flush=True)
         # the workers write where this process chose (a fresh runs/run-N now exists, empty)
-        return launch_local(args.nproc, [*argv, "--out-dir", str(run.out)],
-                            resume_hint=run_dir.resume_command(argv, run.out))
+        workers = run_dir.without_flags(argv, {"--max-restarts": 1})  # the restarts are the launcher's
+        status = launch_local(nproc, [*workers, "--out-dir", str(run.out)], max_restarts=args.max_restarts,
+                              resume_hint=run_dir.resume_command(argv, run.out))
+        job = run_dir.read_job(run.out) or {}
+        if status == 0 and job.get("state") == "stopped":  # the workers ended the job rather than restart it
+            print_error(job.get("reason", "the run stopped"))
+            return 3
+        return status
     if launched and args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
         raise LatticeConfigError(f"--nproc {args.nproc} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                                  f"drop --nproc when launching with torchrun")
     if launched:
         faults.die_with_parent()  # killing the launcher must not leave this worker training
     # every rank, before any process group exists (torchrun's world is checked against the layout by init)
-    spec = prepare_run(train_request(args), nproc=None if launched else 1)
-    layout, tcfg, ckpt = spec.layout, spec.cfg, spec.resume
+    try:
+        spec = prepare_run(train_request(args), nproc=None if launched else 1)
+    except JobOver as e:  # a launcher's restart after the run ended: exiting 0 ends the job
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, flush=True)
+        return 0
+    layout, tcfg, ckpt, restart = spec.layout, spec.cfg, spec.resume, spec.restart
     ctx = init(layout, seed=tcfg.seed, timeout=tcfg.dist_timeout)
     out, lock = spec.run.out, None
     try:
@@ -103,6 +122,19 @@ def cmd_train(args, argv: list[str]) -> int:
             for line in run_dir.create(spec.run):  # after init: every rank chose before anything was created
                 print(line, flush=True)
             lock = faults.RunLock(out).acquire()
+            if restart is not None:
+                for line in run_dir.set_aside(out, list(restart.skipped)):
+                    print(line, flush=True)
+                at = f"resuming from {restart.resume}" if restart.resume else "no intact checkpoint: starting again"
+                print(f"restart {restart.count} of job {restart.run_id} (the launcher's restarts of this node's "
+                      f"workers): {at}", flush=True)
+            run_dir.write_job(out, run_id=os.environ.get("TORCHELASTIC_RUN_ID"), state="running",
+                              restarts=restart.count if restart else 0)
+            if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and \
+                    os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                print("note: torchrun shares its rendezvous store with the workers' process group, where restarted "
+                      "workers can read the addresses of the ones before them (pytorch#135712) and fail once more; "
+                      f"start torchrun with {SHARED_STORE}=1", flush=True)
             faults.remove_stale_temps(out, checkpoint.FILENAME)
             write_run_config(spec, config_toml(run_config(layout, tcfg)))
             sharded_checkpoint.remove_partial(out)
@@ -110,7 +142,11 @@ def cmd_train(args, argv: list[str]) -> int:
             dist.barrier()  # the run directory exists before any rank writes into it
         if ckpt is not None and ctx.rank == 0:
             print(f"resuming from {spec.resume_path} at step {ckpt['step']}", flush=True)
+        initialised = time.time()
         trainer = Trainer.from_spec(sharded_resume(spec, ctx), ctx, spec.corpus)
+        if restart is not None and restart.failed_at is not None:
+            trainer.recovery = {"failed_at": restart.failed_at, "started": started, "initialised": initialised,
+                                "loaded": time.time(), "restart": restart.count}
         cut = trainer.task.truncation(trainer.seq_len)
         if cut and ctx.rank == 0:
             print(f"--data {tcfg.data}: {cut}", flush=True)
@@ -133,12 +169,23 @@ def cmd_train(args, argv: list[str]) -> int:
             # ... && next` does not go on), once the checkpoint is saved
             return 0 if by == "stop_at" else 128 + int(signal.Signals[by])
         if ctx.rank == 0:
+            run_dir.write_job(out, state="finished", step=result["step"])
             print(f"final val loss: {result['val_loss']:.4f} nats/{trainer.task.loss_unit} (step {result['step']})")
             if "metric" in result:
                 name, trivial = result["trivial"]
                 print(f"val {result['metric']}: {result['val_score']:.3f} ({name} {trivial:.3f})", flush=True)
             else:
                 print(f"unigram baseline: {result['unigram_baseline']:.4f} nats/token", flush=True)
+    except Diverged as e:  # a restart from the last checkpoint would diverge again: the job ends here
+        if ctx.rank == 0:
+            run_dir.write_job(out, state="stopped", reason=str(e))
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+            if ctx.rank == 0:
+                print(f"{e}; not restarted: a restart would reach the same step (recorded in {out / run_dir.JOB_FILE}); "
+                      f"ending the job", flush=True)
+            return 0  # any other status would have the launcher restart it
+        print_error(str(e))
+        return 3
     except TrainingStopped as e:
         then = ""
         if isinstance(e, sharded_checkpoint.WriteFailed) and sharded_checkpoint.complete(out):
@@ -147,7 +194,12 @@ def cmd_train(args, argv: list[str]) -> int:
         return 3
     except RuntimeError as e:  # a collective that timed out: name the rank that stopped making progress
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-            raise
+            if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+                raise
+            # a peer died mid-collective: the launcher restarts the workers, which resume on their own
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            print_error(f"rank {ctx.rank}: a collective failed ({first}); the launcher starts the workers again")
+            return 1
         from lattice.parallel.comm import last_collective
 
         stalled = faults.stalled_ranks(out, ctx.world_size)

@@ -54,6 +54,11 @@ class TrainingStopped(RuntimeError):
     message says why and what was kept."""
 
 
+class Diverged(TrainingStopped):
+    """Training stopped on a non-finite loss, gradient or weight: a restart from the last
+    checkpoint would reach it again."""
+
+
 @dataclass(frozen=True)
 class Topology:
     """Mesh axes (outermost first) and the global rank at every mesh position.

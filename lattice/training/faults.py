@@ -202,6 +202,29 @@ class Heartbeat:
         self._stop.set()
 
 
+def last_heartbeat(out: Path) -> float | None:
+    """When the rank that stopped first last beat (the earliest of the ranks' last beats: the
+    others beat on until the launcher stops them), or None without beats."""
+    times = []
+    for f in (out / HEARTBEAT_DIR).glob("rank*") if (out / HEARTBEAT_DIR).is_dir() else ():
+        try:
+            times.append(float(f.read_text().split()[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return min(times, default=None)
+
+
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch, to 10 ms), from the kernel's record of
+    it; the time of the call where /proc has none."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 def stalled_ranks(out: Path | None, world: int) -> str:
     """The ranks whose heartbeats went stale ("rank 1 (pid 42 on host) stopped 9 s ago in step
     779"); those on this host are killed, so that the launcher ends the job now."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from lattice import checkpoint
@@ -23,6 +24,45 @@ from lattice.parallel.context import LatticeConfigError
 from lattice.training import faults
 from lattice.training.config import RESUMED_FIELDS, TrainConfig, flag_defaults
 from lattice.training.run_spec import RunSpec, specify_run
+
+class JobOver(Exception):
+    """A launcher restarted the workers of a job whose run has ended: finished, or stopped by
+    what a restart would meet again. Nothing to train; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """Workers a launcher (torchrun's agent) started again for the job their run belongs to:
+    `run_id` (TORCHELASTIC_RUN_ID, recorded in the run's job record when it started), `count`
+    (TORCHELASTIC_RESTART_COUNT: this node's restarts), the record's `state` and `reason`, the
+    newest intact checkpoint to resume (None: start again) and the newer ones `skipped` with
+    their reasons, and `failed_at`: the last heartbeat of the rank that stopped first."""
+
+    run_id: str
+    count: int
+    state: str
+    reason: str | None = None
+    resume: Path | None = None
+    skipped: tuple = ()
+    failed_at: float | None = None
+
+
+def elastic_restart(out_dir: str | None) -> Restart | None:
+    """The Restart this process is part of, or None for a run a person started: the launcher's
+    job id must be the one the run in `out_dir` recorded at its start (torchrun's default id
+    "none" names no job, so there the restart count must say so too). Read-only, the same on
+    every rank."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not out_dir or not run_id:
+        return None
+    record = run_dir.read_job(Path(out_dir))
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if record is None or record.get("run_id") != run_id or (run_id == "none" and count == 0):
+        return None
+    resume, skipped = run_dir.newest_intact(Path(out_dir))
+    return Restart(run_id, count, record.get("state", "running"), record.get("reason"), resume, tuple(skipped),
+                   faults.last_heartbeat(Path(out_dir)))
+
 
 #: the TrainConfig fields that say how a run's data are read, kept by a resume without --data
 DATA_FIELDS = ("data", "data_format", "text_key", "pair_key", "source_key", "target_key", "tokenizer")
@@ -60,11 +100,24 @@ def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
     out-dir is created if missing, once everything else passed, so that a refused request leaves
     no directory behind)."""
     layout = request.layout
+    restart = elastic_restart(request.given['out_dir'])
+    if restart is not None and restart.state != "running":
+        raise JobOver(f"{request.given['out_dir']}: the run of job {restart.run_id} has "
+                      + ("finished" if restart.state == "finished" else f"stopped ({restart.reason})")
+                      + f"; nothing to run on restart {restart.count}")
+    if restart is not None:  # the run's own newest intact checkpoint, whatever the command resumed first
+        request = dataclasses.replace(request, resume=str(restart.resume) if restart.resume else None)
+    elif os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and not request.given['out_dir']:
+        raise LatticeConfigError("the launcher restarts failed workers (--max-restarts), and restarted workers "
+                                 "resume their run's newest checkpoint: give the run its directory with --out-dir")
     ckpt = checkpoint.read(request.resume) if request.resume else None
     where = checkpoint.resolve(request.resume) if ckpt is not None else None
     resumed_run = checkpoint.run_of(where) if ckpt is not None and checkpoint.is_sharded(ckpt) else None
-    run = run_dir.choose(request.given['out_dir'], resumed_run, int(ckpt["step"]) if ckpt is not None else None,
-                         request.overwrite)
+    if restart is not None:  # the job's own directory, as it is (what a restart skipped is set aside later)
+        run = run_dir.RunDir(Path(request.given['out_dir']))
+    else:
+        run = run_dir.choose(request.given['out_dir'], resumed_run, int(ckpt["step"]) if ckpt is not None else None,
+                             request.overwrite)
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
     if ckpt is not None and request.given['arch'] is not None and checkpoint.arch_of(ckpt) != request.given['arch']:
         raise LatticeConfigError(f"--resume {where} holds a {checkpoint.arch_of(ckpt)} model, and --arch {request.given['arch']} "
@@ -93,7 +146,7 @@ def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
     else:
         check_out_dir(run.out, checkpoint.FILENAME)
         faults.RunLock(run.out).probe()
-    return dataclasses.replace(spec, layout=layout, corpus=corpus, run=run,
+    return dataclasses.replace(spec, layout=layout, corpus=corpus, run=run, restart=restart,
                                resume_path=where, single_file=ckpt is not None and not checkpoint.is_sharded(ckpt))
 
 

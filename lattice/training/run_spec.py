@@ -49,6 +49,7 @@ class RunSpec:
     run: Any = None
     resume_path: Path | None = None
     single_file: bool = False
+    restart: Any = None  # lattice.training.request.Restart: a launcher's restart of this run's job
 
 
 def specify_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: str | os.PathLike | dict | None = None,

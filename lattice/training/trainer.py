@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from lattice import checkpoint
+from lattice.checkpoint import run_dir
 from lattice.checkpoint.run_checkpoints import RunCheckpoints
 from lattice.data.corpus import Corpus, unigram_baseline
 from lattice.parallel.comm import record
-from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext, TrainingStopped
+from lattice.parallel.context import Diverged, LatticeConfigError, MeshAxis, ParallelContext
 from lattice.parallel.pipeline import microbatch_count, microbatch_rows
 from lattice.parallel.zero import ZeroOptimizer
 from lattice.training import faults
@@ -87,6 +88,7 @@ class Trainer:
             self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                             weight_decay=cfg.weight_decay)
         self.step, self.elapsed, self.history, self.skipped = 0, 0.0, [], 0
+        self.recovery: dict | None = None  # set by a launcher restart: the times the first step reports (`_recovered`)
         self._saved_step = None  # the step of the last checkpoint written or loaded
         self.checkpoints = RunCheckpoints(cfg, ctx, self.model, self.optimizer, self.model_config)
         if ckpt is not None:
@@ -200,7 +202,7 @@ class Trainer:
         # the norm is already identical on every rank: every rank takes the same decision
         finite = bool(torch.isfinite(norm))
         if not finite and cfg.on_nan == "stop":
-            raise TrainingStopped(
+            raise Diverged(
                 f"step {self.step + 1}: the gradient norm is {float(norm)} (a non-finite loss or gradient); stopped "
                 f"before updating the weights, and nothing was saved over the last checkpoint; lower --lr, or pass "
                 f"--on-nan skip to skip such steps")
@@ -253,6 +255,8 @@ class Trainer:
                 while self.step < until:
                     heartbeat.beat(self.step)
                     row = self.train_step()
+                    if self.recovery is not None:
+                        self._recovered(out)
                     row["val_loss"] = None
                     if self.step % cfg.eval_interval == 0 or self.step == until:
                         try:
@@ -300,6 +304,23 @@ class Trainer:
         else:
             summary["unigram_baseline"] = unigram_baseline(self.corpus)
         return summary
+
+    def _recovered(self, out: Path | None) -> None:
+        """After the first step of a restart: how long the job took from the failure to this step,
+        and where the time went (`recovery`: the failed rank's last heartbeat, this process's start,
+        the process group's, the trainer's built with its checkpoint loaded), printed and kept in
+        the run's job record."""
+        r, self.recovery = self.recovery, None
+        now = time.time()
+        parts = {"restart": r["started"] - r["failed_at"], "start-up": r["initialised"] - r["started"],
+                 "load": r["loaded"] - r["initialised"], "first step": now - r["loaded"]}
+        if self.ctx.rank == 0:
+            print(f"recovered: step {self.step} {now - r['failed_at']:.1f} s after the failure ("
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + ")", flush=True)
+            if out is not None:
+                done = (run_dir.read_job(out) or {}).get("recoveries", [])
+                run_dir.write_job(out, recoveries=[*done, {"restart_count": r["restart"], "step": self.step,
+                                                           "seconds": now - r["failed_at"], **parts}])
 
     def _stop_requested(self, stop: faults.StopRequest) -> int:
         """The signal any rank was asked to stop by, or 0 (one tiny all-reduce, so that all ranks
