@@ -50,8 +50,10 @@ TINY = ["--model", "tiny", "--vocab-size", "512", "--batch-size", "8", "--eval-b
         "--dropout", "0.1"]
 LAYOUTS = {"default": ["--dp", "2", "--mode", "1d", "--tp", "2", "--zero", "1", "--precision", "bf16"],
            "pp": ["--dp", "2", "--pp", "2", "--microbatches", "2", "--precision", "bf16"],
-           "cp": ["--dp", "2", "--cp", "2", "--zero", "1", "--precision", "bf16"]}
-ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "cp": ["--dp", "2", "--cp", "2", "--zero", "1", "--precision", "bf16", "--dropout", "0"]}  # no attention dropout under cp
+# as docs/checkpoints.md advises for torchrun (lattice's own launcher sets it itself)
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def _command(launcher: str, nproc: int, args: list[str], restarts: int, out: Path) -> list[str]:
@@ -218,10 +220,18 @@ def agents(args) -> dict:
         killed_at = time.time()
         time.sleep(2)
         third = agent()
-        said, err = first.communicate(timeout=900)
-        said3, err3 = third.communicate(timeout=300)
+        # an agent whose workers are done waits for the other in torchelastic's exit barrier
+        # (exit_barrier_timeout, 300 s by default): each agent's end is recorded
+        ended = {}
+        for name, agent_process in (("first", first), ("restarted", third)):
+            agent_process.wait(timeout=900)
+            ended[name] = time.time()
+        said, err = first.communicate()
+        said3, err3 = third.communicate()
         second.communicate()
+        trained = (run_dir.read_job(out) or {}).get("updated")
         return {"exit": [first.returncode, third.returncode], "killed_at": killed_at,
+                "agents_ended_s_after_the_run": {k: round(v - trained, 1) for k, v in ended.items()} if trained else None,
                 "said": [line for line in (said + said3).splitlines() if line.startswith(("restart", "recovered"))],
                 "final": _final(said) or _final(said3), "reference": reference,
                 "equal_loss": (_final(said) or _final(said3)) == reference,

@@ -383,7 +383,7 @@ def verify(path: Path) -> str | None:
         saved = read(path)
         index = read_index(Path(path))
     except LatticeConfigError as e:
-        return str(e)
+        return str(e).split("; ")[0]  # the problem, without the ways out a person resuming it would read
     recorded = saved["checksums"]
     for name, crc in checksums(Path(path), index.storage_data, list(index.storage_data)).items():
         if recorded.get(name) != crc:

@@ -107,10 +107,10 @@ def check_run(cfg: TrainConfig, model_config, ctx: ParallelContext) -> None:
 
     mode = get_mode(ctx.mode)
     mode.check_model(model_config, ctx)  # the layout's size checks, nothing built
+    with torch.device("meta"):  # what the model's constructors refuse (attention dropout under cp, ...)
+        planned = get_arch(cfg.arch)(model_config, dataclasses.replace(ctx, pipeline=None))
     if ctx.pipeline is not None:
-        family = get_arch(cfg.arch)
         with torch.device("meta"):
-            planned = family(model_config, dataclasses.replace(ctx, pipeline=None))
             if planned.parts() is None:
                 raise LatticeConfigError(f"--arch {cfg.arch} cannot be split into pipeline stages; use --pp 1 (any "
                                          f"tensor layout, with --dp for more ranks)")
