@@ -226,3 +226,24 @@ def test_a_source_tree_trains_on_its_text_and_says_what_it_skipped(tmp_path, cap
     named = ["train", "--model", "tiny", "--data", str(tree / "logo.png"), "--out-dir", str(tmp_path / "b")]
     assert cli.main(named) == 2
     assert "logo.png is not text (NUL bytes)" in capsys.readouterr().err
+
+
+def test_the_token_file_holds_each_pieces_own_ids_in_order(tmp_path, capsys):
+    """Catches batched encoding that reorders pieces, drops the last partial batch or merges
+    tokens across piece boundaries: 19 pieces (two full batches of ENCODE_BATCH and three) through
+    write_token_file hold exactly encode() of each piece, concatenated, and the summary line
+    counts them."""
+    import numpy as np
+
+    from lattice.data.corpus import ENCODE_BATCH, train_tokenizer, write_token_file
+
+    text = corpus_text()
+    tokenizer = train_tokenizer(text[:200_000], 600)
+    step = len(text) // 19
+    pieces = [text[k * step:(k + 1) * step] for k in range(19)]
+    assert len(pieces) == 2 * ENCODE_BATCH + 3
+    chars, tokens, _ = write_token_file(tmp_path / "tokens.bin", tokenizer, iter(pieces), np.uint16)
+    expected = [i for piece in pieces for i in tokenizer.encode(piece).ids]
+    assert np.fromfile(tmp_path / "tokens.bin", dtype=np.uint16).tolist() == expected
+    assert (chars, tokens) == (sum(map(len, pieces)), len(expected))
+    assert f"into {len(expected):,} tokens" in capsys.readouterr().out

@@ -1,0 +1,55 @@
+"""Tokenization throughput: lattice's token-file writer (`lattice.data.corpus.write_token_file`,
+pieces of about 1 MB through `encode_batch`, streamed to disk) against the tokenizers library's
+own `encode_batch` of the same pieces in one call, held in memory, on the same text.
+
+    python benchmarks/tokenize_throughput.py --mb 100 -o benchmarks/results/tokenize_throughput.json
+
+The text is the built-in corpus repeated to --mb megabytes; the tokenizer is a 2048-token
+byte-level BPE trained on the corpus once (what `lattice train --data` trains, at its default size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lattice.bench.provenance import provenance  # noqa: E402
+from lattice.data.corpus import CHUNK_CHARS, corpus_text, train_tokenizer, write_token_file  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=float, default=100.0, help="megabytes of text (default 100)")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("-o", "--output", default=None)
+    args = p.parse_args()
+    corpus = corpus_text()
+    tokenizer = train_tokenizer(corpus, args.vocab_size)
+    text = corpus * max(1, int(args.mb * 1e6 / len(corpus.encode())))
+    pieces = [text[k:k + CHUNK_CHARS] for k in range(0, len(text), CHUNK_CHARS)]
+    with tempfile.TemporaryDirectory() as tmp:
+        chars, tokens, ours = write_token_file(Path(tmp) / "tokens.bin", tokenizer, iter(pieces), np.uint16)
+    start = time.perf_counter()
+    theirs_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(pieces))
+    theirs = time.perf_counter() - start
+    result = {"provenance": provenance(), "megabytes": len(text.encode()) / 1e6, "characters": chars,
+              "tokens": tokens, "same_tokens": tokens == theirs_tokens, "write_token_file_s": ours,
+              "encode_batch_s": theirs, "ratio_of_throughput": theirs / ours,
+              "write_token_file_mb_per_s": len(text.encode()) / 1e6 / ours}
+    text_out = json.dumps(result, indent=1)
+    print(text_out)
+    if args.output:
+        Path(args.output).write_text(text_out + "\n")
+
+
+if __name__ == "__main__":
+    main()
