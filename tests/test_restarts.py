@@ -179,3 +179,20 @@ def test_a_killed_worker_is_restarted_by_the_launcher_and_the_job_ends_as_the_un
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     record = json.loads((out / run_dir.JOB_FILE).read_text())
     assert record["state"] == "finished" and record["recoveries"][0]["seconds"] > 0
+
+
+def test_a_restart_before_the_first_checkpoint_starts_as_the_command_asked(tmp_path, monkeypatch, capsys):
+    """Catches a restart that forgets the command's own --resume when the run died before its first
+    checkpoint: a job continuing run a into b, restarted with no checkpoint in b, resumes a again."""
+    assert cli.main(["train", *TINY, *SHORT, "--out-dir", str(tmp_path / "a")]) == 0
+    out = tmp_path / "b"
+    out.mkdir()
+    run_dir.write_job(out, run_id="job-1", state="running")  # the first attempt died before saving
+    _restarted(monkeypatch, count=1)
+    capsys.readouterr()
+    assert cli.main(["train", *TINY, *SHORT, "--steps", "10", "--allow-config-change", "--resume",
+                     str(tmp_path / "a"), "--out-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "no intact checkpoint in the run yet: starting as the command asks" in said
+    assert f"resuming from {tmp_path / 'a' / 'checkpoints' / 'step-00000008'} at step 8" in said
+    assert checkpoint.read(out)["step"] == 10

@@ -125,7 +125,8 @@ def cmd_train(args, argv: list[str]) -> int:
             if restart is not None:
                 for line in run_dir.set_aside(out, list(restart.skipped)):
                     print(line, flush=True)
-                at = f"resuming from {restart.resume}" if restart.resume else "no intact checkpoint: starting again"
+                at = (f"resuming from {restart.resume}" if restart.resume else
+                      "no intact checkpoint in the run yet: starting as the command asks")
                 print(f"restart {restart.count} of job {restart.run_id} (the launcher's restarts of this node's "
                       f"workers): {at}", flush=True)
             run_dir.write_job(out, run_id=os.environ.get("TORCHELASTIC_RUN_ID"), state="running",

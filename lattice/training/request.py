@@ -105,8 +105,8 @@ def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
         raise JobOver(f"{request.given['out_dir']}: the run of job {restart.run_id} has "
                       + ("finished" if restart.state == "finished" else f"stopped ({restart.reason})")
                       + f"; nothing to run on restart {restart.count}")
-    if restart is not None:  # the run's own newest intact checkpoint, whatever the command resumed first
-        request = dataclasses.replace(request, resume=str(restart.resume) if restart.resume else None)
+    if restart is not None and restart.resume is not None:  # the run's own newest intact checkpoint, whatever
+        request = dataclasses.replace(request, resume=str(restart.resume))  # the command resumed first
     elif os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and not request.given['out_dir']:
         raise LatticeConfigError("the launcher restarts failed workers (--max-restarts), and restarted workers "
                                  "resume their run's newest checkpoint: give the run its directory with --out-dir")
