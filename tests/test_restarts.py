@@ -196,3 +196,17 @@ def test_a_restart_before_the_first_checkpoint_starts_as_the_command_asked(tmp_p
     assert "no intact checkpoint in the run yet: starting as the command asks" in said
     assert f"resuming from {tmp_path / 'a' / 'checkpoints' / 'step-00000008'} at step 8" in said
     assert checkpoint.read(out)["step"] == 10
+
+
+def test_a_persons_resume_starts_a_job_record_of_its_own(tmp_path, monkeypatch, capsys):
+    """Catches a new job inheriting the record of the one before (its stop reason, its
+    recoveries): a run whose job diverged, resumed by a person, ends with a record of its own."""
+    out = tmp_path / "job"
+    _first_attempt(out, monkeypatch, capsys)
+    run_dir.write_job(out, state="stopped", reason="step 8: the gradient norm is nan", recoveries=[{"seconds": 1.0}])
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["train", *TINY, *SHORT, "--steps", "10", "--allow-config-change", "--resume", str(out)]) == 0
+    record = run_dir.read_job(out)
+    assert record["state"] == "finished" and record["step"] == 10
+    assert "reason" not in record and "recoveries" not in record and record["run_id"] is None

@@ -181,9 +181,10 @@ def read_job(out: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def write_job(out: Path, **fields) -> dict:
-    """Update the run's job record with `fields` (one process; atomic)."""
-    record = {**(read_job(out) or {}), **fields, "updated": time.time()}
+def write_job(out: Path, *, new: bool = False, **fields) -> dict:
+    """Update the run's job record with `fields` (one process; atomic); `new`: a job of its own
+    starts (a person's run or resume), whose record keeps nothing of the jobs before it."""
+    record = {**({} if new else read_job(out) or {}), **fields, "updated": time.time()}
     atomic_write(Path(out) / JOB_FILE, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1) + "\n"))
     return record
 

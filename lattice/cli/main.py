@@ -129,7 +129,7 @@ def cmd_train(args, argv: list[str]) -> int:
                       "no intact checkpoint in the run yet: starting as the command asks")
                 print(f"restart {restart.count} of job {restart.run_id} (the launcher's restarts of this node's "
                       f"workers): {at}", flush=True)
-            run_dir.write_job(out, run_id=os.environ.get("TORCHELASTIC_RUN_ID"), state="running",
+            run_dir.write_job(out, new=restart is None, run_id=os.environ.get("TORCHELASTIC_RUN_ID"), state="running",
                               restarts=restart.count if restart else 0)
             if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and \
                     os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -182,8 +182,8 @@ def cmd_train(args, argv: list[str]) -> int:
             run_dir.write_job(out, state="stopped", reason=str(e))
         if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
             if ctx.rank == 0:
-                print(f"{e}; not restarted: a restart would reach the same step (recorded in {out / run_dir.JOB_FILE}); "
-                      f"ending the job", flush=True)
+                print(f"{e}; not restarted: a restart would reach the same step (recorded in "
+                      f"{out / run_dir.JOB_FILE}); ending the job", flush=True)
             return 0  # any other status would have the launcher restart it
         print_error(str(e))
         return 3

@@ -119,14 +119,15 @@ def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
         run = run_dir.choose(request.given['out_dir'], resumed_run, int(ckpt["step"]) if ckpt is not None else None,
                              request.overwrite)
     saved = ckpt.get("train_config", {}) if ckpt is not None else {}
-    if ckpt is not None and request.given['arch'] is not None and checkpoint.arch_of(ckpt) != request.given['arch']:
-        raise LatticeConfigError(f"--resume {where} holds a {checkpoint.arch_of(ckpt)} model, and --arch {request.given['arch']} "
+    asked_arch = request.given['arch']
+    if ckpt is not None and asked_arch is not None and checkpoint.arch_of(ckpt) != asked_arch:
+        raise LatticeConfigError(f"--resume {where} holds a {checkpoint.arch_of(ckpt)} model, and --arch {asked_arch} "
                                  f"asks for another family; drop --arch (a resumed run continues its own family)")
     init = None
     if ckpt is None and request.given['init_from'] and Path(request.given['init_from']).exists():
         init = checkpoint.read(request.given['init_from'])  # read once: the specification takes it as it is
     # the family: --arch, else the checkpoint's that the run resumes or starts from
-    arch = request.given['arch'] or next((checkpoint.arch_of(c) for c in (ckpt, init) if c is not None), DEFAULT_ARCH)
+    arch = asked_arch or next((checkpoint.arch_of(c) for c in (ckpt, init) if c is not None), DEFAULT_ARCH)
     recorded = {}
     if ckpt is not None:  # the run continues as it was: its data, tokenizer and model
         recorded = {**_recorded_data(request, saved, where), **_resumed_tokenizer(request, where, saved),
@@ -247,22 +248,23 @@ def _resumed_tokenizer(request: TrainRequest, where: Path, saved: dict) -> dict:
     run_tokenizer = checkpoint.run_of(where) / "tokenizer.json"
     if not run_tokenizer.is_file():  # a single file exported elsewhere: the data decide
         return {}
-    if request.given['tokenizer'] is None:
+    tokenizer, vocab_size = request.given['tokenizer'], request.given['vocab_size']
+    if tokenizer is None:
         size = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab_size()
-        if request.given['vocab_size'] is not None and request.given['vocab_size'] != size:
-            raise LatticeConfigError(f"--vocab-size {request.given['vocab_size']} asks for a new BPE, and {where} reads its "
-                                     f"text with its own tokenizer.json of {size} tokens (vocab_size {size} vs "
-                                     f"{request.given['vocab_size']}); drop --vocab-size to continue the run, or start a new "
+        if vocab_size is not None and vocab_size != size:
+            raise LatticeConfigError(f"--vocab-size {vocab_size} asks for a new BPE, and {where} reads its text "
+                                     f"with its own tokenizer.json of {size} tokens (vocab_size {size} vs "
+                                     f"{vocab_size}); drop --vocab-size to continue the run, or start a new "
                                      f"one with --init-from {where}")
         # the vocabulary the run counted from (an import records none: its tokenizer's)
         return {"tokenizer": str(run_tokenizer), "vocab_size": saved.get("vocab_size") or size}
-    given = Path(request.given['tokenizer']) / "tokenizer.json" if Path(request.given['tokenizer']).is_dir() else Path(request.given['tokenizer'])
+    given = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     if given.is_file() and given.resolve() != run_tokenizer.resolve():
         theirs = read_tokenizer(run_tokenizer, "the run's tokenizer", "restore the run's file").get_vocab()
         ours = read_tokenizer(given, "--tokenizer", "pass a tokenizer.json, or drop --tokenizer").get_vocab()
         if theirs != ours:
             moved = sum(ours.get(token) != i for token, i in theirs.items())
-            raise LatticeConfigError(f"--tokenizer {request.given['tokenizer']} gives {moved} of the {len(theirs)} tokens of "
+            raise LatticeConfigError(f"--tokenizer {tokenizer} gives {moved} of the {len(theirs)} tokens of "
                                      f"{run_tokenizer} other ids, and the resumed weights were trained on those ids; "
                                      f"drop --tokenizer to keep the run's, or start a new run (--init-from {where})")
     return {}
