@@ -360,14 +360,19 @@ def load(saved: dict, model, optimizer=None) -> None:
 def _verify_chunks(saved: dict, state: dict[str, Chunk], index: Metadata) -> str | None:
     """Check the CRC-32 of every stored chunk this rank's regions overlap (exactly what DCP
     will read for it); a one-line problem, or None."""
-    path = Path(saved["path"])
     needed = []
     for key, chunk in state.items():
         for stored in index.state_dict_metadata[key].chunks:
             if overlaps(chunk.offsets, chunk.data.shape, stored.offsets, stored.sizes):
                 needed.append(MetadataIndex(key, stored.offsets))
-    recorded = saved["checksums"]
-    for name, crc in checksums(path, index.storage_data, needed).items():
+    return _stored_chunks_problem(saved, index, needed)
+
+
+def _stored_chunks_problem(saved: dict, index: Metadata, items) -> str | None:
+    """The first of the stored chunks `items` whose bytes do not match the CRC-32 the save
+    recorded, as a one-line problem, or None."""
+    path, recorded = Path(saved["path"]), saved["checksums"]
+    for name, crc in checksums(path, index.storage_data, items).items():
         if recorded.get(name) != crc:
             what = "has no recorded checksum" if name not in recorded else "does not match its checksum"
             return (f"checkpoint {path}: the stored chunk {name} {what}, so the checkpoint is corrupt; use an intact "
@@ -382,13 +387,11 @@ def verify(path: Path) -> str | None:
     try:
         saved = read(path)
         index = read_index(Path(path))
+        problem = _stored_chunks_problem(saved, index, list(index.storage_data))
     except LatticeConfigError as e:
-        return str(e).split("; ")[0]  # the problem, without the ways out a person resuming it would read
-    recorded = saved["checksums"]
-    for name, crc in checksums(Path(path), index.storage_data, list(index.storage_data)).items():
-        if recorded.get(name) != crc:
-            return f"checkpoint {path}: the stored chunk {name} does not match its checksum"
-    return None
+        problem = str(e)
+    # the problem, without the ways out that a person resuming it would read
+    return problem.split("; ")[0] if problem else None
 
 
 def load_full(saved: dict, keys, *, index: Metadata | None = None) -> dict[str, torch.Tensor]:
