@@ -16,6 +16,7 @@ from numerics import rel_diff as _rel
 
 import lattice
 from lattice import LatticeConfigError, MeshAxis
+from lattice.modes import get_mode
 
 # vocabulary 29 is padded to 30 (q = 2, 3); T = 7 < seq_len exercises the position-table slice
 TINY = dict(vocab_size=29, seq_len=8, d_model=12, n_heads=6, n_layers=2)
@@ -257,7 +258,7 @@ def expected_step_elements(b, s, h, v, q, n_layers, ckpt) -> dict:
 
 def _check_comm_volume(q: int, batch: int, ckpts):
     cfg = lattice.GPTConfig(**TINY)
-    ctx = cached_init(mode="2d", tp=q * q)
+    ctx = cached_init(mode="2d", tp=q * q, **get_mode("2d").paper_options)  # the form Table 1 counts
     tokens, targets = _batch(batch, 7, cfg.vocab_size, seed=5)
     out = []
     for ckpt in ckpts:
@@ -333,15 +334,17 @@ def _check_activation_memory(cfg_kwargs, batch):
     cfg = lattice.GPTConfig(**cfg_kwargs)
     tokens, targets = _batch(batch, cfg.seq_len, cfg.vocab_size, seed=9)
     serial = _saved_activation_bytes(_serial(cfg, torch.float32), tokens, targets)
-    two_d = _saved_activation_bytes(lattice.GPT(cfg, cached_init(mode="2d", tp=4)), tokens, targets)
+    two_d = _saved_activation_bytes(lattice.GPT(cfg, cached_init(mode="2d", tp=4, keep_gathered=False)), tokens,
+                                    targets)
     one_d = _saved_activation_bytes(lattice.GPT(cfg, cached_init(mode="1d", tp=4)), tokens, targets)
     return serial, two_d, one_d
 
 
 def test_activations_saved_per_rank_are_one_pth_of_serial():
-    """Activations saved for backward per rank at q=2 (p=4) are at most 1.15 x serial / p for a
-    model whose attention is not the bulk (d_model >> seq_len). Catches any activation kept whole
-    or replicated along a row or column (a gathered input, full logits, unsplit batch)."""
+    """Activations saved for backward per rank at q=2 (p=4), without keep_gathered (which keeps
+    the gathered rows by choice), are at most 1.15 x serial / p for a model whose attention is
+    not the bulk (d_model >> seq_len). Catches any activation kept whole or replicated along a
+    row or column (a gathered input, full logits, unsplit batch)."""
     cfg_kwargs = dict(vocab_size=64, seq_len=8, d_model=128, n_heads=4, n_layers=2)
     results = run_distributed(4, _check_activation_memory, cfg_kwargs, 4)
     serial = results[0][0]
@@ -408,10 +411,12 @@ def test_non_square_tp_is_refused_without_processes():
 
 def test_keep_gathered_without_the_all_gather_form_is_refused():
     """keep_gathered keeps what the all-gather form gathered; with the broadcast form there is
-    nothing to keep, and a silent no-op would leave the user believing it ran."""
+    nothing to keep, and a silent no-op would leave the user believing it ran. The broadcast form
+    asked for alone turns the default keep_gathered off rather than being refused."""
     with pytest.raises(LatticeConfigError, match=r"keep_gathered=True .* summa='all_gather'"):
-        lattice.context("2d", tp=4, keep_gathered=True)
+        lattice.context("2d", tp=4, keep_gathered=True, summa="broadcast")
     assert lattice.context("2d", tp=4, keep_gathered=True, summa="all_gather").options["keep_gathered"]
+    assert not lattice.context("2d", tp=4, summa="broadcast").options["keep_gathered"]
 
 
 # ----------------------------------------------------------------------------- placement

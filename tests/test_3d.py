@@ -119,12 +119,14 @@ MEMORY_CFG = dict(vocab_size=64, seq_len=8, d_model=128, n_heads=8, n_layers=2)
 
 
 def _check_memory(modes=("3d", "1d"), tp=8):
-    """(parameter bytes, saved activation bytes) of this rank in each mode on tp ranks."""
+    """(parameter bytes, saved activation bytes) of this rank in each mode on tp ranks; 2d and 3d
+    without keep_gathered (which keeps the q-fold gathered operands by choice)."""
     cfg = lattice.GPTConfig(**MEMORY_CFG)
     tokens, targets = _batch(4, 8, cfg.vocab_size, seed=9)
     out = []
     for mode in modes:
-        model = lattice.GPT(cfg, cached_init(mode=mode, tp=tp))
+        lean = {"keep_gathered": False} if mode in ("2d", "3d") else {}
+        model = lattice.GPT(cfg, cached_init(mode=mode, tp=tp, **lean))
         out.append((sum(p.numel() * p.element_size() for p in model.parameters()),
                     saved_activation_bytes(model, lambda: model(tokens, targets))))
     return out

@@ -142,7 +142,8 @@ def train_request(args):
 
     given = {f.name: getattr(args, f.name) for f in flag_fields(TrainConfig)}
     return TrainRequest(layout_from_args(args), given, given_sizes(args, skip=set(given)), resume=args.resume,
-                        overwrite=args.overwrite, allow_config_change=args.allow_config_change)
+                        overwrite=args.overwrite, allow_config_change=args.allow_config_change,
+                        given_options=given_mode_options(args))
 
 
 def with_config_file(argv: list[str], path: str) -> argparse.Namespace:

@@ -86,12 +86,21 @@ def cmd_train(args, argv: list[str]) -> int:
                                  f"(torchrun --max-restarts {args.max_restarts} ... -m lattice train ...)")
     if (args.nproc and args.nproc > 1 or args.max_restarts) and not launched:
         nproc = args.nproc or 1
-        run = prepare_run(train_request(args), nproc=nproc).run  # builds the tokenizer and token cache once, here
+        import torch
+
+        # builds the tokenizer and token cache once, here; on a GPU the workers choose the mode's
+        # options (the launcher leaves CUDA uninitialised for the processes it forks)
+        spec = prepare_run(train_request(args), nproc=nproc, choose_options=not torch.cuda.is_available())
+        run = spec.run
+        if spec.options is not None:
+            print(spec.options.describe(), flush=True)
         for line in run_dir.create(run):
             print(line, flush=True)
-        # the workers write where this process chose (a fresh runs/run-N now exists, empty)
+        # the workers write where this process chose (a fresh runs/run-N now exists, empty), with the
+        # options it chose
         workers = run_dir.without_flags(argv, {"--max-restarts": 1})  # the restarts are the launcher's
-        status = launch_local(nproc, [*workers, "--out-dir", str(run.out)], max_restarts=args.max_restarts,
+        chosen = [f"-o{k}={spec.options.options[k]}" for k in spec.options.chosen] if spec.options else []
+        status = launch_local(nproc, [*workers, *chosen, "--out-dir", str(run.out)], max_restarts=args.max_restarts,
                               resume_hint=run_dir.resume_command(argv, run.out))
         job = run_dir.read_job(run.out) or {}
         if status == 0 and job.get("state") == "stopped":  # the workers ended the job rather than restart it
@@ -115,6 +124,8 @@ def cmd_train(args, argv: list[str]) -> int:
     out, lock = spec.run.out, None
     try:
         if ctx.rank == 0:
+            if spec.options is not None:
+                print(spec.options.describe(), flush=True)
             print("config: " + ", ".join(f"{k}={v}" for k, v in run_config(layout, tcfg).items()), flush=True)
             skipped = skipped_files(tcfg.data) if tcfg.data else None
             if skipped:

@@ -122,3 +122,20 @@ def machine_named(spec: str) -> Machine:
         raise LatticeConfigError(f"--machine lacks {sorted(required - set(values))}; give every one of "
                                  f"{', '.join(sorted(required))}")
     return Machine(**{"name": "given", **{k: frozen(v) for k, v in values.items()}})
+
+
+#: the preset of a GPU by a word of its name (torch.cuda.get_device_name)
+_GPU_PRESETS = (("H100", "h100-node"), ("H200", "h100-node"), ("A100", "a100-node"), ("V100", "longhorn-v100"),
+                ("RTX 5000", "frontera-rtx"))
+
+
+def machine_of_device(device_name: str | None) -> tuple[Machine, str]:
+    """(the rates, their name) that `lattice train` prices its choice of a mode's options with:
+    the preset of the GPU named (an H200 at the H100's rates, the nearest preset; any other GPU
+    too, said in the name), or on CPU the `cpu-2core` preset."""
+    if device_name is None:
+        return MACHINES["cpu-2core"], "cpu-2core"
+    for word, preset in _GPU_PRESETS:
+        if word in device_name:
+            return MACHINES[preset], preset if word.lower() in preset else f"{preset} (for the {word})"
+    return MACHINES["h100-node"], f"h100-node (no preset for {device_name})"

@@ -25,12 +25,13 @@ def layer_table(b: int, s: int, h: int, p: int, **options) -> dict[str, dict[str
     boundaries (sites "layer.linear" and "layer.branch"), and scalar multiplications per rank.
     "backward" recomputes the whole forward as Table 1 does; "backward_as_run" is lattice's, whose
     checkpoint stops the recomputation after the last tensor saved for backward (1D then skips
-    the MLP's all-reduce). `options` go to the modes that take them (e.g. subgrids=4)."""
+    the MLP's all-reduce). Each mode at its paper's options (`Mode.paper_options`); `options` go to
+    the modes that take them (e.g. subgrids=4)."""
     cfg = GPTConfig(vocab_size=8, seq_len=s, d_model=h, n_heads=h, n_layers=1)
     out = {}
     for mode in parallel_modes():
         taken = get_mode(mode).options
-        extra = {**get_mode(mode).fit_options(cfg, p), **{k: v for k, v in options.items() if k in taken}}
+        extra = {**get_mode(mode).paper_options, **get_mode(mode).fit_options(cfg, p), **{k: v for k, v in options.items() if k in taken}}
         try:
             c = estimate(cfg, mode, batch=b, tp=p, activation_checkpointing=True, **extra)
         except LatticeConfigError:

@@ -84,6 +84,9 @@ class Mode:
     #: small layouts the conformance suite runs this mode in: lattice.init keyword arguments
     #: (tp, dp and options), each needing at most 8 processes. A mode without any fails the suite.
     test_layouts: ClassVar[Sequence[Mapping[str, Any]]] = ()
+    #: the option settings of the algorithm as its paper states it, where the defaults (the settings
+    #: measured fastest) differ: the papers' tables are reproduced at these
+    paper_options: ClassVar[Mapping[str, Any]] = {}
     #: an outside implementation of this same layout that `lattice bench` runs beside it
     #: ("dtensor": PyTorch's own tensor parallelism), or None
     peer: ClassVar[str | None] = None

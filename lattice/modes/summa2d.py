@@ -205,24 +205,29 @@ class Summa2D(Mode):
 
     name = "2d"
     residual_replicated = False
-    options = {"vectors": Option("hosted", "where the vectors (biases, norm weights, position rows) live: on row 0, "
-                                           "broadcast down the column in forward and reduced back in backward "
-                                           "(hosted, Fig. 5), or on every row, their gradients summed down the "
-                                           "column after backward (replicated)", choices=("hosted", "replicated")),
-               "summa": Option("broadcast", "each product's collectives: q broadcasts of blocks and q reduces "
-                                            "(broadcast, Alg. 1-3), or one all-gather of the q blocks and one "
-                                            "reduce-scatter (all_gather: fewer, larger messages; q blocks held "
-                                            "during the product)", choices=("broadcast", "all_gather")),
-               "keep_gathered": Option(False, "with summa=all_gather: keep each linear's gathered input row and "
-                                              "weight column for backward (q times their blocks' memory until "
-                                              "backward), whose products then need one reduce-scatter each and "
-                                              "no all-gather")}
-    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2, "vectors": "replicated", "summa": "all_gather"},
-                    {"tp": 4, "summa": "all_gather", "keep_gathered": True},
+    # the defaults are the settings measured fastest (benchmarks/results/peer_blocks.txt)
+    options = {"vectors": Option("replicated", "where the vectors (biases, norm weights, position rows) live: on "
+                                               "row 0, broadcast down the column in forward and reduced back in "
+                                               "backward (hosted, Fig. 5), or on every row, their gradients summed "
+                                               "down the column after backward (replicated)",
+                                 choices=("hosted", "replicated")),
+               "summa": Option("all_gather", "each product's collectives: q broadcasts of blocks and q reduces "
+                                             "(broadcast, Alg. 1-3), or one all-gather of the q blocks and one "
+                                             "reduce-scatter (all_gather: fewer, larger messages; q blocks held "
+                                             "during the product)", choices=("broadcast", "all_gather")),
+               "keep_gathered": Option(True, "with summa=all_gather: keep each linear's gathered input row and "
+                                             "weight column for backward (q times their blocks' memory until "
+                                             "backward), whose products then need one reduce-scatter each and "
+                                             "no all-gather; off by default with summa=broadcast")}
+    paper_options = {"vectors": "hosted", "summa": "broadcast", "keep_gathered": False}
+    test_layouts = ({"tp": 4}, {"tp": 4, "dp": 2, **paper_options},
+                    {"tp": 4, "keep_gathered": False},
                     {"tp": 4, "ranks_per_node": 2, "placement": "topology"})
 
     @classmethod
     def resolve_options(cls, given):
+        if given.get("summa") == "broadcast" and "keep_gathered" not in given:
+            given = {**given, "keep_gathered": False}  # nothing gathered to keep
         options = super().resolve_options(given)
         if options["keep_gathered"] and options["summa"] != "all_gather":
             raise LatticeConfigError("mode '2d' keep_gathered=True keeps what the all-gather form of SUMMA gathered: "

@@ -61,7 +61,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _option_settings(mode: str, tp: int) -> list[dict]:
+def option_settings(mode: str, tp: int) -> list[dict]:
     """Every setting of the mode's options (an integer option, such as subgraph's sub-grid count,
     over the divisors of tp from 2)."""
     names, values = [], []
@@ -87,7 +87,7 @@ def _tensor_group_problem(mode: str, tp: int, rpn: int) -> str | None:
         return None
     except LatticeConfigError as e:
         problem = str(e)
-    for options in _option_settings(mode, tp):
+    for options in option_settings(mode, tp):
         try:
             Layout(mode, tp=tp, options=options, ranks_per_node=rpn)
             return None
@@ -166,7 +166,7 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
             plan.tensor_groups.add(mode)
             # the mode's option settings at pp = 1, cp = 1: its fastest and its smallest in memory go on
             trials = []
-            for options in _option_settings(mode, tp):
+            for options in option_settings(mode, tp):
                 try:  # on one replica, with its share of the batch
                     lay = Layout(mode, tp=tp, options=options, ranks_per_node=rpn)
                     problem = get_mode(mode).size_problem(cfg, lay.context())  # (without the refusal's hint search)

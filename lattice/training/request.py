@@ -80,6 +80,8 @@ class TrainRequest:
     resume: str | None = None
     overwrite: bool = False
     allow_config_change: bool = False
+    #: the mode's options given (the layout holds them with the rest chosen); None: all of them
+    given_options: dict | None = None
 
     def config(self, resumed: dict | None = None, **changes) -> TrainConfig:
         """The TrainConfig asked for: a RESUMED_FIELDS flag not given takes `resumed`'s recorded
@@ -93,12 +95,13 @@ class TrainRequest:
         return TrainConfig(**{**given, **changes})
 
 
-def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
+def prepare_run(request: TrainRequest, nproc: int | None = None, choose_options: bool = True) -> RunSpec:
     """The run `request` asks for, checked whole and decided without processes (and, with
     `nproc`, against the processes the launcher is about to start): every refusal of a bad
-    request is made here, once, in one line. Changes nothing but the token cache (an explicit
-    out-dir is created if missing, once everything else passed, so that a refused request leaves
-    no directory behind)."""
+    request is made here, once, in one line. The mode's options not given take the planner's
+    choice (`options_for_run`; not with `choose_options` False). Changes nothing but the token
+    cache (an explicit out-dir is created if missing, once everything else passed, so that a
+    refused request leaves no directory behind)."""
     layout = request.layout
     restart = elastic_restart(request.given['out_dir'])
     if restart is not None and restart.state != "running":
@@ -137,6 +140,9 @@ def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
     tcfg = request.config(saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
     check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
     corpus = tcfg.corpus()
+    chosen = options_for_run(request, tcfg, corpus) if choose_options else None
+    if chosen is not None:
+        layout = layout.replace(options=chosen.options)
     spec = specify_run(tcfg, layout.context(), corpus, resume=ckpt, resume_from=where,
                        allow_config_change=request.allow_config_change, init_from=init)
     if nproc is not None:  # after the layout's own refusals, which say more about the request
@@ -147,8 +153,31 @@ def prepare_run(request: TrainRequest, nproc: int | None = None) -> RunSpec:
     else:
         check_out_dir(run.out, checkpoint.FILENAME)
         faults.RunLock(run.out).probe()
-    return dataclasses.replace(spec, layout=layout, corpus=corpus, run=run, restart=restart,
+    return dataclasses.replace(spec, layout=layout, corpus=corpus, run=run, restart=restart, options=chosen,
                                resume_path=where, single_file=ckpt is not None and not checkpoint.is_sharded(ckpt))
+
+
+def options_for_run(request: TrainRequest, tcfg: TrainConfig, corpus):
+    """The planner's choice of the options of the request's mode that were not given
+    (lattice.planner.options.choose_options) for this model, global batch, ZeRO stage, precision
+    and checkpointing, on the rates of this device (lattice.cost.machines.machine_of_device) and
+    within its memory (a GPU's; on CPU no limit), or None where all are given. The same on
+    every rank: it reads nothing that differs between them."""
+    if request.given_options is None:
+        return None
+    import torch
+
+    from lattice.cost.machines import machine_of_device
+    from lattice.planner.options import choose_options
+    from lattice.planner.search import USABLE_MEMORY
+
+    cuda = torch.cuda.is_available()
+    machine, name = machine_of_device(torch.cuda.get_device_name(0) if cuda else None)
+    limit = USABLE_MEMORY * torch.cuda.get_device_properties(0).total_memory if cuda else None
+    choice = choose_options(tcfg.model_config(corpus.vocab_size, corpus.specials), request.layout,
+                            given=request.given_options, batch=tcfg.batch_size, machine=machine, memory_limit=limit,
+                            zero=tcfg.zero, precision=tcfg.precision, checkpointing=tcfg.activation_checkpointing)
+    return None if choice is None else dataclasses.replace(choice, machine=name)
 
 
 def sharded_resume(spec: RunSpec, ctx) -> RunSpec:

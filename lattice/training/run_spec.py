@@ -50,6 +50,7 @@ class RunSpec:
     resume_path: Path | None = None
     single_file: bool = False
     restart: Any = None  # lattice.training.request.Restart: a launcher's restart of this run's job
+    options: Any = None  # lattice.planner.options.OptionChoice: the mode's options chosen for the run
 
 
 def specify_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resume: str | os.PathLike | dict | None = None,
