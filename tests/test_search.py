@@ -249,3 +249,64 @@ def test_the_stage_figures_the_search_keeps_follow_every_argument_they_depend_on
         assert pricing.priced_blocks(cfg, lay, **args) is kept[-1]  # the second ask is kept
     for (a, fa), (b, fb) in itertools.combinations(zip(variants, kept), 2):
         assert fa != fb, (a, b)
+
+
+def test_train_takes_the_fastest_option_setting_that_fits_and_keeps_the_given_ones():
+    """Catches `lattice train` keeping 2d's defaults where keeping the gathered operands does not fit
+    the device, choosing a setting slower than another that fits, or overriding an option the
+    person gave: against every setting of 2d's options priced one by one (a hand list), without a
+    limit the fastest (the declared defaults), under a limit between the settings' memories the
+    fastest of those under it, under no setting's memory the smallest, and summa=broadcast given
+    alone keeps it (keep_gathered then off)."""
+    from lattice.planner.options import choose_options
+
+    cfg, lay = small(), Layout("2d", tp=4, ranks_per_node=4)
+    settings = [dict(vectors=v, summa=s, keep_gathered=k) for v in ("hosted", "replicated")
+                for s in ("broadcast", "all_gather") for k in (False, True) if not (k and s == "broadcast")]
+    hand = [price(cfg, Choice(lay.replace(options=o)), batch=8, machine=MACHINE) for o in settings]
+    memories = sorted({p.memory["total"] for p in hand})
+    assert len(memories) > 1  # keep_gathered costs memory, or this test tests nothing
+
+    def chosen(limit, given=None):
+        got = choose_options(cfg, lay, given=given or {}, batch=8, machine=MACHINE, memory_limit=limit)
+        return got, dict(got.options)
+
+    got, options = chosen(None)
+    assert got.fits and got.chosen == ("vectors", "summa", "keep_gathered")
+    assert got.priced.step_s == min(p.step_s for p in hand)
+    assert options == {"vectors": "replicated", "summa": "all_gather", "keep_gathered": True}
+    limit = (memories[0] + memories[-1]) / 2
+    got, options = chosen(limit)
+    under = [p for p in hand if p.memory["total"] <= limit]
+    assert got.fits and got.priced.memory["total"] <= limit < memories[-1]
+    assert got.priced.step_s == min(p.step_s for p in under)
+    got, options = chosen(memories[0] / 2)
+    assert not got.fits and got.priced.memory["total"] == memories[0]
+    got, options = chosen(None, {"summa": "broadcast"})
+    assert options["summa"] == "broadcast" and not options["keep_gathered"] and "summa" not in got.chosen
+    assert choose_options(cfg, lay, given=settings[0], batch=8, machine=MACHINE, memory_limit=None) is None
+
+
+def test_train_runs_with_the_options_it_prints_and_hands_them_to_its_workers(tmp_path):
+    """Catches a launcher whose workers choose again (or differently) or train with other options than
+    the line printed says: `lattice train --mode 2d --tp 4` without options prints the chosen
+    setting once, its workers' config line holds the same, and an option given is not chosen."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "lattice", "train", "--mode", "2d", "--tp", "4", "--nproc", "4", "--steps", "1",
+           "--model", "tiny", "--vocab-size", "512", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
+           "--no-keep-gathered", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("2d options: ")]
+    assert len(line) == 1, proc.stdout
+    picked = dict(re.findall(r"(vectors|summa|keep_gathered)=(\w+)", line[0].split(" (")[0]))
+    assert set(picked) == {"vectors", "summa"}  # keep_gathered was given
+    config = next(x for x in proc.stdout.splitlines() if x.startswith("config: "))
+    assert "keep_gathered=False" in config
+    assert all(f"{k}={v}" in config for k, v in picked.items()), (picked, config)
