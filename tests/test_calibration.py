@@ -362,3 +362,33 @@ def test_kernel_rows_and_rate_from_the_median_of_the_product_bursts():
     kernel_rows, rate = fit_product_rates(rows, bursts, weights=1e6)
     assert kernel_rows == pytest.approx(50.0)
     assert rate == pytest.approx(1e6 * 562 / 662e-6)
+
+
+def test_here_calibrates_each_world_once_and_plans_from_the_cache(tmp_path, monkeypatch, capsys):
+    """Catches `--machine here` calibrating again on every plan (a minute each), a cache that does
+    not read back into the same rates, a plan that does not say whose rates it priced with and how
+    old they are, and a corrupt cache or more ranks than the host runs ending in a traceback: the
+    first call at 1 rank calibrates (and says so), the second reads the cache and gives the same
+    Machine, `plan --auto --machine here` prints the rates line with their age, and the bad cases
+    are one line each."""
+    from lattice.bench import host
+    from lattice.cli import main as cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    logged = []
+    first, line = host.host_machine([1], log=logged.append)
+    assert len(logged) == 1 and logged[0].startswith("calibrating this host at 1 rank")
+    assert host.cache_file().is_relative_to(tmp_path) and host.cache_file().exists()
+    again, _ = host.host_machine([1], log=logged.append)
+    assert len(logged) == 1 and again == first and first.at(1).flop_rate > 0
+    assert line.startswith("rates: this host's, calibrated at 1 rank ") and " ago " in line
+    argv = ["plan", "--auto", "--model", "small", "--n-layers", "2", "--gpus", "1", "--batch", "2"]
+    assert cli.main([*argv, "--machine", "here"]) == 0 and cli.main(argv) == 0  # here is the default on CPU
+    out = capsys.readouterr()
+    assert out.out.count("rates: this host's, calibrated at 1 rank ") == 2 and "calibrating" not in out.err
+    with pytest.raises(LatticeConfigError, match=r"is more than its \d+ cores run .*--machine .*h100-node"):
+        host.host_machine([host.RANKS_PER_CORE * host.cores() + 1])
+    host.cache_file().write_text("{")
+    assert cli.main([*argv, "--machine", "here"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "cannot be read" in err and "--recalibrate" in err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 import torch
 
@@ -18,7 +19,7 @@ from lattice.cli.arguments import add_layout_flags, add_size_flags, given_sizes,
 from lattice.cli.plan_report import (format_cost, format_pipeline, format_search, format_splits, format_table1,
                                      mode_verdicts)
 from lattice.cost.machine import PAPER_CLUSTER
-from lattice.cost.machines import MACHINES, machine_named
+from lattice.cost.machines import MACHINES, PRESET_SOURCES, machine_named, machine_of_device, rates_of
 from lattice.cost.model import estimate, model_config
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import DEFAULT_ARCH, available_archs, get_arch
@@ -59,10 +60,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=None,
                    help="with --zero 1 or 2: the all-gather of updated weights beside the next forward (as in train; "
                         "default on with --zero)")
-    p.add_argument("--machine", default=None, metavar="PRESET|JSON",
-                   help=f"a preset ({', '.join(MACHINES)}) or Machine fields as inline JSON or a JSON file (e.g. a "
-                        f"calibration from `lattice bench`); default: the papers' 4-GPU-node cluster, with --auto "
-                        f"{AUTO_MACHINE}")
+    p.add_argument("--machine", default=None, metavar="here|PRESET|JSON",
+                   help=f"`here` (this host's rates, calibrated once and cached), a preset ({', '.join(MACHINES)}) or "
+                        f"Machine fields as inline JSON or a JSON file (e.g. a calibration from `lattice bench`); "
+                        f"default: the papers' 4-GPU-node cluster, with --auto this host's GPU preset, else `here` "
+                        f"where this host runs --gpus ranks, else {AUTO_MACHINE}")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --machine here: measure this host's rates again rather than read the cached ones "
+                        "(default: off)")
     p.add_argument("--auto", action="store_true",
                    help="search every layout of the model on --gpus ranks (each mode and its options, tp, cp, pp with "
                         "its schedule and micro-batches, dp, ZeRO, precision, activation checkpointing, placement), "
@@ -157,13 +162,6 @@ def _run_auto(args, cfg, *, batch: int) -> int:
         raise LatticeConfigError(f"--memory {args.memory}: give the memory per rank in GiB, e.g. --memory 80")
     if args.top < 1:
         raise LatticeConfigError(f"--top {args.top}: list at least one setup")
-    machine = machine_named(args.machine or AUTO_MACHINE)
-    rpn = args.ranks_per_node or machine.ranks_per_node
-    machine = dataclasses.replace(machine, ranks_per_node=rpn)
-    if args.precision and args.precision != machine.precision and not machine.other_precision_flop_rate:
-        raise LatticeConfigError(f"--precision {args.precision}: {machine.name} has a matrix-product rate for "
-                                 f"{machine.precision} only; drop --precision or give a machine with both")
-    precisions = (args.precision,) if args.precision else None
     modes = None
     if args.modes:
         modes = args.modes.split(",")
@@ -171,6 +169,13 @@ def _run_auto(args, cfg, *, batch: int) -> int:
         if unknown:
             raise LatticeConfigError(f"--modes {args.modes}: no mode {', '.join(unknown)}; the modes are "
                                      f"{', '.join(available_modes())}")
+    machine, rates = auto_machine(args)  # (after the checks that need no machine: `here` may calibrate)
+    rpn = args.ranks_per_node or machine.ranks_per_node
+    machine = dataclasses.replace(machine, ranks_per_node=rpn)
+    if args.precision and args.precision != machine.precision and not machine.other_precision_flop_rate:
+        raise LatticeConfigError(f"--precision {args.precision}: {machine.name} has a matrix-product rate for "
+                                 f"{machine.precision} only; drop --precision or give a machine with both")
+    precisions = (args.precision,) if args.precision else None
     plan = search(cfg, gpus=args.gpus, machine=machine, batch=batch, memory_gib=args.memory, ranks_per_node=rpn,
                   precisions=precisions, modes=modes)
     shown = modes or sorted({p.choice.layout.mode for p in plan.ranked} | set(plan.refused) | set(plan.closest_over))
@@ -178,14 +183,42 @@ def _run_auto(args, cfg, *, batch: int) -> int:
                               batch=batch) if plan.ranked else None)  # the first choice as a run
     if args.json:
         print(json.dumps({"model": repr(cfg), "gpus": args.gpus, "ranks_per_node": rpn, "machine": machine.name,
+                          "rates": rates,
                           "batch": batch, "seq_len": cfg.seq_len, "memory_limit_bytes": plan.memory_limit, "priced": plan.priced,
                           "fit": len(plan.ranked), "over_memory": plan.over_memory, "seconds": plan.seconds,
                           "refused": plan.refused, "top": [p.as_dict() for p in plan.ranked[:args.top]],
                           "modes": mode_verdicts(plan, shown), "command": command}, indent=1))
         return 0
+    print(rates)
     print(format_search(plan, cfg=cfg, gpus=args.gpus, ranks_per_node=rpn, machine=machine, batch=batch, top=args.top,
                         modes=shown, command=command))
     return 0
+
+
+def auto_machine(args) -> tuple:
+    """(`--auto`'s machine, a line saying whose rates they are and how old): `--machine here` this
+    host's (lattice.bench.host, calibrated at --gpus ranks once and cached); a preset or JSON as
+    named; with none named, on a GPU host its preset, else `here` where this host runs --gpus
+    ranks, else AUTO_MACHINE."""
+    from lattice.bench import host
+
+    name = args.machine
+    if name is None:
+        if torch.cuda.is_available():
+            machine, preset = machine_of_device(torch.cuda.get_device_name(0))
+            return machine, f"rates: {preset}, the preset of this host's GPU ({PRESET_SOURCES['h100-node']})"
+        if args.gpus > host.RANKS_PER_CORE * host.cores():
+            return machine_named(AUTO_MACHINE), (f"rates: {rates_of(AUTO_MACHINE)} (--gpus {args.gpus} is more ranks "
+                                                 f"than this host runs; --machine names another)")
+        name = "here"
+    if name == "here":
+        machine, rates = host.host_machine([args.gpus], recalibrate=args.recalibrate,
+                                           log=lambda line: print(line, file=sys.stderr, flush=True))
+        return machine, rates
+    if args.recalibrate:
+        raise LatticeConfigError(f"--recalibrate measures this host's rates: it goes with --machine here, not "
+                                 f"--machine {name[:60]}")
+    return machine_named(name), f"rates: {rates_of(name)}"
 
 
 def _train_command(args, layout_flags: str, *, gpus: int, ranks_per_node: int, batch: int) -> str:

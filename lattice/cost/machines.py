@@ -139,3 +139,19 @@ def machine_of_device(device_name: str | None) -> tuple[Machine, str]:
         if word in device_name:
             return MACHINES[preset], preset if word.lower() in preset else f"{preset} (for the {word})"
     return MACHINES["h100-node"], f"h100-node (no preset for {device_name})"
+
+
+#: where each preset's rates come from, for the line `lattice plan --auto` prints
+PRESET_SOURCES = {
+    "cpu-2core": "measured on another host (2 x86_64 cores, gloo, 1 thread per rank; cpu_2core.json names the "
+                 "results its rows come from), which this host's may differ from: --machine here for its own",
+    **{name: "published peaks and link rates, with the H200's measured product and attention curves scaled by peak"
+       for name in ("frontera-rtx", "longhorn-v100", "lassen-v100", "a100-node", "h100-node")},
+}
+
+
+def rates_of(spec: str) -> str:
+    """Whose rates `spec` (a preset, a JSON file or inline JSON) are, in words."""
+    if spec in MACHINES:
+        return f"the {spec} preset, {PRESET_SOURCES[spec]}"
+    return f"as given ({spec[:60]})"
