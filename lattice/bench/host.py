@@ -28,8 +28,9 @@ from lattice.parallel.context import LatticeConfigError
 RANKS_PER_CORE = 4
 #: the model and batch the rates are measured on (the `cpu-2core` preset's)
 CALIBRATION_MODEL, CALIBRATION_BATCH = ("gpt2", "small"), 8
-#: micro-benchmark repetitions: each a round of every one, the median taken
-REPS = 2
+#: micro-benchmark repetitions (the median taken): as the presets were calibrated; at 2 the rates of
+#: one host spread by up to a third between calibrations minutes apart
+REPS = 5
 
 
 def cores() -> int:
