@@ -11,6 +11,7 @@ process on this CPU), at published rates or this repository's micro-benchmarks:
   (`Machine.by_world`).
 - `frontera-rtx` (Optimus's testbed: 4 Quadro RTX 5000 per node, PCIe, InfiniBand FDR),
   `longhorn-v100` (the 3D paper's: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR),
+  `dgx2h-v100` (Megatron-LM's 2019 runs: 16 V100 SXM3 per node, NVSwitch, 8 x InfiniBand EDR),
   `lassen-v100` (SUPER's: as Longhorn with dual-rail EDR), `a100-node` (DGX A100: 8 GPUs, NVSwitch,
   8 x HDR 200 Gb/s) and `h100-node` (DGX H100: 8 GPUs, NVSwitch, 8 x NDR 400 Gb/s).
 
@@ -96,6 +97,9 @@ MACHINES: dict[str, Machine] = {
     "a100-node": gpu_machine("DGX A100: 8 A100 80GB per node, NVSwitch, 8 x InfiniBand HDR 200 Gb/s", peak_half=312e12,
                       peak_fp32=156e12, hbm=2.0e12, memory_gib=80, ranks_per_node=8, intra_gbs=300,
                       alpha_intra=5e-6, node_nic_gbs=200),
+    "dgx2h-v100": gpu_machine("DGX-2H: 16 V100 SXM3 32GB (450 W) per node, NVSwitch, 8 x InfiniBand EDR 100 Gb/s",
+                       peak_half=130e12, peak_fp32=16.4e12, hbm=900e9, memory_gib=32, ranks_per_node=16,
+                       intra_gbs=150, alpha_intra=5e-6, node_nic_gbs=100),
     "h100-node": gpu_machine("DGX H100: 8 H100 80GB per node, NVSwitch, 8 x InfiniBand NDR 400 Gb/s", peak_half=989e12,
                       peak_fp32=494e12, hbm=3.35e12, memory_gib=80, ranks_per_node=8, intra_gbs=450,
                       alpha_intra=5e-6, node_nic_gbs=400),
@@ -146,7 +150,7 @@ PRESET_SOURCES = {
     "cpu-2core": "measured on another host (2 x86_64 cores, gloo, 1 thread per rank; cpu_2core.json names the "
                  "results its rows come from), which this host's may differ from: --machine here for its own",
     **{name: "published peaks and link rates, with the H200's measured product and attention curves scaled by peak"
-       for name in ("frontera-rtx", "longhorn-v100", "lassen-v100", "a100-node", "h100-node")},
+       for name in ("frontera-rtx", "longhorn-v100", "lassen-v100", "a100-node", "dgx2h-v100", "h100-node")},
 }
 
 
