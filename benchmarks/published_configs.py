@@ -93,6 +93,19 @@ def per_gpu(cfg, row, step_s: float) -> float:
     return batch * cfg.seq_len / step_s / gpus
 
 
+def _layout_ranking(ranked) -> list:
+    """[((tp, pp, dp), its fastest setup)] of the setups without context parallelism, fastest first:
+    the layouts of the published kind, each at its best ZeRO stage, checkpointing, micro-batches and
+    schedule."""
+    best = {}
+    for q in ranked:
+        lay = q.choice.layout
+        key = (lay.tp, lay.pp, lay.dp)
+        if lay.cp == 1 and (key not in best or q.step_s < best[key].step_s):
+            best[key] = q
+    return sorted(best.items(), key=lambda item: item[1].step_s)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-search", action="store_true", help="price the published configurations only")
@@ -115,9 +128,12 @@ def main() -> None:
             kind = ["1d", "serial"]
             same_kind = search(cfg, gpus=gpus, machine=machine, batch=batch, modes=kind, precisions=("bf16",),
                                placements=("natural",))
+            layouts = _layout_ranking(same_kind.ranked)
+            mine = (tp, pp, gpus // (tp * pp))
+            out["layout_rank"] = 1 + [key for key, _ in layouts].index(mine) if mine in dict(layouts) else None
+            out["layouts"] = len(layouts)
+            out["same_kind_first"] = layouts[0][1].choice.describe() if layouts else None
             published_step = priced.step_s
-            out["rank_among_same_kind"] = 1 + sum(q.step_s < published_step for q in same_kind.ranked)
-            out["same_kind_first"] = same_kind.ranked[0].choice.describe() if same_kind.ranked else None
             whole = search(cfg, gpus=gpus, machine=machine, batch=batch, precisions=("bf16",),
                            placements=("natural",))
             first = whole.ranked[0] if whole.ranked else None
@@ -125,10 +141,15 @@ def main() -> None:
             out["planner_first_gain"] = published_step / first.step_s - 1 if first else None
             out["search_s"] = time.perf_counter() - start
         rows.append(out)
-        rank = f"  rank {out['rank_among_same_kind']} of its kind" if "rank_among_same_kind" in out else ""
+        rank = (f"  its layout {out['layout_rank']} of {out['layouts']}; planner's first "
+                f"{out['planner_first']} ({out['planner_first_gain']:+.0%})" if "layouts" in out else "")
         print(f"{name:<28} {gpus:>5} GPUs  {choice.describe():<52} published {row[11]:>8.1f} {row[12]:<9} "
               f"predicted {predicted:>8.1f}  error {out['error']:+6.1%}{rank}", flush=True)
     errors = [abs(r["error"]) for r in rows]
+    ranked = [r for r in rows if r.get("layout_rank")]
+    if ranked:
+        print(f"the published layout in the planner's top 5 of its kind in {sum(r['layout_rank'] <= 5 for r in ranked)} "
+              f"of {len(rows)} problems")
     print(f"median |error| {statistics.median(errors):.1%} over {len(rows)} configurations from "
           f"{len({r['source'] for r in rows})} sources")
     if args.output:
