@@ -84,9 +84,8 @@ class Choice:
         for name in ("tp", "cp", "pp", "dp"):
             if getattr(lay, name) > 1:
                 out.append(f"--{name} {getattr(lay, name)}")
-        for key, value in sorted(lay.options.items()):
-            if value != get_mode(lay.mode).options[key].default:
-                out.append(command_flag(key, value))
+        for key, value in sorted(lay.options.items()):  # every one: train would choose those not given
+            out.append(command_flag(key, value))
         if lay.accumulation > 1:
             out.append(f"--microbatches {lay.accumulation}")  # gradient accumulation
         if lay.pp > 1:
