@@ -206,7 +206,7 @@ def auto_machine(args) -> tuple:
     if name is None:
         if torch.cuda.is_available():
             machine, preset = machine_of_device(torch.cuda.get_device_name(0))
-            return machine, f"rates: {preset}, the preset of this host's GPU ({PRESET_SOURCES['h100-node']})"
+            return machine, f"rates: {preset}, the preset of this host's GPU ({PRESET_SOURCES[preset.split()[0]]})"
         if args.gpus > host.RANKS_PER_CORE * host.cores():
             return machine_named(AUTO_MACHINE), (f"rates: {rates_of(AUTO_MACHINE)} (--gpus {args.gpus} is more ranks "
                                                  f"than this host runs; --machine names another)")

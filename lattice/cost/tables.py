@@ -31,7 +31,8 @@ def layer_table(b: int, s: int, h: int, p: int, **options) -> dict[str, dict[str
     out = {}
     for mode in parallel_modes():
         taken = get_mode(mode).options
-        extra = {**get_mode(mode).paper_options, **get_mode(mode).fit_options(cfg, p), **{k: v for k, v in options.items() if k in taken}}
+        extra = {**get_mode(mode).paper_options, **get_mode(mode).fit_options(cfg, p),
+                 **{k: v for k, v in options.items() if k in taken}}
         try:
             c = estimate(cfg, mode, batch=b, tp=p, activation_checkpointing=True, **extra)
         except LatticeConfigError:
