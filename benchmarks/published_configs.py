@@ -35,7 +35,7 @@ from lattice.cost.model import model_config  # noqa: E402
 from lattice.modes.layout import Layout  # noqa: E402
 from lattice.parallel.context import LatticeConfigError  # noqa: E402
 from lattice.planner.pricing import Choice, price  # noqa: E402
-from lattice.planner.search import search  # noqa: E402
+from lattice.planner.search import USABLE_MEMORY, search, uneven_split  # noqa: E402
 
 NARAYANAN = "Narayanan et al., SC21, Table 1 (Selene: DGX A100 80GB, 8 x HDR 200 Gb/s per node)"
 TITAN_A100 = "torchtitan docs/performance.md, Llama 3 on 64 A100 80GB, FSDP2"
@@ -71,6 +71,11 @@ PUBLISHED = [
 ]
 
 
+def cfg_of(row):
+    arch, preset, sizes = row[2]
+    return model_config(arch, preset, **sizes)
+
+
 def narayanan_flops(cfg, batch: int) -> float:
     """Model FLOPs of one step with recomputation, as Narayanan et al. count them."""
     B, s, l, h, V = batch, cfg.seq_len, cfg.n_layers, cfg.d_model, cfg.vocab_size
@@ -81,8 +86,9 @@ def published_choice(row) -> Choice:
     _, _, _, _, gpus, tp, pp, batch, micro, recompute, fsdp, _, _ = row
     dp = gpus // (tp * pp)
     replica = batch // dp
-    pipe = dict(microbatches=replica // micro, pp_schedule="1f1b") if pp > 1 else {}
-    lay = Layout("1d" if tp > 1 else "serial", tp=tp, pp=pp, dp=dp, ranks_per_node=8, **pipe)
+    pipe = dict(microbatches=replica // micro, pp_schedule="1f1b", pp_layers=uneven_split(cfg_of(row), pp)) if pp > 1 else {}
+    lay = Layout("1d" if tp > 1 else "serial", tp=tp, pp=pp, dp=dp, ranks_per_node=MACHINES[row[3]].ranks_per_node,
+                 options={"sequence_parallel": False} if tp > 1 and not fsdp else {}, **pipe)
     return Choice(lay, zero=2 if fsdp else 0, precision="bf16", checkpointing=recompute)
 
 
@@ -104,6 +110,28 @@ def _layout_ranking(ranked) -> list:
         if lay.cp == 1 and (key not in best or q.step_s < best[key].step_s):
             best[key] = q
     return sorted(best.items(), key=lambda item: item[1].step_s)
+
+
+def _system_ranking(cfg, row, machine) -> list:
+    """[((tp, pp, dp), its price)] of every split of the row's GPUs its own system offers, with the
+    row's other settings as published (its micro-batch, 1F1B, recomputation, FSDP or not): tp
+    within a node, pp dividing the blocks' count or not (uneven stages as lattice splits them),
+    each that fits 90% of the device's memory, fastest first."""
+    _, _, _, _, gpus, _, _, batch, micro, _, fsdp, _, _ = row
+    out = []
+    for tp in [t for t in (1, 2, 4, 8) if gpus % t == 0 and t <= machine.ranks_per_node]:
+        for pp in [q for q in range(1, cfg.n_layers + 1) if (gpus // tp) % q == 0]:
+            dp = gpus // (tp * pp)
+            if batch % dp or (batch // dp) % micro or (pp > 1 and (batch // dp) // micro < pp):
+                continue
+            variant = (row[:5] + (tp, pp) + row[7:])
+            try:
+                priced = price(cfg, published_choice(variant), batch=batch, machine=machine)
+            except LatticeConfigError:
+                continue
+            if priced.memory["total"] <= USABLE_MEMORY * machine.memory_gib * 2 ** 30:
+                out.append(((tp, pp, dp), priced))
+    return sorted(out, key=lambda item: item[1].step_s)
 
 
 def main() -> None:
@@ -133,6 +161,10 @@ def main() -> None:
             out["layout_rank"] = 1 + [key for key, _ in layouts].index(mine) if mine in dict(layouts) else None
             out["layouts"] = len(layouts)
             out["same_kind_first"] = layouts[0][1].choice.describe() if layouts else None
+            system = _system_ranking(cfg, row, machine)
+            out["system_rank"] = 1 + [key for key, _ in system].index(mine) if mine in dict(system) else None
+            out["system_layouts"] = len(system)
+            out["system_first"] = system[0][1].choice.describe() if system else None
             published_step = priced.step_s
             whole = search(cfg, gpus=gpus, machine=machine, batch=batch, precisions=("bf16",),
                            placements=("natural",))
@@ -141,7 +173,8 @@ def main() -> None:
             out["planner_first_gain"] = published_step / first.step_s - 1 if first else None
             out["search_s"] = time.perf_counter() - start
         rows.append(out)
-        rank = (f"  its layout {out['layout_rank']} of {out['layouts']}; planner's first "
+        rank = (f"  its system's {out['system_rank']} of {out['system_layouts']}; lattice 1d's {out['layout_rank']} of "
+                f"{out['layouts']}; planner's first "
                 f"{out['planner_first']} ({out['planner_first_gain']:+.0%})" if "layouts" in out else "")
         print(f"{name:<28} {gpus:>5} GPUs  {choice.describe():<52} published {row[11]:>8.1f} {row[12]:<9} "
               f"predicted {predicted:>8.1f}  error {out['error']:+6.1%}{rank}", flush=True)
@@ -149,7 +182,8 @@ def main() -> None:
     ranked = [r for r in rows if r.get("layout_rank")]
     if ranked:
         print(f"the published layout in the planner's top 5 of its kind in {sum(r['layout_rank'] <= 5 for r in ranked)} "
-              f"of {len(rows)} problems")
+              f"of {len(rows)} problems; among its own system's splits (its settings as published) in "
+              f"{sum((r['system_rank'] or 99) <= 5 for r in rows)}")
     print(f"median |error| {statistics.median(errors):.1%} over {len(rows)} configurations from "
           f"{len({r['source'] for r in rows})} sources")
     if args.output:
