@@ -57,6 +57,11 @@ SHAPES = {
     "gpt2-wide": ("gpt2", {"model": "small", "d_model": 384, "n_layers": 2, "seq_len": 64}),
     "gpt2-deep": ("gpt2", {"model": "small", "d_model": 96, "n_heads": 8, "n_layers": 8, "seq_len": 64}),
     "llama-gqa": ("llama", {"model": "small"}),
+    # shapes the cpu-2core preset's rates were not fitted around: an encoder, an encoder-decoder and
+    # a decoder on a long sequence
+    "bert-small": ("bert", {"model": "small"}),
+    "t5-small": ("t5", {"model": "small", "seq_len": 128, "target_len": 129, "d_model": 256, "n_heads": 8}),
+    "gpt2-long": ("gpt2", {"model": "small", "n_layers": 2, "seq_len": 512}),
 }
 
 
