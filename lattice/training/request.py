@@ -172,8 +172,9 @@ def options_for_run(request: TrainRequest, tcfg: TrainConfig, corpus):
     from lattice.planner.search import USABLE_MEMORY
 
     cuda = torch.cuda.is_available()
-    machine, name = machine_of_device(torch.cuda.get_device_name(0) if cuda else None)
-    limit = USABLE_MEMORY * torch.cuda.get_device_properties(0).total_memory if cuda else None
+    device = int(os.environ.get("LOCAL_RANK", "0"))  # this rank's own GPU, not every rank's first
+    machine, name = machine_of_device(torch.cuda.get_device_name(device) if cuda else None)
+    limit = USABLE_MEMORY * torch.cuda.get_device_properties(device).total_memory if cuda else None
     choice = choose_options(tcfg.model_config(corpus.vocab_size, corpus.specials), request.layout,
                             given=request.given_options, batch=tcfg.batch_size, machine=machine, memory_limit=limit,
                             zero=tcfg.zero, precision=tcfg.precision, checkpointing=tcfg.activation_checkpointing)
