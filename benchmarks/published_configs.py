@@ -141,8 +141,8 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for row in PUBLISHED:
-        source, name, (arch, preset, sizes), machine_name, gpus, tp, pp, batch = row[:8]
-        cfg = model_config(arch, preset, **sizes)
+        source, name, _, machine_name, gpus, tp, pp, batch = row[:8]
+        cfg = cfg_of(row)
         machine = MACHINES[machine_name]
         choice = published_choice(row)
         priced = price(cfg, choice, batch=batch, machine=machine)

@@ -3,7 +3,7 @@ here (lattice.calibration.calibrate, every rank of a gloo world at once, on GPT-
 batch of 8, as the `cpu-2core` preset was) at each world size a plan needs, and cached by host so
 that the next plan reads them.
 
-    machine, rates = host_machine([4])      # calibrates 1 and 4 ranks the first time (about a minute)
+    machine, rates = host_machine([4])      # calibrates 1 and 4 ranks the first time (about 2 minutes on 2 cores)
 
 The cache is one JSON file per host (its name, cores and torch version) under
 $XDG_CACHE_HOME/lattice/machines (~/.cache/lattice/machines), a row of BY_WORLD_FIELDS per world
