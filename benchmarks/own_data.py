@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     size = path.stat().st_size / 2 ** 20
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    corpus = load_data_corpus(str(path), args.vocab_size, cache=work / "cache")
+    os.environ["LATTICE_CACHE"] = str(work / "cache")
+    corpus = load_data_corpus(str(path), args.vocab_size)
     dt = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     tokens = len(corpus.train) + len(corpus.val)

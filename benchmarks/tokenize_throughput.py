@@ -1,4 +1,4 @@
-"""Tokenization throughput: lattice's token-file writer (`lattice.data.corpus.write_token_file`,
+"""Tokenization throughput: lattice's token-file writer (`lattice.data.token_files.write_token_file`,
 pieces of about 1 MB through `encode_batch`, streamed to disk) against the tokenizers library's
 own `encode_batch` of the same pieces in one call, held in memory, on the same text.
 
@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lattice.bench.provenance import provenance  # noqa: E402
-from lattice.data.corpus import CHUNK_CHARS, corpus_text, train_tokenizer, write_token_file  # noqa: E402
+from lattice.data.corpus import corpus_text, train_tokenizer  # noqa: E402
+from lattice.data.text_files import CHUNK_CHARS, Piece  # noqa: E402
+from lattice.data.token_files import write_token_file  # noqa: E402
 
 
 def main() -> None:
@@ -37,9 +39,9 @@ def main() -> None:
     text = corpus * max(1, int(args.mb * 1e6 / len(corpus.encode())))
     pieces = [text[k:k + CHUNK_CHARS] for k in range(0, len(text), CHUNK_CHARS)]
     with tempfile.TemporaryDirectory() as tmp:
-        chars, tokens, ours = write_token_file(Path(tmp) / "tokens.bin", tokenizer, iter(pieces), np.uint16)
+        chars, tokens, ours, _ = write_token_file(Path(tmp) / "tokens.bin", tokenizer, map(Piece, pieces), np.uint16)
     start = time.perf_counter()
-    theirs_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(pieces))
+    theirs_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(pieces, add_special_tokens=False))
     theirs = time.perf_counter() - start
     result = {"provenance": provenance(), "megabytes": len(text.encode()) / 1e6, "characters": chars,
               "tokens": tokens, "same_tokens": tokens == theirs_tokens, "write_token_file_s": ours,

@@ -48,25 +48,39 @@ def test_tokenizer_round_trips_any_text(corpus):
 def test_cache_is_reused_and_keyed_by_vocab_size(tmp_path, monkeypatch):
     """Catches a cache that is ignored, or one that serves ids of another vocabulary size."""
     monkeypatch.setenv("LATTICE_CACHE", str(tmp_path))
-    text = corpus_text()
     first = load_corpus(300)
     entries = sorted(p.name for p in tmp_path.iterdir())
     again = load_corpus(300)
     assert sorted(p.name for p in tmp_path.iterdir()) == entries and len(entries) == 1
     assert torch.equal(first.train, again.train) and torch.equal(first.val, again.val)
-    ids = torch.tensor(again.encode(text))  # the cached ids are the tokenizer's encoding of the text
+    ids = torch.tensor(_documents_ids(again))  # the cached ids are the tokenizer's encoding of the text
     assert torch.equal(torch.cat([again.train, again.val]), ids)
     other = load_corpus(400)
     assert len(list(tmp_path.iterdir())) == 2
     assert len(other.train) + len(other.val) < len(ids)  # more merges, fewer tokens
 
 
-def test_split_is_the_last_tenth(corpus):
-    """Catches a split that overlaps, drops tokens, or is not the tail of the corpus."""
-    ids = torch.tensor(corpus.encode(corpus_text()))
-    n = len(ids)
+def _documents_ids(corpus) -> list[int]:
+    """The built-in corpus as its documents (pydoc's topics) each encoded and followed by the
+    tokenizer's own end-of-text token, computed here topic by topic."""
+    from pydoc_data.topics import topics
+
+    eos = corpus.tokenizer.token_to_id("<|endoftext|>")
+    return [i for k in sorted(topics) for i in corpus.encode(topics[k].strip() + "\n") + [eos]]
+
+
+def test_split_is_the_last_tenth_of_whole_documents(corpus):
+    """Catches a split that overlaps, drops tokens, is not the tail of the corpus, or cuts a
+    document in two: the validation split starts right after an end-of-text token and holds
+    about a tenth of the tokens; every topic ends with <|endoftext|>, which is the tokenizer's
+    own special token (id 0), so generation can stop at it."""
+    from pydoc_data.topics import topics
+
+    ids = torch.tensor(_documents_ids(corpus))
+    n, eos = len(ids), corpus.tokenizer.token_to_id("<|endoftext|>")
     assert torch.equal(torch.cat([corpus.train, corpus.val]), ids)
-    assert len(corpus.val) == n // 10
+    assert eos == 0 and corpus.specials == {"eos": 0} and int((ids == eos).sum()) == len(topics)
+    assert int(corpus.train[-1]) == eos and 0.05 * n < len(corpus.val) < 0.2 * n
 
 
 def test_batches_are_windows_with_shifted_targets_and_depend_only_on_seed_and_step(corpus):
@@ -129,10 +143,10 @@ def test_own_data_is_a_memory_mapped_token_file_read_by_windows(tmp_path, monkey
     monkeypatch.setenv("LATTICE_CACHE", str(tmp_path / "cache"))
     corpus = load_data_corpus(str(tmp_path / "*.txt"), 300)
     assert isinstance(corpus.train, np.memmap) and corpus.train.dtype == np.uint16
-    text = (tmp_path / "a.txt").read_text() + "\n\n" + (tmp_path / "b.txt").read_text()
-    direct = corpus.tokenizer.encode((tmp_path / "a.txt").read_text()).ids + corpus.tokenizer.encode("\n\n").ids \
-        + corpus.tokenizer.encode((tmp_path / "b.txt").read_text()).ids
-    assert np.concatenate([corpus.train, corpus.val]).tolist() == direct and corpus.decode(direct) == text
+    eos = corpus.tokenizer.token_to_id("<|endoftext|>")  # each file is a document, ended by it
+    direct = corpus.tokenizer.encode((tmp_path / "a.txt").read_text()).ids + [eos] \
+        + corpus.tokenizer.encode((tmp_path / "b.txt").read_text()).ids + [eos]
+    assert np.concatenate([corpus.train, corpus.val]).tolist() == direct
     x, y = global_batch(corpus.train, 3, seed=1, batch_size=4, seq_len=8, rows=slice(2, 4))
     gen = torch.Generator().manual_seed(1 * 1_000_003 + 3)
     starts = torch.randint(0, len(corpus.train) - 8, (4,), generator=gen)[2:]
@@ -145,15 +159,15 @@ def test_jsonl_data_takes_the_text_field_and_refuses_other_lines(tmp_path):
     line that fails deep inside the tokenizer instead of naming the file and line."""
     import json
 
-    from lattice.data.corpus import data_chunks
+    from lattice.data.text_files import Piece, documents
 
     rows = [{"text": "first document", "id": 1}, {"text": "second one", "id": 2}]
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    assert "".join(data_chunks(str(path), "jsonl", "text")) == "first document\n\nsecond one\n\n"
+    assert list(documents(str(path), "jsonl", "text")) == [Piece("first document"), Piece("second one")]
     path.write_text(json.dumps(rows[0]) + "\n{\"body\": \"no text\"}\n")
     with pytest.raises(LatticeConfigError, match=r"docs.jsonl:2 is not a JSON object with a 'text' field"):
-        list(data_chunks(str(path), "jsonl", "text"))
+        list(documents(str(path), "jsonl", "text"))
 
 
 def _bad_inputs(root) -> dict[str, tuple[list[str], str]]:
@@ -228,22 +242,30 @@ def test_a_source_tree_trains_on_its_text_and_says_what_it_skipped(tmp_path, cap
     assert "logo.png is not text (NUL bytes)" in capsys.readouterr().err
 
 
-def test_the_token_file_holds_each_pieces_own_ids_in_order(tmp_path, capsys):
-    """Catches batched encoding that reorders pieces, drops the last partial batch or merges
-    tokens across piece boundaries: 19 pieces (two full batches of ENCODE_BATCH and three) through
-    write_token_file hold exactly encode() of each piece, concatenated, and the summary line
-    counts them."""
+def test_the_token_file_holds_each_pieces_own_ids_in_order(tmp_path, capsys, monkeypatch):
+    """Catches batched encoding that reorders pieces, drops the last partial batch, merges tokens
+    across piece boundaries, or puts a document's separators anywhere but around it: 19 pieces
+    (encoded in batches of 4: four full and three) of 7 documents through write_token_file hold
+    exactly bos + encode() of each piece + eos, and the summary line counts them."""
     import numpy as np
 
-    from lattice.data.corpus import ENCODE_BATCH, train_tokenizer, write_token_file
+    from lattice.data import token_files
+    from lattice.data.corpus import train_tokenizer
+    from lattice.data.text_files import Piece
 
+    monkeypatch.setattr(token_files, "BATCH_PIECES", 4)
     text = corpus_text()
     tokenizer = train_tokenizer(text[:200_000], 600)
     step = len(text) // 19
-    pieces = [text[k * step:(k + 1) * step] for k in range(19)]
-    assert len(pieces) == 2 * ENCODE_BATCH + 3
-    chars, tokens, _ = write_token_file(tmp_path / "tokens.bin", tokenizer, iter(pieces), np.uint16)
-    expected = [i for piece in pieces for i in tokenizer.encode(piece).ids]
+    cuts = {0, 3, 4, 9, 10, 15, 16}  # the first piece of each document
+    pieces = [Piece(text[k * step:(k + 1) * step], k in cuts, k + 1 in cuts | {19}) for k in range(19)]
+    separators = token_files.Separators(bos=(7,), eos=(5, 6), how="test")
+    done = token_files.write_token_file(tmp_path / "tokens.bin", tokenizer, iter(pieces), np.uint16,
+                                        separators=separators)
+    expected, starts = [], []
+    for p in pieces:
+        starts += [len(expected)] if p.first else []
+        expected += [7] * p.first + tokenizer.encode(p.text).ids + [5, 6] * p.last
     assert np.fromfile(tmp_path / "tokens.bin", dtype=np.uint16).tolist() == expected
-    assert (chars, tokens) == (sum(map(len, pieces)), len(expected))
-    assert f"into {len(expected):,} tokens" in capsys.readouterr().out
+    assert (done.chars, done.tokens, done.starts.tolist()) == (sum(len(p.text) for p in pieces), len(expected), starts)
+    assert f"(7 documents) into {len(expected):,} tokens" in capsys.readouterr().out

@@ -67,7 +67,8 @@ def cmd_train(args, argv: list[str]) -> int:
     from lattice import checkpoint
     from lattice.checkpoint import run_dir
     from lattice.checkpoint import sharded as sharded_checkpoint
-    from lattice.data.corpus import skipped_files
+    from lattice.data.corpus import sources_of
+    from lattice.data.text_files import skipped_files
     from lattice.modes.layout import init
     from lattice.training import faults
     from lattice.training.config import config_toml, run_config
@@ -127,9 +128,10 @@ def cmd_train(args, argv: list[str]) -> int:
             if spec.options is not None:
                 print(spec.options.describe(), flush=True)
             print("config: " + ", ".join(f"{k}={v}" for k, v in run_config(layout, tcfg).items()), flush=True)
-            skipped = skipped_files(tcfg.data) if tcfg.data else None
-            if skipped:
-                print(skipped, flush=True)
+            texts = sources_of(tcfg.data) if tcfg.data and tcfg.data_format in ("text", "jsonl") else []
+            skipped = [line for line in (skipped_files(path) for _, path in texts) if line]
+            for line in skipped + spec.corpus.about:
+                print(line, flush=True)
             for line in run_dir.create(spec.run):  # after init: every rank chose before anything was created
                 print(line, flush=True)
             lock = faults.RunLock(out).acquire()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
+from lattice.data.blend import Blend
 from lattice.data.corpus import Corpus
+from lattice.data.token_files import windows
 from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
 
@@ -37,8 +38,11 @@ def _check_batch(batch_size: int, seq_len: int, dp: int, tokens: torch.Tensor, s
         lower = batch_size - batch_size % dp
         raise LatticeConfigError(f"batch size {batch_size} is not divisible by dp = {dp}; use a multiple of "
                                  f"{dp} (for example {lower or dp} or {lower + dp})")
-    if len(tokens) < seq_len + 1:
-        raise LatticeConfigError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
+    shortest = min(((len(p), n) for p, n in zip(tokens.parts, tokens.names)), default=(0, "")) \
+        if isinstance(tokens, Blend) else (len(tokens), None)
+    if shortest[0] < seq_len + 1:
+        source = f" of {shortest[1]}" if shortest[1] else ""
+        raise LatticeConfigError(f"the {split} split{source} has {shortest[0]} tokens, fewer than seq_len + 1 = "
                                  f"{seq_len + 1}; use a shorter seq_len or a larger corpus")
 
 
@@ -75,19 +79,14 @@ def replica_rows(batch_size: int, ctx: ParallelContext) -> slice:
     return slice(r * per, (r + 1) * per)
 
 
-def windows(tokens, starts: torch.Tensor, length: int) -> torch.Tensor:
-    """(n, length) int64 windows of `tokens` (a tensor, or a memory-mapped array of which only
-    these windows are read)."""
-    if isinstance(tokens, np.ndarray):
-        return torch.from_numpy(np.stack([np.asarray(tokens[s:s + length], dtype=np.int64) for s in starts.tolist()]))
-    return tokens[starts[:, None] + torch.arange(length)]
-
-
 def global_batch(tokens, step: int, *, seed: int, batch_size: int, seq_len: int,
                  rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `rows` of the batch of `step`: `batch_size` random windows, a function of (seed, step)
-    only; only the windows of those rows are read."""
+    only; only the windows of those rows are read. A Blend draws each row from one of its sources."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if isinstance(tokens, Blend):
+        window = tokens.step_windows(step, gen, seed=seed, batch_size=batch_size, length=seq_len + 1, rows=rows)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
     starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)[rows]
     window = windows(tokens, starts, seq_len + 1)  # (rows, T+1)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
@@ -106,6 +105,8 @@ def val_windows(corpus: Corpus, *, batch_size: int, seq_len: int, num_batches: i
     """(num_batches, batch_size, seq_len) windows evenly spread over the validation split: the
     global batches every validation of every run with these sizes reads."""
     n = batch_size * num_batches
+    if isinstance(corpus.val, Blend):
+        return corpus.val.spread(n, seq_len).view(num_batches, batch_size, seq_len)
     starts = torch.linspace(0, len(corpus.val) - seq_len, n).long()
     return windows(corpus.val, starts, seq_len).view(num_batches, batch_size, seq_len)
 

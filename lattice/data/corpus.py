@@ -10,30 +10,35 @@ corpus and the vocabulary size.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 import numpy as np
 import torch
 
 from lattice.checkpoint.files import atomic_write
+from lattice.data.blend import Blend, parse_blend
+from lattice.data.text_files import check_texts, data_files, documents
+from lattice.data.token_files import (Separators, document_split, file_identity, flat_tokens, megatron_paths,
+                                      megatron_tokens, token_dtype, write_token_file)
 from lattice.parallel.context import LatticeConfigError
 
 DEFAULT_VOCAB = 2048
 VAL_FRACTION = 0.1
 
 
-def corpus_text() -> str:
-    """The built-in corpus: pydoc's help topics, in a fixed (sorted) order."""
+def corpus_documents() -> list[str]:
+    """The built-in corpus's documents: pydoc's help topics, in a fixed (sorted) order."""
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[k].strip() for k in sorted(topics)) + "\n"
+    return [topics[k].strip() + "\n" for k in sorted(topics)]
+
+
+def corpus_text() -> str:
+    """The built-in corpus as one text (what its tokenizer is trained on)."""
+    return "\n".join(corpus_documents())
 
 
 def cache_dir() -> Path:
@@ -45,15 +50,24 @@ def _save_npy(path: str, array: np.ndarray) -> None:
         np.save(f, array)
 
 
-def train_tokenizer(text: str, vocab_size: int):
-    """A byte-level BPE trained on `text` (all 256 bytes in the initial alphabet)."""
+END_OF_TEXT = "<|endoftext|>"  # the end-of-text token of lattice's own BPE (GPT-2's spelling)
+
+
+def _bpe():
     from tokenizers import ByteLevelBPETokenizer
 
-    if vocab_size < 257:
-        raise LatticeConfigError(f"vocab_size = {vocab_size} is below the 256 byte symbols plus one merge; "
-                                 f"use at least 257 (default {DEFAULT_VOCAB})")
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    return ByteLevelBPETokenizer()
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE trained on `text` (all 256 bytes in the initial alphabet), with its own
+    end-of-text token END_OF_TEXT (id 0), which ends every document."""
+    if vocab_size < 258:
+        raise LatticeConfigError(f"vocab_size = {vocab_size} is below the 256 byte symbols, the end-of-text token "
+                                 f"and one merge; use at least 258 (default {DEFAULT_VOCAB})")
+    tok = _bpe()
+    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                            special_tokens=[END_OF_TEXT])
     return tok
 
 
@@ -104,7 +118,8 @@ def write_specials(corpus: "Corpus", directory: Path) -> None:
 
 @dataclass
 class Corpus:
-    """Token ids of the built-in corpus split into train and validation, plus the tokenizer."""
+    """Token ids split into train and validation, plus the tokenizer (None for token files read
+    without one). A split is a tensor, a memory-mapped array, or a Blend of several."""
 
     train: torch.Tensor  # (N_train,) int64
     val: torch.Tensor  # (N_val,) int64
@@ -113,6 +128,7 @@ class Corpus:
     key: str  # cache key: hash of the corpus text and vocabulary size
     content_hash: str | None = None  # identity of own data (`data_hash`), None for the built-in corpus
     specials: dict = field(default_factory=dict)  # role -> id of the tokenizer's own special tokens
+    about: list = field(default_factory=list)  # lines on own data: its documents' separators, its split
 
     def encode(self, text: str) -> list[int]:
         """The text's token ids, without the special tokens a pretrained tokenizer's post-processor
@@ -123,230 +139,204 @@ class Corpus:
         return self.tokenizer.decode(list(ids))
 
 
-def data_files(spec: str) -> list[Path]:
-    """The text files of `--data`: one file (refused later if it is not text), or every text file
-    of a directory (recursively) or a glob; the others are skipped (`skipped_files`)."""
-    return _data_files(spec)[0]
+#: --data-format: text files and JSON lines (tokenized here), a flat token file (nanoGPT's .bin),
+#: Megatron's indexed .bin/.idx, and HF `datasets` (parquet, arrow, JSON; the `data` extra)
+DATA_FORMATS = ("text", "jsonl", "tokens", "megatron", "hf")
+TOKENIZED = ("tokens", "megatron")  # formats that hold token ids, read as they are
 
 
-def skipped_files(spec: str) -> str | None:
-    """One line on the files of a `--data` directory or glob that are not text and so are not
-    trained on (how many, which kinds), or None when there are none."""
-    skipped = _data_files(spec)[1]
-    if not skipped:
-        return None
-    kinds = Counter(p.suffix or p.name for p in skipped)
-    shown = ", ".join(f"{kind} x{n}" for kind, n in kinds.most_common(6)) + (", ..." if len(kinds) > 6 else "")
-    return f"--data {spec}: skipped {len(skipped)} file{'s' * (len(skipped) > 1)} that are not text ({shown})"
+def sources_of(spec: str) -> list[tuple[float, str]]:
+    """[(weight, path)] of `--data`: one source of weight 1, or a blend's (lattice.data.blend)."""
+    return parse_blend(spec) or [(1.0, spec)]
 
 
-def _data_files(spec: str) -> tuple[list[Path], list[Path]]:
-    """(text files, files that are not text) of `--data`."""
-    import glob
-
-    path = Path(spec)
-    if path.is_file():
-        return [path], []
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file())
-    else:
-        found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-    if not found:
-        raise LatticeConfigError(f"--data {spec} names no file (a file, a directory of files or a glob); "
-                                 f"check the path")
-    text, other = [], []
-    for p in found:
-        (text if _text_problem(p) is None else other).append(p)
-    if not text:
-        raise LatticeConfigError(f"--data {spec} holds no text file ({len(found)} file{'s' * (len(found) > 1)}, none "
-                                 f"UTF-8 text); point it at text files")
-    return text, other
+def listed_files(spec: str, data_format: str) -> list[str]:
+    """The files `--data` reads, as a run's data.json lists them."""
+    files = []
+    for _, path in sources_of(spec):
+        if data_format == "megatron":
+            files += [str(p) for p in megatron_paths(path)]
+        elif data_format in ("tokens", "hf"):
+            files += [str(p) for p in (sorted(Path(path).rglob("*")) if Path(path).is_dir() else [Path(path)])
+                      if p.is_file()]
+        else:
+            files += [str(p) for p in data_files(path)]
+    return files
 
 
-def json_lines(spec: str, keys: tuple[str, ...], flags: str):
-    """(path, line number, the `keys` fields) of every JSON line of `--data`, or one line naming
-    the first that lacks them and the flags (`flags`) that name other keys."""
-    for path in data_files(spec):
-        yield from _json_rows(path, keys, flags)
-
-
-def _json_rows(path: Path, keys: tuple[str, ...], flags: str):
-    import json
-
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                values = tuple(row[k] for k in keys)
-            except (ValueError, KeyError, TypeError):
-                named = f"a {keys[0]!r} field" if len(keys) == 1 else " and ".join(map(repr, keys)) + " fields"
-                raise LatticeConfigError(f"{path}:{n} is not a JSON object with {named}; fix it or pass "
-                                         f"{flags}") from None
-            yield path, n, values
-
-
-TEXT_SAMPLE = 1 << 16  # bytes of each --data file looked at before training on it
-MAX_UNDECODABLE = 0.01  # the share of a file's sample that may fail to decode as UTF-8
-
-
-def _check_texts(spec: str) -> None:
-    """Refuse `--data` without text (every file empty) or with a file that is not text; read
-    once per load, not on every pass over the files."""
-    files = data_files(spec)
-    if not any(p.stat().st_size for p in files):
-        raise LatticeConfigError(f"--data {spec} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
-                                 f"give it some text")
-    for path in files:
-        _check_text(path, spec)
-
-
-def _check_text(path: Path, spec: str) -> None:
-    """Refuse a file that is not text (`_text_problem`), naming the file."""
-    what = _text_problem(path)
-    if what is not None:
-        where = f"--data {spec}" if Path(spec) == path else f"--data {spec}: {path}"
-        raise LatticeConfigError(f"{where} is not text ({what}); pass text files (UTF-8), or leave that file out "
-                                 f"of --data")
-
-
-def _text_problem(path: Path) -> str | None:
-    """Why a file is not text: a NUL byte, or more than 1% of its first 64 KiB not decodable as
-    UTF-8 (a binary, an archive, another encoding); None for text."""
-    stat = path.stat()
-    return _sampled_text_problem(path.resolve(), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=1 << 16)  # a load lists --data's files several times: each file is sampled once
-def _sampled_text_problem(path: Path, mtime_ns: int, size: int) -> str | None:
-    with open(path, "rb") as f:
-        head = f.read(TEXT_SAMPLE)
-    text = head.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd") - (1 if len(head) == TEXT_SAMPLE and text.endswith("\ufffd") else 0)
-    if b"\0" in head:
-        return "NUL bytes"
-    if bad > MAX_UNDECODABLE * max(1, len(text)):
-        return f"{bad} of its first {len(head):,} bytes not UTF-8"
-    return None
-
-
-CHUNK_CHARS = 1 << 20  # text is read, hashed, tokenized and written in pieces of about this size
-
-
-def data_chunks(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text"):
-    """The text of `--data` in pieces of about CHUNK_CHARS ending at a line break (files
-    separated by a blank line; JSON lines contribute their `text_key`, or each of several keys:
-    both sides of translation pairs), never all in memory."""
-    keys = (text_key,) if isinstance(text_key, str) else tuple(text_key)
-    flags = "--text-key" if len(keys) == 1 else "--source-key / --target-key"
-    for i, path in enumerate(data_files(spec)):
-        if i:
-            yield "\n\n"
-        if data_format == "jsonl":
-            for _, _, values in _json_rows(path, keys, flags):
-                yield "".join(str(v) + "\n\n" for v in values)
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            while True:
-                piece = f.read(CHUNK_CHARS)
-                if not piece:
-                    break
-                yield piece + f.readline()  # end at a line break, so no word is cut
-
-
-ENCODE_BATCH = 8  # pieces encoded at once, on every core (the tokenizers library's threads)
-
-
-def write_token_file(path, tokenizer, pieces, dtype, *, total: int = 0) -> tuple[int, int, float]:
-    """Encode the text `pieces` with `tokenizer`, ENCODE_BATCH pieces at a time through its
-    `encode_batch` (which runs on every core; the ids are those `encode` gives each piece), into
-    the flat token file `path`; a progress bar on a terminal (`total`: about how many characters
-    there are) and one line at the end with the throughput. Returns (characters, tokens, seconds)."""
-    import sys
-    import time
-
-    from tqdm.auto import tqdm
-
-    start, chars, tokens = time.perf_counter(), 0, 0
-    shown = sys.stderr is not None and sys.stderr.isatty()
-    with open(path, "wb") as f, tqdm(total=total or None, unit="char", unit_scale=True, desc="tokenizing",
-                                     disable=not shown, leave=False) as bar:
-        batch = []
-        for piece in itertools.chain(pieces, [None]):  # streamed: None ends the last batch
-            if piece is not None:
-                batch.append(piece)
-            if batch and (piece is None or len(batch) == ENCODE_BATCH):
-                for encoded in tokenizer.encode_batch(batch):
-                    f.write(np.asarray(encoded.ids, dtype=dtype).tobytes())
-                    tokens += len(encoded.ids)
-                size = sum(map(len, batch))
-                chars += size
-                bar.update(size)
-                batch = []
-    seconds = time.perf_counter() - start
-    print(f"tokenized {chars / 1e6:,.1f} M characters into {tokens:,} tokens in {seconds:.1f} s "
-          f"({chars / 1e6 / max(seconds, 1e-9):,.1f} M characters/s)", flush=True)
-    return chars, tokens, seconds
-
-
-def data_hash(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text") -> str:
-    """Identity of `--data`'s content (read in pieces)."""
+def _source_hash(path: str, data_format: str, text_key) -> str:
+    if data_format == "tokens":
+        return file_identity(Path(path))
+    if data_format == "megatron":
+        return file_identity(*megatron_paths(path))
     named = text_key if isinstance(text_key, str) else "\0".join(text_key)
     h = hashlib.sha256(f"{data_format}\0{named}\0".encode())
-    for piece in data_chunks(spec, data_format, text_key):
-        h.update(piece.encode())
+    for piece in documents(path, data_format, text_key):
+        h.update(f"{piece.first:d}{piece.last:d}".encode() + piece.text.encode())
     return h.hexdigest()[:16]
 
 
-def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
-                     text_key: str | tuple[str, ...] = "text", tokenizer_path: str | None = None) -> Corpus:
-    """Your own text, tokenized once (in pieces) into a memory-mapped token file (uint16, or
-    uint32 beyond 65536 tokens) cached by content hash, so that a corpus larger than memory
-    trains with bounded memory: batches read only their windows. A byte-level BPE is trained on
-    the text (streamed) unless `tokenizer_path` gives one."""
+def data_hash(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text") -> str:
+    """Identity of `--data`'s content (its documents read in pieces; a token file's sampled
+    blocks, lattice.data.token_files.file_identity), and of a blend's weights."""
+    blend = sources_of(spec)
+    if len(blend) == 1:
+        return _source_hash(spec, data_format, text_key)
+    named = "\0".join(f"{w!r}:{_source_hash(p, data_format, text_key)}" for w, p in blend)
+    return hashlib.sha256(named.encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Source:
+    tokens: np.ndarray
+    starts: np.ndarray | None  # the first token of each document; None: a flat token file marks none
+    name: str
+
+
+def _data_tokenizer(paths: list[str], vocab_size: int, data_format: str, text_key, given: Path | None,
+                    tokenizer_path: str | None):
+    """The tokenizer of own data: the one given, else (text) a byte-level BPE trained on every
+    source's documents (cached by their content), else (token files) None."""
+    if given:
+        return _checked_tokenizer(given, vocab_size, tokenizer_path)
+    if data_format in TOKENIZED:
+        return None
     from tokenizers import Tokenizer
 
-    _check_texts(spec)
-    given = _given_tokenizer(tokenizer_path)
-    salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
-    content = data_hash(spec, data_format, text_key)
-    key = f"{content}-{salt}"
-    root = cache_dir() / f"data-{vocab_size}-{key}"
-    tok_path, ids_path = root / "tokenizer.json", root / "tokens.bin"
-    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-    if not (tok_path.exists() and ids_path.exists()):
-        if given:
-            bpe = _checked_tokenizer(given, vocab_size, tokenizer_path)
-        else:
-            from tokenizers import ByteLevelBPETokenizer
+    key = hashlib.sha256("\0".join(_source_hash(p, data_format, text_key) for p in paths).encode()).hexdigest()[:16]
+    path = cache_dir() / f"bpe-data-{vocab_size}-{key}" / "tokenizer.json"
+    if not path.exists():
+        train_tokenizer("", vocab_size)  # the vocabulary-size check
+        bpe = _bpe()
+        texts = (piece.text for p in paths for piece in documents(p, data_format, text_key))
+        bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                special_tokens=[END_OF_TEXT])
+        atomic_write(path, lambda tmp: bpe.save(tmp))
+    return Tokenizer.from_file(str(path))
 
-            train_tokenizer("", vocab_size)  # the vocabulary-size check
-            bpe = ByteLevelBPETokenizer()
-            bpe.train_from_iterator(data_chunks(spec, data_format, text_key), vocab_size=vocab_size,
-                                    min_frequency=2, show_progress=False)
+
+def _text_source(path: str, vocab_size: int, data_format: str, text_key, tokenizer, separators: Separators,
+                 salt: str) -> _Source:
+    """A text source tokenized once into a memory-mapped token file and its documents' starts,
+    cached by content and tokenizer."""
+    if data_format != "hf":
+        check_texts(path)
+    root = cache_dir() / f"data-{vocab_size}-{_source_hash(path, data_format, text_key)}-{salt}"
+    ids_path, starts_path = root / "tokens.bin", root / "documents.npy"
+    dtype = token_dtype(vocab_size)
+    if not (ids_path.exists() and starts_path.exists()):
+        total = 0 if data_format == "hf" else sum(f.stat().st_size for f in data_files(path))
+        written = {}
 
         def write_tokens(tmp):
-            write_token_file(tmp, bpe, data_chunks(spec, data_format, text_key), dtype,
-                             total=sum(f.stat().st_size for f in data_files(spec)))
+            written["starts"] = write_token_file(tmp, tokenizer, documents(path, data_format, text_key), dtype,
+                                                 separators=separators, total=total).starts
 
-        atomic_write(tok_path, lambda tmp: bpe.save(tmp))
         atomic_write(ids_path, write_tokens)
-    ids = np.memmap(ids_path, dtype=dtype, mode="r")
-    if len(ids) < 2:
-        raise LatticeConfigError(f"--data {spec} holds {len(ids)} tokens; give it some text")
-    split = len(ids) - int(len(ids) * VAL_FRACTION)
-    tokenizer = Tokenizer.from_file(str(tok_path))
-    return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key,
-                  content_hash=content, specials=tokenizer_specials(tokenizer, given.parent) if given else {})
+        atomic_write(starts_path, lambda tmp: _save_npy(tmp, written["starts"]))
+    tokens = np.memmap(ids_path, dtype=dtype, mode="r") if ids_path.stat().st_size else np.zeros(0, dtype)
+    return _Source(tokens, np.load(starts_path), path)
 
 
-def check_data(data: str | None, tokenizer_path: str | None, vocab_size: int | None = None) -> None:
+def _token_source(path: str, vocab_size: int, data_format: str, separators: Separators | None) -> _Source:
+    if data_format == "megatron":
+        tokens, starts = megatron_tokens(path, vocab_size)
+        return _Source(tokens, starts, path)
+    tokens = flat_tokens(Path(path), vocab_size)
+    if separators is None or len(separators.eos) != 1:
+        return _Source(tokens, None, path)
+    ends = np.concatenate([np.flatnonzero(np.asarray(tokens[i:i + (1 << 24)]) == separators.eos[0]) + i
+                           for i in range(0, len(tokens), 1 << 24)] or [np.empty(0, np.int64)])
+    return _Source(tokens, np.concatenate([[0], ends + 1]).astype(np.int64), path)  # a document after each eos
+
+
+def _sources(spec: str, vocab_size: int, data_format: str, text_key, tokenizer, separators, salt) -> list[_Source]:
+    out = []
+    for _, path in sources_of(spec):
+        if data_format in TOKENIZED:
+            out.append(_token_source(path, vocab_size, data_format, separators))
+        else:
+            out.append(_text_source(path, vocab_size, data_format, text_key, tokenizer, separators, salt))
+        if len(out[-1].tokens) < 2:
+            raise LatticeConfigError(f"--data {path} holds {len(out[-1].tokens)} tokens; give it some text")
+    return out
+
+
+def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
+                     text_key: str | tuple[str, ...] = "text", tokenizer_path: str | None = None,
+                     val_data: str | None = None) -> Corpus:
+    """Your own data: text (text files, JSON lines, a dataset) tokenized once into a memory-mapped
+    token file (uint16, or uint32 beyond 65536 tokens) cached by content hash, each document
+    followed by the tokenizer's end-of-text token (and preceded by its beginning-of-text token
+    where the tokenizer adds one); or token files read as they are. A corpus larger than memory
+    trains with bounded memory: batches read only their windows. A byte-level BPE (with its own
+    <|endoftext|>) is trained on the text unless `tokenizer_path` gives one. The validation split
+    is `val_data`, else the last VAL_FRACTION of each source's documents (whole documents)."""
+    blend = sources_of(spec)
+    validation = sources_of(val_data) if val_data else []
+    given = _given_tokenizer(tokenizer_path)
+    tokenizer = _data_tokenizer([p for _, p in blend + validation], vocab_size, data_format, text_key, given,
+                                tokenizer_path)
+    specials = tokenizer_specials(tokenizer, given.parent if given else None) if tokenizer is not None else {}
+    separators = None if tokenizer is None else Separators.of(tokenizer, specials, _adds_bos(given))
+    salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
+    train = _sources(spec, vocab_size, data_format, text_key, tokenizer, separators, salt)
+    if validation:
+        val = _sources(val_data, vocab_size, data_format, text_key, tokenizer, separators, salt)
+        splits = [(s.tokens, v.tokens) for s, v in zip(train, val)] if len(val) == len(train) else None
+        about = [f"validation: --val-data {val_data}"]
+        train_parts, val_parts = [s.tokens for s in train], [v.tokens for v in val]
+    else:
+        splits, about = [], []
+        for s in train:
+            at, line = document_split(len(s.tokens), s.starts, VAL_FRACTION)
+            splits.append((s.tokens[:at], s.tokens[at:]))
+            about.append(line if len(train) == 1 else f"{s.name}: {line}")
+        train_parts, val_parts = [a for a, _ in splits], [b for _, b in splits]
+    weights, names = [w for w, _ in blend], [p for _, p in blend]
+    if separators is not None:
+        about.insert(0, f"documents: {separators.how}")
+    return Corpus(train=_blended(train_parts, weights, names), val=_blended(val_parts, [w for w, _ in validation]
+                                                                             or weights, [p for _, p in validation] or names),
+                  vocab_size=vocab_size, tokenizer=tokenizer, key=f"{data_hash(spec, data_format, text_key)}-{salt}",
+                  content_hash=data_hash(spec, data_format, text_key), specials=specials, about=about)
+
+
+def _blended(parts: list, weights: list[float], names: list[str]):
+    return parts[0] if len(parts) == 1 else Blend(parts, weights, names)
+
+
+def _adds_bos(given: Path | None) -> bool | None:
+    """A tokenizer_config.json's add_bos_token beside the tokenizer, where it says."""
+    import json
+
+    config = given.parent / "tokenizer_config.json" if given else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("add_bos_token")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def check_data(data: str | None, tokenizer_path: str | None, vocab_size: int | None = None,
+               data_format: str = "text") -> None:
     """`--data` and `--tokenizer` refused in one line if they cannot be trained on: no file, no
-    text, a file that is not text, a tokenizer that does not parse or whose vocabulary does not
-    fit `vocab_size` (before any process group)."""
-    if data is not None:
-        _check_texts(data)
+    text, a file that is not text, a token file that does not parse or holds ids beyond the
+    vocabulary, a blend's weights that do not parse, a tokenizer that does not parse or whose
+    vocabulary does not fit `vocab_size` (before any process group)."""
+    for _, path in sources_of(data) if data is not None else []:
+        if data_format in ("text", "jsonl"):
+            check_texts(path)
+        elif data_format == "tokens" and vocab_size is not None:
+            flat_tokens(Path(path), vocab_size)
+        elif data_format == "megatron" and vocab_size is not None:
+            megatron_tokens(path, vocab_size)
+        elif data_format == "hf":
+            from lattice.data.hf_datasets import check_dataset
+
+            check_dataset(path)
     given = _given_tokenizer(tokenizer_path)
     if given is not None and vocab_size is not None:
         _checked_tokenizer(given, vocab_size, tokenizer_path)
@@ -389,29 +379,36 @@ def _checked_tokenizer(given: Path, vocab_size: int, tokenizer_path: str):
 def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, tokenizer_path: str | None = None) -> Corpus:
     """Tokenize the built-in corpus, from the cache (`cache_dir()`) when possible, with a
     byte-level BPE trained on it or the tokenizer at `tokenizer_path` (a tokenizer.json, or a
-    directory holding one, e.g. a local HF tokenizer or a lattice run directory).
+    directory holding one, e.g. a local HF tokenizer or a lattice run directory); each topic is a
+    document, followed by the end-of-text token as own data's are.
 
-    The last VAL_FRACTION of the tokens is the validation split (contiguous, so no validation
+    The last VAL_FRACTION of the documents is the validation split (contiguous, so no validation
     window overlaps training text)."""
     from tokenizers import Tokenizer
 
     text = corpus_text()
     given = _given_tokenizer(tokenizer_path)
     salt = given.read_text() if given else ""
-    key = hashlib.sha256(f"{vocab_size}\0{salt}\0{text}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{vocab_size}\0{salt}\0documents\0{text}".encode()).hexdigest()[:16]
     root = cache_dir() / f"bpe-{vocab_size}-{key}"
-    tok_path, ids_path = root / "tokenizer.json", root / "ids.npy"
-    if not (tok_path.exists() and ids_path.exists()):
+    tok_path, ids_path, starts_path = root / "tokenizer.json", root / "ids.npy", root / "documents.npy"
+    specials = {}
+    if not (tok_path.exists() and ids_path.exists() and starts_path.exists()):
         bpe = _checked_tokenizer(given, vocab_size, tokenizer_path) if given else train_tokenizer(text, vocab_size)
+        specials = tokenizer_specials(bpe, given.parent if given else None)
+        separators = Separators.of(bpe, specials, _adds_bos(given))
+        encoded = [list(separators.bos) + e.ids + list(separators.eos)
+                   for e in bpe.encode_batch(corpus_documents(), add_special_tokens=False)]
+        ids = np.asarray([i for e in encoded for i in e], dtype=np.int32)
+        starts = np.cumsum([0] + [len(e) for e in encoded[:-1]]).astype(np.int64)
         atomic_write(tok_path, lambda tmp: bpe.save(tmp))
-        ids = np.asarray(bpe.encode(text).ids, dtype=np.int32)
         atomic_write(ids_path, lambda tmp: _save_npy(tmp, ids))
+        atomic_write(starts_path, lambda tmp: _save_npy(tmp, starts))
     tokenizer = Tokenizer.from_file(str(tok_path))
-    ids = np.load(ids_path)
-    ids = torch.from_numpy(ids.astype(np.int64))
-    split = len(ids) - int(len(ids) * VAL_FRACTION)
+    ids = torch.from_numpy(np.load(ids_path).astype(np.int64))
+    split, _ = document_split(len(ids), np.load(starts_path), VAL_FRACTION)
     return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key,
-                  specials=tokenizer_specials(tokenizer, given.parent) if given else {})
+                  specials=tokenizer_specials(tokenizer, given.parent if given else None))
 
 
 def unigram_baseline(corpus: Corpus) -> float:
@@ -419,11 +416,18 @@ def unigram_baseline(corpus: Corpus) -> float:
     frequencies with add-one smoothing: what a model that ignores context can reach."""
     counts = np.ones(corpus.vocab_size, dtype=np.float64)
     val_total, val_count = 0.0, 0
-    for start in range(0, len(corpus.train), 1 << 22):  # in pieces: the splits may be memory-mapped
-        counts += np.bincount(np.asarray(corpus.train[start:start + (1 << 22)]), minlength=corpus.vocab_size)
+    for part in parts_of(corpus.train):
+        for start in range(0, len(part), 1 << 22):  # in pieces: the splits may be memory-mapped
+            counts += np.bincount(np.asarray(part[start:start + (1 << 22)]), minlength=corpus.vocab_size)
     log_p = np.log(counts) - np.log(counts.sum())
-    for start in range(0, len(corpus.val), 1 << 22):
-        piece = np.asarray(corpus.val[start:start + (1 << 22)], dtype=np.int64)
-        val_total += float(-log_p[piece].sum())
-        val_count += len(piece)
+    for part in parts_of(corpus.val):
+        for start in range(0, len(part), 1 << 22):
+            piece = np.asarray(part[start:start + (1 << 22)], dtype=np.int64)
+            val_total += float(-log_p[piece].sum())
+            val_count += len(piece)
     return val_total / val_count
+
+
+def parts_of(tokens) -> list:
+    """The token streams of a split: a Blend's sources, else the split itself."""
+    return list(tokens.parts) if isinstance(tokens, Blend) else [tokens]

@@ -32,7 +32,8 @@ from functools import cached_property
 import torch
 
 from lattice.data.batches import global_batch, replica_batch, truncated, val_windows
-from lattice.data.corpus import Corpus, json_lines
+from lattice.data.corpus import Corpus
+from lattice.data.text_files import json_lines
 from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError
 

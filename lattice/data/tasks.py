@@ -41,7 +41,8 @@ import torch
 
 from lattice.data.batches import (Batch, check_batch_size, global_batch, replica_batch, train_batch, truncated, val_batches,
                                   val_windows)
-from lattice.data.corpus import VAL_FRACTION, Corpus, json_lines, unigram_baseline
+from lattice.data.corpus import VAL_FRACTION, Corpus, unigram_baseline
+from lattice.data.text_files import json_lines
 from lattice.data.seq2seq import Seq2Seq
 from lattice.modes.kernels.loss import IGNORE_INDEX
 from lattice.parallel.context import LatticeConfigError

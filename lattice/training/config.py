@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lattice import checkpoint
-from lattice.data.corpus import DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
+from lattice.data.corpus import DATA_FORMATS, DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
 from lattice.data.tasks import APPENDED, BUILTIN_CLASSES, TASKS, TaskTokens, check_task, make_task, read_labelled
 from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
 from lattice.modes.layout import Layout
@@ -20,7 +20,6 @@ from lattice.modes.options import flag, flag_fields
 from lattice.parallel.context import LatticeConfigError
 from lattice.parallel.zero import ZERO_STAGES
 
-DATA_FORMATS = ("text", "jsonl")
 DTYPES = ("float32", "float64")  # of the weights and optimizer state; bf16 is autocast (--bf16)
 PRECISIONS = ("fp32", "bf16")  # bf16: bf16 weights with fp32 master rows in the optimizer (lattice.parallel.zero)
 REDUCE_DTYPES = ("fp32", "bf16")  # of the data-parallel gradient reduction under --precision bf16
@@ -46,9 +45,15 @@ class TrainConfig:
                                   group="model")
     vocab_size: int = flag(DEFAULT_VOCAB, "vocabulary of the byte-level BPE trained on the data (the built-in corpus "
                                           "or --data)", group="model")
-    data: str | None = flag(None, "train on your own text: a file, a directory of files or a glob (default: the "
-                                  "built-in corpus)", metavar="PATH", group="data")
-    data_format: str = flag(DATA_FORMATS[0], "format of --data", choices=lambda: DATA_FORMATS, group="data")
+    data: str | None = flag(None, "train on your own data: a file, a directory of files or a glob, or a blend of "
+                                  "weighted sources \"0.7 A 0.3 B\" (default: the built-in corpus)", metavar="PATH",
+                            group="data")
+    data_format: str = flag(DATA_FORMATS[0], "format of --data: text files (each a document), jsonl (a document per "
+                                             "line), tokens (a flat uint16/uint32 token file, nanoGPT's .bin), "
+                                             "megatron (an indexed .bin/.idx prefix), hf (parquet, arrow, JSON or CSV "
+                                             "through HF datasets)", choices=lambda: DATA_FORMATS, group="data")
+    val_data: str | None = flag(None, "validate on these data (the format of --data) instead of the last 10%% of "
+                                      "--data's documents", metavar="PATH", group="data")
     text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)", group="data")
     task: str | None = flag(None, "what to train: lm (the next token), mlm (BERT's masked LM) or classify (a class per "
                                   "sequence: --data JSON lines with --label-key, or the built-in task), seq2seq (a "
@@ -243,7 +248,7 @@ class TrainConfig:
             return load_corpus(self.vocab_size, tokenizer_path=self.tokenizer)
         # one tokenizer for both sides of pairs
         corpus = load_data_corpus(self.data, self.vocab_size, data_format=self.data_format, text_key=self.data_keys(),
-                                  tokenizer_path=self.tokenizer)
+                                  tokenizer_path=self.tokenizer, val_data=self.val_data)
         self.data_hash = corpus.content_hash  # hashed once, while finding the token cache
         return corpus
 
@@ -296,8 +301,8 @@ class TrainConfig:
 #: tokenizer's vocabulary), the task it was trained on and how its data are read, its schedule
 #: and optimizer, its precision, validation and checkpoints: a bare --resume continues as it was
 RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task",
-                  "dropout", "data_format", "text_key", "label_key", "pair_key", "source_key", "target_key", "steps",
-                  "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
+                  "dropout", "data_format", "val_data", "text_key", "label_key", "pair_key", "source_key", "target_key",
+                  "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
                   "eval_interval", "eval_batches", "activation_checkpointing", "zero", "checkpoint_interval", "keep",
                   "dtype", "precision", "grad_reduce_dtype")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from lattice import checkpoint
 from lattice.checkpoint import run_dir
 from lattice.checkpoint.files import check_out_dir
-from lattice.data.corpus import check_data, data_files, data_hash, read_tokenizer, write_specials
+from lattice.data.corpus import check_data, data_hash, listed_files, read_tokenizer, write_specials
 from lattice.models import DEFAULT_ARCH, get_arch
 from lattice.modes.layout import Layout, check_process_count
 from lattice.parallel.context import LatticeConfigError
@@ -65,7 +65,7 @@ def elastic_restart(out_dir: str | None) -> Restart | None:
 
 
 #: the TrainConfig fields that say how a run's data are read, kept by a resume without --data
-DATA_FIELDS = ("data", "data_format", "text_key", "pair_key", "source_key", "target_key", "tokenizer")
+DATA_FIELDS = ("data", "data_format", "val_data", "text_key", "pair_key", "source_key", "target_key", "tokenizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ def prepare_run(request: TrainRequest, nproc: int | None = None, choose_options:
     if init is not None:
         recorded = _init_from_model(request, init, arch)
     tcfg = request.config(saved if ckpt is not None else None, arch=arch, out_dir=str(run.out), **recorded)
-    check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size)
+    check_data(tcfg.data, tcfg.tokenizer, tcfg.vocab_size, tcfg.data_format)
     corpus = tcfg.corpus()
     chosen = options_for_run(request, tcfg, corpus) if choose_options else None
     if chosen is not None:
@@ -215,12 +215,14 @@ def write_run_files(spec: RunSpec, corpus, labels: list[str] | None) -> None:
     data.json (the data's identity and the class names of a classifier). A resumed run's own
     tokenizer file stays as it is, byte for byte."""
     out, tcfg = spec.run.out, spec.cfg
-    if not (tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()):
+    own = tcfg.tokenizer and Path(tcfg.tokenizer).resolve() == (out / "tokenizer.json").resolve()
+    if corpus.tokenizer is not None and not own:  # (token files read without --tokenizer have none)
         corpus.tokenizer.save(str(out / "tokenizer.json"))
         write_specials(corpus, out)
-    files = [str(p) for p in data_files(tcfg.data)] if tcfg.data else ["built-in corpus (pydoc_data.topics)"]
+    files = listed_files(tcfg.data, tcfg.data_format) if tcfg.data else ["built-in corpus (pydoc_data.topics)"]
     (out / "data.json").write_text(json.dumps({
-        "data": tcfg.data, "files": files, "format": tcfg.data_format, "text_key": tcfg.text_key,
+        "data": tcfg.data, "files": files, "format": tcfg.data_format, "val_data": tcfg.val_data,
+        "text_key": tcfg.text_key,
         "content_hash": tcfg.data_hash, "tokenizer": tcfg.tokenizer, **({"labels": labels} if labels else {})},
         indent=1) + "\n")
 
