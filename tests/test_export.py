@@ -52,9 +52,10 @@ def test_exports_refuse_a_used_destination_and_overwrite_replaces_only_what_they
     assert cli.main(["convert", str(run), "--to", "hf", str(hf), "--overwrite"]) == 0
     out = capsys.readouterr().out
     assert "removed the earlier config.json, generation_config.json, model-00001-of-00002.safetensors" in out
-    assert sorted(_listing(hf)) == ["README.md", "config.json", "model.safetensors", "tokenizer.json",
-                                    "tokenizer_config.json"]
+    assert sorted(_listing(hf)) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
+                                    "tokenizer.json", "tokenizer_config.json"]
     assert (hf / "README.md").read_text() == "an earlier model's README.md"
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 0  # the run's <|endoftext|>
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
     transformers.AutoModelForCausalLM.from_pretrained(hf)
 
@@ -98,7 +99,9 @@ def test_transformers_generate_on_an_export_stops_at_end_of_text_as_lattice_does
 
     theirs = transformers.AutoTokenizer.from_pretrained(hf)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    ids = theirs(prompt, return_tensors="pt").input_ids
+    # the run's ids of the prompt: transformers 5 loads any qwen2 model's tokenizer as its
+    # Qwen2Tokenizer, whose own pre-tokenizer splits numbers digit by digit (" 3" -> " ", "3")
+    ids = torch.tensor([Tokenizer.from_file(str(tokenizer)).encode(prompt).ids])
     with torch.no_grad():
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     made = generated[0, ids.shape[1]:].tolist()
