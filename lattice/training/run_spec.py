@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lattice import checkpoint
+from lattice.data.batches import check_batch_size
 from lattice.data.corpus import Corpus
 from lattice.data.seq2seq import Seq2Seq
 from lattice.data.tasks import TaskTokens
@@ -67,6 +68,8 @@ def specify_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resum
         resume_from = "checkpoint" if isinstance(resume, dict) or not resume else checkpoint.resolve(resume)
     model_config = cfg.model_config(corpus.vocab_size, corpus.specials)
     check_run(cfg, model_config, ctx)
+    if cfg.task_name in ("lm", "mlm"):  # the corpus's windows against the batch (the other tasks read examples)
+        check_batch_size(corpus, cfg.batch_size, cfg.batch_lengths(model_config)[0], ctx.dp)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), resume_from)
     changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
