@@ -208,13 +208,16 @@ class Model(FullWeights, Generation, nn.Module):
         return (tuple(self.mode.residual_shape(batch, seq)),)
 
     def microbatch_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None,
-                          token_types: torch.Tensor | None) -> dict:
+                          token_types: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> dict:
         """What every stage takes beside the activation it receives, for one micro-batch (its
-        rows of the replica's tokens, targets, mask and token types, whole sequences; every rank
-        holds them): under cp, its chunks' token types and positions."""
-        positions = None
+        rows of the replica's tokens, targets, mask, token types and positions, whole sequences;
+        every rank holds them): under cp, its chunks' token types and positions."""
+        positions = position_ids
         if self.ctx.cp > 1:
-            positions = context_positions(self.ctx, tokens.shape[1], tokens.device).expand(tokens.shape[0], -1)
+            if positions is None:
+                positions = context_positions(self.ctx, tokens.shape[1], tokens.device).expand(tokens.shape[0], -1)
+            else:
+                (positions,) = take_context_chunks(self.ctx, positions)
             (token_types,) = take_context_chunks(self.ctx, token_types)
         return {"padding": self.block_inputs(attention_mask, positions), "token_types": token_types,
                 "positions": positions}
@@ -301,6 +304,9 @@ class Model(FullWeights, Generation, nn.Module):
     #: whether the blocks take each token's position (rotary angles, in attention); else the
     #: embedding adds a position's row, if any
     rotary_positions: ClassVar[bool] = False
+    #: whether attention_mask may number packed documents (1, 2, ..), attention staying within
+    #: each: every family whose attention is self-attention alone
+    packs_documents: ClassVar[bool] = True
 
     def block_inputs(self, attention_mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> dict:
         """What a block takes beside x: this rank's rows of the padding mask (`keep`) and, in a
@@ -312,10 +318,12 @@ class Model(FullWeights, Generation, nn.Module):
         return out
 
     def attention_keep(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The rows of a replica's padding mask that this rank's attention reads, as bool."""
+        """The rows of a replica's padding mask that this rank's attention reads, as bool; or,
+        where it numbers packed documents (a value above 1), their ids as int64 (`attend`)."""
         if attention_mask is None:
             return None
-        return attention_mask[self.mode.attention_rows(attention_mask.shape[0])].bool()
+        mine = attention_mask[self.mode.attention_rows(attention_mask.shape[0])]
+        return mine.bool() if mine.dtype == torch.bool or not bool((attention_mask > 1).any()) else mine.long()
 
     def run_blocks(self, x: torch.Tensor, blocks, **inputs) -> torch.Tensor:
         """x through `blocks` (residual layout in and out; `inputs`: what every block takes
@@ -356,9 +364,12 @@ class Model(FullWeights, Generation, nn.Module):
             if tuple(attention_mask.shape) != (B, start + T):
                 raise LatticeConfigError(f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens need "
                                          f"{(B, start + T)} (batch, positions so far): 1 for a token, 0 for padding")
-            if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-                raise LatticeConfigError("attention_mask holds values other than 0 and 1: give 1 for a token and 0 for "
-                                         "padding, as transformers does")
+            if attention_mask.dtype != torch.bool and bool((attention_mask < 0).any()):
+                raise LatticeConfigError("attention_mask holds negative values: give 1 for a token and 0 for padding, "
+                                         "as transformers does (or number packed documents 1, 2, ...)")
+            if not self.packs_documents and attention_mask.dtype != torch.bool and bool((attention_mask > 1).any()):
+                raise LatticeConfigError(f"attention_mask holds values above 1, document ids of packed sequences, "
+                                         f"which {self.family.name} does not take: give 1 for a token and 0 for padding")
         if token_types is not None:
             if not self.type_count():
                 raise LatticeConfigError(f"{self.family.name} has no token types: leave token_types out")

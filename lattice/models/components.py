@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lattice.modes.base import Block, Position
 from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelContext
 from lattice.parallel.comm import all_to_all
-from lattice.parallel.context_parallel import Ring, ring_attend, sequence_order
+from lattice.parallel.context_parallel import Ring, keys_seen, ring_attend, sequence_order
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
@@ -273,9 +273,11 @@ def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, wind
     and v (B_l, nkv_l, T_k, hs) (grouped-query when nkv_l < nh_l), `bias` (nh_l, T_q, T_k) or
     None. The queries are the last T_q positions of the keys': the causal mask lets query i see
     keys up to i + T_k - T_q, and a `window` only the last `window` of those (itself included).
-    `keep` (B_l, T_k) bool hides the keys where it is False (padding); a query left with no key
-    to see (a left pad under the causal mask) sees every key instead, so that its output, which
-    nothing reads, stays finite (transformers does the same). `dropout` (training only) drops
+    `keep` (B_l, T_k) bool hides the keys where it is False (padding); int64 document ids (0 at
+    padding) also hide the keys of other documents than the query's (packed sequences,
+    `keys_seen`); a query left with no key to see (a left pad under the causal mask) sees every
+    key instead, so that its output, which nothing reads, stays finite (transformers does the
+    same). `dropout` (training only) drops
     attention weights."""
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     t_q, t_k = q.shape[2], k.shape[2]
@@ -289,7 +291,7 @@ def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, wind
         if window is not None:
             allowed = allowed & (key > query - window)
         if keep is not None:
-            allowed = allowed & keep[:, None, None, :]  # (B_l, 1, T_q, T_k)
+            allowed = allowed & keys_seen(keep, keep[:, t_k - t_q:])  # (B_l, 1, T_q, T_k)
             allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
         causal = False
     mask = allowed

@@ -18,6 +18,8 @@ from lattice.parallel.context_parallel import check_context_batch, gather_contex
 class EncoderDecoderLM(Model):
     """A model of an encoder stack and a decoder stack that reads the encoder's output."""
 
+    packs_documents = False  # the decoder's cross-attention reads the whole source
+
     @classmethod
     def random_targets(cls, cfg, tokens, generator):
         """Labels half as long as the source (cross-attention between two lengths)."""

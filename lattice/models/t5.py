@@ -345,7 +345,7 @@ class T5(EncoderDecoderLM):
         return (source,) if after < self.cfg.n_layers - 1 else (tuple(self.mode.residual_shape(batch, target_seq)),
                                                                  source)
 
-    def microbatch_inputs(self, tokens, targets, attention_mask, token_types):
+    def microbatch_inputs(self, tokens, targets, attention_mask, token_types, position_ids=None):
         (decoder_tokens,) = take_context_chunks(self.ctx, self.shift_right(targets))  # under cp, this rank's chunks
         return {"keep": None if attention_mask is None else self.attention_keep(attention_mask),
                 "decoder_tokens": decoder_tokens, "source_len": tokens.shape[1] // self.ctx.cp}

@@ -89,17 +89,30 @@ class Ring:
         return raw_all_gather(x.unsqueeze(0), self.group, 0)
 
 
+def keys_seen(keep: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query may see by `keep` alone, bool broadcastable to (B_l, 1, T_q, T_k):
+    a padding mask (bool (B_l, T_k), False at padding) hides keys; document ids (int64 (B_l, T_k),
+    0 at padding, packed documents numbered from 1) also hide every key of another document than
+    the query's (`queries`: the queries' ids, (B_l, T_q))."""
+    if keep.dtype == torch.bool:
+        return keep[:, None, None, :]
+    return (keep != 0)[:, None, None, :] & (queries[:, None, :, None] == keep[:, None, None, :])
+
+
 class RingMasks:
     """Which key each local query may see, for the keys of any rank's chunks: causal by the
-    tokens' places in the whole sequence, a sliding window, padding (`keep` (B_l, T_k) of the
-    whole sequence, which every rank holds); a query that sees no key at all (a left pad under
-    the causal mask) sees every key instead, as `attend` does."""
+    tokens' places in the whole sequence, a sliding window, padding or packed documents (`keep`
+    (B_l, T_k) of the whole sequence, which every rank holds, as `keys_seen` reads it); a query
+    that sees no key at all (a left pad under the causal mask) sees every key instead, as
+    `attend` does."""
 
     def __init__(self, ring: Ring, t_q: int, t_k: int, *, causal: bool, window: int | None, keep, device):
         self.ring, self.causal, self.window, self.keep, self.t_k = ring, causal, window, keep, t_k
         self.queries = chunk_indices(t_q * ring.size, ring.size, ring.index).to(device)
         self.blind = None  # (B_l, 1, T_q, 1) the queries that see every key
-        if keep is not None:
+        if keep is not None and keep.dtype != torch.bool:  # documents: a token sees at least itself
+            self.blind = (keep[:, self.queries] == 0)[:, None, :, None]
+        elif keep is not None:
             seen = keep.long().cumsum(-1)  # (B_l, T_full): keys up to each place
             if not causal:
                 visible = keep.any(-1, keepdim=True).expand(-1, len(self.queries))
@@ -145,7 +158,8 @@ class RingMasks:
         if self.window is not None:
             allowed = allowed & (keys[None, :] > queries[:, None] - self.window)
         if self.keep is not None:
-            allowed = (allowed & self.keep[:, keys][:, None, None, :]) | self.blind[:, :, rows]  # (B_l, 1, T_q, T_k)
+            seen = keys_seen(self.keep[:, keys], self.keep[:, queries])
+            allowed = (allowed & seen) | self.blind[:, :, rows]  # (B_l, 1, T_q, T_k)
         return allowed
 
 

@@ -328,7 +328,8 @@ class PipelineModel(nn.Module):
         stage): it trains like the original but counts only once."""
         return not self._model.specs[name].holds(self.ctx.coords)
 
-    def forward(self, tokens, targets=None, *, attention_mask=None, token_types=None, cache=None, **_):
+    def forward(self, tokens, targets=None, *, attention_mask=None, token_types=None, position_ids=None, cache=None,
+                **_):
         if cache is not None:
             raise LatticeConfigError("generation runs without pipeline parallelism: load the checkpoint with pp = 1 "
                                      "(any tensor layout) to generate")
@@ -338,7 +339,8 @@ class PipelineModel(nn.Module):
         if targets is None:
             raise LatticeConfigError("with pipeline parallelism model(tokens, targets) returns the loss only; full "
                                      "logits need pp = 1")
-        loss = self._run(tokens, targets, train=False, attention_mask=attention_mask, token_types=token_types)
+        loss = self._run(tokens, targets, train=False, attention_mask=attention_mask, token_types=token_types,
+                         position_ids=position_ids)
         return torch.tensor(loss, dtype=torch.promote_types(self._model.dtype, torch.float32))
 
     def generate(self, *args, **kwargs):
@@ -346,20 +348,21 @@ class PipelineModel(nn.Module):
                                  "(any tensor layout) to generate")
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, *, attention_mask=None,
-                         token_types=None) -> float:
+                         token_types=None, position_ids=None) -> float:
         """Forward and backward of the replica batch through the schedule, with the in-replica
         gradient sums; the mean loss over its labelled targets, identical on every rank of the
-        replica (`attention_mask`, `token_types`: as Model.forward takes them)."""
-        loss = self._run(tokens, targets, train=True, attention_mask=attention_mask, token_types=token_types)
+        replica (`attention_mask`, `token_types`, `position_ids`: as Model.forward takes them)."""
+        loss = self._run(tokens, targets, train=True, attention_mask=attention_mask, token_types=token_types,
+                         position_ids=position_ids)
         self._grads_pending = True
         self.sync_grads()
         return loss
 
-    def _run(self, tokens, targets, *, train: bool, attention_mask=None, token_types=None) -> float:
+    def _run(self, tokens, targets, *, train: bool, attention_mask=None, token_types=None, position_ids=None) -> float:
         model, pcfg, ctx = self._model, self.pcfg, self.ctx
         check_context_batch(ctx, tokens, targets)
         model.check_inputs(tokens, targets)
-        model.check_padding(tokens, 0, attention_mask, token_types)
+        model.check_padding(tokens, 0, attention_mask, token_types, position_ids)
         check_batch(pcfg.m, model.mode, model.mode.ctx, tokens[:, :tokens.shape[1] // ctx.cp])
         size = len(tokens) // pcfg.m
         target_len = targets.shape[1] if targets.dim() == 2 else tokens.shape[1]  # an encoder-decoder's differs
@@ -374,8 +377,8 @@ class PipelineModel(nn.Module):
         # (under cp, of the whole sequences: the ranks' parts are summed over cp below)
         self._labelled = int(model.labelled_count(targets))
         rows = microbatch_rows(len(tokens), pcfg.m)
-        inputs = [model.microbatch_inputs(tokens[r], targets[r],
-                                          *(None if t is None else t[r] for t in (attention_mask, token_types)))
+        inputs = [model.microbatch_inputs(tokens[r], targets[r], *(None if t is None else t[r]
+                                                                   for t in (attention_mask, token_types, position_ids)))
                   for r in rows]
         tokens, targets = take_context_chunks(ctx, tokens, targets)  # under cp, this rank's chunks
         for module in modules:
