@@ -230,3 +230,44 @@ def test_training_from_each_input_kind_resumes_with_the_same_batches(kind, tmp_p
     shutil.rmtree(run / "checkpoints" / "step-00000004")  # as if it stopped after step 2's checkpoint
     assert cli.main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert "resuming from" in capsys.readouterr().out and last_step(run) == straight and straight[0] == "4"
+
+
+def test_packed_batches_restart_at_every_end_of_text(tmp_path, capsys):
+    """Catches --pack-documents batches whose document ids, positions or ignored targets do not
+    follow the documents (a boundary off by one, the first partial document not counted, a
+    target across an end-of-text token kept), or that differ from the plain batch's windows:
+    derived here from the windows alone, a new document after every <|endoftext|>. The command
+    line trains with it, and refuses it in one line where the data mark no documents or the task
+    is not next-token prediction."""
+    import lattice
+    from lattice.data.tasks import NextToken
+
+    rng = np.random.default_rng(4)
+    docs = [" ".join(rng.choice(WORDS, rng.integers(1, 12))) for _ in range(400)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    corpus = load_data_corpus(str(tmp_path / "d.jsonl"), 300, data_format="jsonl")
+    eos = corpus.tokenizer.token_to_id("<|endoftext|>")
+    task, ctx = NextToken(corpus, pack_documents=True), lattice.context("serial")
+    for step in range(3):
+        batch = task.train_batch(step, ctx, seed=2, batch_size=6, seq_len=24)
+        x, y = global_batch(corpus.train, step, seed=2, batch_size=6, seq_len=24)
+        ended = torch.cat([torch.zeros(6, 1, dtype=torch.long), (x[:, :-1] == eos).long()], dim=1)
+        ids = 1 + ended.cumsum(1)
+        positions = torch.stack([torch.tensor([t - max([0] + [s + 1 for s in range(t) if x[r, s] == eos])
+                                               for t in range(24)]) for r in range(6)])
+        assert torch.equal(batch.tokens, x) and torch.equal(batch.targets, y.masked_fill(x == eos, -100))
+        assert torch.equal(batch.inputs["attention_mask"], ids) and torch.equal(batch.inputs["position_ids"], positions)
+        assert batch.labelled == int((x != eos).sum()) and int(ids.max()) > 2
+    run = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
+           "--pack-documents"]
+    assert cli.main([*run, "--data", str(tmp_path / "d.jsonl"), "--data-format", "jsonl", "--vocab-size", "300",
+                     "--out-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    np.full(2000, 7, np.uint16).tofile(tmp_path / "flat.bin")
+    for flags, expect in (([f"--data={tmp_path / 'flat.bin'}", "--data-format", "tokens", "--vocab-size", "16"],
+                           "a flat token file does not mark"),
+                          (["--arch", "bert"], "--task mlm reads its examples one by one")):
+        assert cli.main([*run, *flags, "--out-dir", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expect in err, err
+        assert not (tmp_path / "refused").exists()

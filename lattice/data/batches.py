@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from lattice.data.blend import Blend
@@ -79,17 +80,39 @@ def replica_rows(batch_size: int, ctx: ParallelContext) -> slice:
     return slice(r * per, (r + 1) * per)
 
 
-def global_batch(tokens, step: int, *, seed: int, batch_size: int, seq_len: int,
-                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `rows` of the batch of `step`: `batch_size` random windows, a function of (seed, step)
-    only; only the windows of those rows are read. A Blend draws each row from one of its sources."""
+def draw(tokens, step: int, *, seed: int, batch_size: int, length: int,
+         rows: slice = slice(None)) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """(windows (rows, length), the source each is from, its first token there) of rows `rows` of
+    the batch of `step`: `batch_size` random windows, a function of (seed, step) only; only the
+    windows of those rows are read. A Blend draws each row from one of its sources."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if isinstance(tokens, Blend):
-        window = tokens.step_windows(step, gen, seed=seed, batch_size=batch_size, length=seq_len + 1, rows=rows)
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
-    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)[rows]
-    window = windows(tokens, starts, seq_len + 1)  # (rows, T+1)
+        return tokens.step_windows(step, gen, seed=seed, batch_size=batch_size, length=length, rows=rows)
+    starts = torch.randint(0, len(tokens) - length + 1, (batch_size,), generator=gen)[rows]
+    return windows(tokens, starts, length), np.zeros(len(starts), dtype=np.int64), starts.numpy()
+
+
+def global_batch(tokens, step: int, *, seed: int, batch_size: int, seq_len: int,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of the batch of `step` (`draw`): tokens and next tokens, (rows, T) each."""
+    window, _, _ = draw(tokens, step, seed=seed, batch_size=batch_size, length=seq_len + 1, rows=rows)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def packed(window: torch.Tensor, which: np.ndarray, starts: np.ndarray, documents: list) -> tuple:
+    """(tokens, targets, document ids, positions) of windows (n, T+1) of whole token streams, each
+    from source `which` at token `starts` (`documents`: each source's document starts): the
+    documents in a row numbered from 1 (the first may begin before the window), positions counted
+    from each document's first token in the row, and the target after a document's last token
+    ignored (-100), so that nothing is predicted or attended across a boundary."""
+    length = window.shape[1]
+    ids = np.stack([np.searchsorted(documents[k], s + np.arange(length), side="right") for k, s in zip(which, starts)])
+    ids = torch.from_numpy(ids - ids[:, :1] + 1) if len(ids) else torch.ones(0, length, dtype=torch.int64)
+    x, y = window[:, :-1], window[:, 1:].masked_fill(ids[:, 1:] != ids[:, :-1], IGNORE_INDEX)
+    place = torch.arange(length - 1).expand(len(window), -1)
+    first = torch.cat([torch.ones(len(window), 1, dtype=torch.bool), ids[:, 1:-1] != ids[:, :-2]], dim=1)
+    positions = place - torch.cummax(torch.where(first, place, 0), dim=1).values
+    return x.contiguous(), y.contiguous(), ids[:, :-1].contiguous(), positions.contiguous()
 
 
 def train_batch(corpus: Corpus, step: int, ctx: ParallelContext, *, seed: int, batch_size: int,
@@ -104,11 +127,20 @@ def train_batch(corpus: Corpus, step: int, ctx: ParallelContext, *, seed: int, b
 def val_windows(corpus: Corpus, *, batch_size: int, seq_len: int, num_batches: int) -> torch.Tensor:
     """(num_batches, batch_size, seq_len) windows evenly spread over the validation split: the
     global batches every validation of every run with these sizes reads."""
+    return val_draw(corpus, batch_size=batch_size, length=seq_len, num_batches=num_batches)[0]
+
+
+def val_draw(corpus: Corpus, *, batch_size: int, length: int, num_batches: int) -> tuple:
+    """`val_windows`, with the source of each window and its first token there, (num_batches,
+    batch_size) each."""
     n = batch_size * num_batches
     if isinstance(corpus.val, Blend):
-        return corpus.val.spread(n, seq_len).view(num_batches, batch_size, seq_len)
-    starts = torch.linspace(0, len(corpus.val) - seq_len, n).long()
-    return windows(corpus.val, starts, seq_len).view(num_batches, batch_size, seq_len)
+        window, which, starts = corpus.val.spread(n, length)
+    else:
+        starts = torch.linspace(0, len(corpus.val) - length, n).long()
+        window, which, starts = windows(corpus.val, starts, length), np.zeros(n, dtype=np.int64), starts.numpy()
+    return (window.view(num_batches, batch_size, length), which.reshape(num_batches, batch_size),
+            starts.reshape(num_batches, batch_size))
 
 
 def val_batches(corpus: Corpus, ctx: ParallelContext, *, batch_size: int, seq_len: int,

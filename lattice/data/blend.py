@@ -67,29 +67,28 @@ class Blend:
         return np.searchsorted(self.bounds, u, side="right")
 
     def step_windows(self, step: int, gen: torch.Generator, *, seed: int, batch_size: int, length: int,
-                     rows: slice) -> torch.Tensor:
-        """(rows, length) windows of step `step`'s global batch: sample step*B + r from its source."""
+                     rows: slice) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """(windows (rows, length), their sources, their first tokens in them) of step `step`'s
+        global batch: sample step*B + r from its source."""
         which = self.sources(step * batch_size, batch_size, seed)
         where = torch.rand(batch_size, generator=gen, dtype=torch.float64)
-        picked = range(batch_size)[rows]
-        out = []
-        for r in picked:
-            part = self.parts[which[r]]
-            start = int(where[r] * (len(part) - length + 1))
-            out.append(windows(part, torch.tensor([start]), length))
-        return torch.cat(out) if out else torch.empty(0, length, dtype=torch.int64)
+        picked = np.arange(batch_size)[rows]
+        starts = np.array([int(where[r] * (len(self.parts[which[r]]) - length + 1)) for r in picked], dtype=np.int64)
+        out = [windows(self.parts[which[r]], torch.tensor([s]), length) for r, s in zip(picked, starts)]
+        return (torch.cat(out) if out else torch.empty(0, length, dtype=torch.int64)), which[picked], starts
 
-    def spread(self, n: int, length: int) -> torch.Tensor:
-        """(n, length) windows of the validation: window k from source `sources(k)`, each source's
-        windows evenly spread over it."""
+    def spread(self, n: int, length: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """(windows (n, length), their sources, their first tokens) of the validation: window k
+        from source `sources(k)`, each source's windows evenly spread over it."""
         which = self.sources(0, n, 0)
         out = torch.empty(n, length, dtype=torch.int64)
+        starts = np.zeros(n, dtype=np.int64)
         for k, part in enumerate(self.parts):
             mine = np.flatnonzero(which == k)
             if len(mine):
-                starts = torch.linspace(0, len(part) - length, len(mine)).long()
-                out[torch.from_numpy(mine)] = windows(part, starts, length)
-        return out
+                starts[mine] = torch.linspace(0, len(part) - length, len(mine)).long().numpy()
+                out[torch.from_numpy(mine)] = windows(part, torch.from_numpy(starts[mine]), length)
+        return out, which, starts
 
     def drawn(self, steps: int, batch_size: int, seed: int) -> np.ndarray:
         """How many samples each source gives the first `steps` steps."""

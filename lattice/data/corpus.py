@@ -129,6 +129,10 @@ class Corpus:
     content_hash: str | None = None  # identity of own data (`data_hash`), None for the built-in corpus
     specials: dict = field(default_factory=dict)  # role -> id of the tokenizer's own special tokens
     about: list = field(default_factory=list)  # lines on own data: its documents' separators, its split
+    #: where the documents of each split start, one array per source (a Blend's parts), or None
+    #: where the data mark no documents (a flat token file read without a tokenizer)
+    train_documents: list | None = None
+    val_documents: list | None = None
 
     def encode(self, text: str) -> list[int]:
         """The text's token ids, without the special tokens a pretrained tokenizer's post-processor
@@ -283,23 +287,27 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
     train = _sources(spec, vocab_size, data_format, text_key, tokenizer, separators, salt)
     if validation:
         val = _sources(val_data, vocab_size, data_format, text_key, tokenizer, separators, salt)
-        splits = [(s.tokens, v.tokens) for s, v in zip(train, val)] if len(val) == len(train) else None
         about = [f"validation: --val-data {val_data}"]
         train_parts, val_parts = [s.tokens for s in train], [v.tokens for v in val]
+        train_docs, val_docs = [s.starts for s in train], [v.starts for v in val]
     else:
-        splits, about = [], []
+        about, train_parts, val_parts, train_docs, val_docs = [], [], [], [], []
         for s in train:
             at, line = document_split(len(s.tokens), s.starts, VAL_FRACTION)
-            splits.append((s.tokens[:at], s.tokens[at:]))
+            train_parts.append(s.tokens[:at])
+            val_parts.append(s.tokens[at:])
+            train_docs.append(None if s.starts is None else s.starts[s.starts < at])
+            val_docs.append(None if s.starts is None else s.starts[s.starts >= at] - at)
             about.append(line if len(train) == 1 else f"{s.name}: {line}")
-        train_parts, val_parts = [a for a, _ in splits], [b for _, b in splits]
     weights, names = [w for w, _ in blend], [p for _, p in blend]
     if separators is not None:
         about.insert(0, f"documents: {separators.how}")
     return Corpus(train=_blended(train_parts, weights, names), val=_blended(val_parts, [w for w, _ in validation]
                                                                              or weights, [p for _, p in validation] or names),
                   vocab_size=vocab_size, tokenizer=tokenizer, key=f"{data_hash(spec, data_format, text_key)}-{salt}",
-                  content_hash=data_hash(spec, data_format, text_key), specials=specials, about=about)
+                  content_hash=data_hash(spec, data_format, text_key), specials=specials, about=about,
+                  train_documents=None if any(d is None for d in train_docs) else train_docs,
+                  val_documents=None if any(d is None for d in val_docs) else val_docs)
 
 
 def _blended(parts: list, weights: list[float], names: list[str]):
@@ -406,9 +414,11 @@ def load_corpus(vocab_size: int = DEFAULT_VOCAB, *, tokenizer_path: str | None =
         atomic_write(starts_path, lambda tmp: _save_npy(tmp, starts))
     tokenizer = Tokenizer.from_file(str(tok_path))
     ids = torch.from_numpy(np.load(ids_path).astype(np.int64))
-    split, _ = document_split(len(ids), np.load(starts_path), VAL_FRACTION)
+    starts = np.load(starts_path)
+    split, _ = document_split(len(ids), starts, VAL_FRACTION)
     return Corpus(train=ids[:split], val=ids[split:], vocab_size=vocab_size, tokenizer=tokenizer, key=key,
-                  specials=tokenizer_specials(tokenizer, given.parent if given else None))
+                  specials=tokenizer_specials(tokenizer, given.parent if given else None),
+                  train_documents=[starts[starts < split]], val_documents=[starts[starts >= split] - split])
 
 
 def unigram_baseline(corpus: Corpus) -> float:

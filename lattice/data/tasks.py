@@ -39,8 +39,8 @@ from functools import cached_property
 
 import torch
 
-from lattice.data.batches import (Batch, check_batch_size, global_batch, replica_batch, train_batch, truncated, val_batches,
-                                  val_windows)
+from lattice.data.batches import (Batch, check_batch_size, draw, global_batch, packed, replica_batch, train_batch,
+                                  truncated, val_batches, val_draw, val_windows)
 from lattice.data.corpus import VAL_FRACTION, Corpus, unigram_baseline
 from lattice.data.text_files import json_lines
 from lattice.data.seq2seq import Seq2Seq
@@ -122,20 +122,36 @@ class NextToken:
     metric, loss_unit = None, "token"  # no score beyond the loss
     name = "lm"
 
-    def __init__(self, corpus: Corpus):
-        self.corpus = corpus
+    def __init__(self, corpus: Corpus, pack_documents: bool = False):
+        self.corpus, self.pack_documents = corpus, pack_documents
         self.tokens = TaskTokens.of(self.name, corpus.vocab_size, corpus.specials)
+        if pack_documents:
+            check_documents(corpus)
 
     def check(self, batch_size: int, seq_len: int, dp: int) -> None:
         check_batch_size(self.corpus, batch_size, seq_len, dp)
 
     def train_batch(self, step: int, ctx, *, seed: int, batch_size: int, seq_len: int) -> Batch:
+        if self.pack_documents:  # the global batch's rows, for its count of labelled targets
+            self.check(batch_size, seq_len, ctx.dp)
+            drawn = draw(self.corpus.train, step, seed=seed, batch_size=batch_size, length=seq_len + 1)
+            return self._packed(ctx, drawn, self.corpus.train_documents)
         x, y = train_batch(self.corpus, step, ctx, seed=seed, batch_size=batch_size, seq_len=seq_len)
         return Batch(x, y, {}, batch_size * seq_len)
 
     def val_batches(self, ctx, *, batch_size: int, seq_len: int, num_batches: int) -> list[Batch]:
+        if self.pack_documents:
+            self.check(batch_size, seq_len, ctx.dp)
+            drawn = val_draw(self.corpus, batch_size=batch_size, length=seq_len + 1, num_batches=num_batches)
+            return [self._packed(ctx, batch, self.corpus.val_documents) for batch in zip(*drawn)]
         return [Batch(x, y, {}, batch_size * seq_len) for x, y in
                 val_batches(self.corpus, ctx, batch_size=batch_size, seq_len=seq_len, num_batches=num_batches)]
+
+    @staticmethod
+    def _packed(ctx, drawn, documents) -> Batch:
+        """The replica's rows of windows packed from whole documents (lattice.data.batches.packed)."""
+        x, y, ids, positions = packed(*drawn, documents)
+        return replica_batch(ctx, x, y, attention_mask=ids, position_ids=positions)
 
     def baseline(self) -> str:
         return f"unigram baseline: {unigram_baseline(self.corpus):.4f} nats/token"
@@ -345,14 +361,22 @@ def read_labelled(spec: str, text_key: str, label_key: str, pair_key: str | None
     return out
 
 
+def check_documents(corpus: Corpus) -> None:
+    """Refuse to pack documents the data do not mark."""
+    if corpus.train_documents is None:
+        raise LatticeConfigError("--pack-documents needs the documents' boundaries, which a flat token file does not "
+                                 "mark: pass --tokenizer (its end-of-text token ends each document) or use "
+                                 "--data-format megatron, text, jsonl or hf")
+
+
 def make_task(task: str, corpus: Corpus, *, data: str | None, text_key: str, label_key: str, source_key: str,
-              target_key: str, target_len: int | None, pair_key: str | None = None):
+              target_key: str, target_len: int | None, pair_key: str | None = None, pack_documents: bool = False):
     if task == "classify":
         return Classify(corpus, data=data, text_key=text_key, label_key=label_key, pair_key=pair_key)
     if task == "seq2seq":
         return Seq2Seq(corpus, data=data, source_key=source_key, target_key=target_key, target_len=target_len,
                        tokens=TaskTokens.of(task, corpus.vocab_size, corpus.specials))
-    return MaskedLM(corpus) if task == "mlm" else NextToken(corpus)
+    return MaskedLM(corpus) if task == "mlm" else NextToken(corpus, pack_documents)
 
 
 @torch.no_grad()

@@ -52,6 +52,9 @@ class TrainConfig:
                                              "line), tokens (a flat uint16/uint32 token file, nanoGPT's .bin), "
                                              "megatron (an indexed .bin/.idx prefix), hf (parquet, arrow, JSON or CSV "
                                              "through HF datasets)", choices=lambda: DATA_FORMATS, group="data")
+    pack_documents: bool = flag(False, "pack whole documents into each sequence, attention and positions restarting "
+                                       "at every document and nothing predicted across one (--task lm)",
+                                group="data")
     val_data: str | None = flag(None, "validate on these data (the format of --data) instead of the last 10%% of "
                                       "--data's documents", metavar="PATH", group="data")
     text_key: str = flag("text", "the field of each JSON line (--data-format jsonl)", group="data")
@@ -183,6 +186,9 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
         check_task(self.task_name, get_arch(self.arch))
+        if self.pack_documents and self.task_name != "lm":
+            raise LatticeConfigError(f"--pack-documents packs the documents of next-token training (--task lm); --task "
+                                     f"{self.task_name} reads its examples one by one")
         if self.task_name == "classify" and self.data is not None and self.data_format != "jsonl":
             raise LatticeConfigError("--task classify reads labelled JSON lines: pass --data-format jsonl (with "
                                      "--text-key and --label-key)")
@@ -223,7 +229,8 @@ class TrainConfig:
     def make_task(self, corpus: Corpus, model_config):
         return make_task(self.task_name, corpus, data=self.data, text_key=self.text_key, label_key=self.label_key,
                          source_key=self.source_key, target_key=self.target_key,
-                         target_len=self.batch_lengths(model_config)[1], pair_key=self.pair_key)
+                         target_len=self.batch_lengths(model_config)[1], pair_key=self.pair_key,
+                         pack_documents=self.pack_documents)
 
     def num_labels(self) -> int:
         """The classes of a classification run (read from --data), 0 for other tasks."""
@@ -301,7 +308,8 @@ class TrainConfig:
 #: tokenizer's vocabulary), the task it was trained on and how its data are read, its schedule
 #: and optimizer, its precision, validation and checkpoints: a bare --resume continues as it was
 RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", "target_len", "vocab_size", "task",
-                  "dropout", "data_format", "val_data", "text_key", "label_key", "pair_key", "source_key", "target_key",
+                  "dropout", "data_format", "val_data", "pack_documents", "text_key", "label_key", "pair_key",
+                  "source_key", "target_key",
                   "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
                   "eval_interval", "eval_batches", "activation_checkpointing", "zero", "checkpoint_interval", "keep",
                   "dtype", "precision", "grad_reduce_dtype")

@@ -17,7 +17,7 @@ from lattice import checkpoint
 from lattice.data.batches import check_batch_size
 from lattice.data.corpus import Corpus
 from lattice.data.seq2seq import Seq2Seq
-from lattice.data.tasks import TaskTokens
+from lattice.data.tasks import TaskTokens, check_documents
 from lattice.models import build_model, get_arch
 from lattice.modes import get_mode
 from lattice.parallel.context import LatticeConfigError, ParallelContext
@@ -70,6 +70,8 @@ def specify_run(cfg: TrainConfig, ctx: ParallelContext, corpus: Corpus, *, resum
     check_run(cfg, model_config, ctx)
     if cfg.task_name in ("lm", "mlm"):  # the corpus's windows against the batch (the other tasks read examples)
         check_batch_size(corpus, cfg.batch_size, cfg.batch_lengths(model_config)[0], ctx.dp)
+    if cfg.pack_documents:
+        check_documents(corpus)
     if ckpt is not None:
         checkpoint.check_model_config(ckpt, cfg.arch, model_config.to_dict(), resume_from)
     changed = faults.check_schedule(ckpt.get("train_config", {}), asdict(cfg), allow_config_change,
