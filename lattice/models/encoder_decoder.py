@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from lattice.models.base import Model, check_ids
+from lattice.models.base import Model
+from lattice.models.inputs import check_ids
 from lattice.models.generation import next_token
 from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 from lattice.parallel.context import LatticeConfigError
