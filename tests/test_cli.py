@@ -150,10 +150,11 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_elsewhere}
     changed.update(arch="llama", model="tiny", batch_size=8, target_len=None,  # an encoder-decoder's: below
                    model_sizes={"n_kv_heads": 2, "norm_eps": 1e-6, "tie_embeddings": True})
-    # bf16 weights exclude autocast and float64 weights: the second run has those, the first the others
+    # bf16 weights exclude autocast and float64 weights: the second run has those, the first the others;
+    # an encoder-decoder packs no documents
     mixed = {"precision": changed.pop("precision"), "grad_reduce_dtype": changed.pop("grad_reduce_dtype")}
     for tcfg in (TrainConfig(**changed), TrainConfig(**{**changed, "arch": "t5", "task": "seq2seq", "target_len": 12,
-                                                        **mixed, "bf16": False, "dtype": "float32",
+                                                        **mixed, "bf16": False, "dtype": "float32", "pack_documents": False,
                                                         "model_sizes": {"d_ff": 40, "tie_embeddings": False}})):
         (tmp_path / "run.toml").write_text(config_toml(run_config(layout, tcfg)))
         args = with_config_file(["train", "--config", str(tmp_path / "run.toml")], str(tmp_path / "run.toml"))

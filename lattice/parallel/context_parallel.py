@@ -158,7 +158,8 @@ class RingMasks:
         if self.window is not None:
             allowed = allowed & (keys[None, :] > queries[:, None] - self.window)
         if self.keep is not None:
-            seen = keys_seen(self.keep[:, keys], self.keep[:, queries])
+            documents = None if self.keep.dtype == torch.bool else self.keep[:, queries]  # (cross-attention: none)
+            seen = keys_seen(self.keep[:, keys], documents)
             allowed = (allowed & seen) | self.blind[:, :, rows]  # (B_l, 1, T_q, T_k)
         return allowed
 
