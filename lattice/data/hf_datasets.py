@@ -1,6 +1,7 @@
-"""`--data-format hf`: local datasets read through HF `datasets` (the optional `data` extra), streamed:
-parquet, arrow, JSON lines or CSV files (a file, a directory of them or a glob), or a directory
-written by `Dataset.save_to_disk`. Each row is one document: its text field (`--text-key`)."""
+"""`--data-format hf`: local datasets read through HF `datasets` (the optional `data` extra: `pip
+install -e '.[data]'`), streamed: parquet, arrow, JSON lines or CSV files (a file, a directory of
+them or a glob), or a directory written by `Dataset.save_to_disk`. Each row is one document: its
+text field (`--text-key`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _library():
         import datasets
     except ImportError:
         raise LatticeConfigError("--data-format hf reads through the datasets library, which is not installed: "
-                                 "pip install 'lattice[data]' (or pip install datasets)") from None
+                                 "pip install -e '.[data]' in lattice's checkout (or pip install datasets)") from None
     return datasets
 
 

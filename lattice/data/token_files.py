@@ -69,12 +69,13 @@ def write_token_file(path, tokenizer, pieces, dtype, *, separators: Separators |
     """Encode the documents' `pieces` (lattice.data.text_files.Piece) with `tokenizer` into the flat
     token file `path`: each piece's ids as `encode(text, add_special_tokens=False)` gives them, the
     separators' bos before a document's first piece and eos after its last. Encoded in batches
-    through `encode_batch` (every core), streamed; a progress bar on a terminal (`total`: about how
-    many characters) and one line at the end with the throughput."""
+    through `encode_batch` (every core), streamed; a progress bar on a terminal, else (a log) a line
+    at every tenth of `total` (about how many characters there are), and one line at the end with
+    the throughput."""
     from tqdm.auto import tqdm
 
     bos, eos = (separators.bos, separators.eos) if separators else ((), ())
-    start, chars, tokens, starts = time.perf_counter(), 0, 0, []
+    start, chars, tokens, starts, reported = time.perf_counter(), 0, 0, [], 0
     shown = sys.stderr is not None and sys.stderr.isatty()
     with open(path, "wb") as f, tqdm(total=total or None, unit="char", unit_scale=True, desc="tokenizing",
                                      disable=not shown, leave=False) as bar:
@@ -94,6 +95,11 @@ def write_token_file(path, tokenizer, pieces, dtype, *, separators: Separators |
                 chars += size
                 bar.update(size)
                 batch, size = [], 0
+                if not shown and total and chars * 10 // total > reported:  # a log: a line every tenth
+                    reported = chars * 10 // total
+                    elapsed = time.perf_counter() - start
+                    print(f"tokenizing: {chars / 1e6:,.1f} of about {total / 1e6:,.1f} M characters "
+                          f"({min(chars / total, 1):.0%}) in {elapsed:.1f} s", flush=True)
     seconds = time.perf_counter() - start
     print(f"tokenized {chars / 1e6:,.1f} M characters ({len(starts):,} document{'s' * (len(starts) != 1)}) into {tokens:,} tokens in "
           f"{seconds:.1f} s ({chars / 1e6 / max(seconds, 1e-9):,.1f} M characters/s)", flush=True)
