@@ -160,9 +160,12 @@ def listed_files(spec: str, data_format: str) -> list[str]:
     for _, path in sources_of(spec):
         if data_format == "megatron":
             files += [str(p) for p in megatron_paths(path)]
-        elif data_format in ("tokens", "hf"):
-            files += [str(p) for p in (sorted(Path(path).rglob("*")) if Path(path).is_dir() else [Path(path)])
-                      if p.is_file()]
+        elif data_format == "hf":
+            from lattice.data.hf_datasets import dataset_files
+
+            files += [str(p) for p in dataset_files(path)]
+        elif data_format == "tokens":
+            files.append(path)
         else:
             files += [str(p) for p in data_files(path)]
     return files

@@ -22,7 +22,8 @@ def _library():
     return datasets
 
 
-def _files(spec: str) -> list[Path]:
+def dataset_files(spec: str) -> list[Path]:
+    """The dataset files `--data` names (a save_to_disk directory: every file in it)."""
     path = Path(spec)
     found = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else \
         [path] if path.is_file() else sorted(Path(p) for p in glob.glob(spec, recursive=True))
@@ -34,7 +35,7 @@ def check_dataset(spec: str) -> None:
     _library()
     if Path(spec, "dataset_info.json").is_file():
         return
-    files = _files(spec)
+    files = dataset_files(spec)
     if not files:
         raise LatticeConfigError(f"--data {spec} holds no dataset files ({', '.join(sorted(set(BUILDERS)))}) and no "
                                  f"save_to_disk directory; point --data-format hf at them")
@@ -51,7 +52,7 @@ def open_dataset(spec: str):
     if Path(spec, "dataset_info.json").is_file() or Path(spec, "state.json").is_file():
         loaded = datasets.load_from_disk(spec)
         return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-    files = _files(spec)
+    files = dataset_files(spec)
     return datasets.load_dataset(BUILDERS[files[0].suffix], data_files=[str(p) for p in files], split="train",
                                  streaming=True)
 

@@ -154,35 +154,49 @@ def megatron_tokens(spec: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
             raise LatticeConfigError(f"--data {spec}: {p} is missing; --data-format megatron reads a .bin and its "
                                      f".idx (Megatron's preprocess_data.py output), named by their common prefix")
     bad = f"--data {spec}: {idx_path} is not a Megatron index"
-    raw = idx_path.read_bytes()
-    if raw[:9] != MEGATRON_HEADER or len(raw) < 34:
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+    if head[:9] != MEGATRON_HEADER or len(head) < 34:
         raise LatticeConfigError(f"{bad} (it does not start with MMIDIDX); rebuild it with preprocess_data.py")
-    version, code, count, doc_count = struct.unpack("<QBQQ", raw[9:34])
+    version, code, count, doc_count = struct.unpack("<QBQQ", head[9:34])
     if version != 1 or code not in MEGATRON_DTYPES or MEGATRON_DTYPES[code] in (np.float32, np.float64):
         raise LatticeConfigError(f"{bad} lattice reads (version {version}, dtype code {code}; version 1 with integer "
                                  f"ids is read)")
-    if len(raw) < 34 + 12 * count + 8 * doc_count:
+    if idx_path.stat().st_size < 34 + 12 * count + 8 * doc_count:
         raise LatticeConfigError(f"{bad}: it lists {count} sequences and {doc_count} document indices but holds "
-                                 f"{len(raw)} bytes (truncated?); rebuild it")
-    lengths = np.frombuffer(raw, np.int32, count, 34).astype(np.int64)
-    pointers = np.frombuffer(raw, np.int64, count, 34 + 4 * count)
-    doc_index = np.frombuffer(raw, np.int64, doc_count, 34 + 12 * count)
+                                 f"{idx_path.stat().st_size} bytes (truncated?); rebuild it")
+    # memory-mapped: an index of 10^8 sequences is gigabytes
+    lengths = np.memmap(idx_path, np.int32, "r", 34, (count,)) if count else np.zeros(0, np.int32)
+    pointers = np.memmap(idx_path, np.int64, "r", 34 + 4 * count, (count,)) if count else np.zeros(0, np.int64)
+    doc_index = np.memmap(idx_path, np.int64, "r", 34 + 12 * count, (doc_count,)) if doc_count else np.zeros(0)
     dtype = MEGATRON_DTYPES[code]
-    item = np.dtype(dtype).itemsize
-    expected = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * item if count else lengths
-    size = bin_path.stat().st_size
-    if not np.array_equal(pointers, expected) or int(lengths.sum()) * item != size:
-        raise LatticeConfigError(f"--data {spec}: {idx_path} does not match {bin_path} (its sequences cover "
-                                 f"{int(lengths.sum()) * item} bytes, the .bin holds {size}); rebuild the pair "
-                                 f"together")
+    item, size = np.dtype(dtype).itemsize, bin_path.stat().st_size
+    if not _contiguous(lengths, pointers, item, size):
+        raise LatticeConfigError(f"--data {spec}: {idx_path} does not match {bin_path} (its sequences do not cover "
+                                 f"the .bin's {size} bytes one after another); rebuild the pair together")
     if doc_count < 2 or doc_index[0] != 0 or doc_index[-1] != count or np.any(np.diff(doc_index) < 0):
         raise LatticeConfigError(f"{bad}: its document indices do not run from 0 to the {count} sequences; "
                                  f"rebuild it")
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     check_ids(tokens, vocab_size, f"--data {spec}")
-    sequence_starts = np.concatenate([[0], np.cumsum(lengths)])
-    starts = np.unique(sequence_starts[doc_index[:-1]])
+    first = np.asarray(doc_index[:-1])
+    starts = np.unique(np.where(first < count, np.asarray(pointers)[np.minimum(first, count - 1)] // item, len(tokens)))
     return tokens, starts[starts < len(tokens)]
+
+
+def _contiguous(lengths, pointers, item: int, size: int) -> bool:
+    """Whether the sequences lie one after another from byte 0 and end at the .bin's last byte
+    (checked in pieces)."""
+    if not len(lengths):
+        return size == 0
+    end = 0
+    for i in range(0, len(lengths), 1 << 24):
+        length = np.asarray(lengths[i:i + (1 << 24)], dtype=np.int64) * item
+        at = np.asarray(pointers[i:i + (1 << 24)])
+        if at[0] != end or np.any(at[1:] != at[:-1] + length[:-1]):
+            return False
+        end = int(at[-1] + length[-1])
+    return end == size
 
 
 def file_identity(*paths: Path) -> str:
