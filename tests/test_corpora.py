@@ -199,7 +199,9 @@ def test_a_blend_draws_each_source_by_its_weight_the_same_on_every_load(tmp_path
 def test_training_from_each_input_kind_resumes_with_the_same_batches(kind, tmp_path, capsys):
     """Catches an input kind the command line cannot train on, and a resume that draws other
     batches (a blend's sources, a token file's windows): 4 steps straight, and the same run
-    resumed from its step-2 checkpoint, end at the same training loss, bit for bit."""
+    resumed from its step-2 checkpoint, end at the same training loss, bit for bit; and a run
+    on token ids without a tokenizer asked to generate from text, refused in one line (it fell
+    back to the built-in corpus's tokenizer)."""
     import shutil
 
     rng = np.random.default_rng(2)
@@ -230,6 +232,10 @@ def test_training_from_each_input_kind_resumes_with_the_same_batches(kind, tmp_p
     shutil.rmtree(run / "checkpoints" / "step-00000004")  # as if it stopped after step 2's checkpoint
     assert cli.main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert "resuming from" in capsys.readouterr().out and last_step(run) == straight and straight[0] == "4"
+    if kind in ("tokens", "megatron"):  # token ids without a tokenizer: no prompt can be encoded
+        assert cli.main(["generate", str(run), "--prompt", "a prompt"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "without a tokenizer" in err, err
 
 
 def test_packed_batches_restart_at_every_end_of_text(tmp_path, capsys):

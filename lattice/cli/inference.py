@@ -44,7 +44,7 @@ def load_for_inference(args, nproc: int | None = None):
     """The checkpoint, its model config, the tokenizer the run saved (generate; None if it saved
     none) and the layout, checked, with the processes it will run in when `nproc` is given."""
     from lattice import checkpoint
-    from lattice.data.corpus import read_tokenizer
+    from lattice.data.corpus import TOKENIZED, read_tokenizer
     from lattice.modes import get_mode
 
     ckpt = checkpoint.read(args.run)
@@ -73,6 +73,10 @@ def load_for_inference(args, nproc: int | None = None):
         saved_tokenizer = checkpoint.run_of(args.run) / "tokenizer.json"
         if saved_tokenizer.is_file():  # the tokenizer the run was trained with
             tokenizer = read_tokenizer(saved_tokenizer, "the run's tokenizer", "restore it from a copy of the run")
+        elif ckpt.get("train_config", {}).get("data_format") in TOKENIZED:
+            fmt = ckpt["train_config"]["data_format"]
+            raise LatticeConfigError(f"{args.run} was trained on token ids (--data-format {fmt}) without a tokenizer, so "
+                                     f"no prompt can be encoded for it; train with --tokenizer to generate from text")
     layout = layout_from_args(args)
     if args.command == "generate" and layout.cp > 1:
         raise LatticeConfigError(f"generation runs with cp = 1 (each new token attends to every position before it); "
