@@ -22,7 +22,7 @@ from lattice.checkpoint.files import atomic_write
 from lattice.data.blend import Blend, parse_blend
 from lattice.data.text_files import check_texts, data_files, documents
 from lattice.data.token_files import (Separators, document_split, file_identity, flat_tokens, megatron_paths,
-                                      megatron_tokens, token_dtype, write_token_file)
+                                      megatron_tokens, token_dtype, token_files_present, write_token_file)
 from lattice.parallel.context import LatticeConfigError
 
 DEFAULT_VOCAB = 2048
@@ -172,10 +172,8 @@ def listed_files(spec: str, data_format: str) -> list[str]:
 
 
 def _source_hash(path: str, data_format: str, text_key) -> str:
-    if data_format == "tokens":
-        return file_identity(Path(path))
-    if data_format == "megatron":
-        return file_identity(*megatron_paths(path))
+    if data_format in TOKENIZED:
+        return file_identity(*token_files_present(path, data_format))
     named = text_key if isinstance(text_key, str) else "\0".join(text_key)
     h = hashlib.sha256(f"{data_format}\0{named}\0".encode())
     for piece in documents(path, data_format, text_key):
@@ -186,10 +184,14 @@ def _source_hash(path: str, data_format: str, text_key) -> str:
 def data_hash(spec: str, data_format: str = "text", text_key: str | tuple[str, ...] = "text") -> str:
     """Identity of `--data`'s content (its documents read in pieces; a token file's sampled
     blocks, lattice.data.token_files.file_identity), and of a blend's weights."""
-    blend = sources_of(spec)
+    return _blend_hash(sources_of(spec), {p: _source_hash(p, data_format, text_key) for _, p in sources_of(spec)})
+
+
+def _blend_hash(blend: list[tuple[float, str]], hashes: dict[str, str]) -> str:
+    """`data_hash` from each source's own (`hashes`, by path)."""
     if len(blend) == 1:
-        return _source_hash(spec, data_format, text_key)
-    named = "\0".join(f"{w!r}:{_source_hash(p, data_format, text_key)}" for w, p in blend)
+        return hashes[blend[0][1]]
+    named = "\0".join(f"{w!r}:{hashes[p]}" for w, p in blend)
     return hashlib.sha256(named.encode()).hexdigest()[:16]
 
 
@@ -200,22 +202,22 @@ class _Source:
     name: str
 
 
-def _data_tokenizer(paths: list[str], vocab_size: int, data_format: str, text_key, given: Path | None,
+def _data_tokenizer(hashes: dict[str, str], vocab_size: int, data_format: str, text_key, given: Path | None,
                     tokenizer_path: str | None):
     """The tokenizer of own data: the one given, else (text) a byte-level BPE trained on every
-    source's documents (cached by their content), else (token files) None."""
+    source's documents (cached by their content: `hashes`, by path), else (token files) None."""
     if given:
         return _checked_tokenizer(given, vocab_size, tokenizer_path)
     if data_format in TOKENIZED:
         return None
     from tokenizers import Tokenizer
 
-    key = hashlib.sha256("\0".join(_source_hash(p, data_format, text_key) for p in paths).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join(hashes.values()).encode()).hexdigest()[:16]
     path = cache_dir() / f"bpe-data-{vocab_size}-{key}" / "tokenizer.json"
     if not path.exists():
         train_tokenizer("", vocab_size)  # the vocabulary-size check
         bpe = _bpe()
-        texts = (piece.text for p in paths for piece in documents(p, data_format, text_key))
+        texts = (piece.text for p in hashes for piece in documents(p, data_format, text_key))
         bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                 special_tokens=[END_OF_TEXT])
         atomic_write(path, lambda tmp: bpe.save(tmp))
@@ -223,12 +225,12 @@ def _data_tokenizer(paths: list[str], vocab_size: int, data_format: str, text_ke
 
 
 def _text_source(path: str, vocab_size: int, data_format: str, text_key, tokenizer, separators: Separators,
-                 salt: str) -> _Source:
+                 salt: str, content: str) -> _Source:
     """A text source tokenized once into a memory-mapped token file and its documents' starts,
-    cached by content and tokenizer."""
+    cached by its `content` hash and the tokenizer."""
     if data_format != "hf":
         check_texts(path)
-    root = cache_dir() / f"data-{vocab_size}-{_source_hash(path, data_format, text_key)}-{salt}"
+    root = cache_dir() / f"data-{vocab_size}-{content}-{salt}"
     ids_path, starts_path = root / "tokens.bin", root / "documents.npy"
     dtype = token_dtype(vocab_size)
     if not (ids_path.exists() and starts_path.exists()):
@@ -257,13 +259,14 @@ def _token_source(path: str, vocab_size: int, data_format: str, separators: Sepa
     return _Source(tokens, np.concatenate([[0], ends + 1]).astype(np.int64), path)  # a document after each eos
 
 
-def _sources(spec: str, vocab_size: int, data_format: str, text_key, tokenizer, separators, salt) -> list[_Source]:
+def _sources(spec: str, vocab_size: int, data_format: str, text_key, tokenizer, separators, salt,
+             hashes: dict[str, str]) -> list[_Source]:
     out = []
     for _, path in sources_of(spec):
         if data_format in TOKENIZED:
             out.append(_token_source(path, vocab_size, data_format, separators))
         else:
-            out.append(_text_source(path, vocab_size, data_format, text_key, tokenizer, separators, salt))
+            out.append(_text_source(path, vocab_size, data_format, text_key, tokenizer, separators, salt, hashes[path]))
         if len(out[-1].tokens) < 2:
             raise LatticeConfigError(f"--data {path} holds {len(out[-1].tokens)} tokens; give it some text")
     return out
@@ -282,14 +285,14 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
     blend = sources_of(spec)
     validation = sources_of(val_data) if val_data else []
     given = _given_tokenizer(tokenizer_path)
-    tokenizer = _data_tokenizer([p for _, p in blend + validation], vocab_size, data_format, text_key, given,
-                                tokenizer_path)
+    hashes = {p: _source_hash(p, data_format, text_key) for _, p in blend + validation}  # one pass over the data
+    tokenizer = _data_tokenizer(hashes, vocab_size, data_format, text_key, given, tokenizer_path)
     specials = tokenizer_specials(tokenizer, given.parent if given else None) if tokenizer is not None else {}
     separators = None if tokenizer is None else Separators.of(tokenizer, specials, _adds_bos(given))
     salt = hashlib.sha256(given.read_bytes()).hexdigest()[:16] if given else "bpe"
-    train = _sources(spec, vocab_size, data_format, text_key, tokenizer, separators, salt)
+    train = _sources(spec, vocab_size, data_format, text_key, tokenizer, separators, salt, hashes)
     if validation:
-        val = _sources(val_data, vocab_size, data_format, text_key, tokenizer, separators, salt)
+        val = _sources(val_data, vocab_size, data_format, text_key, tokenizer, separators, salt, hashes)
         about = [f"validation: --val-data {val_data}"]
         train_parts, val_parts = [s.tokens for s in train], [v.tokens for v in val]
         train_docs, val_docs = [s.starts for s in train], [v.starts for v in val]
@@ -307,8 +310,8 @@ def load_data_corpus(spec: str, vocab_size: int, *, data_format: str = "text",
         about.insert(0, f"documents: {separators.how}")
     return Corpus(train=_blended(train_parts, weights, names), val=_blended(val_parts, [w for w, _ in validation]
                                                                              or weights, [p for _, p in validation] or names),
-                  vocab_size=vocab_size, tokenizer=tokenizer, key=f"{data_hash(spec, data_format, text_key)}-{salt}",
-                  content_hash=data_hash(spec, data_format, text_key), specials=specials, about=about,
+                  vocab_size=vocab_size, tokenizer=tokenizer, key=f"{_blend_hash(blend, hashes)}-{salt}",
+                  content_hash=_blend_hash(blend, hashes), specials=specials, about=about,
                   train_documents=None if any(d is None for d in train_docs) else train_docs,
                   val_documents=None if any(d is None for d in val_docs) else val_docs)
 
@@ -334,16 +337,12 @@ def _adds_bos(given: Path | None) -> bool | None:
 def check_data(data: str | None, tokenizer_path: str | None, vocab_size: int | None = None,
                data_format: str = "text") -> None:
     """`--data` and `--tokenizer` refused in one line if they cannot be trained on: no file, no
-    text, a file that is not text, a token file that does not parse or holds ids beyond the
-    vocabulary, a blend's weights that do not parse, a tokenizer that does not parse or whose
-    vocabulary does not fit `vocab_size` (before any process group)."""
+    text, a file that is not text, a blend's weights that do not parse, a missing `datasets`, a
+    tokenizer that does not parse or whose vocabulary does not fit `vocab_size` (before any
+    process group; token files are checked as they are read, `load_data_corpus`)."""
     for _, path in sources_of(data) if data is not None else []:
         if data_format in ("text", "jsonl"):
             check_texts(path)
-        elif data_format == "tokens" and vocab_size is not None:
-            flat_tokens(Path(path), vocab_size)
-        elif data_format == "megatron" and vocab_size is not None:
-            megatron_tokens(path, vocab_size)
         elif data_format == "hf":
             from lattice.data.hf_datasets import check_dataset
 

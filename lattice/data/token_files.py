@@ -122,10 +122,7 @@ def check_ids(tokens: np.ndarray, vocab_size: int, named: str) -> None:
 def flat_tokens(path: Path, vocab_size: int) -> np.ndarray:
     """nanoGPT's flat token file (uint16, or uint32 beyond 65,536 tokens), memory-mapped."""
     dtype = token_dtype(vocab_size)
-    if not path.is_file():
-        raise LatticeConfigError(f"--data {path} is not a file; --data-format tokens reads a flat token file "
-                                 f"(nanoGPT's train.bin)")
-    size = path.stat().st_size
+    size = token_files_present(str(path), "tokens")[0].stat().st_size
     if size == 0 or size % np.dtype(dtype).itemsize:
         raise LatticeConfigError(f"--data {path} holds {size} bytes, not a whole number of {np.dtype(dtype).name} "
                                  f"token ids (--vocab-size {vocab_size}); check the file and --vocab-size")
@@ -145,14 +142,25 @@ def megatron_paths(spec: str) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
-def megatron_tokens(spec: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, the first token of each document) of Megatron's indexed `.bin`/`.idx`, refused in
-    one line where the index does not parse or does not match its `.bin`."""
-    bin_path, idx_path = megatron_paths(spec)
-    for p in (bin_path, idx_path):
+def token_files_present(spec: str, data_format: str) -> tuple[Path, ...]:
+    """The files of a token source (`tokens`: the file; `megatron`: its .bin and .idx), refused in
+    one line where one is missing."""
+    if data_format == "tokens":
+        if not Path(spec).is_file():
+            raise LatticeConfigError(f"--data {spec} is not a file; --data-format tokens reads a flat token file "
+                                     f"(nanoGPT's train.bin)")
+        return (Path(spec),)
+    for p in megatron_paths(spec):
         if not p.is_file():
             raise LatticeConfigError(f"--data {spec}: {p} is missing; --data-format megatron reads a .bin and its "
                                      f".idx (Megatron's preprocess_data.py output), named by their common prefix")
+    return megatron_paths(spec)
+
+
+def megatron_tokens(spec: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, the first token of each document) of Megatron's indexed `.bin`/`.idx`, refused in
+    one line where the index does not parse or does not match its `.bin`."""
+    bin_path, idx_path = token_files_present(spec, "megatron")
     bad = f"--data {spec}: {idx_path} is not a Megatron index"
     with open(idx_path, "rb") as f:
         head = f.read(34)
