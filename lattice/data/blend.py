@@ -57,9 +57,6 @@ class Blend:
     def __len__(self) -> int:
         return sum(len(p) for p in self.parts)
 
-    def shortest(self) -> int:
-        return min(len(p) for p in self.parts)
-
     def sources(self, first: int, count: int, seed: int) -> np.ndarray:
         """The source of samples first .. first + count - 1."""
         i = np.arange(first, first + count, dtype=np.float64)
@@ -89,7 +86,3 @@ class Blend:
                 starts[mine] = torch.linspace(0, len(part) - length, len(mine)).long().numpy()
                 out[torch.from_numpy(mine)] = windows(part, torch.from_numpy(starts[mine]), length)
         return out, which, starts
-
-    def drawn(self, steps: int, batch_size: int, seed: int) -> np.ndarray:
-        """How many samples each source gives the first `steps` steps."""
-        return np.bincount(self.sources(0, steps * batch_size, seed), minlength=len(self.parts))
