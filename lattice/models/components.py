@@ -277,8 +277,7 @@ def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, wind
     padding) also hide the keys of other documents than the query's (packed sequences,
     `keys_seen`); a query left with no key to see (a left pad under the causal mask) sees every
     key instead, so that its output, which nothing reads, stays finite (transformers does the
-    same). `dropout` (training only) drops
-    attention weights."""
+    same). `dropout` (training only) drops attention weights."""
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     t_q, t_k = q.shape[2], k.shape[2]
     allowed = None  # bool (.., T_q, T_k), True attends; None: no mask beyond `causal`
@@ -291,7 +290,8 @@ def attend(q, k, v, bias=None, *, causal: bool, scale: float | None = None, wind
         if window is not None:
             allowed = allowed & (key > query - window)
         if keep is not None:
-            allowed = allowed & keys_seen(keep, keep[:, t_k - t_q:])  # (B_l, 1, T_q, T_k)
+            documents = None if keep.dtype == torch.bool else keep[:, t_k - t_q:]  # the queries' own
+            allowed = allowed & keys_seen(keep, documents)  # (B_l, 1, T_q, T_k)
             allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
         causal = False
     mask = allowed
