@@ -30,10 +30,15 @@ def dataset_files(spec: str) -> list[Path]:
     return [p for p in found if p.suffix in BUILDERS]
 
 
+def _saved(spec: str) -> bool:
+    """Whether `spec` is a directory `save_to_disk` wrote (a Dataset's or a DatasetDict's)."""
+    return any(Path(spec, name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
 def check_dataset(spec: str) -> None:
     """Refuse in one line a `--data` that holds no dataset files, or a missing library."""
     _library()
-    if Path(spec, "dataset_info.json").is_file():
+    if _saved(spec):
         return
     files = dataset_files(spec)
     if not files:
@@ -49,7 +54,7 @@ def open_dataset(spec: str):
     """The rows of the dataset at `spec`, streamed (a save_to_disk directory: its train split)."""
     datasets = _library()
     check_dataset(spec)
-    if Path(spec, "dataset_info.json").is_file() or Path(spec, "state.json").is_file():
+    if _saved(spec):
         loaded = datasets.load_from_disk(spec)
         return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
     files = dataset_files(spec)
