@@ -252,6 +252,26 @@ class Mode:
         replicated). Its backward is the identity: every rank holds the same loss."""
         raise NotImplementedError
 
+    # ---- whole tokens (a mixture of experts; lattice.modes.kernels.tokens)
+    def token_spec(self) -> dict:
+        """ShardSpec keywords of a parameter that every rank holding it holds whole and applies to
+        its own tokens of `expert_tokens` (a router, an expert): its gradient is summed over the
+        replica's ranks that hold other tokens."""
+        return {}
+
+    def residual_rows(self, batch: int) -> slice:
+        """The sequences of a replica batch of `batch` whose tokens this rank's residual holds."""
+        return self.attention_rows(batch)
+
+    def expert_tokens(self, x: torch.Tensor, mask: torch.Tensor | None):
+        """(this rank's whole tokens (n, d_model), held by no other rank of the replica; their
+        padding mask (n,), True at a token, or None; back) from x in the residual layout and
+        `mask` (its `residual_rows` of the replica's padding mask, (rows, T), or None); back maps
+        (n, d_model) to the residual layout. By default the residual holds such tokens already."""
+        shape = x.shape
+        flat = None if mask is None else mask.reshape(-1)
+        return x.reshape(-1, shape[-1]), flat, lambda y: y.reshape(shape)
+
     # ---- analysis
     @classmethod
     def optimus_table1_row(cls, b: int, s: int, h: int, p: int) -> dict[str, float] | None:

@@ -52,6 +52,7 @@ from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_nor
                                           register_linear, register_position_tables, round_up, rows_on_every_rank,
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
+from lattice.modes.kernels.tokens import columns_to_tokens
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -312,6 +313,19 @@ class Cube3D(Mode):
         rows = batch // self.q ** 2  # batch piece (i, l), heads of block j
         start = self.cube.i * self.q * rows + self.cube.l * rows
         return slice(start, start + rows)
+
+    def token_spec(self):
+        return {"grad_sum": (CI, CJ, CL)}
+
+    def residual_rows(self, batch):
+        rows = batch // self.q ** 2  # batch piece (i, j)
+        start = self.cube.i * self.q * rows + self.cube.j * rows
+        return slice(start, start + rows)
+
+    def expert_tokens(self, x, mask):  # piece (i, j)'s tokens, hidden block l: 1/q of them, whole
+        tokens, flat, back = super().expert_tokens(x, mask)
+        mine, mine_mask, columns = columns_to_tokens(tokens, flat, self.cube.group(CL))
+        return mine, mine_mask, lambda y: back(columns(y))
 
     def pool(self, x, index, batch):
         """(B/q², T, h/q) batch pieces (i, j), hidden block l -> the (batch, h) position `index`."""

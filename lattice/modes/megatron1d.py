@@ -39,6 +39,7 @@ from lattice.modes.kernels.layers import (TiedHead, add_position_rows, compute_d
                                           position_rows, position_span, register_linear, register_position_tables,
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
+from lattice.modes.kernels.tokens import split_replicated
 from lattice.modes.serial import Linear, Norm
 from lattice.parallel import comm
 from lattice.parallel.context import MeshAxis
@@ -308,6 +309,20 @@ class Megatron1D(Mode):
 
     def attention_rows(self, batch):
         return slice(0, batch)  # every sequence, this rank's heads
+
+    def token_spec(self):
+        return {"grad_sum": (MeshAxis.TP,)}
+
+    def expert_tokens(self, x, mask):
+        """With sequence parallelism this rank's T/p positions are its own; without, every rank
+        holds every token and keeps 1/p of them."""
+        if self.sp:
+            chunk = x.shape[1]
+            mine = None if mask is None else mask[:, self.ctx.coord(MeshAxis.TP) * chunk:][:, :chunk]
+            return super().expert_tokens(x, mine)
+        tokens, flat, back = super().expert_tokens(x, mask)
+        mine, mine_mask, gather = split_replicated(tokens, flat, tp_group(self.ctx))
+        return mine, mine_mask, lambda y: back(gather(y))
 
     def pool(self, x, index, batch):
         if not self.sp:

@@ -288,6 +288,12 @@ class SubGraph(Mode):
         rows = self.seg.branch_rows(batch)  # member m's sequences, its sub-grid's heads
         return slice(self.seg.m * rows, (self.seg.m + 1) * rows)
 
+    def token_spec(self):
+        return self.common_spec  # the common rows' parameters: an expert is one
+
+    def residual_rows(self, batch):
+        return self.seg.common_rows(batch)
+
     def pool(self, x, index, batch):
         """This rank's common rows (none on an idle rank of D&SP-cSub) of the position `index`."""
         rows = self.seg.common_rows(batch)

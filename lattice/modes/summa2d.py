@@ -30,6 +30,7 @@ from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_nor
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes.kernels.summa import SummaEmbed, SummaGrid, summa_ab, summa_abt
+from lattice.modes.kernels.tokens import columns_to_tokens
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -327,6 +328,14 @@ class Summa2D(Mode):
     def attention_rows(self, batch):
         rows = batch // self.q  # row block i, heads of column j
         return slice(self.grid.i * rows, (self.grid.i + 1) * rows)
+
+    def token_spec(self):
+        return {"grad_sum": (ROW, COL)}
+
+    def expert_tokens(self, x, mask):  # row i's tokens, columns j: 1/q of them, whole, by one all-to-all
+        tokens, flat, back = super().expert_tokens(x, mask)
+        mine, mine_mask, columns = columns_to_tokens(tokens, flat, self.grid.row)
+        return mine, mine_mask, lambda y: back(columns(y))
 
     def pool(self, x, index, batch):
         """(B/q, T, h/q) -> rows i, columns j of the (batch, h) position `index`."""

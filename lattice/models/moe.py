@@ -1,0 +1,197 @@
+"""Mixtures of experts, written once against the mode interface: a router, dropless dispatch to
+SwiGLU experts and the combine (Mixtral's and Qwen2-MoE's MLP), the load-balancing loss as
+transformers computes it, and the decoder base the MoE families share.
+
+    y = moe(x, token_mask=mask, balance=stats)     # x, y in the residual layout
+
+At an MoE layer each layout hands over its tokens whole (`Mode.expert_tokens`: a set no other rank
+of the replica holds) and takes the outputs back. Every rank holds the router and every expert
+whole (`Mode.token_spec`: their gradients summed over the replica's ranks, which saw other
+tokens). Per token (n tokens, E experts, top k):
+
+    logits = x Wᵣᵀ                      # (n, E), router `router.weight` (E, h) as transformers keeps it
+    probs = softmax(logits)             # at float32 or above, as transformers does
+    w, e = topk(probs, k)               # (n, k), highest first
+    w = w / Σ w                         # Mixtral always, Qwen2-MoE with norm_topk_prob
+    y = Σ_j w_j · down[e_j](silu(gate[e_j] x) · up[e_j] x)
+
+Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expert on its rows and
+adds each row back to its token: no capacity, no token dropped. Experts are kept as transformers 5
+keeps them, `experts.gate_up` (E, 2I, h) and `experts.down` (E, h, I).
+
+The load-balancing loss (Switch Transformer's, over all MoE layers together as transformers'
+`load_balancing_loss_func`): with C_e the top-k assignments of expert e and S_e the sum of its
+router probabilities over the batch's tokens (padding excluded) and every MoE layer, and R the
+tokens times the layers,
+
+    aux = E · Σ_e (C_e / R) · (S_e / R),       loss = cross-entropy + router_aux_loss_coef · aux
+
+C, S and R are summed over the replica's ranks and the data-parallel replicas per layer (2E + 1
+numbers), so that the loss is the whole batch's; C is a constant to autograd, so each rank
+differentiates its own share of S (scaled by dp, which the data-parallel average divides back).
+With micro-batches (gradient accumulation) each micro-batch takes its own statistics, as
+Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lattice.models.base import DecoderLM
+from lattice.parallel import comm
+from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.sharding import ShardSpec, register_sharded
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class Balance:
+    """One forward's load-balancing statistics, a row per MoE layer: (C (E,), S (E,) of this rank's
+    tokens with their graph, S (E,) and R of the whole batch)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.layers = ctx, {}
+
+    def add(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None) -> None:
+        n, E = probs.shape
+        valid = probs.new_ones(n) if mask is None else mask.to(probs.dtype)
+        counts = probs.new_zeros(E).scatter_add_(0, chosen.reshape(-1), valid.repeat_interleave(chosen.shape[1]))
+        mine = (probs * valid[:, None]).sum(0)
+        if layer in self.layers:  # recomputed under activation checkpointing: recorded already
+            return
+        whole = torch.cat([counts, mine.detach(), valid.sum()[None]])
+        for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP)):
+            if comm.group_size(group) > 1:
+                whole = comm.raw_all_reduce(whole, group)
+        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E])
+
+    def loss(self) -> torch.Tensor:
+        """aux (module docstring): its value the whole batch's, its gradient this rank's share."""
+        rows = [self.layers[k] for k in sorted(self.layers)]
+        counts, mine, whole = (sum(r[i] for r in rows) for i in range(3))
+        total = sum(r[3] for r in rows)
+        E = counts.shape[0]
+        value = E * ((counts / total) * (whole / total)).sum()
+        share = E * ((counts / total) * (mine / total)).sum() * self.ctx.dp
+        return share + (value - share).detach()
+
+
+class Router(nn.Module):
+    """logits = x Wᵀ with W (E, h); the top k experts of each token and their weights."""
+
+    def __init__(self, mode, d_model: int, experts: int, top_k: int, normalize: bool):
+        super().__init__()
+        register_sharded(self, "weight", ShardSpec((experts, d_model), **mode.token_spec()), mode.ctx)
+        self.top_k, self.normalize = top_k, normalize
+
+    def forward(self, tokens):  # (n, h) -> probs (n, E), weights (n, k), experts (n, k)
+        probs = torch.softmax(at_least_float32(F.linear(tokens, self.weight)), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(tokens.dtype), chosen
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs of width I: `gate_up` (E, 2I, h) (gate rows first) and `down` (E, h, I)."""
+
+    def __init__(self, mode, d_model: int, experts: int, width: int):
+        super().__init__()
+        spec = mode.token_spec()
+        register_sharded(self, "gate_up", ShardSpec((experts, 2 * width, d_model), **spec), mode.ctx)
+        register_sharded(self, "down", ShardSpec((experts, d_model, width), **spec), mode.ctx)
+        self.experts = experts
+
+    def forward(self, tokens, weights, chosen):  # (n, h), (n, k), (n, k) -> (n, h)
+        n, k = chosen.shape
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # the (token, expert) pairs by expert
+        owner = order // k  # each pair's token
+        rows = tokens[owner]
+        outputs = []
+        for e, chunk in enumerate(rows.split(torch.bincount(flat, minlength=self.experts).tolist())):
+            if chunk.shape[0]:
+                gate, up = F.linear(chunk, self.gate_up[e]).chunk(2, dim=-1)
+                outputs.append(F.linear(F.silu(gate) * up, self.down[e]))
+        out = torch.cat(outputs) if outputs else rows
+        out = out * weights.reshape(-1)[order, None]
+        return tokens.new_zeros(n, tokens.shape[1]).index_add(0, owner, out)
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's expert every token goes through, weighted by sigmoid(x W_gᵀ): `gate`, `up` (I, h),
+    `down` (h, I) and `weight` (1, h) of the gate, as transformers keeps them."""
+
+    def __init__(self, mode, d_model: int, width: int):
+        super().__init__()
+        spec = mode.token_spec()
+        for name, shape in (("gate", (width, d_model)), ("up", (width, d_model)), ("down", (d_model, width)),
+                            ("weight", (1, d_model))):
+            register_sharded(self, name, ShardSpec(shape, **spec), mode.ctx)
+
+    def forward(self, tokens):
+        hidden = F.silu(F.linear(tokens, self.gate)) * F.linear(tokens, self.up)
+        return torch.sigmoid(F.linear(tokens, self.weight)) * F.linear(hidden, self.down)
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP of one layer (`layer`: its index among the model's MoE layers)."""
+
+    def __init__(self, mode, cfg, layer: int):
+        super().__init__()
+        self.mode, self.layer, self.n_experts = mode, layer, cfg.n_experts
+        self.router = Router(mode, cfg.d_model, cfg.n_experts, cfg.top_k, cfg.normalize_top_k)
+        self.experts = Experts(mode, cfg.d_model, cfg.n_experts, cfg.expert_size)
+        self.shared = SharedExpert(mode, cfg.d_model, cfg.shared_expert_size) if cfg.shared_expert_size else None
+
+    def forward(self, x, token_mask=None, balance: Balance | None = None):
+        tokens, mask, back = self.mode.expert_tokens(x, token_mask)
+        if self.router.weight is None:  # an idle rank (subgraph's D&SP-cSub): no tokens, no experts
+            if balance is not None:
+                balance.add(self.layer, tokens.new_zeros(0, self.n_experts), tokens.new_zeros(0, 1).long(), None)
+            return back(tokens * 0.0)
+        probs, weights, chosen = self.router(tokens)
+        if balance is not None:
+            balance.add(self.layer, probs, chosen, mask)
+        y = self.experts(tokens, weights, chosen)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        return back(y)
+
+
+class MoEDecoder(DecoderLM):
+    """A decoder whose blocks take `token_mask` and `balance` (SparseMoE's) and whose loss adds
+    router_aux_loss_coef times the balancing loss (module docstring)."""
+
+    def __init__(self, cfg, ctx, **kwargs):
+        if ctx.pp > 1 or ctx.cp > 1:
+            raise LatticeConfigError(f"{type(self).__name__} is a mixture of experts, which lattice trains without "
+                                     f"pipeline or context parallelism so far (pp = {ctx.pp}, cp = {ctx.cp}); use "
+                                     f"pp = 1 and cp = 1")
+        super().__init__(cfg, ctx, **kwargs)
+        self._balance = None
+
+    def forward(self, tokens, targets=None, **kwargs):
+        self._balance = Balance(self.ctx) if targets is not None and kwargs.get("cache") is None else None
+        try:
+            return super().forward(tokens, targets, **kwargs)
+        finally:
+            self._balance = None
+
+    def block_inputs(self, attention_mask, positions=None):
+        out = super().block_inputs(attention_mask, positions)
+        if attention_mask is not None:
+            out["token_mask"] = attention_mask[self.mode.residual_rows(attention_mask.shape[0])] != 0
+        if self._balance is not None:
+            out["balance"] = self._balance
+        return out
+
+    def head_loss(self, x, targets):
+        loss = super().head_loss(x, targets)
+        if self._balance is None or not self._balance.layers or not self.cfg.router_aux_loss_coef:
+            return loss
+        return loss + self.cfg.router_aux_loss_coef * self._balance.loss().to(loss.dtype)

@@ -1,0 +1,221 @@
+"""Mixtral and Qwen2-MoE, the mixture-of-experts families, against transformers' own
+MixtralForCausalLM and Qwen2MoeForCausalLM (built locally from their configs with random weights
+and the eager experts; nothing downloaded), in every layout and with data parallelism, on plain
+and padded batches: the loss (cross-entropy + router_aux_loss_coef x the load-balancing loss, as
+transformers adds it with output_router_logits=True) and every gradient.
+
+The references compute in float32 in three places, which alone puts them ~1e-8 from any float64
+computation: RMSNorm, the router's softmax and the balancing loss's accumulators. Each is run at
+the input's precision when that is float64 (the same formulas; `numerics.rms_norm_at_input_precision`,
+`_router_at_input_precision`, `_balancing_loss_at_input_precision`); everything else is
+transformers' code as shipped.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multiproc import cached_init, run_distributed
+from numerics import rel_diff, rms_norm_at_input_precision
+
+import lattice
+from lattice import LatticeConfigError
+from lattice.models import hf as lattice_hf
+from lattice.models.mixtral import Mixtral, MixtralConfig
+from lattice.models.qwen2_moe import Qwen2Moe, Qwen2MoeConfig
+
+transformers = pytest.importorskip("transformers")
+
+V = 61
+# Mixtral: grouped-query, 4 experts, top 2 renormalised, both layers MoE; Qwen2-MoE: multi-head with
+# q, k, v biases, 4 experts, top 2 not renormalised, a shared expert, layer 1 dense (mlp_only) and
+# layers 0 and 2 MoE; sizes no preset has
+CONFIGS = {
+    "mixtral": (Mixtral, MixtralConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2,
+                                             n_layers=2, intermediate_size=24, rope_theta=500.0, n_experts=4,
+                                             top_k=2, router_aux_loss_coef=0.1)),
+    "qwen2_moe": (Qwen2Moe, Qwen2MoeConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_kv_heads=4,
+                                                 n_layers=3, intermediate_size=40, rope_theta=500.0, n_experts=4,
+                                                 top_k=2, expert_width=16, shared_width=24, mlp_only=(1,),
+                                                 router_aux_loss_coef=0.1)),
+}
+
+
+def _router_at_input_precision(self, hidden_states):
+    """transformers' top-k router (Mixtral's and Qwen2-MoE's), its softmax at float64 for float64 input."""
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    probs = torch.softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    top, chosen = torch.topk(probs, self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), chosen
+
+
+def _balancing_loss_at_input_precision(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' load_balancing_loss_func, its float32 accumulators at the logits' precision."""
+    dtype = gate_logits[0].dtype if gate_logits[0].dtype == torch.float64 else torch.float32
+    counts, probs_sum, rows = torch.zeros(num_experts, dtype=dtype), torch.zeros(num_experts, dtype=dtype), 0.0
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(dtype)
+    for layer in gate_logits:
+        probs = torch.softmax(layer, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        if mask is None:
+            counts = counts + torch.histc(chosen.reshape(-1).to(dtype), bins=num_experts, min=0, max=num_experts)
+            probs_sum, rows = probs_sum + probs.sum(0), rows + probs.shape[0]
+        else:
+            counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
+            probs_sum, rows = probs_sum + (probs * mask[:, None]).sum(0), rows + mask.sum()
+    return torch.sum((counts / rows) * (probs_sum / rows).unsqueeze(0)) * num_experts
+
+
+@torch.no_grad()
+def random_hf(which: str, seed: int = 0):
+    """A float64 transformers model of CONFIGS[which], eager experts, eval mode, every parameter random."""
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    for module, prefix in ((modeling_mixtral, "Mixtral"), (modeling_qwen2_moe, "Qwen2Moe")):
+        getattr(module, f"{prefix}RMSNorm").forward = rms_norm_at_input_precision
+        getattr(module, f"{prefix}TopKRouter").forward = _router_at_input_precision
+        module.load_balancing_loss_func = _balancing_loss_at_input_precision
+    family, config_class, sizes = CONFIGS[which]
+    config = family.hf.config_to_hf(config_class(**sizes))
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.hf.model_class)(config).double().eval()
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _batch(seed, batch=4, length=12, padded=False):
+    """(tokens, targets, attention_mask or None): padded batches are left-padded by 3 and 5 in two rows."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, targets = torch.randint(0, V, (batch, length), generator=g), torch.randint(0, V, (batch, length), generator=g)
+    mask = None
+    if padded:
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[1, :3], mask[-1, :5] = 0, 0
+    return tokens, targets, mask
+
+
+def _reference(hf, tokens, targets, mask):
+    """transformers' loss with output_router_logits=True (its own sum, its own balancing loss)."""
+    out = hf(input_ids=tokens, attention_mask=mask, output_router_logits=True,
+             labels=None)
+    labels = targets if mask is None else targets.masked_fill(mask == 0, -100)
+    ce = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+    return ce + hf.config.router_aux_loss_coef * out.aux_loss
+
+
+def _equals_transformers(which: str, layout: dict, padded: bool):
+    """(relative difference of the loss, worst of a gradient) against transformers on one batch.
+    Padded batches are 11 tokens long where the layout allows (not under sequence parallelism): a
+    count of tokens that 3d's hidden group does not divide, which it pads."""
+    ctx = cached_init(**layout)
+    hf = random_hf(which, seed=5)
+    model = lattice.from_hf(hf, ctx)
+    length = 11 if padded and not layout.get("sequence_parallel") else 12
+    tokens, targets, mask = _batch(6, length=length, padded=padded)
+    reference = _reference(hf, tokens, targets, mask)
+    reference.backward()
+    loss = model.forward_backward(tokens, targets, **({} if mask is None else {"attention_mask": mask}))
+    grads = lattice_hf.to_hf_state_dict(model.family, model.cfg, model.full_grad_dict())
+    worst = max(rel_diff(grads[name], p.grad) for name, p in hf.named_parameters())
+    return abs(loss - reference.item()) / reference.item(), worst
+
+
+def _whole_batch_over_replicas(which: str, layout: dict):
+    """The same, each data-parallel replica on its half of the batch and the gradients averaged
+    over the replicas (as DDP does), against transformers on the whole batch."""
+    import torch.distributed as dist
+
+    from lattice import MeshAxis
+
+    ctx = cached_init(**layout)
+    hf = random_hf(which, seed=5)
+    model = lattice.from_hf(hf, ctx)
+    tokens, targets, _ = _batch(6)
+    reference = _reference(hf, tokens, targets, None)
+    reference.backward()
+    rows = slice(ctx.coord(MeshAxis.DP) * 2, ctx.coord(MeshAxis.DP) * 2 + 2)
+    loss = torch.tensor(model.forward_backward(tokens[rows], targets[rows]), dtype=torch.float64)
+    full = model.full_grad_dict()
+    for t in [loss, *full.values()]:
+        dist.all_reduce(t, group=ctx.group(MeshAxis.DP))
+        t.div_(ctx.dp)
+    grads = lattice_hf.to_hf_state_dict(model.family, model.cfg, full)
+    worst = max(rel_diff(grads[name], p.grad) for name, p in hf.named_parameters())
+    return abs(loss.item() - reference.item()) / reference.item(), worst
+
+
+LAYOUTS = [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True),
+           dict(mode="2d", tp=4), dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2),
+           dict(mode="subgraph", tp=4, subgrids=2, common="subgrid"), dict(mode="serial", dp=2),
+           dict(mode="1d", tp=2, dp=2)]
+
+
+@pytest.mark.parametrize("which, layout, padded", [
+    pytest.param(which, layout, padded, id=f"{which}-" + "-".join(f"{k}={v}" for k, v in layout.items())
+                 + ("-padded" if padded else ""), marks=[pytest.mark.fast] if layout == dict(mode="serial") else [])
+    for which in CONFIGS for layout in LAYOUTS for padded in (False, True)])
+def test_moe_layout_equals_transformers(which, layout, padded):
+    """Catches tokens routed on a piece of their features, a layout that hands the experts tokens
+    another rank also routes (or drops some), a router or expert gradient not summed over the ranks
+    that saw other tokens, balancing statistics taken over one rank's tokens, over padding, or per
+    layer instead of over all layers, top-k weights renormalised where Qwen2-MoE does not, a shared
+    expert or its gate mapped wrong, and a dense layer between MoE layers: the loss and every
+    gradient within 1e-10 of transformers' on every rank."""
+    world = lattice.context(**layout).world_size
+    results = run_distributed(world, _equals_transformers, which, layout, padded)
+    for loss, grads in results:
+        assert loss < 1e-10 and grads < 1e-10, (loss, grads)
+    print(f"{which} {layout} padded={padded}: loss {max(r[0] for r in results):.1e}, worst gradient "
+          f"{max(r[1] for r in results):.1e}")
+
+
+@pytest.mark.parametrize("which, layout", [(which, layout) for which in CONFIGS for layout in (
+    dict(mode="serial", dp=2), dict(mode="2d", tp=4, dp=2))])
+def test_moe_over_replicas_equals_transformers_on_the_whole_batch(which, layout):
+    """Catches balancing statistics taken over one replica's tokens (each replica's aux loss is then
+    its own half's) or a balancing gradient that the data-parallel average shrinks by dp: two
+    replicas on the two halves of a batch, gradients averaged, equal transformers on the whole."""
+    results = run_distributed(lattice.context(**layout).world_size, _whole_batch_over_replicas, which, layout)
+    for loss, grads in results:
+        assert loss < 1e-10 and grads < 1e-10, (loss, grads)
+
+
+@pytest.mark.fast
+def test_the_balancing_loss_is_transformers_own_and_moves_the_router():
+    """Catches a balancing loss that is never added (the layout tests would still pass with a
+    coefficient the reference ignored too), or added without reaching the router: the loss exceeds
+    the cross-entropy alone by router_aux_loss_coef x transformers' aux_loss, and with the
+    coefficient at 0 the router's gradient changes."""
+    hf = random_hf("mixtral", seed=5)
+    tokens, targets, _ = _batch(6)
+    with torch.no_grad():
+        out = hf(input_ids=tokens, output_router_logits=True)
+    model = lattice.from_hf(hf, lattice.context("serial"))
+    with torch.no_grad():
+        ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten()).item()
+        assert abs(model(tokens, targets).item() - ce - 0.1 * out.aux_loss.item()) < 1e-12
+        assert out.aux_loss.item() > 1.0  # E · Σ f·P is 1 at perfect balance and above it otherwise
+    model.forward_backward(tokens, targets)
+    with_aux = model.blocks[0].mlp.router.weight.grad.clone()
+    model.zero_grad()
+    model.cfg.router_aux_loss_coef = 0.0
+    model.forward_backward(tokens, targets)
+    assert rel_diff(model.blocks[0].mlp.router.weight.grad, with_aux) > 1e-6
+
+
+@pytest.mark.fast
+def test_bad_moe_configs_are_refused_in_one_line():
+    """Catches a top-k above the experts, a transformers option lattice does not implement, and
+    the layouts MoE does not train in yet reaching a shape error or a hang."""
+    with pytest.raises(LatticeConfigError, match="top_k = 5 exceeds n_experts = 4"):
+        MixtralConfig(**{**CONFIGS["mixtral"][2], "top_k": 5})
+    config = Mixtral.hf.config_to_hf(MixtralConfig(**CONFIGS["mixtral"][2]))
+    config.router_jitter_noise = 0.1
+    with pytest.raises(LatticeConfigError, match="router_jitter_noise=0.1 is not implemented"):
+        Mixtral.hf.config_from_hf(config)
+    with pytest.raises(LatticeConfigError, match="without pipeline or context parallelism"):
+        lattice.build_model(MixtralConfig(**CONFIGS["mixtral"][2]), lattice.context("serial", pp=2, microbatches=2))
