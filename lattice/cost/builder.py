@@ -102,11 +102,12 @@ class CostBuilder(AttentionTerms):
         self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0}  # likewise for the saves
 
     # ---- for the modes
-    def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False):
+    def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False, once=False):
         """One collective term at `site` ("linear", "bias", "norm", "branch" inside a layer, where
         it counts once per layer; "loss"; elsewhere the region's). `after_saves`: issued after
         every tensor its operation saves for backward, so that recomputation under activation
-        checkpointing, which stops after the layer's last saved tensor, may not repeat it."""
+        checkpointing, which stops after the layer's last saved tensor, may not repeat it;
+        `once`: never repeated by recomputation (an MoE layer's balancing statistics)."""
         in_layer = self.region == "layer"
         # (outside a layer, site "hidden": the region's term run beside the weight gradients' products)
         where = ("loss" if site == "loss" else f"layer.{site}" if in_layer else
@@ -118,7 +119,7 @@ class CostBuilder(AttentionTerms):
             calls, elements = calls * self.repeat, elements * self.repeat
         t = Term(phase, op, tuple(axes), calls, elements, where, itemsize or self.c.itemsize)
         if in_layer:
-            self.layer_terms.append((t, self.op, after_saves))
+            self.layer_terms.append((t, self.op, "once" if once else after_saves))
         else:
             self.c.terms.append(t)
 
@@ -181,7 +182,8 @@ class CostBuilder(AttentionTerms):
         last = self.op
         for t, op, after in self.layer_terms:
             self.c.terms.append(Term(t.phase, t.op, t.axes, t.calls * count, t.elements * count, t.site, t.itemsize))
-            if self.c.checkpointing and t.phase == "forward" and (op < last or (op == last and not after)):
+            if (self.c.checkpointing and t.phase == "forward" and after != "once"
+                    and (op < last or (op == last and not after))):
                 self.c.terms.append(Term("backward", t.op, t.axes, t.calls * count, t.elements * count, t.site,
                                          t.itemsize))
         for kind, amount in self.work["layer"].items():
@@ -262,6 +264,35 @@ class CostBuilder(AttentionTerms):
         self.save((self.current + out) if gated else (self.current if saves_input else own_output))
         self._elementwise(kind + ("_gated" if gated else ""), self.M * width * share)
         self.current, self.output_saved = out, False
+
+    def moe(self, experts: int, top_k: int, width: int, *, normalize: bool, shared: int = 0) -> None:
+        """A mixture of experts on the residual stream (lattice.models.moe.SparseMoE): the mode's
+        whole tokens (`Mode.cost_expert_tokens`, n here), the router (h -> E, softmax at float32 or
+        above, top-k), the balancing statistics (2E + 1 numbers all-reduced over the replica and the
+        replicas, in training), each of the n·k assignments through its expert's SwiGLU of `width`,
+        the combine, and a shared SwiGLU expert of width `shared` beside them."""
+        self._next()
+        h, a = self.h, None
+        n = self.mode.cost_expert_tokens(self)
+        a = n * top_k
+        stat = max(self.c.itemsize, 4)  # the router's probabilities: at float32 or above
+        wide = stat / self.c.itemsize
+        groups = [axes for axes in (self.topo.tensor_axes, (DP,)) if math.prod(self.topo.size(x) for x in axes) > 1]
+        for axes in groups:
+            self.add("forward", "all_reduce", axes, 2 * experts + 1, 1, "moe", itemsize=stat, once=True)
+        # saved: the tokens, the probabilities, the top-k weights (and their sum), the statistics'
+        # mask; each assignment's token row, its gate and up features, act(gate), their product,
+        # its expert's output and its weight; the shared expert's four hidden tensors, its gate and
+        # output; the top-k indices and the assignments' order and tokens as int64
+        self.save(n * h + wide * (n * experts + (a + n if normalize else 0) + n)
+                  + a * (2 * h + 4 * width + 1) + (4 * n * shared + n + n * h if shared else 0))
+        self.save_ints(8 * (n * top_k + 2 * a))
+        self._work("flops", 2 * n * h * experts + 6 * a * h * width + (6 * n * h * shared + 2 * n * h if shared else 0))
+        self._work("linear_calls", 1 + 2 * experts + (4 if shared else 0))
+        self._work("ops", 2 * experts + (3 if shared else 0))
+        self._elementwise("silu_gated", a * width + n * shared)
+        self._elementwise("add", n * experts + a * h + (n * h if shared else 0))  # softmax; weighting and combine
+        self.current, self.output_saved = self.residual, False
 
     def dense(self, in_features: int, out_features: int, *, bias: bool, activation: str) -> None:
         """A linear from the residual layout back to it (`Mode.dense`) and its elementwise

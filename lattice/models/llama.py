@@ -256,23 +256,30 @@ class Llama(DecoderLM):
 
     def cost_layout(self, b):
         cfg = self.cfg
-        hs, inner = cfg.head_size, cfg.intermediate_size
-        options = cfg.attention_options()
-        out_bias = options.get("out_bias", options["bias"])
         if b.first:  # (a pipeline's first stage alone embeds, its last alone runs the head)
             b.embedding(positions=False)
         with b.layer():
+            self.cost_attention(b)
             b.norm("rms", bias=False)
-            b.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hs, block="attention", position="in",
-                     bias=options["bias"])
-            b.attention(heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_size=hs, causal=True, rotary=True,
-                        window=options.get("window") is not None)
-            b.linear(cfg.n_heads * hs, cfg.d_model, block="attention", position="out", bias=out_bias,
-                     input_from_attention=True)
-            b.norm("rms", bias=False)
-            b.linear(cfg.d_model, 2 * inner, block="mlp", position="in", bias=False)
-            b.activation(inner, kind="silu", gated=True)
-            b.linear(inner, cfg.d_model, block="mlp", position="out", bias=False)
+            self.cost_mlp(b, cfg.intermediate_size)
         if b.last:
             b.norm("rms", bias=False)
             b.lm_head()
+
+    def cost_attention(self, b):
+        """A block's first half: its norm and attention (the families on Llama's blocks share it)."""
+        cfg = self.cfg
+        hs, options = cfg.head_size, cfg.attention_options()
+        b.norm("rms", bias=False)
+        b.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hs, block="attention", position="in",
+                 bias=options["bias"])
+        b.attention(heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_size=hs, causal=True, rotary=True,
+                    window=options.get("window") is not None)
+        b.linear(cfg.n_heads * hs, cfg.d_model, block="attention", position="out",
+                 bias=options.get("out_bias", options["bias"]), input_from_attention=True)
+
+    def cost_mlp(self, b, inner: int):
+        """A SwiGLU MLP of `inner` hidden features."""
+        b.linear(self.cfg.d_model, 2 * inner, block="mlp", position="in", bias=False)
+        b.activation(inner, kind="silu", gated=True)
+        b.linear(inner, self.cfg.d_model, block="mlp", position="out", bias=False)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from lattice.models.components import MLP, Rotary, SelfAttention, residual_dropout
 from lattice.models.hf import HFTensor
-from lattice.models.llama import LlamaConfig
+from lattice.models.llama import Llama, LlamaConfig
 from lattice.models.mistral import MistralConfig, MistralHF
 from lattice.models.moe import MoEDecoder, SparseMoE
 from lattice.models.registry import register
@@ -163,3 +163,25 @@ class Mixtral(MoEDecoder):
 
     def init_std(self, name):
         return self.cfg.init_std
+
+    def parts(self):
+        return None  # the balancing loss spans every layer: no pipeline stages yet
+
+    cost_attention, cost_mlp = Llama.cost_attention, Llama.cost_mlp
+
+    def cost_layout(self, b):
+        cfg = self.cfg
+        b.embedding(positions=False)
+        sparse = len(cfg.sparse_layers())
+        for count, moe in ((cfg.n_layers - sparse, False), (sparse, True)):
+            if count:
+                with b.layer(count):
+                    self.cost_attention(b)
+                    b.norm("rms", bias=False)
+                    if moe:
+                        b.moe(cfg.n_experts, cfg.top_k, cfg.expert_size, normalize=cfg.normalize_top_k,
+                              shared=cfg.shared_expert_size)
+                    else:
+                        self.cost_mlp(b, cfg.dense_size)
+        b.norm("rms", bias=False)
+        b.lm_head()

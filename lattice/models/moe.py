@@ -15,8 +15,9 @@ tokens). Per token (n tokens, E experts, top k):
     w = w / Σ w                         # Mixtral always, Qwen2-MoE with norm_topk_prob
     y = Σ_j w_j · down[e_j](silu(gate[e_j] x) · up[e_j] x)
 
-Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expert on its rows and
-adds each row back to its token: no capacity, no token dropped. Experts are kept as transformers 5
+Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expert on its rows,
+puts the rows back in token order and sums each token's k weighted outputs: no capacity, no token
+dropped. Experts are kept as transformers 5
 keeps them, `experts.gate_up` (E, 2I, h) and `experts.down` (E, h, I).
 
 The load-balancing loss (Switch Transformer's, over all MoE layers together as transformers'
@@ -117,9 +118,11 @@ class Experts(nn.Module):
             if chunk.shape[0]:
                 gate, up = F.linear(chunk, self.gate_up[e]).chunk(2, dim=-1)
                 outputs.append(F.linear(F.silu(gate) * up, self.down[e]))
-        out = torch.cat(outputs) if outputs else rows
-        out = out * weights.reshape(-1)[order, None]
-        return tokens.new_zeros(n, tokens.shape[1]).index_add(0, owner, out)
+        out = torch.cat(outputs) if outputs else rows  # (n·k, h) by expert
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        # back in token order, each token's k outputs weighted and summed (index_add would save them)
+        return (out[inverse].view(n, k, -1) * weights[..., None]).sum(1)
 
 
 class SharedExpert(nn.Module):
@@ -153,7 +156,9 @@ class SparseMoE(nn.Module):
         if self.router.weight is None:  # an idle rank (subgraph's D&SP-cSub): no tokens, no experts
             if balance is not None:
                 balance.add(self.layer, tokens.new_zeros(0, self.n_experts), tokens.new_zeros(0, 1).long(), None)
-            return back(tokens * 0.0)
+            # a product that saves its (empty) operand, as the experts' do on the other ranks: their
+            # recomputation under activation checkpointing then stops where the others' does
+            return back(tokens * tokens.detach())
         probs, weights, chosen = self.router(tokens)
         if balance is not None:
             balance.add(self.layer, probs, chosen, mask)

@@ -327,6 +327,11 @@ class Mode:
         """The LM head and its cross-entropy: collectives and index bytes; returns the elements saved."""
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
 
+    def cost_expert_tokens(self, b) -> float:
+        """The whole tokens this rank routes at an MoE layer (`expert_tokens`), with the terms of
+        the collectives that bring them and take the outputs back (site "moe")."""
+        return b.residual / b.h
+
     def cost_pool(self, b) -> float:
         """`pool` of one position of the replica batch: its collectives; returns the elements of
         the storage the pooled tensor keeps alive (a view of the residual, or its own)."""

@@ -52,7 +52,7 @@ from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_nor
                                           register_linear, register_position_tables, round_up, rows_on_every_rank,
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
-from lattice.modes.kernels.tokens import columns_to_tokens
+from lattice.modes.kernels.tokens import columns_to_tokens, cost_columns_to_tokens
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -321,6 +321,9 @@ class Cube3D(Mode):
         rows = batch // self.q ** 2  # batch piece (i, j)
         start = self.cube.i * self.q * rows + self.cube.j * rows
         return slice(start, start + rows)
+
+    def cost_expert_tokens(self, b):
+        return cost_columns_to_tokens(b, (CL,), self.q)
 
     def expert_tokens(self, x, mask):  # piece (i, j)'s tokens, hidden block l: 1/q of them, whole
         tokens, flat, back = super().expert_tokens(x, mask)

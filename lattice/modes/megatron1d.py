@@ -313,6 +313,16 @@ class Megatron1D(Mode):
     def token_spec(self):
         return {"grad_sum": (MeshAxis.TP,)}
 
+    def cost_expert_tokens(self, b):
+        """Without sequence parallelism each rank keeps 1/p of the replicated tokens (backward:
+        their gradient all-gathered) and the outputs are all-gathered."""
+        if self.sp:
+            return super().cost_expert_tokens(b)
+        n = -(-b.M // self.p)
+        b.add("forward", "all_gather", (MeshAxis.TP,), self.p * n * b.h, 1, "moe", after_saves=True)
+        b.add("backward", "all_gather", (MeshAxis.TP,), self.p * n * b.h, 1, "moe")
+        return n
+
     def expert_tokens(self, x, mask):
         """With sequence parallelism this rank's T/p positions are its own; without, every rank
         holds every token and keeps 1/p of them."""

@@ -30,7 +30,7 @@ from lattice.modes.kernels.layers import (TiedHead, add_position_rows, check_nor
                                           split_segments, vocab_bias_spec, vocab_table_spec)
 from lattice.modes.kernels.loss import labelled_count, vocab_parallel_cross_entropy
 from lattice.modes.kernels.summa import SummaEmbed, SummaGrid, summa_ab, summa_abt
-from lattice.modes.kernels.tokens import columns_to_tokens
+from lattice.modes.kernels.tokens import columns_to_tokens, cost_columns_to_tokens
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -331,6 +331,9 @@ class Summa2D(Mode):
 
     def token_spec(self):
         return {"grad_sum": (ROW, COL)}
+
+    def cost_expert_tokens(self, b):
+        return cost_columns_to_tokens(b, (COL,), self.q)
 
     def expert_tokens(self, x, mask):  # row i's tokens, columns j: 1/q of them, whole, by one all-to-all
         tokens, flat, back = super().expert_tokens(x, mask)

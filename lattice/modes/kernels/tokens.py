@@ -87,3 +87,13 @@ def columns_to_tokens(columns: torch.Tensor, mask: torch.Tensor | None, group):
     mine = comm.all_to_all(columns, group, 0, 1)  # (N/n, h)
     mask = None if mask is None else mask.chunk(n)[group_rank(group)]
     return mine, mask, lambda y: comm.all_to_all(y, group, 1, 0)[:count]
+
+
+def cost_columns_to_tokens(b, axes: tuple, q: int) -> float:
+    """`columns_to_tokens` for the cost model (lattice.cost.builder, site "moe"): one all-to-all
+    along the hidden group trades its columns of n tokens for n/q whole ones, one trades them back
+    (after the layer's saves), and backward runs both inverses; returns the tokens routed here."""
+    n = -(-round(b.residual * q / b.h) // q) * q  # the residual's tokens (h/q columns each), padded to q's multiple
+    for phase, after in (("forward", False), ("forward", True), ("backward", False), ("backward", False)):
+        b.add(phase, "all_to_all", axes, n * b.h / q, 1, "moe", after_saves=after)
+    return n / q
