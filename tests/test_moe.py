@@ -36,7 +36,7 @@ CONFIGS = {
                                              top_k=2, router_aux_loss_coef=0.1)),
     "qwen2_moe": (Qwen2Moe, Qwen2MoeConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_kv_heads=4,
                                                  n_layers=3, intermediate_size=40, rope_theta=500.0, n_experts=4,
-                                                 top_k=2, expert_width=16, shared_width=24, mlp_only=(1,),
+                                                 top_k=2, expert_width=16, shared_width=24, mlp_only=[1],
                                                  router_aux_loss_coef=0.1)),
 }
 

@@ -188,6 +188,12 @@ class Model(FullWeights, Generation, nn.Module):
         """Full logits from the finished residual stream (inference)."""
         raise NotImplementedError
 
+    @classmethod
+    def layout_problem(cls, cfg, layout) -> str | None:
+        """Why this family cannot train `cfg` in `layout` (a Layout or a ParallelContext: its pp and
+        cp), or None (the planner skips what this refuses; building the model raises it)."""
+        return None
+
     def parts(self) -> Parts | None:
         """The modules in order for pipeline stages; None: this family cannot be pipelined."""
         return None
@@ -391,6 +397,14 @@ class Model(FullWeights, Generation, nn.Module):
         if self._grads_pending:
             sum_replica_grads(self, over_cp)
             self._grads_pending = False
+
+    def step_metric_names(self) -> tuple[str, ...]:
+        """Columns a family adds to metrics.csv and TensorBoard (`step_metrics`); none by default."""
+        return ()
+
+    def step_metrics(self) -> dict[str, float]:
+        """This family's `step_metric_names` after a training step, identical on every rank."""
+        return {}
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> float:
         """Forward and backward of this replica's batch (`inputs`: attention_mask, token_types,

@@ -41,7 +41,7 @@ class MixtralConfig(MistralConfig):
     n_experts: int = 8
     top_k: int = 2
     router_aux_loss_coef: float = 0.001  # transformers' default; Mixtral's checkpoints say 0.02
-    mlp_only: tuple[int, ...] = field(default_factory=tuple)  # layers with a dense MLP instead
+    mlp_only: list[int] = field(default_factory=list)  # layers with a dense MLP instead
 
     presets = {
         "tiny": dict(LlamaConfig.presets["tiny"], intermediate_size=64, n_experts=4, top_k=2),
@@ -59,7 +59,7 @@ class MixtralConfig(MistralConfig):
                                      f"more experts than there are; choose top_k <= {self.n_experts}")
         if not self.router_aux_loss_coef >= 0:
             raise LatticeConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
-        self.mlp_only = tuple(sorted(set(int(i) for i in self.mlp_only)))
+        self.mlp_only = sorted(set(int(i) for i in self.mlp_only))  # a list, as a saved config holds it
         if any(not 0 <= i < self.n_layers for i in self.mlp_only):
             raise LatticeConfigError(f"mlp_only {list(self.mlp_only)} names layers outside 0..{self.n_layers - 1}")
 

@@ -70,6 +70,15 @@ class Balance:
                 whole = comm.raw_all_reduce(whole, group)
         self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E])
 
+    def report(self, value: torch.Tensor) -> dict[str, float]:
+        """The balancing loss and each MoE layer's most and mean assignments per expert (the whole
+        batch's), as `MoEDecoder.step_metrics` reports them."""
+        out = {"balance_loss": float(value)}
+        for k in sorted(self.layers):
+            counts = self.layers[k][0]
+            out[f"moe{k}_load_max"], out[f"moe{k}_load_mean"] = float(counts.max()), float(counts.mean())
+        return out
+
     def loss(self) -> torch.Tensor:
         """aux (module docstring): its value the whole batch's, its gradient this rank's share."""
         rows = [self.layers[k] for k in sorted(self.layers)]
@@ -78,6 +87,7 @@ class Balance:
         E = counts.shape[0]
         value = E * ((counts / total) * (whole / total)).sum()
         share = E * ((counts / total) * (mine / total)).sum() * self.ctx.dp
+        self.reported = self.report(value)
         return share + (value - share).detach()
 
 
@@ -173,12 +183,18 @@ class MoEDecoder(DecoderLM):
     router_aux_loss_coef times the balancing loss (module docstring)."""
 
     def __init__(self, cfg, ctx, **kwargs):
-        if ctx.pp > 1 or ctx.cp > 1:
-            raise LatticeConfigError(f"{type(self).__name__} is a mixture of experts, which lattice trains without "
-                                     f"pipeline or context parallelism so far (pp = {ctx.pp}, cp = {ctx.cp}); use "
-                                     f"pp = 1 and cp = 1")
+        problem = self.layout_problem(cfg, ctx)
+        if problem:
+            raise LatticeConfigError(problem)
         super().__init__(cfg, ctx, **kwargs)
-        self._balance = None
+        self._balance, self._reported = None, {}
+
+    @classmethod
+    def layout_problem(cls, cfg, layout):
+        if layout.pp > 1 or layout.cp > 1:
+            return (f"{cls.name} is a mixture of experts, which lattice trains without pipeline or context "
+                    f"parallelism so far (pp = {layout.pp}, cp = {layout.cp}); use pp = 1 and cp = 1")
+        return None
 
     def forward(self, tokens, targets=None, **kwargs):
         self._balance = Balance(self.ctx) if targets is not None and kwargs.get("cache") is None else None
@@ -199,4 +215,17 @@ class MoEDecoder(DecoderLM):
         loss = super().head_loss(x, targets)
         if self._balance is None or not self._balance.layers or not self.cfg.router_aux_loss_coef:
             return loss
-        return loss + self.cfg.router_aux_loss_coef * self._balance.loss().to(loss.dtype)
+        aux = self._balance.loss()
+        if self.training:
+            self._reported = self._balance.reported
+        return loss + self.cfg.router_aux_loss_coef * aux.to(loss.dtype)
+
+    def step_metric_names(self) -> tuple[str, ...]:
+        """The columns `step_metrics` fills: the balancing loss, then each MoE layer's most and mean
+        top-k assignments per expert over the batch (a perfectly balanced router: most = mean)."""
+        layers = len(self.cfg.sparse_layers())
+        return ("balance_loss", *(f"moe{k}_load_{s}" for k in range(layers) for s in ("max", "mean")))
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last training forward's `step_metric_names` (of its last micro-batch)."""
+        return dict(self._reported)

@@ -91,7 +91,7 @@ class Qwen2MoeHF(MixtralHF, Qwen2HF):
             raise LatticeConfigError("qkv_bias=False is not implemented; lattice's Qwen2-MoE has q, k and v biases")
         return {"n_experts": c.num_experts, "top_k": c.num_experts_per_tok, "expert_width": c.moe_intermediate_size,
                 "shared_width": c.shared_expert_intermediate_size, "normalize_top_k": bool(c.norm_topk_prob),
-                "sparse_step": c.decoder_sparse_step, "mlp_only": tuple(c.mlp_only_layers or ()),
+                "sparse_step": c.decoder_sparse_step, "mlp_only": list(c.mlp_only_layers or ()),
                 "router_aux_loss_coef": float(c.router_aux_loss_coef)}
 
     def fields_to_hf(self, cfg) -> dict:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from lattice.cost.machine import Machine
 from lattice.planner.pricing import Choice, Priced, price
 from lattice.modes import available_modes, get_mode
+from lattice.models.registry import arch_of_config
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
 
@@ -213,6 +214,10 @@ def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, b
                         continue
                     if placement != "natural" and lay.topology.rank_grid == lay.replace(placement="natural").topology.rank_grid:
                         continue  # the same ranks in the same places
+                    problem = arch_of_config(cfg).layout_problem(cfg, lay)
+                    if problem:
+                        plan.refuse(mode, problem)
+                        continue
                     for precision in precisions:
                         try:
                             fitted, smallest = _fitting_or_accumulated(cfg, plan, lay, precision, batch=batch,

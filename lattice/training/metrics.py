@@ -32,10 +32,11 @@ def step_flops(model_config, ctx, *, batch_size: int, activation_checkpointing: 
 class Metrics:
     """One run's reports from `step` to `until`; `out` None (other ranks, or no out-dir) writes no
     files. `flops`: a callable giving one step's FLOPs on this rank (asked once, for TensorBoard);
-    `peak_tflops` adds the model FLOP utilisation."""
+    `peak_tflops` adds the model FLOP utilisation; `columns`, the family's own after METRIC_COLUMNS
+    (`Model.step_metric_names`: an MoE model's balancing loss and expert loads)."""
 
     def __init__(self, out: Path | None, *, step: int, until: int, show: bool, tokens_per_step: int,
-                 flops, peak_tflops: float | None, device: torch.device):
+                 flops, peak_tflops: float | None, device: torch.device, columns: tuple[str, ...] = ()):
         from tqdm.auto import tqdm
 
         self.tokens_per_step, self.flops, self.peak_tflops, self.device = tokens_per_step, flops, peak_tflops, device
@@ -46,9 +47,10 @@ class Metrics:
         self.lines_every = max(1, (until - step) // 20) if show and not terminal else 0
         self.first, self.until = step + 1, until
         self.csv_file = self.csv = self.board = None
+        self.columns = METRIC_COLUMNS + tuple(columns)
         if out is not None:
-            self.csv_file = _open_csv(out, step)
-            self.csv = csv.DictWriter(self.csv_file, fieldnames=METRIC_COLUMNS)
+            self.csv_file = _open_csv(out, step, self.columns)
+            self.csv = csv.DictWriter(self.csv_file, fieldnames=self.columns)
             self.board = _tensorboard(out)
         self._flops_per_step = None
 
@@ -59,7 +61,7 @@ class Metrics:
 
     def log(self, row: dict) -> None:
         if self.csv:
-            self.csv.writerow({k: ("" if row[k] is None else row[k]) for k in METRIC_COLUMNS})
+            self.csv.writerow({k: ("" if row.get(k) is None else row[k]) for k in self.columns})
         if self.board:
             self._log_scalars(row)
         self.bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
@@ -84,6 +86,9 @@ class Metrics:
         for key in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
             if row.get(key) is not None:
                 board.add_scalar(f"train/{key}", row[key], step)
+        for key in self.columns[len(METRIC_COLUMNS):]:
+            if row.get(key) is not None:
+                board.add_scalar(f"moe/{key}", row[key], step)
         if self._flops_per_step is None:
             self._flops_per_step = self.flops()
         seconds = self.tokens_per_step / row["tokens_per_s"]
@@ -98,7 +103,7 @@ class Metrics:
         board.add_scalar("perf/peak_memory_mib", peak / 2 ** 20, step)
 
 
-def _open_csv(out: Path, step: int):
+def _open_csv(out: Path, step: int, columns: tuple[str, ...]):
     """metrics.csv, line-buffered; a resumed run (step > 0) appends to the rows written before."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / METRICS_FILE
@@ -107,7 +112,7 @@ def _open_csv(out: Path, step: int):
         faults.truncate_metrics(path, step)
     f = open(path, "a" if append else "w", newline="", buffering=1)
     if not append:
-        f.write(",".join(METRIC_COLUMNS) + "\n")
+        f.write(",".join(columns) + "\n")
     return f
 
 

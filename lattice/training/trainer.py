@@ -220,7 +220,8 @@ class Trainer:
         train_loss = dp_mean(loss, self.ctx)
         dt = time.perf_counter() - t0
         return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
-                "tokens_per_s": cfg.batch_size * self.seq_len / dt, "skipped": not finite}
+                "tokens_per_s": cfg.batch_size * self.seq_len / dt, "skipped": not finite,
+                **getattr(self.model, "step_metrics", dict)()}
 
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches, identical on every rank."""
@@ -244,7 +245,8 @@ class Trainer:
                                    activation_checkpointing=cfg.activation_checkpointing,
                                    lengths=cfg.batch_lengths(self.model_config))
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
-                          tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device)
+                          tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device,
+                          columns=getattr(self.model, "step_metric_names", tuple)())
         val_loss, val_score, start, clock, stopped_by = None, None, self.elapsed, time.perf_counter(), None
         metric, _ = validation_metric(self.task, self.ctx)
         heartbeat = faults.Heartbeat(out, self.ctx.rank, self.ctx.world_size, cfg.dist_timeout)
