@@ -31,7 +31,7 @@ V = 61
 # q, k, v biases, 4 experts, top 2 not renormalised, a shared expert, layer 1 dense (mlp_only) and
 # layers 0 and 2 MoE; sizes no preset has
 CONFIGS = {
-    "mixtral": (Mixtral, MixtralConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2,
+    "mixtral": (Mixtral, MixtralConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=8, n_kv_heads=4,
                                              n_layers=2, intermediate_size=24, rope_theta=500.0, n_experts=4,
                                              top_k=2, router_aux_loss_coef=0.1)),
     "qwen2_moe": (Qwen2Moe, Qwen2MoeConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_kv_heads=4,
@@ -150,7 +150,8 @@ def _whole_batch_over_replicas(which: str, layout: dict):
 LAYOUTS = [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, sequence_parallel=True),
            dict(mode="2d", tp=4), dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2),
            dict(mode="subgraph", tp=4, subgrids=2, common="subgrid"), dict(mode="serial", dp=2),
-           dict(mode="1d", tp=2, dp=2)]
+           dict(mode="1d", tp=2, dp=2), dict(mode="1d", tp=2, ep=2), dict(mode="1d", tp=4, ep=4, sequence_parallel=True),
+           dict(mode="2d", tp=4, ep=2), dict(mode="3d", tp=8, ep=2), dict(mode="subgraph", tp=4, subgrids=2, ep=2)]
 
 
 @pytest.mark.parametrize("which, layout, padded", [
@@ -173,7 +174,7 @@ def test_moe_layout_equals_transformers(which, layout, padded):
 
 
 @pytest.mark.parametrize("which, layout", [(which, layout) for which in CONFIGS for layout in (
-    dict(mode="serial", dp=2), dict(mode="2d", tp=4, dp=2))])
+    dict(mode="serial", dp=2), dict(mode="2d", tp=4, dp=2), dict(mode="2d", tp=4, ep=2, dp=2))])
 def test_moe_over_replicas_equals_transformers_on_the_whole_batch(which, layout):
     """Catches balancing statistics taken over one replica's tokens (each replica's aux loss is then
     its own half's) or a balancing gradient that the data-parallel average shrinks by dp: two

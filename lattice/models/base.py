@@ -137,6 +137,9 @@ class Model(FullWeights, Generation, nn.Module):
             raise LatticeConfigError(f"this layout has pp = {ctx.pp} pipeline stages: build the model with "
                                      f"lattice.build_model(cfg, ctx), which splits it into stages")
         self.cfg, self.ctx = cfg, ctx
+        problem = self.layout_problem(cfg, ctx.layout)
+        if problem:
+            raise LatticeConfigError(problem)
         self.mode = get_mode(ctx.mode)(cfg, ctx)  # validates sizes on every rank, no collectives
         self.activation_checkpointing = activation_checkpointing
         self.seeds = DropoutSeeds(ctx)
@@ -190,8 +193,11 @@ class Model(FullWeights, Generation, nn.Module):
 
     @classmethod
     def layout_problem(cls, cfg, layout) -> str | None:
-        """Why this family cannot train `cfg` in `layout` (a Layout or a ParallelContext: its pp and
-        cp), or None (the planner skips what this refuses; building the model raises it)."""
+        """Why this family cannot train `cfg` in `layout` (a Layout), or None (the planner skips what
+        this refuses; building the model raises it)."""
+        if layout is not None and layout.ep > 1:
+            return (f"ep = {layout.ep} splits a mixture of experts, which {cls.name} is not; use ep = 1, or an MoE "
+                    f"family (mixtral, qwen2_moe)")
         return None
 
     def parts(self) -> Parts | None:

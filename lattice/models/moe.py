@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.models.base import DecoderLM
+from lattice.modes.kernels.tokens import exchange, exchange_counts
 from lattice.parallel import comm
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.sharding import ShardSpec, register_sharded
@@ -108,14 +109,46 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs of width I: `gate_up` (E, 2I, h) (gate rows first) and `down` (E, h, I)."""
+    """E SwiGLU MLPs of width I: `gate_up` (E, 2I, h) (gate rows first) and `down` (E, h, I). With
+    ep > 1 the E experts split over the layout's expert axis (`Mode.expert_axis`) in blocks of E/ep,
+    and each (token, expert) row travels to its expert's rank and back (`exchange`)."""
 
     def __init__(self, mode, d_model: int, experts: int, width: int):
         super().__init__()
-        spec = mode.token_spec()
+        spec = dict(mode.token_spec())
+        layout = mode.ctx.layout
+        self.axis = layout.expert_axis if layout is not None else None
+        if self.axis is not None:  # summed over the ranks with the same experts, split over the axis
+            spec = {**spec, "grad_sum": tuple(a for a in spec["grad_sum"] if a != self.axis),
+                    "splits": ((0, (self.axis,)),)}
         register_sharded(self, "gate_up", ShardSpec((experts, 2 * width, d_model), **spec), mode.ctx)
         register_sharded(self, "down", ShardSpec((experts, d_model, width), **spec), mode.ctx)
-        self.experts = experts
+        self.experts, self.ctx = experts, mode.ctx
+
+    def _run(self, rows, counts: list[int]):
+        """This rank's experts on `rows` grouped by expert, counts[e] rows each."""
+        outputs = []
+        for e, chunk in enumerate(rows.split(counts)):
+            if chunk.shape[0]:
+                gate, up = F.linear(chunk, self.gate_up[e]).chunk(2, dim=-1)
+                outputs.append(F.linear(F.silu(gate) * up, self.down[e]))
+        return torch.cat(outputs) if outputs else rows
+
+    def _run_across(self, rows, counts: torch.Tensor, group):
+        """The rows (grouped by expert) through their experts on the ranks of `group` and back."""
+        n = comm.group_size(group)
+        local = self.experts // n
+        arriving = exchange_counts(counts, group)  # (n, E/n): from each rank, for each of my experts
+        send, recv = counts.view(n, local).sum(1).tolist(), arriving.sum(1).tolist()
+        sizes = arriving.reshape(-1).tolist()  # source-major
+        pieces = exchange(rows, send, recv, group).split(sizes)
+        by_expert = [s * local + e for e in range(local) for s in range(n)]
+        done = self._run(torch.cat([pieces[i] for i in by_expert]), arriving.sum(0).tolist()).split(
+            [sizes[i] for i in by_expert])
+        back = [None] * len(by_expert)
+        for j, i in enumerate(by_expert):
+            back[i] = done[j]
+        return exchange(torch.cat(back), recv, send, group)
 
     def forward(self, tokens, weights, chosen):  # (n, h), (n, k), (n, k) -> (n, h)
         n, k = chosen.shape
@@ -123,12 +156,11 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # the (token, expert) pairs by expert
         owner = order // k  # each pair's token
         rows = tokens[owner]
-        outputs = []
-        for e, chunk in enumerate(rows.split(torch.bincount(flat, minlength=self.experts).tolist())):
-            if chunk.shape[0]:
-                gate, up = F.linear(chunk, self.gate_up[e]).chunk(2, dim=-1)
-                outputs.append(F.linear(F.silu(gate) * up, self.down[e]))
-        out = torch.cat(outputs) if outputs else rows  # (n·k, h) by expert
+        counts = torch.bincount(flat, minlength=self.experts)
+        if self.axis is None:
+            out = self._run(rows, counts.tolist())
+        else:
+            out = self._run_across(rows, counts, self.ctx.group(self.axis))  # (n·k, h) by expert
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         # back in token order, each token's k outputs weighted and summed (index_add would save them)
@@ -183,17 +215,19 @@ class MoEDecoder(DecoderLM):
     router_aux_loss_coef times the balancing loss (module docstring)."""
 
     def __init__(self, cfg, ctx, **kwargs):
-        problem = self.layout_problem(cfg, ctx)
-        if problem:
-            raise LatticeConfigError(problem)
         super().__init__(cfg, ctx, **kwargs)
         self._balance, self._reported = None, {}
 
     @classmethod
     def layout_problem(cls, cfg, layout):
+        if layout is None:
+            return None
         if layout.pp > 1 or layout.cp > 1:
             return (f"{cls.name} is a mixture of experts, which lattice trains without pipeline or context "
                     f"parallelism so far (pp = {layout.pp}, cp = {layout.cp}); use pp = 1 and cp = 1")
+        if cfg.n_experts % layout.ep:
+            return (f"ep = {layout.ep} does not divide n_experts = {cfg.n_experts}: each expert-parallel rank holds "
+                    f"n_experts / ep whole experts; use ep among {[d for d in (1, 2, 4, 8, 16) if cfg.n_experts % d == 0]}")
         return None
 
     def forward(self, tokens, targets=None, **kwargs):

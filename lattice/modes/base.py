@@ -138,6 +138,23 @@ class Mode:
         """The model-parallel mesh axes (DP is added outside), for `tp` ranks per replica."""
         raise NotImplementedError
 
+    #: the mesh axis an MoE layer's experts may split over (`expert_axis`): one whose ranks hold
+    #: other tokens after `expert_tokens` and send each token to its experts' rank; None: none
+    expert_split_axis: ClassVar[Any] = None
+
+    @classmethod
+    def expert_axis(cls, ep: int, tp: int, options: Mapping[str, Any]):
+        """The mesh axis of `ep` expert-parallel ranks (None for ep = 1), or a one-line refusal."""
+        if ep == 1:
+            return None
+        sizes = dict(cls.mesh_axes(tp, options)) if tp > 1 or cls.expert_split_axis else {}
+        axis = cls.expert_split_axis
+        if axis is None or sizes.get(axis) != ep:
+            works = [1] + ([sizes[axis]] if axis in sizes and sizes[axis] > 1 else [])
+            raise LatticeConfigError(f"ep = {ep} does not fit mode {cls.name!r} with tp = {tp}: its experts split over "
+                                     f"{'its ' + axis.value + ' axis' if axis else 'no axis'}; use ep in {works}")
+        return axis
+
     @classmethod
     def fit_options(cls, cfg, tp: int) -> dict[str, Any]:
         """Options that make this layout fit a model on tp ranks when the user gives none (the

@@ -314,6 +314,8 @@ class Cube3D(Mode):
         start = self.cube.i * self.q * rows + self.cube.l * rows
         return slice(start, start + rows)
 
+    expert_split_axis = CL  # the hidden group, which trades columns for tokens
+
     def token_spec(self):
         return {"grad_sum": (CI, CJ, CL)}
 

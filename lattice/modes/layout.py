@@ -92,6 +92,8 @@ class Layout:
                                              metavar="N,N,...")
     pp_scatter_gather: bool | None = flag(None, "send 1/tp of a replicated residual between stages and all-gather "
                                                 "it (default on)")
+    ep: int = flag(1, "expert-parallel ranks: a mixture of experts' experts split over this many of a replica's "
+                      "ranks, each token sent to its experts' rank and back (1d: tp; 2d, 3d: q; subgraph: tp / subgrids)")
     options: Mapping[str, Any] = field(default_factory=dict)
     placement: str = flag(PLACEMENTS[0], "rank placement: in mesh order, or the mode's topology-aware grid",
                           choices=lambda: PLACEMENTS)
@@ -99,7 +101,7 @@ class Layout:
 
     def __post_init__(self):
         mode_cls = get_mode(self.mode)
-        for name in ("tp", "dp", "pp", "cp"):
+        for name in ("tp", "dp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LatticeConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -112,6 +114,7 @@ class Layout:
         elif self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         object.__setattr__(self, "options", mode_cls.resolve_options(dict(self.options)))
+        object.__setattr__(self, "expert_axis", mode_cls.expert_axis(self.ep, self.tp, self.options))
         object.__setattr__(self, "pipeline", self._pipeline_config())
         if self.placement not in PLACEMENTS:
             raise LatticeConfigError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
@@ -168,7 +171,7 @@ class Layout:
     def stage_layout(self) -> "Layout":
         """The tensor ranks of one pipeline stage alone: this mode, tp and options, one replica, no
         pipeline, placed on nodes as the whole layout is (`ranks_per_node`, `placement`)."""
-        return Layout(self.mode, tp=self.tp, options=self.options, ranks_per_node=self.ranks_per_node,
+        return Layout(self.mode, tp=self.tp, ep=self.ep, options=self.options, ranks_per_node=self.ranks_per_node,
                       placement=self.placement)
 
     @property

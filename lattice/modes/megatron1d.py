@@ -310,6 +310,8 @@ class Megatron1D(Mode):
     def attention_rows(self, batch):
         return slice(0, batch)  # every sequence, this rank's heads
 
+    expert_split_axis = MeshAxis.TP
+
     def token_spec(self):
         return {"grad_sum": (MeshAxis.TP,)}
 

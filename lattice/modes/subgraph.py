@@ -288,6 +288,15 @@ class SubGraph(Mode):
         rows = self.seg.branch_rows(batch)  # member m's sequences, its sub-grid's heads
         return slice(self.seg.m * rows, (self.seg.m + 1) * rows)
 
+    expert_split_axis = MEM
+
+    @classmethod
+    def expert_axis(cls, ep, tp, options):
+        if ep > 1 and options.get("common") != "all":
+            raise LatticeConfigError(f"ep = {ep} with common='subgrid': the common rows run on sub-grid 0 alone; use "
+                                     f"ep = 1, or common='all'")
+        return super().expert_axis(ep, tp, options)
+
     def token_spec(self):
         return self.common_spec  # the common rows' parameters: an expert is one
 

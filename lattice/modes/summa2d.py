@@ -329,6 +329,8 @@ class Summa2D(Mode):
         rows = batch // self.q  # row block i, heads of column j
         return slice(self.grid.i * rows, (self.grid.i + 1) * rows)
 
+    expert_split_axis = COL  # the row's ranks, which trade columns for tokens
+
     def token_spec(self):
         return {"grad_sum": (ROW, COL)}
 

@@ -97,3 +97,45 @@ def cost_columns_to_tokens(b, axes: tuple, q: int) -> float:
     for phase, after in (("forward", False), ("forward", True), ("backward", False), ("backward", False)):
         b.add(phase, "all_to_all", axes, n * b.h / q, 1, "moe", after_saves=after)
     return n / q
+
+
+class _Exchange(torch.autograd.Function):
+    """Forward: rank r sends rows send[d] of X (in order) to rank d and receives recv[s] rows from
+    each rank s (an all-to-all of uneven splits). Backward: the same exchange of dY the other way
+    (send and recv swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchanged(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _exchanged(dy, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchanged(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    comm.record("all_to_all", group, x.numel(), x.dtype)
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows of x to their ranks (`_Exchange`)."""
+    return _Exchange.apply(x, send, recv, group)
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """(n, E/n) of how many rows each rank of `group` sends to each of this rank's E/n experts, from
+    this rank's `counts` (E,) per expert (experts in blocks of E/n per rank, in group-rank order)."""
+    import torch.distributed as dist
+
+    n = group_size(group)
+    out = torch.empty_like(counts)
+    comm.record("all_to_all", group, counts.numel(), counts.dtype)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out.view(n, -1)
