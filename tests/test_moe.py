@@ -223,6 +223,28 @@ def test_moe_communication_equals_the_cost_model(layout, length):
                 assert_comm_equal(measured, modelled, (which, layout, checkpointing, rank))
 
 
+@pytest.mark.parametrize("layout", [dict(mode="1d", tp=2, ep=2), dict(mode="2d", tp=4, ep=2)])
+def test_expert_parallel_communication_equals_the_cost_model_over_the_group(layout):
+    """Catches an expert-parallel exchange the cost model does not price: the counts and the rows to
+    their experts' ranks and back, in forward, backward and recomputation. A rank receives as many
+    rows as its tokens chose its experts (the model prices balanced routing), so the elements are
+    compared summed over the ranks, where what one rank receives another sent."""
+    from numerics import assert_comm_equal
+
+    for checkpointing in (False, True):
+        results = run_distributed(lattice.context(**layout).world_size, _metered_against_cost_model, "mixtral",
+                                  layout, 12, checkpointing)
+        totals = []
+        for side in (0, 1):
+            summed = {}
+            for result in results:
+                for key, (calls, elements) in result[side].items():
+                    before = summed.get(key, (0, 0))
+                    summed[key] = (calls, before[1] + elements)
+            totals.append(summed)
+        assert_comm_equal(*totals, (layout, checkpointing))
+
+
 @pytest.mark.fast
 def test_the_balancing_loss_is_transformers_own_and_moves_the_router():
     """Catches a balancing loss that is never added (the layout tests would still pass with a

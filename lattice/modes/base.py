@@ -147,12 +147,16 @@ class Mode:
         """The mesh axis of `ep` expert-parallel ranks (None for ep = 1), or a one-line refusal."""
         if ep == 1:
             return None
-        sizes = dict(cls.mesh_axes(tp, options)) if tp > 1 or cls.expert_split_axis else {}
         axis = cls.expert_split_axis
-        if axis is None or sizes.get(axis) != ep:
+        if axis is None:
+            raise LatticeConfigError(f"ep = {ep}: mode {cls.name!r} has no axis to split experts over (lattice splits "
+                                     f"them over a tensor layout's ranks, not yet over data-parallel replicas); use "
+                                     f"ep = 1, or e.g. --mode 1d --tp {ep} --ep {ep}")
+        sizes = dict(cls.mesh_axes(tp, options))
+        if sizes.get(axis) != ep:
             works = [1] + ([sizes[axis]] if axis in sizes and sizes[axis] > 1 else [])
             raise LatticeConfigError(f"ep = {ep} does not fit mode {cls.name!r} with tp = {tp}: its experts split over "
-                                     f"{'its ' + axis.value + ' axis' if axis else 'no axis'}; use ep in {works}")
+                                     f"its {axis.value} axis; use ep in {works}")
         return axis
 
     @classmethod

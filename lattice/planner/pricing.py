@@ -62,6 +62,8 @@ class Choice:
         parts += [f"{k}={v}" for k, v in sorted(lay.options.items()) if v != get_mode(lay.mode).options[k].default]
         if lay.cp > 1:
             parts.append(f"cp={lay.cp}")
+        if lay.ep > 1:
+            parts.append(f"ep={lay.ep}")
         if lay.accumulation > 1:
             parts.append(f"accumulated m={lay.accumulation}")
         if lay.pp > 1:
@@ -81,7 +83,7 @@ class Choice:
     def train_flags(self) -> str:
         """The `lattice train` flags of this setup."""
         lay, out = self.layout, [f"--mode {self.layout.mode}"]
-        for name in ("tp", "cp", "pp", "dp"):
+        for name in ("tp", "cp", "pp", "dp", "ep"):
             if getattr(lay, name) > 1:
                 out.append(f"--{name} {getattr(lay, name)}")
         for key, value in sorted(lay.options.items()):  # every one: train would choose those not given

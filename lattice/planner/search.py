@@ -192,6 +192,21 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
     return plan
 
 
+def expert_sizes(cfg, mode: str, tp: int, options) -> list[int]:
+    """The ep a mixture of experts may take in this tensor layout (1, and the size of the mode's
+    expert axis where it divides the experts); [1] for a dense model."""
+    experts = getattr(cfg, "n_experts", 0)
+    axis = get_mode(mode).expert_split_axis
+    if not experts or axis is None or tp == 1:
+        return [1]
+    size = dict(get_mode(mode).mesh_axes(tp, options)).get(axis, 1)
+    try:
+        get_mode(mode).expert_axis(size, tp, options)
+    except LatticeConfigError:
+        return [1]
+    return [1] + ([size] if size > 1 and experts % size == 0 else [])
+
+
 def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, batch, machine, precisions, placements):
     rest = gpus // tp
     for cp in [c for c in divisors(rest) if c <= MAX_CP]:
@@ -200,38 +215,38 @@ def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, b
             if batch % dp:
                 plan.refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
                 continue
-            for m, schedule, virtual in _microbatch_counts(pp, batch // dp, cfg.n_layers):
-                for placement in placements:
-                    if placement != "natural" and (pp > 1 or cp > 1):
-                        continue  # the topology-aware grids are of one replica's tensor ranks
-                    pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual,
-                                pp_layers=uneven_split(cfg, pp)) if pp > 1 else {}
+            for (m, schedule, virtual), ep, placement in itertools.product(
+                    _microbatch_counts(pp, batch // dp, cfg.n_layers), expert_sizes(cfg, mode, tp, options), placements):
+                if placement != "natural" and (pp > 1 or cp > 1):
+                    continue  # the topology-aware grids are of one replica's tensor ranks
+                pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual,
+                            pp_layers=uneven_split(cfg, pp)) if pp > 1 else {}
+                try:
+                    lay = Layout(mode, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, options=options, placement=placement,
+                                 ranks_per_node=rpn, **pipe)
+                except LatticeConfigError as e:
+                    plan.refuse(mode, str(e))
+                    continue
+                if placement != "natural" and lay.topology.rank_grid == lay.replace(placement="natural").topology.rank_grid:
+                    continue  # the same ranks in the same places
+                problem = arch_of_config(cfg).layout_problem(cfg, lay)
+                if problem:
+                    plan.refuse(mode, problem)
+                    continue
+                for precision in precisions:
                     try:
-                        lay = Layout(mode, tp=tp, cp=cp, pp=pp, dp=dp, options=options, placement=placement,
-                                     ranks_per_node=rpn, **pipe)
+                        fitted, smallest = _fitting_or_accumulated(cfg, plan, lay, precision, batch=batch,
+                                                                   machine=machine)
                     except LatticeConfigError as e:
                         plan.refuse(mode, str(e))
                         continue
-                    if placement != "natural" and lay.topology.rank_grid == lay.replace(placement="natural").topology.rank_grid:
-                        continue  # the same ranks in the same places
-                    problem = arch_of_config(cfg).layout_problem(cfg, lay)
-                    if problem:
-                        plan.refuse(mode, problem)
-                        continue
-                    for precision in precisions:
-                        try:
-                            fitted, smallest = _fitting_or_accumulated(cfg, plan, lay, precision, batch=batch,
-                                                                       machine=machine)
-                        except LatticeConfigError as e:
-                            plan.refuse(mode, str(e))
-                            continue
-                        if fitted is not None:
-                            plan.ranked.append(fitted)
-                        else:
-                            plan.over_memory += 1
-                            best = plan.closest_over.get(mode)
-                            if best is None or smallest.memory["total"] < best.memory["total"]:
-                                plan.closest_over[mode] = smallest
+                    if fitted is not None:
+                        plan.ranked.append(fitted)
+                    else:
+                        plan.over_memory += 1
+                        best = plan.closest_over.get(mode)
+                        if best is None or smallest.memory["total"] < best.memory["total"]:
+                            plan.closest_over[mode] = smallest
 
 
 def _fitting_or_accumulated(cfg, plan: Ranking, lay: Layout, precision: str, *, batch: int,
