@@ -320,3 +320,69 @@ def test_a_checkpoint_at_one_ep_resumes_at_another(tmp_path):
     second = run_distributed(4, _trained, dict(mode="2d", tp=4, ep=2), 0, 4, str(tmp_path), None, str(tmp_path))[0]
     for a, b in zip(first + second, straight):
         assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-10, (a, b)
+
+
+def _lattice(args, capfd) -> str:
+    """`lattice ARGS` in this process (a layout's workers are processes; capfd sees their output)."""
+    from lattice.cli import main as cli
+
+    assert cli.main(args) == 0, capfd.readouterr()
+    return capfd.readouterr().out
+
+
+def test_an_hf_mixtral_of_sizes_no_preset_has_trains_with_experts_split_and_exports(tmp_path, capfd, monkeypatch):
+    """Catches an import or export that maps the router or the fused experts wrong (transposed,
+    gate and up swapped), a resume that asks for sizes the import holds, and an export transformers
+    loads into another function: an HF Mixtral of d 48, 6 heads (3 kv), 6 experts of width 40 (top
+    2) and its own 1000-token BPE -> convert --from hf -> train --resume in 2d tp = 4 with ep = 2 and
+    no size flag -> convert --to hf, whose greedy tokens transformers generates as `lattice generate`
+    does."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from lattice.data.corpus import corpus_text
+
+    monkeypatch.chdir(tmp_path)
+    hf_config = transformers.MixtralConfig(vocab_size=1000, hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                           intermediate_size=40, num_hidden_layers=2, num_local_experts=6,
+                                           num_experts_per_tok=2, max_position_embeddings=96, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([corpus_text()[:200_000]], vocab_size=1000, min_frequency=2, show_progress=False)
+    bpe.save(str(tmp_path / "hf" / "tokenizer.json"))
+    _lattice(["convert", "--from", "hf", "hf", "run"], capfd)
+    _lattice(["train", "--resume", "run", "--steps", "3", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
+              "--allow-config-change", "--mode", "2d", "--tp", "4", "--ep", "2", "--nproc", "4"], capfd)
+    _lattice(["convert", "run", "--to", "hf", "exported"], capfd)
+    printed = _lattice(["generate", "run", "--prompt", "def main(", "--max-new-tokens", "10"], capfd)
+    loaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
+    prompt = torch.tensor([bpe.encode("def main(").ids])
+    expected = loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                               pad_token_id=0)
+    assert loaded.config.num_local_experts == 6 and loaded.config.intermediate_size == 40
+    assert printed.startswith(bpe.decode(expected[0].tolist()) + "\n"), (printed, bpe.decode(expected[0].tolist()))
+
+
+@pytest.mark.parametrize("which", list(CONFIGS))
+def test_a_saved_checkpoint_in_the_per_expert_layout_imports(which, tmp_path, capfd):
+    """Catches an import that reads only transformers 5's fused experts: save_pretrained writes
+    transformers 4's per-expert layout (Mixtral's block_sparse_moe.experts.N.w1/w2/w3, Qwen2-MoE's
+    mlp.experts.N.gate_proj/up_proj/down_proj), which `convert --from hf` must stack into the fused
+    tensors in their order (gate before up, expert by expert); the imported model's logits equal
+    transformers' own on the directory it loads back."""
+    from safetensors import safe_open
+
+    hf = random_hf(which, seed=3).float()
+    hf.save_pretrained(tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert any(".experts.0." in k for k in f.keys())  # the per-expert layout on disk
+    _lattice(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "run")], capfd)
+    _lattice(["convert", str(tmp_path / "run"), "--to", "single", str(tmp_path / "one.pt")], capfd)
+    saved = torch.load(tmp_path / "one.pt", weights_only=False)
+    family, config_class, _ = CONFIGS[which]
+    model = lattice.build_model(config_class.from_dict(saved["model_config"]), lattice.context("serial"))
+    model.load_full_state_dict(saved["model"])
+    loaded = getattr(transformers, family.hf.model_class).from_pretrained(tmp_path / "hf", local_files_only=True)
+    tokens, _, _ = _batch(4)
+    with torch.no_grad():
+        assert rel_diff(model.eval()(tokens), loaded.eval()(input_ids=tokens).logits) < 1e-5

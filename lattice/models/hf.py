@@ -108,6 +108,12 @@ class HFMapping:
         """A transformers state dict with the keys `tensors` uses (prefixes, buffers)."""
         return dict(state_dict)
 
+    def assembled(self, cfg, keys) -> dict:
+        """Tensors of `tensors` that a source among `keys` holds in another layout (transformers 4's
+        per-expert MoE weights): {HF name: (its source keys, their shapes, a function of those
+        tensors giving it)}; none by default."""
+        return {}
+
     def export_name(self, name: str) -> str:
         """The key a `tensors` name has in the exported transformers model's state dict."""
         return name
@@ -159,7 +165,7 @@ def read_hf(family, model_or_state_dict, *, config=None):
                                  f"state dict with config=")
     plan = import_plan(family, cfg, {k: tuple(t.shape) for k, t in state_dict.items()},
                        lambda a, b: torch.equal(state_dict[a], state_dict[b]))
-    return cfg, {item.lattice: item.convert(state_dict[item.key].detach()) for item in plan}
+    return cfg, {item.lattice: item.read(lambda k: state_dict[k].detach()) for item in plan}
 
 
 @dataclass(frozen=True)
@@ -170,9 +176,17 @@ class ImportItem:
     key: str  # the source's key (state dict or safetensors file)
     transpose: bool
     shape: tuple[int, ...]  # the lattice parameter's shape
+    parts: tuple[str, ...] = ()  # the source's keys of a tensor assembled from several (`HFMapping.assembled`)
+    assemble: Any = None  # and how
 
     def convert(self, tensor: torch.Tensor) -> torch.Tensor:
         return (tensor.t() if self.transpose else tensor).reshape(self.shape)
+
+    def read(self, get) -> torch.Tensor:
+        """The lattice parameter from the source (`get(key)`: one of its tensors)."""
+        if self.parts:
+            return self.assemble([get(k) for k in self.parts]).reshape(self.shape)
+        return self.convert(get(self.key))
 
 
 def import_plan(family, cfg, shapes: dict[str, tuple[int, ...]], equal) -> list[ImportItem]:
@@ -189,13 +203,24 @@ def import_plan(family, cfg, shapes: dict[str, tuple[int, ...]], equal) -> list[
             raise LatticeConfigError(f"the config ties {copy} to {source} but {copy} differs from {source}; set "
                                      f"tie_word_embeddings=False (tie_embeddings=False) to import an untied head")
     expected = m.tensors(cfg)
-    check_state_dict_keys([t.hf for t in expected], keys, what=f"{m.label} state dict")
-    for t in expected:
-        if tuple(shapes[keys[t.hf]]) != t.shape:
-            raise LatticeConfigError(f"{m.label} {t.hf}: expected shape {list(t.shape)} for this config, got "
-                                     f"{list(shapes[keys[t.hf]])}; the config does not match the weights")
+    assembled = m.assembled(cfg, keys)
+    sources = [(name, shape) for t in expected
+               for name, shape in (zip(*assembled[t.hf][:2]) if t.hf in assembled else ((t.hf, t.shape),))]
+    check_state_dict_keys([name for name, _ in sources], keys, what=f"{m.label} state dict")
+    for name, shape in sources:
+        if tuple(shapes[keys[name]]) != tuple(shape):
+            raise LatticeConfigError(f"{m.label} {name}: expected shape {list(shape)} for this config, got "
+                                     f"{list(shapes[keys[name]])}; the config does not match the weights")
     lattice_shapes = _lattice_shapes(family, cfg)
-    return [ImportItem(t.lattice, keys[t.hf], t.transpose, lattice_shapes[t.lattice]) for t in expected]
+    items = []
+    for t in expected:
+        if t.hf in assembled:
+            parts, _, combine = assembled[t.hf]
+            items.append(ImportItem(t.lattice, keys[parts[0]], False, lattice_shapes[t.lattice],
+                                    tuple(keys[k] for k in parts), combine))
+        else:
+            items.append(ImportItem(t.lattice, keys[t.hf], t.transpose, lattice_shapes[t.lattice]))
+    return items
 
 
 def _lattice_shapes(family, cfg) -> dict[str, tuple[int, ...]]:
@@ -331,7 +356,7 @@ def read_hf_dir(family, src: Path, hf_config) -> tuple[Any, dict[str, LazyTensor
         if dtypes[item.key] is None:
             raise LatticeConfigError(f"{src}: {item.key} is stored as a dtype lattice does not train in; convert it to "
                                      f"float32 or bfloat16")
-        out[item.lattice] = LazyTensor(lambda item=item: item.convert(_read_one(files[item.key], item.key)),
+        out[item.lattice] = LazyTensor(lambda item=item: item.read(lambda k: _read_one(files[k], k)),
                                        item.shape, dtypes[item.key])
     return cfg, out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from lattice.models.components import MLP, Rotary, SelfAttention, residual_dropout
@@ -126,6 +127,31 @@ class MixtralHF(MistralHF):
         return [("mlp.gate.weight", "mlp.router.weight", (E, h), False),
                 ("mlp.experts.gate_up_proj", "mlp.experts.gate_up", (E, 2 * inner, h), False),
                 ("mlp.experts.down_proj", "mlp.experts.down", (E, h, inner), False)]
+
+    #: transformers 4's per-expert layout of one MoE layer, which transformers 5 still writes: the
+    #: layer's prefix, and the names of an expert's gate, up and down projections
+    per_expert = ("block_sparse_moe", "w1", "w3", "w2")
+
+    def assembled(self, cfg, keys):
+        """The router and fused experts of a checkpoint in transformers 4's per-expert layout
+        (`mlp.experts.{e}.{gate,up,down}` under `per_expert`'s names): gate and up of each expert
+        stacked as gate_up (E, 2I, h), the down projections as down (E, h, I)."""
+        out = {}
+        prefix, gate, up, down = self.per_expert
+        h, E, inner = cfg.d_model, cfg.n_experts, cfg.expert_size
+        for i in cfg.sparse_layers():
+            old = f"model.layers.{i}.{prefix}"
+            if f"{old}.experts.0.{gate}.weight" not in keys:
+                continue
+            new = f"model.layers.{i}.mlp"
+            if old != new:
+                out[f"{new}.gate.weight"] = ((f"{old}.gate.weight",), ((E, h),), lambda ts: ts[0])
+            out[f"{new}.experts.gate_up_proj"] = (
+                tuple(f"{old}.experts.{e}.{w}.weight" for e in range(E) for w in (gate, up)), ((inner, h),) * 2 * E,
+                lambda ts: torch.stack([torch.cat(ts[2 * e:2 * e + 2]) for e in range(len(ts) // 2)]))
+            out[f"{new}.experts.down_proj"] = (tuple(f"{old}.experts.{e}.{down}.weight" for e in range(E)),
+                                               ((h, inner),) * E, torch.stack)
+        return out
 
     def tensors(self, cfg):
         """Llama's, with each MoE layer's dense MLP replaced by its router and experts."""

@@ -101,6 +101,8 @@ class Qwen2MoeHF(MixtralHF, Qwen2HF):
                 "decoder_sparse_step": cfg.sparse_step, "mlp_only_layers": list(cfg.mlp_only),
                 "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": True}
 
+    per_expert = ("mlp", "gate_proj", "up_proj", "down_proj")
+
     def check_import(self, cfg) -> None:
         if not cfg.shared_width:
             raise LatticeConfigError("shared_width = 0: Qwen2MoeForCausalLM always has a shared expert")
