@@ -11,6 +11,8 @@ the input's precision when that is float64 (the same formulas; `numerics.rms_nor
 transformers' code as shipped.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,11 +186,11 @@ def test_moe_over_replicas_equals_transformers_on_the_whole_batch(which, layout)
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)
 
 
-def _metered_against_cost_model(which: str, layout: dict, length: int, checkpointing: bool):
+def _metered_against_cost_model(which: str, layout: dict, length: int, checkpointing: bool, **changes):
     """CommMeter's calls and elements of one training step against lattice.cost.estimate's."""
     ctx = cached_init(**layout)
     _, config_class, sizes = CONFIGS[which]
-    cfg = config_class(**sizes)
+    cfg = config_class(**{**sizes, **changes})
     model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=checkpointing)
     tokens, targets, _ = _batch(3, length=length)
     with lattice.CommMeter() as meter:
@@ -211,14 +213,14 @@ def test_moe_communication_equals_the_cost_model(layout, length):
     """Catches an MoE collective the cost model does not price (or prices wrong): the exchange of
     columns for whole tokens and back, 1d's split and gather, the padding of a token count the
     hidden group does not divide (11 tokens a row), the balancing statistics' all-reduces over the
-    replica and the replicas, and what recomputation under activation checkpointing repeats --
+    replica and the replicas (with a z-loss, one number more), and what recomputation under activation checkpointing repeats --
     CommMeter's calls and elements of a step equal lattice.cost.estimate's on every rank."""
     from numerics import assert_comm_equal
 
-    for which in CONFIGS:
+    for which, changes in [(which, {}) for which in CONFIGS] + [("mixtral", {"router_z_loss_coef": 0.1})]:
         for checkpointing in (False, True):
             results = run_distributed(lattice.context(**layout).world_size, _metered_against_cost_model, which,
-                                      layout, length, checkpointing)
+                                      layout, length, checkpointing, **changes)
             for rank, (measured, modelled) in enumerate(results):
                 assert_comm_equal(measured, modelled, (which, layout, checkpointing, rank))
 
@@ -266,6 +268,40 @@ def test_the_balancing_loss_is_transformers_own_and_moves_the_router():
     model.cfg.router_aux_loss_coef = 0.0
     model.forward_backward(tokens, targets)
     assert rel_diff(model.blocks[0].mlp.router.weight.grad, with_aux) > 1e-6
+
+
+def _z_loss_against_transformers(layout: dict, padded: bool):
+    """The loss and gradients with a router z-loss (which transformers has not) against transformers'
+    loss plus z_coef x, per MoE layer, the mean over its tokens of logsumexp(router logits)², summed
+    over the layers, computed here from transformers' own router logits."""
+    ctx = cached_init(**layout)
+    hf = random_hf("mixtral", seed=5)
+    cfg, weights = lattice_hf.read_hf(Mixtral, hf)
+    model = lattice.build_model(dataclasses.replace(cfg, router_z_loss_coef=0.3), ctx, dtype=torch.float64)
+    model.load_full_state_dict(weights)
+    tokens, targets, mask = _batch(6, padded=padded)
+    out = hf(input_ids=tokens, attention_mask=mask, output_router_logits=True)
+    labels = targets if mask is None else targets.masked_fill(mask == 0, -100)
+    valid = torch.ones(tokens.numel(), dtype=torch.float64) if mask is None else mask.reshape(-1).double()
+    z = sum((layer.logsumexp(-1).square() * valid).sum() / valid.sum() for layer in out.router_logits)
+    reference = (F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) + hf.config.router_aux_loss_coef * out.aux_loss
+                 + 0.3 * z)
+    reference.backward()
+    loss = model.forward_backward(tokens, targets, **({} if mask is None else {"attention_mask": mask}))
+    grads = lattice_hf.to_hf_state_dict(model.family, model.cfg, model.full_grad_dict())
+    worst = max(rel_diff(grads[name], p.grad) for name, p in hf.named_parameters())
+    return abs(loss - reference.item()) / reference.item(), worst, model.step_metrics().get("z_loss") is not None
+
+
+@pytest.mark.parametrize("layout, padded", [(dict(mode="serial"), True), (dict(mode="2d", tp=4, ep=2), False),
+                                            (dict(mode="1d", tp=2, dp=2), True)])
+def test_the_router_z_loss_equals_an_independent_computation(layout, padded):
+    """Catches a z-loss over padding, over one rank's tokens, averaged over the layers rather than
+    summed, or whose gradient misses the router: the loss and every gradient within 1e-10 of
+    transformers' plus the z-loss computed from its router logits."""
+    for loss, grads, _ in run_distributed(lattice.context(**layout).world_size, _z_loss_against_transformers,
+                                          layout, padded):
+        assert loss < 1e-10 and grads < 1e-10, (loss, grads)
 
 
 @pytest.mark.fast

@@ -265,12 +265,13 @@ class CostBuilder(AttentionTerms):
         self._elementwise(kind + ("_gated" if gated else ""), self.M * width * share)
         self.current, self.output_saved = out, False
 
-    def moe(self, experts: int, top_k: int, width: int, *, normalize: bool, shared: int = 0) -> None:
+    def moe(self, experts: int, top_k: int, width: int, *, normalize: bool, shared: int = 0, z_loss: bool = False) -> None:
         """A mixture of experts on the residual stream (lattice.models.moe.SparseMoE): the mode's
         whole tokens (`Mode.cost_expert_tokens`, n here), the router (h -> E, softmax at float32 or
         above, top-k), the balancing statistics (2E + 1 numbers all-reduced over the replica and the
         replicas, in training), each of the n·k assignments through its expert's SwiGLU of `width`,
-        the combine, and a shared SwiGLU expert of width `shared` beside them."""
+        the combine, and a shared SwiGLU expert of width `shared` beside them; with `z_loss` the
+        router's logsumexp too (one more statistic)."""
         self._next()
         h, a = self.h, None
         n = self.mode.cost_expert_tokens(self)
@@ -279,7 +280,7 @@ class CostBuilder(AttentionTerms):
         wide = stat / self.c.itemsize
         groups = [axes for axes in (self.topo.tensor_axes, (DP,)) if math.prod(self.topo.size(x) for x in axes) > 1]
         for axes in groups:
-            self.add("forward", "all_reduce", axes, 2 * experts + 1, 1, "moe", itemsize=stat, once=True)
+            self.add("forward", "all_reduce", axes, 2 * experts + 1 + z_loss, 1, "moe", itemsize=stat, once=True)
         # saved: the tokens, the probabilities, the top-k weights (and their sum), the statistics'
         # mask; each assignment's token row, its gate and up features, act(gate), their product,
         # its expert's output and its weight; the shared expert's four hidden tensors, its gate and
@@ -292,7 +293,7 @@ class CostBuilder(AttentionTerms):
                                     ("backward", a * h), ("backward", a * h)):
                 self.add(phase, "all_to_all", (axis,), elements, 1, "moe",
                          itemsize=8 if elements == experts and phase == "forward" else None)
-        self.save(n * h + wide * (n * experts + (a + n if normalize else 0) + n)
+        self.save(n * h + wide * (n * experts + (a + n if normalize else 0) + n + (n * experts + n if z_loss else 0))
                   + a * (2 * h + 4 * width + 1) + (4 * n * shared + n + n * h if shared else 0))
         self.save_ints(8 * (n * top_k + 2 * a))
         self._work("flops", 2 * n * h * experts + 6 * a * h * width + (6 * n * h * shared + 2 * n * h if shared else 0))

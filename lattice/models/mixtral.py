@@ -42,6 +42,7 @@ class MixtralConfig(MistralConfig):
     n_experts: int = 8
     top_k: int = 2
     router_aux_loss_coef: float = 0.001  # transformers' default; Mixtral's checkpoints say 0.02
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss (Megatron-LM's --moe-z-loss-coeff; not in transformers)
     mlp_only: list[int] = field(default_factory=list)  # layers with a dense MLP instead
 
     presets = {
@@ -58,8 +59,9 @@ class MixtralConfig(MistralConfig):
         if self.top_k > self.n_experts:
             raise LatticeConfigError(f"top_k = {self.top_k} exceeds n_experts = {self.n_experts}: a token cannot go to "
                                      f"more experts than there are; choose top_k <= {self.n_experts}")
-        if not self.router_aux_loss_coef >= 0:
-            raise LatticeConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.mlp_only = sorted(set(int(i) for i in self.mlp_only))  # a list, as a saved config holds it
         if any(not 0 <= i < self.n_layers for i in self.mlp_only):
             raise LatticeConfigError(f"mlp_only {list(self.mlp_only)} names layers outside 0..{self.n_layers - 1}")
@@ -206,7 +208,7 @@ class Mixtral(MoEDecoder):
                     b.norm("rms", bias=False)
                     if moe:
                         b.moe(cfg.n_experts, cfg.top_k, cfg.expert_size, normalize=cfg.normalize_top_k,
-                              shared=cfg.shared_expert_size)
+                              shared=cfg.shared_expert_size, z_loss=bool(cfg.router_z_loss_coef))
                     else:
                         self.cost_mlp(b, cfg.dense_size)
         b.norm("rms", bias=False)

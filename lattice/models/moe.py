@@ -52,43 +52,51 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 class Balance:
-    """One forward's load-balancing statistics, a row per MoE layer: (C (E,), S (E,) of this rank's
-    tokens with their graph, S (E,) and R of the whole batch)."""
+    """One forward's router statistics, a row per MoE layer: C (E,), this rank's S (E,) with its
+    graph, the whole batch's S (E,) and R, and with a z-loss Z, the sum of logsumexp(logits)²
+    over the tokens (this rank's with its graph, the batch's)."""
 
-    def __init__(self, ctx):
-        self.ctx, self.layers = ctx, {}
+    def __init__(self, ctx, z_loss: bool = False):
+        self.ctx, self.z_loss, self.layers = ctx, z_loss, {}
 
-    def add(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def add(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None,
+            logits: torch.Tensor | None = None) -> None:
         n, E = probs.shape
         valid = probs.new_ones(n) if mask is None else mask.to(probs.dtype)
         counts = probs.new_zeros(E).scatter_add_(0, chosen.reshape(-1), valid.repeat_interleave(chosen.shape[1]))
         mine = (probs * valid[:, None]).sum(0)
+        z = (at_least_float32(logits).logsumexp(-1).square() * valid).sum()[None] if self.z_loss else None
         if layer in self.layers:  # recomputed under activation checkpointing: recorded already
             return
-        whole = torch.cat([counts, mine.detach(), valid.sum()[None]])
+        whole = torch.cat([counts, mine.detach(), valid.sum()[None]] + ([z.detach()] if z is not None else []))
         for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP)):
             if comm.group_size(group) > 1:
                 whole = comm.raw_all_reduce(whole, group)
-        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E])
+        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E], z, whole[2 * E + 1:])
 
-    def report(self, value: torch.Tensor) -> dict[str, float]:
-        """The balancing loss and each MoE layer's most and mean assignments per expert (the whole
-        batch's), as `MoEDecoder.step_metrics` reports them."""
-        out = {"balance_loss": float(value)}
+    def report(self, value: torch.Tensor, z: torch.Tensor | None) -> dict[str, float]:
+        """The balancing loss (and z-loss) and each MoE layer's most and mean assignments per expert
+        (the whole batch's), as `MoEDecoder.step_metrics` reports them."""
+        out = {"balance_loss": float(value), **({"z_loss": float(z)} if z is not None else {})}
         for k in sorted(self.layers):
             counts = self.layers[k][0]
             out[f"moe{k}_load_max"], out[f"moe{k}_load_mean"] = float(counts.max()), float(counts.mean())
         return out
 
-    def loss(self) -> torch.Tensor:
-        """aux (module docstring): its value the whole batch's, its gradient this rank's share."""
+    def loss(self, aux_coef: float, z_coef: float = 0.0) -> torch.Tensor:
+        """aux_coef x aux + z_coef x z (module docstring): its value the whole batch's, its gradient
+        this rank's share."""
         rows = [self.layers[k] for k in sorted(self.layers)]
         counts, mine, whole = (sum(r[i] for r in rows) for i in range(3))
         total = sum(r[3] for r in rows)
         E = counts.shape[0]
-        value = E * ((counts / total) * (whole / total)).sum()
-        share = E * ((counts / total) * (mine / total)).sum() * self.ctx.dp
-        self.reported = self.report(value)
+        aux = E * ((counts / total) * (whole / total)).sum()
+        value, share, z = aux_coef * aux, aux_coef * E * ((counts / total) * (mine / total)).sum(), None
+        if self.z_loss:  # each layer's mean over its tokens, summed over the layers (Megatron-LM's)
+            z = sum(r[5][0] / r[3] for r in rows)
+            value, share = value + z_coef * z, share + z_coef * sum(r[4][0] / r[3] for r in rows)
+        self.reported = self.report(aux, z)
+        share = share * self.ctx.dp
         return share + (value - share).detach()
 
 
@@ -100,12 +108,13 @@ class Router(nn.Module):
         register_sharded(self, "weight", ShardSpec((experts, d_model), **mode.token_spec()), mode.ctx)
         self.top_k, self.normalize = top_k, normalize
 
-    def forward(self, tokens):  # (n, h) -> probs (n, E), weights (n, k), experts (n, k)
-        probs = torch.softmax(at_least_float32(F.linear(tokens, self.weight)), dim=-1)
+    def forward(self, tokens):  # (n, h) -> logits, probs (n, E), weights (n, k), experts (n, k)
+        logits = F.linear(tokens, self.weight)
+        probs = torch.softmax(at_least_float32(logits), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, weights.to(tokens.dtype), chosen
+        return logits, probs, weights.to(tokens.dtype), chosen
 
 
 class Experts(nn.Module):
@@ -197,13 +206,14 @@ class SparseMoE(nn.Module):
         tokens, mask, back = self.mode.expert_tokens(x, token_mask)
         if self.router.weight is None:  # an idle rank (subgraph's D&SP-cSub): no tokens, no experts
             if balance is not None:
-                balance.add(self.layer, tokens.new_zeros(0, self.n_experts), tokens.new_zeros(0, 1).long(), None)
+                empty = tokens.new_zeros(0, self.n_experts)
+                balance.add(self.layer, empty, tokens.new_zeros(0, 1).long(), None, empty)
             # a product that saves its (empty) operand, as the experts' do on the other ranks: their
             # recomputation under activation checkpointing then stops where the others' does
             return back(tokens * tokens.detach())
-        probs, weights, chosen = self.router(tokens)
+        logits, probs, weights, chosen = self.router(tokens)
         if balance is not None:
-            balance.add(self.layer, probs, chosen, mask)
+            balance.add(self.layer, probs, chosen, mask, logits)
         y = self.experts(tokens, weights, chosen)
         if self.shared is not None:
             y = y + self.shared(tokens)
@@ -231,7 +241,8 @@ class MoEDecoder(DecoderLM):
         return None
 
     def forward(self, tokens, targets=None, **kwargs):
-        self._balance = Balance(self.ctx) if targets is not None and kwargs.get("cache") is None else None
+        self._balance = (Balance(self.ctx, z_loss=bool(self.cfg.router_z_loss_coef))
+                         if targets is not None and kwargs.get("cache") is None else None)
         try:
             return super().forward(tokens, targets, **kwargs)
         finally:
@@ -247,18 +258,20 @@ class MoEDecoder(DecoderLM):
 
     def head_loss(self, x, targets):
         loss = super().head_loss(x, targets)
-        if self._balance is None or not self._balance.layers or not self.cfg.router_aux_loss_coef:
+        cfg = self.cfg
+        if self._balance is None or not self._balance.layers or not (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
             return loss
-        aux = self._balance.loss()
+        extra = self._balance.loss(cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
         if self.training:
             self._reported = self._balance.reported
-        return loss + self.cfg.router_aux_loss_coef * aux.to(loss.dtype)
+        return loss + extra.to(loss.dtype)
 
     def step_metric_names(self) -> tuple[str, ...]:
         """The columns `step_metrics` fills: the balancing loss, then each MoE layer's most and mean
         top-k assignments per expert over the batch (a perfectly balanced router: most = mean)."""
         layers = len(self.cfg.sparse_layers())
-        return ("balance_loss", *(f"moe{k}_load_{s}" for k in range(layers) for s in ("max", "mean")))
+        return ("balance_loss", *(("z_loss",) if self.cfg.router_z_loss_coef else ()),
+                *(f"moe{k}_load_{s}" for k in range(layers) for s in ("max", "mean")))
 
     def step_metrics(self) -> dict[str, float]:
         """The last training forward's `step_metric_names` (of its last micro-batch)."""
