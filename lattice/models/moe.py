@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from lattice.models.base import DecoderLM
 from lattice.modes.kernels.tokens import exchange, exchange_counts
 from lattice.parallel import comm
-from lattice.parallel.context import LatticeConfigError, MeshAxis
+from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
