@@ -40,7 +40,7 @@ from lattice import LatticeConfigError, MeshAxis, checkpoint
 from lattice.bench.measure import saved_activation_bytes
 from lattice.models import get_arch
 from lattice.modes import REFERENCE_MODE, get_mode
-from lattice.modes.kernels.loss import IGNORE_INDEX
+from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
 
 T, REPLICA_BATCH = 8, 4  # T < every test shape's seq_len: exercises position slicing
 REFERENCE_FAMILY = "gpt2"
@@ -174,11 +174,26 @@ def plugins_registered(paths=()):
                 registry.unregister(key)
 
 
-def _serial_step(cfg, tokens, targets):
-    """Serial's loss, gradients, and parameters and AdamW moments after one step (float64)."""
+def _microbatched(model, tokens, targets, m: int) -> torch.Tensor:
+    """The loss of a step of m micro-batches: each micro-batch's mean weighted by its share of the
+    labelled targets. The whole batch's mean for a family whose loss is a mean over tokens; for a
+    mixture of experts, whose balancing term a micro-batch takes over its own tokens, the sum of
+    the micro-batches' (as a pipeline computes it)."""
+    from lattice.parallel.pipeline import microbatch_rows
+
+    rows = microbatch_rows(len(tokens), m)
+    counts = [labelled_count(targets[r]).double() for r in rows]
+    return sum(model(tokens[r], targets[r]) * (c / sum(counts)) for r, c in zip(rows, counts))
+
+
+def _serial_step(cfg, tokens, targets, m: int = 1):
+    """Serial's loss, gradients, and parameters and AdamW moments after one step of m micro-batches
+    (float64)."""
     serial = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
     weights = {k: v.clone() for k, v in serial.full_state_dict().items()}
-    loss = serial.forward_backward(tokens, targets)
+    total = _microbatched(serial, tokens, targets, m)
+    total.backward()
+    loss = float(total.detach())
     grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
     opt = torch.optim.AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)
     opt.step()
@@ -204,10 +219,11 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
     for k, shape in enumerate(get_arch(family).test_shapes):
         cfg = get_arch(family).config_class(**shape)
         tokens, targets = _batch(cfg, REPLICA_BATCH * dp, seed=7)
-        weights, ref_loss, ref_grads, ref_after, ref_moments = _serial_step(cfg, tokens, targets)
+        m = ctx.pipeline.m if pipelined else 1
+        weights, ref_loss, ref_grads, ref_after, ref_moments = _serial_step(cfg, tokens, targets, m)
         replica_ref = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
         replica_ref.load_full_state_dict(weights)
-        replica_loss = float(replica_ref(tokens[mine], targets[mine]).detach())
+        replica_loss = float(_microbatched(replica_ref, tokens[mine], targets[mine], m).detach())
         for ckpt in (False, True) if k == 0 else (False,):  # checkpointing with the first shape
             model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=ckpt)
             model.load_full_state_dict(weights)

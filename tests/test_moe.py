@@ -31,13 +31,13 @@ transformers = pytest.importorskip("transformers")
 V = 61
 # Mixtral: grouped-query, 4 experts, top 2 renormalised, both layers MoE; Qwen2-MoE: multi-head with
 # q, k, v biases, 4 experts, top 2 not renormalised, a shared expert, layer 1 dense (mlp_only) and
-# layers 0 and 2 MoE; sizes no preset has
+# layers 0, 2 and 3 MoE; sizes no preset has
 CONFIGS = {
     "mixtral": (Mixtral, MixtralConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=8, n_kv_heads=4,
                                              n_layers=2, intermediate_size=24, rope_theta=500.0, n_experts=4,
                                              top_k=2, router_aux_loss_coef=0.1)),
     "qwen2_moe": (Qwen2Moe, Qwen2MoeConfig, dict(vocab_size=V, seq_len=16, d_model=32, n_heads=4, n_kv_heads=4,
-                                                 n_layers=3, intermediate_size=40, rope_theta=500.0, n_experts=4,
+                                                 n_layers=4, intermediate_size=40, rope_theta=500.0, n_experts=4,
                                                  top_k=2, expert_width=16, shared_width=24, mlp_only=[1],
                                                  router_aux_loss_coef=0.1)),
 }
@@ -101,13 +101,19 @@ def _batch(seed, batch=4, length=12, padded=False):
     return tokens, targets, mask
 
 
-def _reference(hf, tokens, targets, mask):
-    """transformers' loss with output_router_logits=True (its own sum, its own balancing loss)."""
-    out = hf(input_ids=tokens, attention_mask=mask, output_router_logits=True,
-             labels=None)
+def _reference(hf, tokens, targets, mask, microbatches: int = 1):
+    """transformers' loss with output_router_logits=True (its own sum, its own balancing loss); of
+    m micro-batches, each one's weighted by its share of the labelled targets, as lattice defines
+    a micro-batched step's loss (each micro-batch's balancing term over its own tokens)."""
     labels = targets if mask is None else targets.masked_fill(mask == 0, -100)
-    ce = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-    return ce + hf.config.router_aux_loss_coef * out.aux_loss
+    rows = [slice(i * len(tokens) // microbatches, (i + 1) * len(tokens) // microbatches) for i in range(microbatches)]
+    total = 0.0
+    for r in rows:
+        out = hf(input_ids=tokens[r], attention_mask=None if mask is None else mask[r], output_router_logits=True)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), labels[r].flatten())
+        share = (labels[r] != -100).sum().double() / (labels != -100).sum().double()
+        total = total + share * (ce + hf.config.router_aux_loss_coef * out.aux_loss)
+    return total
 
 
 def _equals_transformers(which: str, layout: dict, padded: bool):
@@ -119,7 +125,7 @@ def _equals_transformers(which: str, layout: dict, padded: bool):
     model = lattice.from_hf(hf, ctx)
     length = 11 if padded and not layout.get("sequence_parallel") else 12
     tokens, targets, mask = _batch(6, length=length, padded=padded)
-    reference = _reference(hf, tokens, targets, mask)
+    reference = _reference(hf, tokens, targets, mask, ctx.pipeline.m if ctx.pipeline is not None else 1)
     reference.backward()
     loss = model.forward_backward(tokens, targets, **({} if mask is None else {"attention_mask": mask}))
     grads = lattice_hf.to_hf_state_dict(model.family, model.cfg, model.full_grad_dict())
@@ -153,7 +159,9 @@ LAYOUTS = [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, seq
            dict(mode="2d", tp=4), dict(mode="3d", tp=8), dict(mode="subgraph", tp=2, subgrids=2),
            dict(mode="subgraph", tp=4, subgrids=2, common="subgrid"), dict(mode="serial", dp=2),
            dict(mode="1d", tp=2, dp=2), dict(mode="1d", tp=2, ep=2), dict(mode="1d", tp=4, ep=4, sequence_parallel=True),
-           dict(mode="2d", tp=4, ep=2), dict(mode="3d", tp=8, ep=2), dict(mode="subgraph", tp=4, subgrids=2, ep=2)]
+           dict(mode="2d", tp=4, ep=2), dict(mode="3d", tp=8, ep=2), dict(mode="subgraph", tp=4, subgrids=2, ep=2),
+           dict(mode="serial", pp=2, microbatches=2), dict(mode="1d", tp=2, pp=2, microbatches=2),
+           dict(mode="2d", tp=4, ep=2, pp=2, microbatches=2, pp_schedule="gpipe")]
 
 
 @pytest.mark.parametrize("which, layout, padded", [
@@ -165,8 +173,10 @@ def test_moe_layout_equals_transformers(which, layout, padded):
     another rank also routes (or drops some), a router or expert gradient not summed over the ranks
     that saw other tokens, balancing statistics taken over one rank's tokens, over padding, or per
     layer instead of over all layers, top-k weights renormalised where Qwen2-MoE does not, a shared
-    expert or its gate mapped wrong, and a dense layer between MoE layers: the loss and every
-    gradient within 1e-10 of transformers' on every rank."""
+    expert or its gate mapped wrong, a dense layer between MoE layers, and pipeline stages that
+    drop the statistics of the layers before them (or cut them like the residual under 1d's
+    scatter/gather): the loss and every gradient within 1e-10 of transformers' on every rank (of
+    a pipeline's micro-batches, each one's loss, weighted by its labelled targets)."""
     world = lattice.context(**layout).world_size
     results = run_distributed(world, _equals_transformers, which, layout, padded)
     for loss, grads in results:
@@ -306,16 +316,24 @@ def test_the_router_z_loss_equals_an_independent_computation(layout, padded):
 
 @pytest.mark.fast
 def test_bad_moe_configs_are_refused_in_one_line():
-    """Catches a top-k above the experts, a transformers option lattice does not implement, and
-    the layouts MoE does not train in yet reaching a shape error or a hang."""
+    """Catches a top-k above the experts, a transformers option lattice does not implement, an ep
+    that does not divide the experts or fit the layout's expert axis, ep asked of a dense model,
+    and context parallelism (not implemented for MoE yet) reaching a shape error or a hang."""
     with pytest.raises(LatticeConfigError, match="top_k = 5 exceeds n_experts = 4"):
         MixtralConfig(**{**CONFIGS["mixtral"][2], "top_k": 5})
     config = Mixtral.hf.config_to_hf(MixtralConfig(**CONFIGS["mixtral"][2]))
     config.router_jitter_noise = 0.1
     with pytest.raises(LatticeConfigError, match="router_jitter_noise=0.1 is not implemented"):
         Mixtral.hf.config_from_hf(config)
-    with pytest.raises(LatticeConfigError, match="without pipeline or context parallelism"):
-        lattice.build_model(MixtralConfig(**CONFIGS["mixtral"][2]), lattice.context("serial", pp=2, microbatches=2))
+    with pytest.raises(LatticeConfigError, match="without context parallelism so far"):
+        lattice.build_model(MixtralConfig(**CONFIGS["mixtral"][2]), lattice.context("serial", cp=2))
+    with pytest.raises(LatticeConfigError, match="ep = 3 does not divide n_experts = 4"):
+        lattice.build_model(MixtralConfig(**{**CONFIGS["mixtral"][2], "n_experts": 4}),
+                            lattice.context("subgraph", tp=6, subgrids=2, ep=3))
+    with pytest.raises(LatticeConfigError, match="ep = 4 does not fit mode '2d' with tp = 4"):
+        lattice.context("2d", tp=4, ep=4)
+    with pytest.raises(LatticeConfigError, match="ep = 2 splits a mixture of experts, which gpt2 is not"):
+        lattice.build_model(lattice.get_arch("gpt2").config_class.preset("tiny"), lattice.context("1d", tp=2, ep=2))
 
 
 # the Trainer on the built-in corpus, float64: the tiny preset at a small vocabulary

@@ -31,8 +31,13 @@ def boundary_sends(b) -> dict[str, list[float]]:
     def pieces(after):
         return [math.prod(s) for s in b.model.boundary_shapes(after, b.B, b.c.seq // b.cp, b.target_T)]
 
+    def cut(after):
+        return list(b.model.boundary_scattered(after))
+
     return {"forward": [e for k in mine if k < n - 1 for e in pieces(chunks[k][-1])],
-            "backward": [e for k in mine if k > 0 for e in pieces(chunks[k][0] - 1)]}
+            "backward": [e for k in mine if k > 0 for e in pieces(chunks[k][0] - 1)],
+            "forward_cut": [c for k in mine if k < n - 1 for c in cut(chunks[k][-1])],
+            "backward_cut": [c for k in mine if k > 0 for c in cut(chunks[k][0] - 1)]}
 
 
 def pipeline_terms(b) -> None:
@@ -45,12 +50,14 @@ def pipeline_terms(b) -> None:
     tensor_axes, m = b.topo.tensor_axes, pcfg.m
     scatter = pcfg.scatter_gather and b.mode.residual_replicated and b.p > 1
     sends = boundary_sends(b)
-    for phase, tensors in sends.items():
+    for phase in ("forward", "backward"):
+        tensors, cut = sends[phase], sends[f"{phase}_cut"]
         if tensors:
-            sent = m * sum(tensors) / (b.p if scatter else 1)
+            sent = m * sum(e / (b.p if scatter and s else 1) for e, s in zip(tensors, cut))
             c.terms.append(Term(phase, "send", (PP,), m * len(tensors), sent, "pipeline", c.itemsize))
     if scatter:  # gathered where a piece arrives: forward into every chunk but the first, backward the reverse
-        for phase, arrivals in (("forward", sends["backward"]), ("backward", sends["forward"])):
+        for phase, side in (("forward", "backward"), ("backward", "forward")):
+            arrivals = [e for e, s in zip(sends[side], sends[f"{side}_cut"]) if s]
             if arrivals:
                 c.terms.append(Term(phase, "all_gather", tensor_axes, m * len(arrivals), m * sum(arrivals), "pipeline",
                                     c.itemsize))

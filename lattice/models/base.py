@@ -220,6 +220,15 @@ class Model(FullWeights, Generation, nn.Module):
         next for a micro-batch of `batch` sequences: the residual stream."""
         return (tuple(self.mode.residual_shape(batch, seq)),)
 
+    def boundary_dtypes(self, after: int) -> tuple[torch.dtype | None, ...]:
+        """The dtype of each of `boundary_shapes`' tensors (None: the model's)."""
+        return (None,) * len(self.boundary_shapes(after, 1, 1, 1))
+
+    def boundary_scattered(self, after: int) -> tuple[bool, ...]:
+        """Which of `boundary_shapes`' tensors the scatter/gather optimisation may cut over the
+        tensor ranks (a replicated residual's last dim): all of them by default."""
+        return (True,) * len(self.boundary_shapes(after, 1, 1, 1))
+
     def microbatch_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None,
                           token_types: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> dict:
         """What every stage takes beside the activation it receives, for one micro-batch (its

@@ -192,16 +192,14 @@ class Mixtral(MoEDecoder):
     def init_std(self, name):
         return self.cfg.init_std
 
-    def parts(self):
-        return None  # the balancing loss spans every layer: no pipeline stages yet
-
     cost_attention, cost_mlp = Llama.cost_attention, Llama.cost_mlp
 
     def cost_layout(self, b):
         cfg = self.cfg
-        b.embedding(positions=False)
-        sparse = len(cfg.sparse_layers())
-        for count, moe in ((cfg.n_layers - sparse, False), (sparse, True)):
+        if b.first:  # (a pipeline's first stage alone embeds, its last alone runs the head)
+            b.embedding(positions=False)
+        sparse = len(set(cfg.sparse_layers()) & set(b.blocks_here))  # (this stage's blocks)
+        for count, moe in ((len(b.blocks_here) - sparse, False), (sparse, True)):
             if count:
                 with b.layer(count):
                     self.cost_attention(b)
@@ -211,5 +209,6 @@ class Mixtral(MoEDecoder):
                               shared=cfg.shared_expert_size, z_loss=bool(cfg.router_z_loss_coef))
                     else:
                         self.cost_mlp(b, cfg.dense_size)
-        b.norm("rms", bias=False)
-        b.lm_head()
+        if b.last:
+            b.norm("rms", bias=False)
+            b.lm_head()

@@ -56,8 +56,8 @@ class Balance:
     graph, the whole batch's S (E,) and R, and with a z-loss Z, the sum of logsumexp(logits)²
     over the tokens (this rank's with its graph, the batch's)."""
 
-    def __init__(self, ctx, z_loss: bool = False):
-        self.ctx, self.z_loss, self.layers = ctx, z_loss, {}
+    def __init__(self, ctx, experts: int, z_loss: bool = False, carried: torch.Tensor | None = None):
+        self.ctx, self.experts, self.z_loss, self.layers, self.carried = ctx, experts, z_loss, {}, carried
 
     def add(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None,
             logits: torch.Tensor | None = None) -> None:
@@ -72,7 +72,7 @@ class Balance:
         for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP)):
             if comm.group_size(group) > 1:
                 whole = comm.raw_all_reduce(whole, group)
-        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E], z, whole[2 * E + 1:])
+        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E:2 * E + 1], z, whole[2 * E + 1:])
 
     def report(self, value: torch.Tensor, z: torch.Tensor | None) -> dict[str, float]:
         """The balancing loss (and z-loss) and each MoE layer's most and mean assignments per expert
@@ -83,20 +83,33 @@ class Balance:
             out[f"moe{k}_load_max"], out[f"moe{k}_load_mean"] = float(counts.max()), float(counts.mean())
         return out
 
+    def totals(self) -> list:
+        """[C, this rank's S, the batch's S, R, this rank's z, the batch's z] over this forward's MoE
+        layers and those a pipeline's earlier stages carried here (z: each layer's Z over its R)."""
+        E, like = self.experts, self.carried
+        if like is None and self.layers:
+            like = next(iter(self.layers.values()))[0]
+        zeros = [torch.zeros(n, dtype=torch.float64) if like is None else like.new_zeros(n) for n in (E, E, E, 1, 1, 1)]
+        out = zeros if self.carried is None else list(self.carried.split([E, E, E, 1, 1, 1]))
+        for counts, mine, whole, rows, z, z_whole in (self.layers[k] for k in sorted(self.layers)):
+            out = [out[0] + counts, out[1] + mine, out[2] + whole, out[3] + rows,
+                   out[4] + (z / rows if z is not None else 0), out[5] + (z_whole / rows if z is not None else 0)]
+        return out
+
+    def carried_out(self, dtype: torch.dtype) -> torch.Tensor:
+        """`totals` as one vector (3E + 3) for the next pipeline stage: this rank's S and z with
+        their graph, so that the last stage's loss differentiates into every stage."""
+        return torch.cat([t.reshape(-1).to(dtype) for t in self.totals()])
+
     def loss(self, aux_coef: float, z_coef: float = 0.0) -> torch.Tensor:
         """aux_coef x aux + z_coef x z (module docstring): its value the whole batch's, its gradient
         this rank's share."""
-        rows = [self.layers[k] for k in sorted(self.layers)]
-        counts, mine, whole = (sum(r[i] for r in rows) for i in range(3))
-        total = sum(r[3] for r in rows)
+        counts, mine, whole, total, z_mine, z = self.totals()
         E = counts.shape[0]
         aux = E * ((counts / total) * (whole / total)).sum()
-        value, share, z = aux_coef * aux, aux_coef * E * ((counts / total) * (mine / total)).sum(), None
-        if self.z_loss:  # each layer's mean over its tokens, summed over the layers (Megatron-LM's)
-            z = sum(r[5][0] / r[3] for r in rows)
-            value, share = value + z_coef * z, share + z_coef * sum(r[4][0] / r[3] for r in rows)
-        self.reported = self.report(aux, z)
-        share = share * self.ctx.dp
+        value = aux_coef * aux + z_coef * z.sum()  # z: each layer's mean over its tokens, summed (Megatron-LM's)
+        share = (aux_coef * E * ((counts / total) * (mine / total)).sum() + z_coef * z_mine.sum()) * self.ctx.dp
+        self.reported = self.report(aux, z.sum() if self.z_loss else None)
         return share + (value - share).detach()
 
 
@@ -222,7 +235,9 @@ class SparseMoE(nn.Module):
 
 class MoEDecoder(DecoderLM):
     """A decoder whose blocks take `token_mask` and `balance` (SparseMoE's) and whose loss adds
-    router_aux_loss_coef times the balancing loss (module docstring)."""
+    router_aux_loss_coef times the balancing loss (and router_z_loss_coef times the z-loss; module
+    docstring). Under a pipeline each stage sends the next its running statistics beside the
+    residual stream, and the last stage's loss of a micro-batch differentiates into every stage."""
 
     def __init__(self, cfg, ctx, **kwargs):
         super().__init__(cfg, ctx, **kwargs)
@@ -232,17 +247,19 @@ class MoEDecoder(DecoderLM):
     def layout_problem(cls, cfg, layout):
         if layout is None:
             return None
-        if layout.pp > 1 or layout.cp > 1:
-            return (f"{cls.name} is a mixture of experts, which lattice trains without pipeline or context "
-                    f"parallelism so far (pp = {layout.pp}, cp = {layout.cp}); use pp = 1 and cp = 1")
+        if layout.cp > 1:
+            return (f"{cls.name} is a mixture of experts, which lattice trains without context parallelism so far "
+                    f"(cp = {layout.cp}); use cp = 1")
         if cfg.n_experts % layout.ep:
             return (f"ep = {layout.ep} does not divide n_experts = {cfg.n_experts}: each expert-parallel rank holds "
-                    f"n_experts / ep whole experts; use ep among {[d for d in (1, 2, 4, 8, 16) if cfg.n_experts % d == 0]}")
+                    f"n_experts / ep whole experts; use an ep that divides {cfg.n_experts}")
         return None
 
+    def _new_balance(self, carried=None) -> Balance:
+        return Balance(self.ctx, self.cfg.n_experts, z_loss=bool(self.cfg.router_z_loss_coef), carried=carried)
+
     def forward(self, tokens, targets=None, **kwargs):
-        self._balance = (Balance(self.ctx, z_loss=bool(self.cfg.router_z_loss_coef))
-                         if targets is not None and kwargs.get("cache") is None else None)
+        self._balance = self._new_balance() if targets is not None and kwargs.get("cache") is None else None
         try:
             return super().forward(tokens, targets, **kwargs)
         finally:
@@ -252,14 +269,39 @@ class MoEDecoder(DecoderLM):
         out = super().block_inputs(attention_mask, positions)
         if attention_mask is not None:
             out["token_mask"] = attention_mask[self.mode.residual_rows(attention_mask.shape[0])] != 0
-        if self._balance is not None:
-            out["balance"] = self._balance
         return out
+
+    def run_blocks(self, x, blocks, **inputs):
+        if self._balance is not None and "balance" not in inputs:
+            inputs["balance"] = self._balance
+        return super().run_blocks(x, blocks, **inputs)
+
+    # ---- pipeline stages: the running statistics travel beside the residual stream
+    def boundary_shapes(self, after, batch, seq, target_seq):
+        return (*super().boundary_shapes(after, batch, seq, target_seq), (3 * self.cfg.n_experts + 3,))
+
+    def boundary_dtypes(self, after):
+        return (None, torch.promote_types(self.dtype, torch.float32))
+
+    def boundary_scattered(self, after):
+        return (True, False)  # every tensor rank's own statistics
+
+    def run_stage(self, values, block_ids, first, last, inputs):
+        balance = self._new_balance(None if first else values[1])
+        x = values[0]
+        if first:
+            x = self.embed_input(x, 0, inputs.get("token_types"), inputs.get("positions"))
+        blocks = self.pipeline_blocks()
+        x = self.run_blocks(x, [blocks[i] for i in block_ids], **inputs.get("padding", {}), balance=balance)
+        if last:
+            self._balance = balance  # the schedule's loss of this micro-batch (head_loss) follows at once
+            return (self.finish(x),)
+        return (x, balance.carried_out(self.boundary_dtypes(0)[1]))
 
     def head_loss(self, x, targets):
         loss = super().head_loss(x, targets)
         cfg = self.cfg
-        if self._balance is None or not self._balance.layers or not (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
+        if self._balance is None or not cfg.sparse_layers() or not (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
             return loss
         extra = self._balance.loss(cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
         if self.training:
@@ -274,5 +316,6 @@ class MoEDecoder(DecoderLM):
                 *(f"moe{k}_load_{s}" for k in range(layers) for s in ("max", "mean")))
 
     def step_metrics(self) -> dict[str, float]:
-        """The last training forward's `step_metric_names` (of its last micro-batch)."""
+        """The last training forward's `step_metric_names` (of its last micro-batch; under a
+        pipeline the last stage's, its own layers' loads)."""
         return dict(self._reported)

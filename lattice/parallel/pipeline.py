@@ -113,12 +113,14 @@ class StageModule(nn.Module):
         if not self.first:  # received activations (an encoder-decoder's decoder stages: and the memory)
             values = tuple(_ContiguousGrad.apply(v) for v in values)
             if self.sg_group is not None:
-                values = tuple(_GatherSlices.apply(v, self.sg_group) for v in values)
+                scattered = model.boundary_scattered(self.block_ids[0] - 1)
+                values = tuple(_GatherSlices.apply(v, self.sg_group) if s else v for v, s in zip(values, scattered))
         out = model.run_stage(values, self.block_ids, self.first, self.last, inputs)
         if self.last:
             return out[0]
         if self.sg_group is not None:
-            out = tuple(_KeepOwnSlice.apply(v, self.sg_group) for v in out)
+            scattered = model.boundary_scattered(self.block_ids[-1])
+            out = tuple(_KeepOwnSlice.apply(v, self.sg_group) if s else v for v, s in zip(out, scattered))
         out = tuple(v.contiguous() for v in out)  # sent as they are to the next stage
         return out[0] if len(out) == 1 else out
 
@@ -161,8 +163,9 @@ def build_schedule(model, ctx, microbatch_loss, microbatch: torch.Tensor, target
         """The tensors crossing the stage boundary after block `after` (as sent: the scatter/
         gather slices), on the meta device; received ones require grad (their gradients go back)."""
         shapes = model.boundary_shapes(after, microbatch.shape[0], microbatch.shape[1], target_len)
-        return tuple(torch.empty((*s[:-1], s[-1] // parts) if sent else s, dtype=dtype, device="meta",
-                                 requires_grad=True) for s in shapes)
+        dtypes, scattered = model.boundary_dtypes(after), model.boundary_scattered(after)
+        return tuple(torch.empty((*s[:-1], s[-1] // parts) if sent and cut else s, dtype=d or dtype, device="meta",
+                                 requires_grad=True) for s, d, cut in zip(shapes, dtypes, scattered))
 
     stages, modules = [], []
     for c in range(ctx.stage, n, pcfg.stages):
