@@ -237,8 +237,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                 meeting = machine.at(machine.cores)
     else:
         pcfg, m, v = lay.pipeline, lay.pipeline.m, lay.pipeline.v
-        stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, cp_attention=lay.cp_attention, options=lay.options,
-                       ranks_per_node=lay.ranks_per_node)
+        stage = Layout(lay.mode, tp=lay.tp, dp=lay.dp, cp=lay.cp, ep=lay.ep, cp_attention=lay.cp_attention,
+                       options=lay.options, ranks_per_node=lay.ranks_per_node)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
         kinds = _stage_parts(cfg, lay)
         figures = {(parts, blocks): priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
