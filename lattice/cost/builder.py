@@ -278,7 +278,8 @@ class CostBuilder(AttentionTerms):
         a = n * top_k
         stat = max(self.c.itemsize, 4)  # the router's probabilities: at float32 or above
         wide = stat / self.c.itemsize
-        groups = [axes for axes in (self.topo.tensor_axes, (DP,)) if math.prod(self.topo.size(x) for x in axes) > 1]
+        groups = [axes for axes in (self.topo.tensor_axes, self.topo.canonical_axes((DP, CP)))
+                  if math.prod(self.topo.size(x) for x in axes) > 1]
         for axes in groups:
             self.add("forward", "all_reduce", axes, 2 * experts + 1 + z_loss, 1, "moe", itemsize=stat, once=True)
         # saved: the tokens, the probabilities, the top-k weights (and their sum), the statistics'

@@ -304,8 +304,13 @@ class Model(FullWeights, Generation, nn.Module):
             logits = self.head_logits(x[:, -1:] if last_only else x)
             return logits if self.ctx.cp == 1 else gather_context(logits, self.ctx)
         if share is not None:
-            return whole_loss(self.head_loss(x, targets), share, self.ctx)
-        return self.head_loss(x, self.unpadded_targets(targets, attention_mask))
+            return self.with_auxiliary_loss(whole_loss(self.head_loss(x, targets), share, self.ctx))
+        return self.with_auxiliary_loss(self.head_loss(x, self.unpadded_targets(targets, attention_mask)))
+
+    def with_auxiliary_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The replica's loss and what the family adds to it over the whole batch after the head's
+        (a mixture of experts' balancing loss), after context parallelism's sum: as it is by default."""
+        return loss
 
     @staticmethod
     def unpadded_targets(targets: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

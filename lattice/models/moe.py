@@ -27,8 +27,8 @@ tokens times the layers,
 
     aux = E · Σ_e (C_e / R) · (S_e / R),       loss = cross-entropy + router_aux_loss_coef · aux
 
-C, S and R are summed over the replica's ranks and the data-parallel replicas per layer (2E + 1
-numbers), so that the loss is the whole batch's; C is a constant to autograd, so each rank
+C, S and R are summed over the replica's ranks, its context-parallel ranks and the data-parallel
+replicas per layer (2E + 1 numbers), so that the loss is the whole batch's; C is a constant to autograd, so each rank
 differentiates its own share of S (scaled by dp, which the data-parallel average divides back).
 With micro-batches (gradient accumulation) each micro-batch takes its own statistics, as
 Megatron-LM does.
@@ -44,6 +44,7 @@ from lattice.models.base import DecoderLM
 from lattice.modes.kernels.tokens import exchange, exchange_counts
 from lattice.parallel import comm
 from lattice.parallel.context import MeshAxis
+from lattice.parallel.context_parallel import take_context_chunks
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
 
@@ -69,7 +70,7 @@ class Balance:
         if layer in self.layers:  # recomputed under activation checkpointing: recorded already
             return
         whole = torch.cat([counts, mine.detach(), valid.sum()[None]] + ([z.detach()] if z is not None else []))
-        for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP)):
+        for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP, MeshAxis.CP)):
             if comm.group_size(group) > 1:
                 whole = comm.raw_all_reduce(whole, group)
         self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E:2 * E + 1], z, whole[2 * E + 1:])
@@ -247,9 +248,9 @@ class MoEDecoder(DecoderLM):
     def layout_problem(cls, cfg, layout):
         if layout is None:
             return None
-        if layout.cp > 1:
-            return (f"{cls.name} is a mixture of experts, which lattice trains without context parallelism so far "
-                    f"(cp = {layout.cp}); use cp = 1")
+        if layout.cp > 1 and layout.pp > 1:
+            return (f"{cls.name} is a mixture of experts, which lattice trains with context parallelism or with a "
+                    f"pipeline but not both so far (cp = {layout.cp}, pp = {layout.pp}); use cp = 1 or pp = 1")
         if cfg.n_experts % layout.ep:
             return (f"ep = {layout.ep} does not divide n_experts = {cfg.n_experts}: each expert-parallel rank holds "
                     f"n_experts / ep whole experts; use an ep that divides {cfg.n_experts}")
@@ -267,8 +268,9 @@ class MoEDecoder(DecoderLM):
 
     def block_inputs(self, attention_mask, positions=None):
         out = super().block_inputs(attention_mask, positions)
-        if attention_mask is not None:
-            out["token_mask"] = attention_mask[self.mode.residual_rows(attention_mask.shape[0])] != 0
+        if attention_mask is not None:  # this rank's tokens of the mask (under cp: its chunks)
+            (mine,) = take_context_chunks(self.ctx, attention_mask)
+            out["token_mask"] = mine[self.mode.residual_rows(mine.shape[0])] != 0
         return out
 
     def run_blocks(self, x, blocks, **inputs):
@@ -298,8 +300,7 @@ class MoEDecoder(DecoderLM):
             return (self.finish(x),)
         return (x, balance.carried_out(self.boundary_dtypes(0)[1]))
 
-    def head_loss(self, x, targets):
-        loss = super().head_loss(x, targets)
+    def with_auxiliary_loss(self, loss):
         cfg = self.cfg
         if self._balance is None or not cfg.sparse_layers() or not (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
             return loss

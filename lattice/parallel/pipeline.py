@@ -394,7 +394,7 @@ class PipelineModel(nn.Module):
         return self._loss_to_replica(torch.stack(losses).sum() if last else None)
 
     def _microbatch_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self._model.head_loss(x, targets)
+        loss = self._model.with_auxiliary_loss(self._model.head_loss(x, targets))
         return loss * (self._model.labelled_count(targets).to(loss.dtype) / self._labelled)
 
     def _loss_to_replica(self, loss: torch.Tensor | None) -> float:
