@@ -432,6 +432,11 @@ def test_every_size_of_every_family_is_a_flag_and_reaches_the_model(tmp_path, ca
         for flag, value in given.items():
             assert saved[flag[2:].replace("-", "_")] == type(saved[flag[2:].replace("-", "_")])(value), (arch, flag)
         assert arch != "qwen2" or saved["tie_embeddings"] is True
+    out = tmp_path / "qwen2_moe"  # a list of layers as a flag
+    assert cli.main(["train", "--arch", "qwen2_moe", *TINY_ARGS, "--steps", "1", "--mlp-only", "0,1", "--n-experts", "8",
+                     "--out-dir", str(out)]) == 0
+    saved = lattice.checkpoint.read(out)["model_config"]
+    assert saved["mlp_only"] == [0, 1] and saved["n_experts"] == 8
     capsys.readouterr()
     assert cli.main(["train", *TINY_ARGS, "--sliding-window", "4", "--out-dir", str(tmp_path / "g")]) == 2
     err = capsys.readouterr().err

@@ -62,12 +62,23 @@ def get_arch(name: str) -> type[nn.Module]:
 NOT_SIZES = ("vocab_size", "num_labels", "pad_token_id", "eos_token_id", "decoder_start_token_id")
 
 
+def int_list(value) -> list[int]:
+    """A list of ints from the command line's "1,3" ("": none) or a config file's [1, 3]."""
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    try:
+        return [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise LatticeConfigError(f"expected comma-separated integers such as 1,3, got {value!r}") from None
+
+
 def family_sizes() -> dict[str, tuple[type, tuple[str, ...]]]:
-    """Every scalar field (int, float, bool, str) of the registered families' configs but
-    NOT_SIZES, with its type and the families that declare it: what the command line offers as
-    size flags (`--n-kv-heads`, `--sliding-window`, ...), derived here once."""
+    """Every scalar field (int, float, bool, str) and list of ints of the registered families'
+    configs but NOT_SIZES, with its type (int_list for a list) and the families that declare it:
+    what the command line offers as size flags (`--n-kv-heads`, `--sliding-window`, `--mlp-only
+    1,3`, ...), derived here once."""
     _load_builtin()
-    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    kinds = {"int": int, "float": float, "bool": bool, "str": str, "list[int]": int_list}
     found: dict[str, tuple[type, tuple[str, ...]]] = {}
     for name in sorted(_FAMILIES):
         for f in dataclasses.fields(_FAMILIES[name].config_class):
