@@ -100,10 +100,11 @@ def test_lattice_has_no_import_circle():
 
 def test_family_modules_do_not_know_about_pipelines():
     """Catches a family that branches on pipeline stages instead of declaring its parts: in the
-    family modules (every lattice/models/ file but the shared base, components and registry) the word
-    appears only in comments and docstrings."""
+    family modules (every lattice/models/ file but the shared base, components, registry and moe.py,
+    the MoE families' base, whose statistics cross the stages by the base's hooks) the word appears
+    only in comments and docstrings."""
     for f in sorted((ROOT / "models").glob("*.py")):
-        if f.name in ("base.py", "components.py", "registry.py", "hf.py", "__init__.py"):
+        if f.name in ("base.py", "components.py", "registry.py", "hf.py", "moe.py", "__init__.py"):
             continue
         tree = ast.parse(f.read_text())
         docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}

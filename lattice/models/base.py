@@ -196,8 +196,7 @@ class Model(FullWeights, Generation, nn.Module):
         """Why this family cannot train `cfg` in `layout` (a Layout), or None (the planner skips what
         this refuses; building the model raises it)."""
         if layout is not None and layout.ep > 1:
-            return (f"ep = {layout.ep} splits a mixture of experts, which {cls.name} is not; use ep = 1, or an MoE "
-                    f"family (mixtral, qwen2_moe)")
+            return f"ep = {layout.ep} splits a mixture of experts, which {cls.name} is not; use ep = 1, or an MoE family"
         return None
 
     def parts(self) -> Parts | None:
@@ -225,8 +224,7 @@ class Model(FullWeights, Generation, nn.Module):
         return (None,) * len(self.boundary_shapes(after, 1, 1, 1))
 
     def boundary_scattered(self, after: int) -> tuple[bool, ...]:
-        """Which of `boundary_shapes`' tensors the scatter/gather optimisation may cut over the
-        tensor ranks (a replicated residual's last dim): all of them by default."""
+        """Which of `boundary_shapes`' tensors scatter/gather may cut over the tensor ranks: all."""
         return (True,) * len(self.boundary_shapes(after, 1, 1, 1))
 
     def microbatch_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -417,14 +415,6 @@ class Model(FullWeights, Generation, nn.Module):
         if self._grads_pending:
             sum_replica_grads(self, over_cp)
             self._grads_pending = False
-
-    def step_metric_names(self) -> tuple[str, ...]:
-        """Columns a family adds to metrics.csv and TensorBoard (`step_metrics`); none by default."""
-        return ()
-
-    def step_metrics(self) -> dict[str, float]:
-        """This family's `step_metric_names` after a training step, identical on every rank."""
-        return {}
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, **inputs) -> float:
         """Forward and backward of this replica's batch (`inputs`: attention_mask, token_types,

@@ -14,7 +14,8 @@ families built on this one use it). Dropout is attention's alone (Mixtral trains
 
 HuggingFace (MixtralForCausalLM, transformers 5's fused experts): Llama's names for attention and
 norms, `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2I, h), `mlp.experts.down_proj`
-(E, h, I), as lattice keeps them. Refused: router_jitter_noise other than 0.
+(E, h, I), which lattice keeps with the experts' dim folded into the rows; transformers 4's
+per-expert layout is read too. Refused: router_jitter_noise other than 0.
 """
 
 from __future__ import annotations

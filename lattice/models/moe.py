@@ -17,8 +17,8 @@ tokens). Per token (n tokens, E experts, top k):
 
 Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expert on its rows,
 puts the rows back in token order and sums each token's k weighted outputs: no capacity, no token
-dropped. Experts are kept as transformers 5
-keeps them, `experts.gate_up` (E, 2I, h) and `experts.down` (E, h, I).
+dropped. Experts are kept as transformers 5 keeps them with the experts' dim folded into the rows:
+`experts.gate_up` (E·2I, h) and `experts.down` (E·h, I).
 
 The load-balancing loss (Switch Transformer's, over all MoE layers together as transformers'
 `load_balancing_loss_func`): with C_e the top-k assignments of expert e and S_e the sum of its
@@ -132,9 +132,12 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs of width I: `gate_up` (E, 2I, h) (gate rows first) and `down` (E, h, I). With
-    ep > 1 the E experts split over the layout's expert axis (`Mode.expert_axis`) in blocks of E/ep,
-    and each (token, expert) row travels to its expert's rank and back (`exchange`)."""
+    """E SwiGLU MLPs of width I: `gate_up` (E·2I, h), each expert's 2I rows (gate rows first), and
+    `down` (E·h, I), each expert's h rows: transformers' (E, 2I, h) and (E, h, I) with the experts'
+    dim folded into the rows, so that ZeRO splits an expert's state over the replicas by its rows
+    even where a rank holds one expert. With ep > 1 the E experts split over the layout's expert
+    axis (`Mode.expert_axis`) in blocks of E/ep, and each (token, expert) row travels to its
+    expert's rank and back (`exchange`)."""
 
     def __init__(self, mode, d_model: int, experts: int, width: int):
         super().__init__()
@@ -144,17 +147,19 @@ class Experts(nn.Module):
         if self.axis is not None:  # summed over the ranks with the same experts, split over the axis
             spec = {**spec, "grad_sum": tuple(a for a in spec["grad_sum"] if a != self.axis),
                     "splits": ((0, (self.axis,)),)}
-        register_sharded(self, "gate_up", ShardSpec((experts, 2 * width, d_model), **spec), mode.ctx)
-        register_sharded(self, "down", ShardSpec((experts, d_model, width), **spec), mode.ctx)
-        self.experts, self.ctx = experts, mode.ctx
+        register_sharded(self, "gate_up", ShardSpec((experts * 2 * width, d_model), **spec), mode.ctx)
+        register_sharded(self, "down", ShardSpec((experts * d_model, width), **spec), mode.ctx)
+        self.experts, self.ctx, self.width, self.d_model = experts, mode.ctx, width, d_model
 
     def _run(self, rows, counts: list[int]):
         """This rank's experts on `rows` grouped by expert, counts[e] rows each."""
         outputs = []
+        gate_up = self.gate_up.view(-1, 2 * self.width, self.d_model)  # (E here, 2I, h)
+        down = self.down.view(-1, self.d_model, self.width)  # (E here, h, I)
         for e, chunk in enumerate(rows.split(counts)):
             if chunk.shape[0]:
-                gate, up = F.linear(chunk, self.gate_up[e]).chunk(2, dim=-1)
-                outputs.append(F.linear(F.silu(gate) * up, self.down[e]))
+                gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+                outputs.append(F.linear(F.silu(gate) * up, down[e]))
         return torch.cat(outputs) if outputs else rows
 
     def _run_across(self, rows, counts: torch.Tensor, group):

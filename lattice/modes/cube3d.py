@@ -328,9 +328,7 @@ class Cube3D(Mode):
         return cost_columns_to_tokens(b, (CL,), self.q)
 
     def expert_tokens(self, x, mask):  # piece (i, j)'s tokens, hidden block l: 1/q of them, whole
-        tokens, flat, back = super().expert_tokens(x, mask)
-        mine, mine_mask, columns = columns_to_tokens(tokens, flat, self.cube.group(CL))
-        return mine, mine_mask, lambda y: back(columns(y))
+        return columns_to_tokens(*super().expert_tokens(x, mask), self.cube.group(CL))
 
     def pool(self, x, index, batch):
         """(B/q², T, h/q) batch pieces (i, j), hidden block l -> the (batch, h) position `index`."""

@@ -338,9 +338,7 @@ class Summa2D(Mode):
         return cost_columns_to_tokens(b, (COL,), self.q)
 
     def expert_tokens(self, x, mask):  # row i's tokens, columns j: 1/q of them, whole, by one all-to-all
-        tokens, flat, back = super().expert_tokens(x, mask)
-        mine, mine_mask, columns = columns_to_tokens(tokens, flat, self.grid.row)
-        return mine, mine_mask, lambda y: back(columns(y))
+        return columns_to_tokens(*super().expert_tokens(x, mask), self.grid.row)
 
     def pool(self, x, index, batch):
         """(B/q, T, h/q) -> rows i, columns j of the (batch, h) position `index`."""

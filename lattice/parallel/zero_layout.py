@@ -11,15 +11,10 @@ from lattice.parallel.sharding import GRAD_BUCKET_BYTES, byte_buckets
 
 
 def rows_of(shape) -> tuple[int, int]:
-    """(rows, elements per row) of a tensor as ZeRO splits it: a vector's elements, a matrix's rows,
-    and of a tensor of more dims every row of its last dim (an MoE layer's experts (E, out, in):
-    with E/ep experts on a rank, often one, splitting along E alone would leave every dp rank but
-    one without state)."""
+    """(rows, elements per row) of a tensor split along dim 0."""
     if len(shape) == 0:
         return 1, 1
-    if len(shape) == 1:
-        return shape[0], 1
-    return math.prod(shape[:-1]), shape[-1]
+    return shape[0], math.prod(shape[1:])
 
 
 def rows_per_shard(rows: int, dp: int) -> int:

@@ -76,17 +76,17 @@ def split_replicated(tokens: torch.Tensor, mask: torch.Tensor | None, group):
     return mine, mask, lambda y: _GatherRows.apply(y, group)[:count]
 
 
-def columns_to_tokens(columns: torch.Tensor, mask: torch.Tensor | None, group):
+def columns_to_tokens(columns: torch.Tensor, mask: torch.Tensor | None, then, group):
     """(whole tokens, 1/n of them, from `columns` (N, h/n), this rank's feature columns of the N
     tokens the ranks of `group` share, in group-rank order; their mask; back): back((N/n, h)) ->
-    (N, h/n), the columns again."""
+    then((N, h/n)), the columns again (`then`: to the residual layout)."""
     n = group_size(group)
     if n == 1:
-        return columns, mask, lambda y: y
+        return columns, mask, then
     columns, mask, count = _padded(columns, mask, n)
     mine = comm.all_to_all(columns, group, 0, 1)  # (N/n, h)
     mask = None if mask is None else mask.chunk(n)[group_rank(group)]
-    return mine, mask, lambda y: comm.all_to_all(y, group, 1, 0)[:count]
+    return mine, mask, lambda y: then(comm.all_to_all(y, group, 1, 0)[:count])
 
 
 def cost_columns_to_tokens(b, axes: tuple, q: int) -> float:
