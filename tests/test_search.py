@@ -15,6 +15,7 @@ from planner_cases import MACHINE, small
 from lattice.cli import main as cli
 from lattice.cli.plan_report import mode_verdicts
 from lattice.cost import model_config
+from lattice.cost.machines import MACHINES
 from lattice.planner.search import Choice, price, search
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
@@ -285,6 +286,11 @@ def test_train_takes_the_fastest_option_setting_that_fits_and_keeps_the_given_on
     got, options = chosen(None, {"summa": "broadcast"})
     assert options["summa"] == "broadcast" and not options["keep_gathered"] and "summa" not in got.chosen
     assert choose_options(cfg, lay, given=settings[0], batch=8, machine=MACHINE, memory_limit=None) is None
+    # `lattice train --precision bf16` on a machine with no bf16 rate (this CPU's preset) ranks them at
+    # the machine's own precision rather than raising (it ended the run in a traceback)
+    bf16 = choose_options(cfg, lay, given={}, batch=8, machine=MACHINES["cpu-2core"], memory_limit=None,
+                          precision="bf16")
+    assert bf16 is not None and bf16.fits
 
 
 def test_train_runs_with_the_options_it_prints_and_hands_them_to_its_workers(tmp_path):

@@ -53,6 +53,8 @@ def choose_options(cfg, layout: Layout, *, given: dict, batch: int, machine: Mac
     free = tuple(k for k in mode.options if k not in given)
     if not free:
         return None
+    if precision != machine.precision and not machine.other_precision_flop_rate:
+        precision = machine.precision  # (a CPU preset has no bf16 rate: the settings are ranked at its own)
     priced, seen = [], set()
     for setting in option_settings(layout.mode, layout.tp):
         options = {**setting, **given}
