@@ -189,11 +189,16 @@ def arch_of(ckpt: dict) -> str:
 
 def check_model_config(ckpt: dict, arch: str, model_config: dict, path: str | os.PathLike = "checkpoint") -> None:
     """Refuse a checkpoint whose model differs from this run's (one line, every differing field).
-    Dropout is not compared: it changes training, not what the weights mean."""
+    Dropout is not compared: it changes training, not what the weights mean. A field the saved
+    config lacks (written before the family had it) is taken at its default, as loading it does."""
+    from lattice.models import get_arch
+
     if arch_of(ckpt) != arch:
         raise LatticeConfigError(f"{path} holds a {arch_of(ckpt)} model, not {arch}; pass --arch {arch_of(ckpt)} (or "
                                  f"leave --arch out to use the run's), or start without --resume")
-    saved = ckpt["model_config"]
+    saved = dict(ckpt["model_config"])
+    defaults = get_arch(arch).config_class.from_dict(saved).to_dict()
+    saved.update({k: v for k, v in defaults.items() if k not in saved})
     keys = sorted((set(saved) | set(model_config)) - {"dropout"})
     differ = [k for k in keys if saved.get(k) != model_config.get(k)]
     if differ:
