@@ -446,3 +446,17 @@ def test_a_saved_checkpoint_in_the_per_expert_layout_imports(which, tmp_path, ca
     tokens, _, _ = _batch(4)
     with torch.no_grad():
         assert rel_diff(model.eval()(tokens), loaded.eval()(input_ids=tokens).logits) < 1e-5
+
+
+@pytest.mark.fast
+def test_a_checkpoint_saved_before_a_config_field_existed_resumes():
+    """Catches a resume that refuses a run saved before its family gained a field ("saved None vs
+    0.0"), or that stops refusing a field that differs: the saved config without
+    router_z_loss_coef matches this run's default, and a different value is still refused."""
+    from lattice.checkpoint import check_model_config
+
+    cfg = MixtralConfig(**CONFIGS["mixtral"][2]).to_dict()
+    older = {k: v for k, v in cfg.items() if k != "router_z_loss_coef"}
+    check_model_config({"arch": "mixtral", "model_config": older}, "mixtral", cfg)
+    with pytest.raises(LatticeConfigError, match="router_z_loss_coef 0.0 vs 0.1"):
+        check_model_config({"arch": "mixtral", "model_config": older}, "mixtral", {**cfg, "router_z_loss_coef": 0.1})
