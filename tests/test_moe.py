@@ -460,3 +460,23 @@ def test_a_checkpoint_saved_before_a_config_field_existed_resumes():
     check_model_config({"arch": "mixtral", "model_config": older}, "mixtral", cfg)
     with pytest.raises(LatticeConfigError, match="router_z_loss_coef 0.0 vs 0.1"):
         check_model_config({"arch": "mixtral", "model_config": older}, "mixtral", {**cfg, "router_z_loss_coef": 0.1})
+
+
+def _generates_as_transformers(which: str, layout: dict) -> bool:
+    ctx = cached_init(**layout)
+    hf = random_hf(which, seed=5)
+    model = lattice.from_hf(hf, ctx)
+    prompt = _batch(8, batch=4, length=4)[0]
+    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                           pad_token_id=V)
+    return torch.equal(model.generate(prompt, 8), expected)
+
+
+@pytest.mark.parametrize("layout", [dict(mode="serial"), dict(mode="2d", tp=4, ep=2),
+                                    dict(mode="1d", tp=2, ep=2)])
+def test_greedy_generation_with_the_kv_cache_is_transformers(layout):
+    """Catches a decoding step whose one new token per sequence the layout cannot hand its experts
+    (2d pads 2 tokens a row to whole ones, ep sends a handful of rows), or a KV cache that an MoE
+    block forgets: lattice's greedy tokens equal transformers' generate() for both families."""
+    for which in CONFIGS:
+        assert all(run_distributed(lattice.context(**layout).world_size, _generates_as_transformers, which, layout))
