@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_round_trip import lattice_cli, through_lattice
 from multiproc import cached_init, run_distributed
 from numerics import rel_diff, rms_norm_at_input_precision
 
@@ -382,14 +383,6 @@ def test_a_checkpoint_at_one_ep_resumes_at_another(tmp_path):
         assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-10, (a, b)
 
 
-def _lattice(args, capfd) -> str:
-    """`lattice ARGS` in this process (a layout's workers are processes; capfd sees their output)."""
-    from lattice.cli import main as cli
-
-    assert cli.main(args) == 0, capfd.readouterr()
-    return capfd.readouterr().out
-
-
 def test_an_hf_mixtral_of_sizes_no_preset_has_trains_with_experts_split_and_exports(tmp_path, capfd, monkeypatch):
     """Catches an import or export that maps the router or the fused experts wrong (transposed,
     gate and up swapped), a resume that asks for sizes the import holds, and an export transformers
@@ -397,30 +390,15 @@ def test_an_hf_mixtral_of_sizes_no_preset_has_trains_with_experts_split_and_expo
     2) and its own 1000-token BPE -> convert --from hf -> train --resume in 2d tp = 4 with ep = 2 and
     no size flag -> convert --to hf, whose greedy tokens transformers generates as `lattice generate`
     does."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    from lattice.data.corpus import corpus_text
-
     monkeypatch.chdir(tmp_path)
     hf_config = transformers.MixtralConfig(vocab_size=1000, hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                                            intermediate_size=40, num_hidden_layers=2, num_local_experts=6,
                                            num_experts_per_tok=2, max_position_embeddings=96, rms_norm_eps=1e-6)
     torch.manual_seed(0)
-    transformers.MixtralForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([corpus_text()[:200_000]], vocab_size=1000, min_frequency=2, show_progress=False)
-    bpe.save(str(tmp_path / "hf" / "tokenizer.json"))
-    _lattice(["convert", "--from", "hf", "hf", "run"], capfd)
-    _lattice(["train", "--resume", "run", "--steps", "3", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
-              "--allow-config-change", "--mode", "2d", "--tp", "4", "--ep", "2", "--nproc", "4"], capfd)
-    _lattice(["convert", "run", "--to", "hf", "exported"], capfd)
-    printed = _lattice(["generate", "run", "--prompt", "def main(", "--max-new-tokens", "10"], capfd)
-    loaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
-    prompt = torch.tensor([bpe.encode("def main(").ids])
-    expected = loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
-                               pad_token_id=0)
+    loaded, printed, expected = through_lattice(transformers.MixtralForCausalLM(hf_config), tmp_path, capfd,
+                                                ["--steps", "3", "--mode", "2d", "--tp", "4", "--ep", "2", "--nproc", "4"])
     assert loaded.config.num_local_experts == 6 and loaded.config.intermediate_size == 40
-    assert printed.startswith(bpe.decode(expected[0].tolist()) + "\n"), (printed, bpe.decode(expected[0].tolist()))
+    assert printed.startswith(expected + "\n"), (printed, expected)
 
 
 @pytest.mark.parametrize("which", list(CONFIGS))
@@ -436,8 +414,8 @@ def test_a_saved_checkpoint_in_the_per_expert_layout_imports(which, tmp_path, ca
     hf.save_pretrained(tmp_path / "hf")
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         assert any(".experts.0." in k for k in f.keys())  # the per-expert layout on disk
-    _lattice(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "run")], capfd)
-    _lattice(["convert", str(tmp_path / "run"), "--to", "single", str(tmp_path / "one.pt")], capfd)
+    lattice_cli(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "run")], capfd)
+    lattice_cli(["convert", str(tmp_path / "run"), "--to", "single", str(tmp_path / "one.pt")], capfd)
     saved = torch.load(tmp_path / "one.pt", weights_only=False)
     family, config_class, _ = CONFIGS[which]
     model = lattice.build_model(config_class.from_dict(saved["model_config"]), lattice.context("serial"))
