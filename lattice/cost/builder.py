@@ -273,8 +273,7 @@ class CostBuilder(AttentionTerms):
         the combine, and a shared SwiGLU expert of width `shared` beside them; with `z_loss` the
         router's logsumexp too (one more statistic)."""
         self._next()
-        h, a = self.h, None
-        n = self.mode.cost_expert_tokens(self)
+        h, n = self.h, self.mode.cost_expert_tokens(self)
         a = n * top_k
         stat = max(self.c.itemsize, 4)  # the router's probabilities: at float32 or above
         wide = stat / self.c.itemsize

@@ -295,15 +295,12 @@ class MoEDecoder(DecoderLM):
 
     def run_stage(self, values, block_ids, first, last, inputs):
         balance = self._new_balance(None if first else values[1])
-        x = values[0]
-        if first:
-            x = self.embed_input(x, 0, inputs.get("token_types"), inputs.get("positions"))
-        blocks = self.pipeline_blocks()
-        x = self.run_blocks(x, [blocks[i] for i in block_ids], **inputs.get("padding", {}), balance=balance)
+        out = super().run_stage(values[:1], block_ids, first, last,
+                                {**inputs, "padding": {**inputs.get("padding", {}), "balance": balance}})
         if last:
-            self._balance = balance  # the schedule's loss of this micro-batch (head_loss) follows at once
-            return (self.finish(x),)
-        return (x, balance.carried_out(self.boundary_dtypes(0)[1]))
+            self._balance = balance  # the schedule's loss of this micro-batch follows at once
+            return out
+        return (*out, balance.carried_out(self.boundary_dtypes(0)[1]))
 
     def with_auxiliary_loss(self, loss):
         cfg = self.cfg
