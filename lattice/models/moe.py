@@ -41,7 +41,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.models.base import DecoderLM
-from lattice.modes.kernels.tokens import exchange, exchange_counts
 from lattice.parallel import comm
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.context_parallel import take_context_chunks
@@ -137,7 +136,7 @@ class Experts(nn.Module):
     dim folded into the rows, so that ZeRO splits an expert's state over the replicas by its rows
     even where a rank holds one expert. With ep > 1 the E experts split over the layout's expert
     axis (`Mode.expert_axis`) in blocks of E/ep, and each (token, expert) row travels to its
-    expert's rank and back (`exchange`)."""
+    expert's rank and back (`comm.exchange`)."""
 
     def __init__(self, mode, d_model: int, experts: int, width: int):
         super().__init__()
@@ -166,17 +165,17 @@ class Experts(nn.Module):
         """The rows (grouped by expert) through their experts on the ranks of `group` and back."""
         n = comm.group_size(group)
         local = self.experts // n
-        arriving = exchange_counts(counts, group)  # (n, E/n): from each rank, for each of my experts
+        arriving = comm.raw_all_to_all(counts, group, 0, 0).view(n, local)  # from each rank, for each of my experts
         send, recv = counts.view(n, local).sum(1).tolist(), arriving.sum(1).tolist()
         sizes = arriving.reshape(-1).tolist()  # source-major
-        pieces = exchange(rows, send, recv, group).split(sizes)
+        pieces = comm.exchange(rows, send, recv, group).split(sizes)
         by_expert = [s * local + e for e in range(local) for s in range(n)]
         done = self._run(torch.cat([pieces[i] for i in by_expert]), arriving.sum(0).tolist()).split(
             [sizes[i] for i in by_expert])
         back = [None] * len(by_expert)
         for j, i in enumerate(by_expert):
             back[i] = done[j]
-        return exchange(torch.cat(back), recv, send, group)
+        return comm.exchange(torch.cat(back), recv, send, group)
 
     def forward(self, tokens, weights, chosen):  # (n, h), (n, k), (n, k) -> (n, h)
         n, k = chosen.shape

@@ -259,6 +259,16 @@ def raw_all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> t
     return torch.cat(recv.unbind(0), dim=concat_dim)
 
 
+def raw_exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows send[k] of x (in order) to rank k, recv[k] rows from rank k concatenated: an all-to-all
+    of uneven splits along dim 0."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    record("all_to_all", group, x.numel(), x.dtype)
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
 def raw_scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, group, src: int) -> torch.Tensor:
     """Group rank `src` sends chunks[k] to group rank k (others pass chunks=None); every rank
     receives into `out`. Metered as the whole scattered buffer, on every rank."""
@@ -362,6 +372,17 @@ class _AllToAll(torch.autograd.Function):
         return raw_all_to_all(dy, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
 
 
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return raw_exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_exchange(dy, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's f. Forward: Y = X (identity). Backward: dX = Σ_ranks dY (all-reduce).
 
@@ -408,3 +429,10 @@ def all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torch
     """Forward: chunk k of X along split_dim goes to rank k; received chunks concat along concat_dim.
     Backward: the inverse all-to-all of dY (split along concat_dim, concat along split_dim)."""
     return x if group is None else _AllToAll.apply(x, group, split_dim, concat_dim)
+
+
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Forward: rows send[k] of X to rank k, recv[k] rows from rank k (an all-to-all of uneven
+    splits; an MoE layer's rows to their experts' ranks). Backward: the same of dY the other way
+    (send and recv swapped)."""
+    return _Exchange.apply(x, send, recv, group)
