@@ -41,14 +41,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lattice.models.base import DecoderLM
+from lattice.modes.kernels.layers import upcast
 from lattice.parallel import comm
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.context_parallel import take_context_chunks
 from lattice.parallel.sharding import ShardSpec, register_sharded
-
-
-def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 class Balance:
@@ -65,7 +62,7 @@ class Balance:
         valid = probs.new_ones(n) if mask is None else mask.to(probs.dtype)
         counts = probs.new_zeros(E).scatter_add_(0, chosen.reshape(-1), valid.repeat_interleave(chosen.shape[1]))
         mine = (probs * valid[:, None]).sum(0)
-        z = (at_least_float32(logits).logsumexp(-1).square() * valid).sum()[None] if self.z_loss else None
+        z = (upcast(logits).logsumexp(-1).square() * valid).sum()[None] if self.z_loss else None
         if layer in self.layers:  # recomputed under activation checkpointing: recorded already
             return
         whole = torch.cat([counts, mine.detach(), valid.sum()[None]] + ([z.detach()] if z is not None else []))
@@ -123,7 +120,7 @@ class Router(nn.Module):
 
     def forward(self, tokens):  # (n, h) -> logits, probs (n, E), weights (n, k), experts (n, k)
         logits = F.linear(tokens, self.weight)
-        probs = torch.softmax(at_least_float32(logits), dim=-1)
+        probs = torch.softmax(upcast(logits), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
