@@ -286,12 +286,12 @@ class CostBuilder(AttentionTerms):
         # its expert's output and its weight; the shared expert's four hidden tensors, its gate and
         # output; the top-k indices and the assignments' order and tokens as int64
         layout = self.model.ctx.layout
-        axis = layout.expert_axis if layout is not None else None
-        if axis is not None:  # the counts per expert, the rows to their experts' ranks and back (balanced
+        axes = layout.expert_axes if layout is not None else ()
+        if axes:  # the counts per expert, the rows to their experts' ranks and back (balanced
             # routing: each rank receives as many rows as it sends); recomputation repeats all three
             for phase, elements in (("forward", experts), ("forward", a * h), ("forward", a * h),
                                     ("backward", a * h), ("backward", a * h)):
-                self.add(phase, "all_to_all", (axis,), elements, 1, "moe",
+                self.add(phase, "all_to_all", axes, elements, 1, "moe",
                          itemsize=8 if elements == experts and phase == "forward" else None)
         self.save(n * h + wide * (n * experts + (a + n if normalize else 0) + n + (n * experts + n if z_loss else 0))
                   + a * (2 * h + 4 * width + 1) + (4 * n * shared + n + n * h if shared else 0))

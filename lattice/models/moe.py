@@ -106,7 +106,7 @@ class Balance:
         aux = E * ((counts / total) * (whole / total)).sum()
         value = aux_coef * aux + z_coef * z.sum()  # z: each layer's mean over its tokens, summed (Megatron-LM's)
         share = (aux_coef * E * ((counts / total) * (mine / total)).sum() + z_coef * z_mine.sum()) * self.ctx.dp
-        self.reported = self.report(aux, z.sum() if self.z_loss else None)
+        self.reported = self.report(aux.detach(), z.sum() if self.z_loss else None)
         return share + (value - share).detach()
 
 
@@ -132,17 +132,17 @@ class Experts(nn.Module):
     `down` (E·h, I), each expert's h rows: transformers' (E, 2I, h) and (E, h, I) with the experts'
     dim folded into the rows, so that ZeRO splits an expert's state over the replicas by its rows
     even where a rank holds one expert. With ep > 1 the E experts split over the layout's expert
-    axis (`Mode.expert_axis`) in blocks of E/ep, and each (token, expert) row travels to its
-    expert's rank and back (`comm.exchange`)."""
+    axes (`Mode.expert_axes`: a replica's, the data-parallel replicas', or both) in blocks of E/ep,
+    and each (token, expert) row travels to its expert's rank and back (`comm.exchange`)."""
 
     def __init__(self, mode, d_model: int, experts: int, width: int):
         super().__init__()
         spec = dict(mode.token_spec())
         layout = mode.ctx.layout
-        self.axis = layout.expert_axis if layout is not None else None
-        if self.axis is not None:  # summed over the ranks with the same experts, split over the axis
-            spec = {**spec, "grad_sum": tuple(a for a in spec["grad_sum"] if a != self.axis),
-                    "splits": ((0, (self.axis,)),)}
+        self.axes = layout.expert_axes if layout is not None else ()
+        if self.axes:  # summed over the ranks with the same experts, split over the axes
+            spec = {**spec, "grad_sum": tuple(a for a in spec.get("grad_sum", ()) if a not in self.axes),
+                    "splits": ((0, self.axes),)}
         register_sharded(self, "gate_up", ShardSpec((experts * 2 * width, d_model), **spec), mode.ctx)
         register_sharded(self, "down", ShardSpec((experts * d_model, width), **spec), mode.ctx)
         self.experts, self.ctx, self.width, self.d_model = experts, mode.ctx, width, d_model
@@ -181,10 +181,10 @@ class Experts(nn.Module):
         owner = order // k  # each pair's token
         rows = tokens[owner]
         counts = torch.bincount(flat, minlength=self.experts)
-        if self.axis is None:
+        if not self.axes:
             out = self._run(rows, counts.tolist())
         else:
-            out = self._run_across(rows, counts, self.ctx.group(self.axis))  # (n·k, h) by expert
+            out = self._run_across(rows, counts, self.ctx.group(*self.axes))  # (n·k, h) by expert
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         # back in token order, each token's k outputs weighted and summed (index_add would save them)

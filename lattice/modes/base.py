@@ -138,26 +138,28 @@ class Mode:
         """The model-parallel mesh axes (DP is added outside), for `tp` ranks per replica."""
         raise NotImplementedError
 
-    #: the mesh axis an MoE layer's experts may split over (`expert_axis`): one whose ranks hold
-    #: other tokens after `expert_tokens` and send each token to its experts' rank; None: none
+    #: the mesh axis of a replica an MoE layer's experts may split over (`expert_axes`): one whose
+    #: ranks hold other tokens after `expert_tokens` and send each token to its experts' rank; None: none
     expert_split_axis: ClassVar[Any] = None
 
     @classmethod
-    def expert_axis(cls, ep: int, tp: int, options: Mapping[str, Any]):
-        """The mesh axis of `ep` expert-parallel ranks (None for ep = 1), or a one-line refusal."""
+    def expert_axes(cls, ep: int, tp: int, dp: int, options: Mapping[str, Any]) -> tuple:
+        """The mesh axes `ep` expert-parallel ranks span (() for ep = 1), or a one-line refusal:
+        the mode's expert axis, the data-parallel replicas, or both (the replicas major)."""
         if ep == 1:
-            return None
+            return ()
         axis = cls.expert_split_axis
-        if axis is None:
-            raise LatticeConfigError(f"ep = {ep}: mode {cls.name!r} has no axis to split experts over (lattice splits "
-                                     f"them over a tensor layout's ranks, not yet over data-parallel replicas); use "
-                                     f"ep = 1, or e.g. --mode 1d --tp {ep} --ep {ep}")
-        sizes = dict(cls.mesh_axes(tp, options))
-        if sizes.get(axis) != ep:
-            works = [1] + ([sizes[axis]] if axis in sizes and sizes[axis] > 1 else [])
-            raise LatticeConfigError(f"ep = {ep} does not fit mode {cls.name!r} with tp = {tp}: its experts split over "
-                                     f"its {axis.value} axis; use ep in {works}")
-        return axis
+        size = dict(cls.mesh_axes(tp, options)).get(axis, 1) if axis is not None else 1
+        choices = {}  # ep -> axes, the replica's own axis first where sizes coincide
+        for n, axes in ((size, (axis,)), (dp, (MeshAxis.DP,)), (size * dp, (MeshAxis.DP, axis))):
+            if n > 1 and all(a is not None for a in axes) and (len(axes) == 1 or size > 1 and dp > 1):
+                choices.setdefault(n, axes)
+        if ep not in choices:
+            where = (f"its {axis.value} axis ({size} ranks), " if size > 1 else "") + f"the data-parallel replicas " \
+                    f"({dp})" + (" or both" if size > 1 and dp > 1 else "")
+            raise LatticeConfigError(f"ep = {ep} does not fit mode {cls.name!r} with tp = {tp}, dp = {dp}: its experts "
+                                     f"split over {where}; use ep in {[1] + sorted(choices)}")
+        return choices[ep]
 
     @classmethod
     def fit_options(cls, cfg, tp: int) -> dict[str, Any]:

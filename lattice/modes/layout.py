@@ -26,9 +26,10 @@ from lattice.parallel.context import LatticeConfigError, MeshAxis, ParallelConte
 from lattice.parallel.pipeline_config import SCHEDULES, PipelineConfig
 
 
-def _axis_combinations(topo: Topology, mode_cls) -> list[tuple]:
-    """Groups over several axes that this layout needs: the mode's, and the model replica's."""
-    wanted = [topo.canonical_axes(axes) for axes in mode_cls.groups(topo)]
+def _axis_combinations(topo: Topology, mode_cls, expert_axes: tuple = ()) -> list[tuple]:
+    """Groups over several axes that this layout needs: the mode's, the model replica's, and the
+    experts' where they span the replicas and an axis of the replica."""
+    wanted = [topo.canonical_axes(axes) for axes in mode_cls.groups(topo)] + [topo.canonical_axes(expert_axes)]
     wanted.append(topo.model_axes)
     wanted.append(topo.tensor_axes)  # a pipeline stage's tensor ranks (the same as the replica without pp)
     wanted.append(topo.canonical_axes((MeshAxis.DP, MeshAxis.CP)))  # the gradient reduction's, under cp
@@ -40,12 +41,12 @@ def _axis_combinations(topo: Topology, mode_cls) -> list[tuple]:
     return out
 
 
-def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str) -> dict:
+def _create_multi_axis_groups(topo: Topology, rank: int, device_type: str, expert_axes: tuple = ()) -> dict:
     """One process group per combination and coordinate; every rank creates every group, in the
     same order, as torch requires."""
     backend = "nccl" if device_type == "cuda" else None
     out = {}
-    for axes in _axis_combinations(topo, get_mode(topo.mode)):
+    for axes in _axis_combinations(topo, get_mode(topo.mode), expert_axes):
         mine, _ = dist.new_subgroups_by_enumeration(topo.all_groups(axes), backend=backend)
         out[axes] = mine
     return out
@@ -92,8 +93,9 @@ class Layout:
                                              metavar="N,N,...")
     pp_scatter_gather: bool | None = flag(None, "send 1/tp of a replicated residual between stages and all-gather "
                                                 "it (default on)")
-    ep: int = flag(1, "expert-parallel ranks: a mixture of experts' experts split over this many of a replica's "
-                      "ranks, each token sent to its experts' rank and back (1d: tp; 2d, 3d: q; subgraph: tp / subgrids)")
+    ep: int = flag(1, "expert-parallel ranks: a mixture of experts' experts split over this many ranks, each token "
+                      "sent to its experts' rank and back: a replica's (1d: tp; 2d, 3d: q; subgraph: tp / subgrids), "
+                      "the dp replicas, or both (their product)")
     options: Mapping[str, Any] = field(default_factory=dict)
     placement: str = flag(PLACEMENTS[0], "rank placement: in mesh order, or the mode's topology-aware grid",
                           choices=lambda: PLACEMENTS)
@@ -114,13 +116,16 @@ class Layout:
         elif self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         object.__setattr__(self, "options", mode_cls.resolve_options(dict(self.options)))
-        object.__setattr__(self, "expert_axis", mode_cls.expert_axis(self.ep, self.tp, self.options))
+        object.__setattr__(self, "expert_axes", mode_cls.expert_axes(self.ep, self.tp, self.dp, self.options))
         object.__setattr__(self, "pipeline", self._pipeline_config())
         if self.placement not in PLACEMENTS:
             raise LatticeConfigError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.pp > 1 and self.placement != "natural":
             raise LatticeConfigError("placement 'topology' is not implemented with pipeline parallelism; use the "
                                      "natural placement with pp > 1")
+        if len(self.expert_axes) > 1 and self.placement != "natural":
+            raise LatticeConfigError(f"placement 'topology' is not implemented with ep = {self.ep} over the replicas "
+                                     f"and a tensor axis together; use the natural placement")
         if self.cp_attention not in CP_ATTENTION:
             raise LatticeConfigError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         if self.cp > 1 and self.placement != "natural":
@@ -171,7 +176,8 @@ class Layout:
     def stage_layout(self) -> "Layout":
         """The tensor ranks of one pipeline stage alone: this mode, tp and options, one replica, no
         pipeline, placed on nodes as the whole layout is (`ranks_per_node`, `placement`)."""
-        return Layout(self.mode, tp=self.tp, ep=self.ep, options=self.options, ranks_per_node=self.ranks_per_node,
+        ep = self.ep // self.dp if MeshAxis.DP in self.expert_axes else self.ep  # the replica's share of it
+        return Layout(self.mode, tp=self.tp, ep=ep, options=self.options, ranks_per_node=self.ranks_per_node,
                       placement=self.placement)
 
     @property
@@ -268,7 +274,7 @@ def init(mode: str | Layout = REFERENCE_MODE, *, backend: str | None = None, see
 
     grid = torch.tensor(topo.rank_grid, dtype=torch.int64).reshape(topo.shape)
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=tuple(a.value for a in topo.axis_names))
-    groups = _create_multi_axis_groups(topo, rank, device.type)
+    groups = _create_multi_axis_groups(topo, rank, device.type, layout.expert_axes)
     embedding_group = None
     if pp > 2:  # the first and last stage of each tensor position (tied embeddings)
         ends = [[topo.rank_at({**topo.coords(r), MeshAxis.PP: 0}), topo.rank_at({**topo.coords(r), MeshAxis.PP: pp - 1})]

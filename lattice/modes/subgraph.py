@@ -291,11 +291,12 @@ class SubGraph(Mode):
     expert_split_axis = MEM
 
     @classmethod
-    def expert_axis(cls, ep, tp, options):
-        if ep > 1 and options.get("common") != "all":
-            raise LatticeConfigError(f"ep = {ep} with common='subgrid': the common rows run on sub-grid 0 alone; use "
-                                     f"ep = 1, or common='all'")
-        return super().expert_axis(ep, tp, options)
+    def expert_axes(cls, ep, tp, dp, options):
+        axes = super().expert_axes(ep, tp, dp, options)
+        if MEM in axes and options.get("common") != "all":
+            raise LatticeConfigError(f"ep = {ep} over the sub-grids' members with common='subgrid': the common rows "
+                                     f"run on sub-grid 0 alone; use common='all', or an ep of the replicas alone")
+        return axes
 
     def token_spec(self):
         return self.common_spec  # the common rows' parameters: an expert is one

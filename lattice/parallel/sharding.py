@@ -90,13 +90,19 @@ class ShardSpec:
             sl[d] = slice(k * local[d], (k + 1) * local[d])
         return tuple(sl)
 
+    @property
+    def split_over_dp(self) -> bool:
+        """Whether the data-parallel replicas hold different pieces (an MoE's experts split over
+        them) rather than copies: its gradient is no replica average, and the norm adds them up."""
+        return any(MeshAxis.DP in axes for _, axes in self.splits)
+
     def replicas(self, topo: Topology) -> int:
         """How many ranks of one model replica (all axes but DP) hold each distinct shard."""
         holders_in_replica = topo.replica_size
         for axis, _ in self.holders:
             if axis != MeshAxis.DP:
                 holders_in_replica //= topo.size(axis)
-        shards = math.prod(self.split_sizes(topo).values()) if self.splits else 1
+        shards = math.prod(topo.size(a) for _, axes in self.splits for a in axes if a != MeshAxis.DP)
         return holders_in_replica // shards
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
@@ -169,7 +175,8 @@ def gather_full(local: torch.Tensor | None, spec: ShardSpec, ctx: ParallelContex
     """Assemble the full tensor from every rank's shard (a collective over the world).
 
     `local` is this rank's shard (None where it holds none, or a missing gradient counts as 0).
-    With average_dp, each data-parallel replica's assembly is averaged (for gradients); otherwise
+    With average_dp, the average over the data-parallel replicas (for gradients: each replica's
+    assembly, or a shard split over them, which holds every replica's part, divided by dp); otherwise
     replica 0's is returned. The result is identical on every rank, or with `dst` (a global rank)
     built there alone while the other ranks send their shard and return None.
     """
@@ -218,22 +225,24 @@ def gather_full_many(shards: list[tuple[torch.Tensor | None, ShardSpec]], ctx: P
 def _assemble(chunks: torch.Tensor, spec: ShardSpec, topo: Topology, dtype: torch.dtype,
               average_dp: bool) -> torch.Tensor:
     """The full tensor from `chunks[rank]`, every rank's shard of it."""
-    replicas = topo.size(MeshAxis.DP) if average_dp else 1
+    # a shard split over the replicas is held by one of them alone: its gradient there is every
+    # replica's tokens' at once, which the average divides like the others'
+    replicas = topo.size(MeshAxis.DP) if average_dp and not spec.split_over_dp else 1
     local = chunks.shape[1:]
     full = torch.zeros(spec.storage_shape, dtype=dtype, device=chunks.device)
     for d in range(replicas):
         filled = set()
         for rank in range(chunks.shape[0]):
             coords = topo.coords(rank)
-            if coords.get(MeshAxis.DP, 0) != d or not spec.holds(coords):
+            if (coords.get(MeshAxis.DP, 0) != d and not spec.split_over_dp) or not spec.holds(coords):
                 continue
             key = spec.chunk_index(coords, topo)
             if key in filled:
                 continue
             filled.add(key)
             full[spec.region(key, local)] += chunks[rank]
-    if replicas > 1:
-        full /= replicas
+    if average_dp and topo.size(MeshAxis.DP) > 1:
+        full /= topo.size(MeshAxis.DP)
     return spec.crop(full).contiguous()
 
 

@@ -125,6 +125,9 @@ class ZeroOptimizer:
         if stage not in ZERO_STAGES:
             raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
                                      f"got {stage}")
+        if any(spec.split_over_dp for spec in model.specs.values()):
+            raise LatticeConfigError("ZeRO and bf16 master weights do not take experts split over the data-parallel "
+                                     "replicas yet; use --zero 0 with fp32 weights, or an ep within the replica")
         self.model, self.ctx, self.stage, self.accumulations, self.grad_scale = model, ctx, stage, accumulations, 1.0
         # the ranks that hold the same shards of other tokens: the dp replicas and, under context
         # parallelism, the cp ranks of each (Megatron's data-parallel group with cp); the

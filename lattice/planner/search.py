@@ -201,7 +201,7 @@ def expert_sizes(cfg, mode: str, tp: int, options) -> list[int]:
         return [1]
     size = dict(get_mode(mode).mesh_axes(tp, options)).get(axis, 1)
     try:
-        get_mode(mode).expert_axis(size, tp, options)
+        get_mode(mode).expert_axes(size, tp, 1, options)
     except LatticeConfigError:
         return [1]
     return [1] + ([size] if size > 1 and experts % size == 0 else [])

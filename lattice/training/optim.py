@@ -9,6 +9,7 @@ import math
 import torch
 
 from lattice.parallel.comm import raw_all_reduce
+from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import weighted_square_sum
 from lattice.parallel.zero import adamw, decays
 
@@ -39,10 +40,17 @@ def grad_norm(model, ctx) -> torch.Tensor:
     model replica's group. After the data-parallel sync every replica holds the same gradients,
     so one replica's norm is the global one."""
     acc = torch.promote_types(model.dtype, torch.float32)
+    held = [(name, p) for name, p in model.named_parameters() if p.grad is not None and not model.is_mirror(name)]
+    split = [name for name, _ in held if model.specs[name].split_over_dp]
     sq = weighted_square_sum([(p.grad.detach(), model.specs[name].replicas(ctx.topology))
-                              for name, p in model.named_parameters()
-                              if p.grad is not None and not model.is_mirror(name)], acc, ctx.device)
-    return raw_all_reduce(sq, ctx.model_group()).reshape(()).sqrt()
+                              for name, p in held if name not in split], acc, ctx.device)
+    if not any(spec.split_over_dp for spec in model.specs.values()):
+        return raw_all_reduce(sq, ctx.model_group()).reshape(()).sqrt()
+    # experts split over the replicas: each replica's own pieces add up, the rest counts once
+    mine = weighted_square_sum([(p.grad.detach(), model.specs[name].replicas(ctx.topology))
+                                for name, p in held if name in split], acc, ctx.device)
+    sq = raw_all_reduce(raw_all_reduce(torch.cat([sq, mine]), ctx.model_group()), ctx.group(MeshAxis.DP))
+    return (sq[0] / ctx.dp + sq[1]).sqrt()
 
 
 @torch.no_grad()

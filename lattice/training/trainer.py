@@ -113,8 +113,12 @@ class Trainer:
         # a rank holding no parameters has nothing to average, and neither has the rest of its dp
         # group, which holds the same pieces (sub-graph's sub-grids but the first with
         # common="subgrid" and projections="common": their branch is attention alone); DDP refuses it
+        # an MoE's experts split over the replicas: each replica holds its own, which DDP must leave alone
+        self.split_over_dp = [name for name, _ in self.model.named_parameters() if self.model.specs[name].split_over_dp]
         if self.ddp_averages and any(p.requires_grad for p in self.model.parameters()):
             from torch.nn.parallel import DistributedDataParallel
+
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, self.split_over_dp)
 
             group = ctx.group(MeshAxis.DP, MeshAxis.CP)  # DDP's average over dp x cp of cp x the loss
             # gradients as views of DDP's buckets: the summed buckets are not copied back into separate
@@ -133,8 +137,27 @@ class Trainer:
             return
         from lattice.parallel.sharding import all_reduce_grads, byte_buckets
 
-        for bucket in byte_buckets(list(self.model.parameters()), lambda p: p.numel() * p.element_size()):
+        params = [p for name, p in self.model.named_parameters() if name not in self.split_over_dp]
+        for bucket in byte_buckets(params, lambda p: p.numel() * p.element_size()):
             all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
+        self._average_split_over_replicas(seeded=1)
+
+    @torch.no_grad()
+    def _average_split_over_replicas(self, seeded: int) -> None:
+        """The replicas' average where DDP's would be for the parameters split over them (an MoE's
+        experts): a rank's gradient holds every replica's tokens routed to its experts already, of
+        its context-parallel chunks alone (summed here where sync_grads leaves cp to the reduction),
+        each loss `seeded` times its own."""
+        params = dict(self.model.named_parameters())
+        grads = [params[name].grad for name in self.split_over_dp if params[name].grad is not None]
+        if not grads:
+            return
+        if self.ctx.cp > 1 and self.reduces_cp:
+            from lattice.parallel.sharding import all_reduce_grads
+
+            all_reduce_grads([params[name] for name in self.split_over_dp], self.ctx.group(MeshAxis.CP))
+            grads = [params[name].grad for name in self.split_over_dp]
+        torch._foreach_div_(grads, float(self.ctx.dp * seeded))
 
     def _accumulate(self, x, y, inputs: dict, weight: float) -> torch.Tensor:
         """Forward and backward of the replica batch without a pipeline, in its micro-batches in
@@ -194,6 +217,7 @@ class Trainer:
         else:
             loss = self._accumulate(x, y, inputs, weight)
             self.model.sync_grads(over_cp=not self.reduces_cp)  # sums inside the replica; DDP averaged in backward
+            self._average_split_over_replicas(seeded=self.ctx.cp if self.ddp_averages and self.ctx.cp > 1 else 1)
         if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
             self.optimizer.reduce_grads()
             norm = self.optimizer.grad_norm()
