@@ -164,7 +164,8 @@ LAYOUTS = [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, seq
            dict(mode="2d", tp=4, ep=2), dict(mode="3d", tp=8, ep=2), dict(mode="subgraph", tp=4, subgrids=2, ep=2),
            dict(mode="serial", pp=2, microbatches=2), dict(mode="1d", tp=2, pp=2, microbatches=2),
            dict(mode="2d", tp=4, ep=2, pp=2, microbatches=2, pp_schedule="gpipe"), dict(mode="serial", cp=2),
-           dict(mode="1d", tp=2, cp=2, sequence_parallel=True), dict(mode="2d", tp=4, ep=2, cp=2)]
+           dict(mode="1d", tp=2, cp=2, sequence_parallel=True), dict(mode="2d", tp=4, ep=2, cp=2),
+           dict(mode="subgraph", tp=2, subgrids=2, common="subgrid", dp=2, ep=2)]
 
 
 @pytest.mark.parametrize("which, layout, padded", [
@@ -242,7 +243,8 @@ def test_moe_communication_equals_the_cost_model(layout, length):
                 assert_comm_equal(measured, modelled, (which, layout, checkpointing, rank))
 
 
-@pytest.mark.parametrize("layout", [dict(mode="1d", tp=2, ep=2), dict(mode="2d", tp=4, ep=2)])
+@pytest.mark.parametrize("layout", [dict(mode="1d", tp=2, ep=2), dict(mode="2d", tp=4, ep=2),
+                                    dict(mode="serial", dp=2, ep=2), dict(mode="1d", tp=2, dp=2, ep=4)])
 def test_expert_parallel_communication_equals_the_cost_model_over_the_group(layout):
     """Catches an expert-parallel exchange the cost model does not price: the counts and the rows to
     their experts' ranks and back, in forward, backward and recomputation. A rank receives as many
@@ -379,7 +381,8 @@ def test_training_with_experts_split_and_zero_follows_serial():
     dict(mode="serial", dp=2, ep=2), dict(mode="1d", tp=2, dp=2, ep=4, sequence_parallel=True),
     dict(mode="serial", dp=2, ep=2, cp=2), dict(mode="serial", dp=2, ep=2, pp=2, microbatches=2),
     dict(mode="serial", dp=2, ep=2, microbatches=2)], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
-def test_training_with_experts_split_over_the_replicas_follows_serial(layout):
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_training_with_experts_split_over_the_replicas_follows_serial(layout, zero):
     """Catches expert gradients of experts split over the data-parallel replicas averaged by DDP
     with another replica's experts, left as the sum of every replica's tokens (not their mean), not
     summed over context-parallel ranks or over a pipeline's micro-batches and accumulation, and a
@@ -392,19 +395,84 @@ def test_training_with_experts_split_over_the_replicas_follows_serial(layout):
         reference = run_distributed(world, _trained, {**layout, "ep": 1}, 0, 3)[-1]
     else:
         reference = run_distributed(1, _trained, dict(mode="serial"), 0, 3)[0]
-    for rank, rows in enumerate(run_distributed(world, _trained, layout, 0, 3)):
+    for rank, rows in enumerate(run_distributed(world, _trained, layout, zero, 3)):
         for a, b in zip(rows, reference):
             assert len(a) == (2 if layout.get("pp", 1) > 1 and rank % 2 == 0 else 3), (rank, a)
             assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-10, (rank, a, b)
 
 
-def test_a_checkpoint_at_one_ep_resumes_at_another(tmp_path):
-    """Catches an expert shard saved or loaded in the wrong block of experts when the split
-    changes: 2 steps at 1d tp = 2 ep = 2, then steps 3 and 4 resumed at 2d tp = 4 ep = 2 (the
-    experts now split over 2d's rows) equal 4 uninterrupted steps (float64)."""
-    straight = run_distributed(2, _trained, dict(mode="1d", tp=2, ep=2), 0, 4)[0]
-    first = run_distributed(2, _trained, dict(mode="1d", tp=2, ep=2), 0, 4, str(tmp_path), 2)[0]
-    second = run_distributed(4, _trained, dict(mode="2d", tp=4, ep=2), 0, 4, str(tmp_path), None, str(tmp_path))[0]
+def _trainer_step_metered(layout: dict, zero: int):
+    """CommMeter's calls and elements of one Trainer step, less the gradient norm's and the loss
+    mean's scalars (which the cost model leaves to the planner), and lattice.cost.estimate's."""
+    from lattice.training import trainer as trainer_module
+    from lattice.training.trainer import TrainConfig, Trainer
+
+    ctx = cached_init(**layout)
+    trainer = Trainer(TrainConfig(**RUN, steps=1, zero=zero), ctx)
+    aside = []
+
+    def metered_aside(fn):
+        def wrapped(*args, **kwargs):
+            with lattice.CommMeter() as meter:
+                out = fn(*args, **kwargs)
+            aside.append(meter.summary())
+            return out
+        return wrapped
+
+    saved = trainer_module.grad_norm, trainer_module.dp_mean
+    trainer_module.grad_norm, trainer_module.dp_mean = map(metered_aside, saved)
+    if zero:
+        trainer.optimizer.grad_norm = metered_aside(trainer.optimizer.grad_norm)
+    try:
+        with lattice.CommMeter() as meter:
+            trainer.train_step()
+    finally:
+        trainer_module.grad_norm, trainer_module.dp_mean = saved
+    measured = {k: [v["calls"], v["elements"]] for k, v in meter.summary().items()}
+    for summary in aside:
+        for k, v in summary.items():
+            measured[k][0] -= v["calls"]
+            measured[k][1] -= v["elements"]
+    analytic = lattice.cost.estimate(trainer.model_config, layout["mode"], batch=RUN["batch_size"] // ctx.dp,
+                                     seq=trainer.seq_len, dtype=torch.float64, rank=ctx.rank, zero=zero,
+                                     **{k: v for k, v in layout.items() if k != "mode"})
+    modelled = {k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]}
+    return {k: tuple(v) for k, v in measured.items() if v[0]}, modelled
+
+
+@pytest.mark.parametrize("layout", [dict(mode="serial", dp=2, ep=2), dict(mode="serial", dp=2, ep=2, cp=2),
+                                    dict(mode="1d", tp=2, dp=2, ep=4)], ids=lambda d: "-".join(map(str, d.values())))
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_step_with_experts_split_over_the_replicas_communicates_as_the_cost_model(layout, zero):
+    """Catches the experts split over the replicas averaged over them by DDP (or ZeRO over dp x cp)
+    as though each held a copy, or their sum over context-parallel ranks unpriced: a Trainer step's
+    collectives but the exchange (whose rows follow the routing) equal lattice.cost.estimate's on
+    every rank, their calls and elements."""
+    from numerics import assert_comm_equal
+
+    for rank, (measured, modelled) in enumerate(run_distributed(lattice.context(**layout).world_size,
+                                                                _trainer_step_metered, layout, zero)):
+        exchange = {k for k in measured if k[1] == "all_to_all"}
+        assert exchange == {k for k in modelled if k[1] == "all_to_all"}, (rank, measured, modelled)
+        assert_comm_equal({k: v for k, v in measured.items() if k not in exchange},
+                          {k: v for k, v in modelled.items() if k not in exchange}, (layout, zero, rank))
+
+
+@pytest.mark.parametrize("before, zero, after", [
+    (dict(mode="1d", tp=2, ep=2), 0, dict(mode="2d", tp=4, ep=2)),
+    (dict(mode="1d", tp=2, ep=2), 0, dict(mode="2d", tp=4, dp=2, ep=4)),
+    (dict(mode="serial", dp=2, cp=2, ep=2), 1, dict(mode="1d", tp=2, ep=2))],
+    ids=["1d-ep2-to-2d-ep2", "1d-ep2-to-2d-dp2-ep4", "serial-dp2-cp2-ep2-zero1-to-1d-ep2"])
+def test_a_checkpoint_at_one_ep_resumes_at_another(before, zero, after, tmp_path):
+    """Catches an expert shard (or, under ZeRO, its moments' rows) saved or loaded in the wrong block
+    of experts when the split changes: 2 steps in one layout, then steps 3 and 4 resumed in another
+    (the experts split over 2d's rows, over them and the replicas, or from the replicas to 1d's
+    ranks) equal 4 uninterrupted steps (float64)."""
+    world = lattice.context(**before).world_size
+    straight = run_distributed(world, _trained, before, zero, 4)[-1]
+    first = run_distributed(world, _trained, before, zero, 4, str(tmp_path), 2)[-1]
+    second = run_distributed(lattice.context(**after).world_size, _trained, after, 0, 4, str(tmp_path), None,
+                             str(tmp_path))[-1]
     for a, b in zip(first + second, straight):
         assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-10, (a, b)
 

@@ -4,6 +4,7 @@ keyword arguments, the TrainConfig, the resolved config a run records and `--con
 from __future__ import annotations
 
 import argparse
+import os
 
 from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
 from lattice.modes.layout import Layout
@@ -47,11 +48,22 @@ def add_layout_flags(p: argparse.ArgumentParser, **defaults) -> None:
     """The flags of a `Layout` and the modes' option flags."""
     add_flags(p, Layout, **defaults)
     add_mode_option_flags(group(p, "layout"))
+    if "dp" in defaults and defaults["dp"] is None:
+        for action in p._actions:
+            if action.dest == "dp":
+                action.help = "data-parallel replicas (default: the processes over tp x pp x cp)"
 
 
 def layout_from_args(args, **changes) -> Layout:
-    """The Layout that the flags of `add_layout_flags` ask for, with `changes` to its fields."""
+    """The Layout that the flags of `add_layout_flags` ask for, with `changes` to its fields. A
+    command that starts processes leaves --dp to them (`add_layout_flags(p, dp=None)`): without it,
+    the processes (--nproc, or torchrun's) over a replica's tp x pp x cp ranks where they divide,
+    as Megatron-LM derives its data-parallel size, else 1."""
     given = {f.name: getattr(args, f.name) for f in flag_fields(Layout)}
+    if given["dp"] is None:
+        procs = getattr(args, "nproc", None) or int(os.environ.get("WORLD_SIZE", "1"))
+        replica = given["tp"] * given["pp"] * given["cp"]
+        given["dp"] = procs // replica if procs % replica == 0 else 1
     return Layout(**{**given, **changes}, options=given_mode_options(args))
 
 
@@ -95,8 +107,8 @@ def given_sizes(args, skip=()) -> dict:
             if name not in skip and getattr(args, name, None) is not None}
 
 
-def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False) -> None:
-    add_layout_flags(p)
+def add_layout_arguments(p: argparse.ArgumentParser, arch_from_run: bool = False, **defaults) -> None:
+    add_layout_flags(p, **defaults)
     add_model_flags(p, arch_from_run)
 
 
@@ -106,7 +118,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     for title in HELP_GROUPS:  # in the order users scan them
         group(p, title)
-    add_layout_flags(p)
+    add_layout_flags(p, dp=None)  # (the processes' own, without --dp)
     # the model defaults to a resumed run's (RESUMED_FIELDS); the run directory is chosen by
     # lattice.checkpoint.run_dir
     add_flags(p, TrainConfig, **dict.fromkeys(RESUMED_FIELDS))

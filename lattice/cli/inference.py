@@ -23,7 +23,7 @@ def add_inference_arguments(p: argparse.ArgumentParser, generate: bool) -> None:
     from lattice.training.config import DATA_FORMATS
 
     p.add_argument("run", metavar="DIR", help="a run directory written by `lattice train` (or a checkpoint in it)")
-    add_layout_arguments(p, arch_from_run=True)
+    add_layout_arguments(p, arch_from_run=True, dp=None)  # (the processes' own, without --dp)
     p.add_argument("--nproc", type=int, default=None, help="start this many local processes")
     p.add_argument("--seed", type=int, default=0)
     if generate:

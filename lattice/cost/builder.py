@@ -14,7 +14,7 @@ from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
-from lattice.parallel.zero_layout import memory_per_rank, plan_buckets
+from lattice.parallel.zero_layout import memory_per_rank, plan_buckets, split_shards
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -363,20 +363,26 @@ class CostBuilder(AttentionTerms):
         reduced = 2 if mixed and c.grad_reduce_dtype == "bf16" else state  # the gradient reduction's element
         ranks = dp * self.cp  # holding the same shards of other tokens
         coords = c.topology.coords(c.rank)
+        # an MoE's experts split over the replicas: only a replica's cp ranks share them
+        split = sum(p.numel() for name, p in self.params.items() if self.model.specs[name].split_over_dp)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            for _, _, segment in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
-                                              params=self.params):
-                if shards > 1:
-                    self.add("backward", "reduce_scatter", (DP, CP), shards * segment, 1, "grads", itemsize=reduced)
-                    self.add("optimizer", "all_gather", (DP, CP), shards * segment, 1, "grads")
-                elif ranks > 1:
-                    self.add("backward", "all_reduce", (DP, CP), segment, 1, "grads", itemsize=reduced)
+            for _, _, segment, over_dp in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
+                                                       params=self.params):
+                n, axes, size = (split_shards(shards, self.model.ctx), (CP,), self.cp) if over_dp else \
+                    (shards, (DP, CP), ranks)
+                if n > 1:
+                    self.add("backward", "reduce_scatter", axes, n * segment, 1, "grads", itemsize=reduced)
+                    self.add("optimizer", "all_gather", axes, n * segment, 1, "grads")
+                elif size > 1:
+                    self.add("backward", "all_reduce", axes, segment, 1, "grads", itemsize=reduced)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
-            grads = c.memory["parameters"] / c.itemsize
-            c.reduced_grad_bytes = c.memory["parameters"]  # read and written once into the buckets
+            grads = c.memory["parameters"] / c.itemsize - split
+            c.reduced_grad_bytes = grads * c.itemsize  # read and written once into the buckets
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
                      max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")
+            if split and self.cp > 1 and c.pipeline is None:  # the Trainer's sum of the experts over cp
+                self.add("backward", "all_reduce", (CP,), split, 1, "grads")
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
         held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None,
                                params=self.params)

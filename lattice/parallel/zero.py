@@ -53,7 +53,7 @@ from lattice.parallel.comm import unmetered_all_gather, unmetered_reduce_scatter
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
-from lattice.parallel.zero_layout import owned_rows, plan_buckets, rows_of, rows_per_shard, zero_shards
+from lattice.parallel.zero_layout import owned_rows, plan_buckets, rows_of, rows_per_shard, split_shards, zero_shards
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
@@ -100,6 +100,10 @@ class _Bucket:
     pieces: list[_Piece]
     segment: int
     late: bool
+    shards: int  # the ranks its rows are split over, this rank's `shard` of them, in `group`
+    shard: int
+    group: object
+    over_dp: bool  # of parameters split over the replicas (an MoE's experts)
     waiting: dict = field(default_factory=dict)  # id(parameter) -> accumulations its gradient still awaits
     flat: torch.Tensor | None = None  # the rank-major gradients being reduced
     reduced: torch.Tensor | None = None  # this rank's segment of their average
@@ -125,9 +129,6 @@ class ZeroOptimizer:
         if stage not in ZERO_STAGES:
             raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
                                      f"got {stage}")
-        if any(spec.split_over_dp for spec in model.specs.values()):
-            raise LatticeConfigError("ZeRO and bf16 master weights do not take experts split over the data-parallel "
-                                     "replicas yet; use --zero 0 with fp32 weights, or an ep within the replica")
         self.model, self.ctx, self.stage, self.accumulations, self.grad_scale = model, ctx, stage, accumulations, 1.0
         # the ranks that hold the same shards of other tokens: the dp replicas and, under context
         # parallelism, the cp ranks of each (Megatron's data-parallel group with cp); the
@@ -137,6 +138,10 @@ class ZeroOptimizer:
         self.divisor = ctx.dp * (ctx.cp if cp_summed else 1)
         # stage 0 (mixed precision without ZeRO): one shard, every rank owns every row
         self.shards, self.shard = zero_shards(ctx) if stage else (1, 0)
+        # parameters split over the replicas (an MoE's experts): only a replica's cp ranks share them
+        expert_shards = split_shards(self.shards, ctx)
+        splits = {False: (self.shards, self.shard, self.group),
+                  True: (expert_shards, self.shard % expert_shards, ctx.group(MeshAxis.CP))}
         self.param_dtype = model.dtype
         self.master_dtype = torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
@@ -145,13 +150,15 @@ class ZeroOptimizer:
         self.buckets: list[_Bucket] = []
         decay, no_decay = [], []
         itemsize = self.reduce_dtype.itemsize  # a bucket's bytes are those of its reduction
-        for late, names, segment in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize, cp_summed=cp_summed):
+        for late, names, segment, over_dp in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize,
+                                                          cp_summed=cp_summed):
+            shards, shard, group = splits[over_dp]
             pieces, offset = [], 0
             for name in names:
                 p = params[name]
                 rows, width = rows_of(p.shape)
-                r0, r1 = owned_rows(rows, self.shards, self.shard)
-                piece = _Piece(name, p, r0, r1, rows_per_shard(rows, self.shards), width, offset)
+                r0, r1 = owned_rows(rows, shards, shard)
+                piece = _Piece(name, p, r0, r1, rows_per_shard(rows, shards), width, offset)
                 offset += piece.per * width
                 if piece.numel:
                     piece.master = p.detach().view(rows, width)[r0:r1]
@@ -159,7 +166,7 @@ class ZeroOptimizer:
                         piece.master = piece.master.to(self.master_dtype, copy=True)
                     (decay if decays(model.specs[name].full_shape) else no_decay).append(piece.master)
                 pieces.append(piece)
-            self.buckets.append(_Bucket(pieces, segment, late))
+            self.buckets.append(_Bucket(pieces, segment, late, shards, shard, group, over_dp))
         self.pieces = {piece.name: piece for b in self.buckets for piece in b.pieces}
         self.inner = adamw(decay, no_decay, lr=lr, betas=betas, weight_decay=weight_decay)
         if hooks:
@@ -223,7 +230,7 @@ class ZeroOptimizer:
         """Lay the bucket's gradients out rank-major, averaged, in the reduction dtype, and start
         their reduce-scatter (an all-reduce with one shard)."""
         dtype = self.reduce_dtype
-        flat = torch.zeros(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
+        flat = torch.zeros(bucket.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
         for piece in bucket.pieces:
             grad = piece.param.grad
             if grad is None:
@@ -236,16 +243,16 @@ class ZeroOptimizer:
             flat.mul_(self.grad_scale)
         if self.divisor > 1:
             flat.div_(self.divisor)
-        if self.shards > 1:
+        if bucket.shards > 1:
             bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
-            record("reduce_scatter", self.group, flat.numel(), dtype, phase="backward")
-            bucket.work = unmetered_reduce_scatter(bucket.reduced, flat.view(-1), group=self.group, async_op=True)
+            record("reduce_scatter", bucket.group, flat.numel(), dtype, phase="backward")
+            bucket.work = unmetered_reduce_scatter(bucket.reduced, flat.view(-1), group=bucket.group, async_op=True)
             bucket.flat = flat  # alive until the reduction is done
         else:
             bucket.reduced = flat.view(-1)
-            if self.group is not None:
-                record("all_reduce", self.group, flat.numel(), dtype, phase="backward")
-                bucket.work = dist.all_reduce(bucket.reduced, group=self.group, async_op=True)
+            if bucket.group is not None:
+                record("all_reduce", bucket.group, flat.numel(), dtype, phase="backward")
+                bucket.work = dist.all_reduce(bucket.reduced, group=bucket.group, async_op=True)
         bucket.launched = True
 
     @torch.no_grad()
@@ -283,15 +290,22 @@ class ZeroOptimizer:
         """The global L2 norm of the full gradient from the owned pieces, identical on every
         rank: each piece counts 1/(ranks of the replica holding the same shard), a pipeline
         mirror not at all; summed over the dp group (when split over it), then over the model
-        replica's."""
+        replica's. Pieces split over the replicas (an MoE's experts) add up over them."""
         acc = torch.promote_types(self.model.dtype, torch.float32)
         topo = self.ctx.topology
-        sq = weighted_square_sum([(piece.master.grad, self.model.specs[piece.name].replicas(topo))
-                                  for piece in self.pieces.values()
-                                  if piece.master is not None and not self.model.is_mirror(piece.name)], acc,
-                                 self.ctx.device)
-        if self.shards > 1:  # (with one shard every replica holds every row already)
-            sq = raw_all_reduce(sq, self.group)  # (a cp rank's rows count 1/cp, and the replica's sum has cp of them)
+        sums = []
+        for over_dp in (False, True):
+            sums.append(weighted_square_sum([(piece.master.grad, self.model.specs[piece.name].replicas(topo))
+                                             for b in self.buckets if b.over_dp == over_dp
+                                             for piece in b.pieces
+                                             if piece.master is not None and not self.model.is_mirror(piece.name)],
+                                            acc, self.ctx.device))
+            if self.shards > 1:  # (with one shard every replica holds every row already)
+                # (a cp rank's rows count 1/cp, and the replica's sum has cp of them)
+                sums[-1] = raw_all_reduce(sums[-1], self.group if not over_dp else self.ctx.group(MeshAxis.CP))
+        if not any(spec.split_over_dp for spec in self.model.specs.values()):
+            return raw_all_reduce(sums[0], self.ctx.model_group()).reshape(()).sqrt()
+        sq = raw_all_reduce(sums[0] / self.dp + sums[1], self.ctx.group(MeshAxis.DP))
         return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
 
     @torch.no_grad()
@@ -329,6 +343,8 @@ class ZeroOptimizer:
         self.finish_param_gathers()
         for i in (range(len(self.buckets)) if self.overlap is None else self.overlap.issue_order()):
             bucket = self.buckets[i]
+            if bucket.shards == 1:  # (experts split over the replicas without cp: every row its own)
+                continue
             gathered, work = self._start_gather(
                 bucket, lambda piece: piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1], self.param_dtype,
                 phase="optimizer")
@@ -345,7 +361,7 @@ class ZeroOptimizer:
             work.wait()
         for piece in bucket.pieces:
             for r, rows, segment in self._rows_by_shard(piece, piece.param.detach(), gathered):
-                if r != self.shard:
+                if r != bucket.shard:
                     rows.copy_(segment)
 
     def finish_param_gathers(self) -> None:
@@ -370,19 +386,20 @@ class ZeroOptimizer:
             rows = owned(piece) if piece.master is not None else None
             if rows is not None:
                 mine[piece.offset:piece.offset + piece.numel] = rows.reshape(-1)
-        if self.shards == 1:
+        if bucket.shards == 1:
             return mine.view(1, -1), None
-        gathered = torch.empty(self.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
+        gathered = torch.empty(bucket.shards, bucket.segment, dtype=dtype, device=self.ctx.device)
         if phase is not None:
-            record("all_gather", self.group, gathered.numel(), dtype, phase=phase)
-        return gathered, unmetered_all_gather(gathered.view(-1), mine, group=self.group, async_op=True)
+            record("all_gather", bucket.group, gathered.numel(), dtype, phase=phase)
+        return gathered, unmetered_all_gather(gathered.view(-1), mine, group=bucket.group, async_op=True)
 
     def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
         """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching
         (rows, width) view of segments[r]) for every shard that owns rows: the bucket layout."""
         rows = tensor.view(-1, piece.width)
-        for r in range(self.shards):
-            r0, r1 = owned_rows(rows.shape[0], self.shards, r)
+        shards = segments.shape[0]
+        for r in range(shards):
+            r0, r1 = owned_rows(rows.shape[0], shards, r)
             if r1 > r0:
                 segment = segments[r, piece.offset:piece.offset + (r1 - r0) * piece.width]
                 yield r, rows[r0:r1], segment.view(-1, piece.width)

@@ -30,9 +30,10 @@ def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
 
 
 def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
-                 cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int]]:
-    """The gradient buckets of this rank's parameters: (late, names, segment), where `segment` is
-    the elements each dp rank receives of the bucket (the bucket holds dp × segment) and `late`
+                 cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int, bool]]:
+    """The gradient buckets of this rank's parameters: (late, names, segment, over_dp), where
+    `segment` is the elements each of the bucket's shards receives (the bucket holds shards ×
+    segment: `dp` of them, or `split_shards` of a bucket of parameters split `over_dp`), and `late`
     marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
     the order backward produces their gradients), at most `max_bytes` of them per bucket
     (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
@@ -40,26 +41,34 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     pipeline's sums between stages make their parameters late. Pure: the cost model plans a
     meta model with it (`params`: its named parameters, where the caller has walked them)."""
     params = dict(model.named_parameters()) if params is None else params
-    early, late = [], []
+    kinds = {}  # (late, over dp) -> names
     every_late = model.ctx.cp > 1 and cp_summed
     between_stages = set(getattr(model, "summed_between_stages", ()))
     for name in reversed(list(params)):
-        (late if every_late or model.specs[name].grad_sum or name in between_stages else early).append(name)
+        spec = model.specs[name]
+        kinds.setdefault((every_late or bool(spec.grad_sum) or name in between_stages, spec.split_over_dp), []).append(name)
     out = []
-    for is_late, names in ((False, early), (True, late)):
+    for (is_late, over_dp), names in sorted(kinds.items()):
+        shards = split_shards(dp, model.ctx) if over_dp else dp
         for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
                                    max_bytes):
             segment = 0
             for n in names_:
                 rows, width = rows_of(params[n].shape)
-                segment += rows_per_shard(rows, dp) * width
-            out.append((is_late, names_, segment))
+                segment += rows_per_shard(rows, shards) * width
+            out.append((is_late, names_, segment, over_dp))
     return out
 
 
 def zero_shards(ctx) -> tuple[int, int]:
     """(shards, this rank's shard) of ZeRO's split: over dp x cp, in group-rank order."""
     return ctx.dp * ctx.cp, ctx.coord(MeshAxis.DP) * ctx.cp + ctx.coord(MeshAxis.CP)
+
+
+def split_shards(shards: int, ctx) -> int:
+    """ZeRO's shards of a parameter split over the data-parallel replicas (an MoE's experts, which
+    only the cp ranks of a replica share) where the others take `shards` (dp x cp, or 1)."""
+    return max(1, shards // ctx.dp)
 
 
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
@@ -77,11 +86,12 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     params = dict(model.named_parameters()) if params is None else params  # as plan_buckets
     numel = sum(p.numel() for p in params.values())
     owned = 0
-    for p in params.values():
+    for name, p in params.items():
         rows, width = rows_of(p.shape)
-        r0, r1 = owned_rows(rows, shards, shard)
+        n = split_shards(shards, model.ctx) if model.specs[name].split_over_dp else shards
+        r0, r1 = owned_rows(rows, n, shard % n)
         owned += (r1 - r0) * width
-    reduced = sum(segment for _, _, segment in plan_buckets(model, shards, itemsize=state, params=params))
+    reduced = sum(bucket[2] for bucket in plan_buckets(model, shards, itemsize=state, params=params))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
         grads = state * reduced + (itemsize * numel if stage == 1 else 0)
     else:  # the gradient itself, or (stage 2) only the reduced slice

@@ -217,7 +217,8 @@ class Trainer:
         else:
             loss = self._accumulate(x, y, inputs, weight)
             self.model.sync_grads(over_cp=not self.reduces_cp)  # sums inside the replica; DDP averaged in backward
-            self._average_split_over_replicas(seeded=self.ctx.cp if self.ddp_averages and self.ctx.cp > 1 else 1)
+            if not cfg.distributed_optimizer:  # (whose reduction averages them as the rest)
+                self._average_split_over_replicas(seeded=self.ctx.cp if self.ddp_averages and self.ctx.cp > 1 else 1)
         if cfg.distributed_optimizer:  # the reductions backward did not start, then every rank's own slices
             self.optimizer.reduce_grads()
             norm = self.optimizer.grad_norm()
