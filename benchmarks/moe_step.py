@@ -8,10 +8,10 @@ AdamW moments per rank against ep.
 The MoE model is Mixtral's `small` preset (8 experts of width 256, top 2); the dense one is a
 Llama of the same shape whose MLP is top_k x 256 wide, so that a token meets as many weights in
 both. Each layout runs on its ranks (gloo, one thread each): one step to warm up, then `--steps`
-timed steps of the Trainer's work (forward, backward, the in-replica gradient sums, AdamW), their
-median reported; CommMeter counts one step's collectives. The experts' memory per rank is the
+timed steps of the Trainer's work (forward, backward, the in-replica gradient sums, AdamW; with dp
+replicas each on its 1/dp of the batch, without their gradient average), their median reported; CommMeter counts one step's collectives. The experts' memory per rank is the
 bytes of the rank's expert parameters and, after the step, their two AdamW moments; at ep > 1
-against 1/ep of the same layout's ep = 1.
+(over a replica's ranks, the replicas, or both) against 1/ep of the same layout's ep = 1.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from lattice.bench.provenance import provenance  # noqa: E402
 from lattice.bench.world import spawn  # noqa: E402
 
 LAYOUTS = ("serial", "1d tp=4", "1d tp=4 ep=4", "1d tp=4 sequence_parallel=True ep=4", "2d tp=4", "2d tp=4 ep=2",
-           "subgraph tp=4 subgrids=2", "subgraph tp=4 subgrids=2 ep=2")
+           "subgraph tp=4 subgrids=2", "subgraph tp=4 subgrids=2 ep=2", "serial dp=4", "serial dp=4 ep=4",
+           "1d tp=2 sequence_parallel=True dp=2", "1d tp=2 sequence_parallel=True dp=2 ep=4")
 
 
 def parse(text: str) -> dict:
@@ -59,6 +60,8 @@ def _measure(layout: dict, arch: str, steps: int, batch: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
+    rows = slice(ctx.coord(lattice.MeshAxis.DP) * batch // ctx.dp, (ctx.coord(lattice.MeshAxis.DP) + 1) * batch // ctx.dp)
+    tokens, targets = tokens[rows], targets[rows]  # this replica's share of the batch
 
     def step():
         model.forward_backward(tokens, targets)

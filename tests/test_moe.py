@@ -12,6 +12,7 @@ transformers' code as shipped.
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -347,6 +348,40 @@ def test_bad_moe_configs_are_refused_in_one_line():
         lattice.build_model(lattice.get_arch("gpt2").config_class.preset("tiny"), lattice.context("1d", tp=2, ep=2))
 
 
+@pytest.mark.fast
+def test_the_planner_offers_every_ep_the_layout_takes():
+    """Catches a planner that searches ep inside a replica alone, or offers an ep that does not
+    divide the experts or that the layout refuses: 1, the mode's expert axis (1d: tp; 2d: q), the
+    replicas and their product, each where it divides the experts."""
+    from lattice.planner.search import expert_sizes
+
+    def sizes(experts, mode, tp, dp, **options):
+        cfg = MixtralConfig(**{**CONFIGS["mixtral"][2], "n_experts": experts, "top_k": 2})
+        return expert_sizes(cfg, mode, tp, dp, get_mode(mode).resolve_options(options))
+
+    from lattice.modes import get_mode
+
+    assert sizes(8, "1d", 2, 4) == [1, 2, 4, 8]
+    assert sizes(6, "1d", 2, 4) == [1, 2]  # 4 and 8 do not divide 6 experts
+    assert sizes(8, "2d", 4, 2) == [1, 2, 4]  # q = 2, the replicas 2, both 4
+    assert sizes(8, "serial", 1, 4) == [1, 4]
+    assert sizes(8, "subgraph", 4, 2, subgrids=2, common="subgrid") == [1, 2]  # the members take none
+    assert expert_sizes(lattice.get_arch("llama").config_class.preset("tiny"), "1d", 2, 4, {}) == [1]
+
+
+def test_plan_auto_for_mixtral_8x7b_searches_ep(capfd):
+    """Catches `plan --auto` for an MoE model that leaves ep out of its setups or prints a command
+    without it: Mixtral-8x7B on 64 H100s ranks setups with ep and the first one's command carries
+    its --ep."""
+    out = lattice_cli(["plan", "--auto", "--arch", "mixtral", "--model", "mixtral-8x7b", "--gpus", "64",
+                       "--ranks-per-node", "8", "--machine", "h100-node"], capfd)
+    first = next(line for line in out.splitlines() if line.strip().startswith("1 "))
+    ep = re.search(r" ep=(\d+)", first)
+    assert ep is not None, out
+    command = next(line for line in out.splitlines() if line.startswith("the first as a run"))
+    assert f"--ep {ep.group(1)}" in command, (first, command)
+
+
 # the Trainer on the built-in corpus, float64: the tiny preset at a small vocabulary
 RUN = dict(arch="mixtral", model="tiny", vocab_size=512, batch_size=4, lr=3e-3, warmup=2, eval_interval=100,
            eval_batches=1, progress=False, dtype="float64")
@@ -493,6 +528,36 @@ def test_an_hf_mixtral_of_sizes_no_preset_has_trains_with_experts_split_and_expo
                                                 ["--steps", "3", "--mode", "2d", "--tp", "4", "--ep", "2", "--nproc", "4"])
     assert loaded.config.num_local_experts == 6 and loaded.config.intermediate_size == 40
     assert printed.startswith(expected + "\n"), (printed, expected)
+
+
+def test_a_new_user_trains_a_mixtral_with_its_experts_over_two_processes(tmp_path, capfd, monkeypatch):
+    """Catches the first command a new user tries refused or trained without splitting the experts
+    (--nproc 2 and --ep 2 with no --dp: the experts over the two replicas), metrics without each
+    MoE layer's load, and eval, generate or info failing on the run: `lattice train --arch mixtral
+    --model tiny --ep 2 --nproc 2` trains at dp = 2, metrics.csv holds the balancing loss and each
+    layer's most and mean assignments per expert (mean = tokens x top_k / n_experts, most at least
+    that), and generate prints the same text in one process and at --ep 2 --nproc 2."""
+    import csv
+
+    monkeypatch.chdir(tmp_path)
+    out = lattice_cli(["train", "--arch", "mixtral", "--model", "tiny", "--ep", "2", "--nproc", "2", "--steps", "3",
+                       "--batch-size", "4", "--vocab-size", "512", "--eval-batches", "1", "--no-progress",
+                       "--out-dir", "run"], capfd)
+    assert "dp=2" in out and "ep=2" in out, out
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    cfg = MixtralConfig.preset("tiny")
+    assert len(rows) == 3 and all(float(r["balance_loss"]) >= 1.0 for r in rows)  # 1 at perfect balance
+    for layer in range(cfg.n_layers):
+        for r in rows:
+            mean, most = float(r[f"moe{layer}_load_mean"]), float(r[f"moe{layer}_load_max"])
+            assert mean == 4 * cfg.seq_len * cfg.top_k / cfg.n_experts and most >= mean, r
+    assert "val loss" in lattice_cli(["eval", "run"], capfd)
+    alone = lattice_cli(["generate", "run", "--prompt", "def f(x):", "--max-new-tokens", "8"], capfd)
+    split = lattice_cli(["generate", "run", "--prompt", "def f(x):", "--max-new-tokens", "8", "--ep", "2", "--nproc",
+                         "2"], capfd)
+    assert alone == split and alone.startswith("def f(x):"), (alone, split)
+    assert "dim 0 over dp" in lattice_cli(["info", "--arch", "mixtral", "--model", "tiny", "--dp", "2", "--ep", "2"],
+                                          capfd)
 
 
 @pytest.mark.parametrize("which", list(CONFIGS))

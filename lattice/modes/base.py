@@ -143,12 +143,17 @@ class Mode:
     expert_split_axis: ClassVar[Any] = None
 
     @classmethod
+    def usable_expert_axis(cls, options: Mapping[str, Any]):
+        """`expert_split_axis` where these options let the experts split over it, else None."""
+        return cls.expert_split_axis
+
+    @classmethod
     def expert_axes(cls, ep: int, tp: int, dp: int, options: Mapping[str, Any]) -> tuple:
         """The mesh axes `ep` expert-parallel ranks span (() for ep = 1), or a one-line refusal:
         the mode's expert axis, the data-parallel replicas, or both (the replicas major)."""
         if ep == 1:
             return ()
-        axis = cls.expert_split_axis
+        axis = cls.usable_expert_axis(options)
         size = dict(cls.mesh_axes(tp, options)).get(axis, 1) if axis is not None else 1
         choices = {}  # ep -> axes, the replica's own axis first where sizes coincide
         for n, axes in ((size, (axis,)), (dp, (MeshAxis.DP,)), (size * dp, (MeshAxis.DP, axis))):

@@ -291,12 +291,18 @@ class SubGraph(Mode):
     expert_split_axis = MEM
 
     @classmethod
+    def usable_expert_axis(cls, options):
+        return MEM if options.get("common") == "all" else None  # common="subgrid": sub-grid 0 alone routes
+
+    @classmethod
     def expert_axes(cls, ep, tp, dp, options):
-        axes = super().expert_axes(ep, tp, dp, options)
-        if MEM in axes and options.get("common") != "all":
-            raise LatticeConfigError(f"ep = {ep} over the sub-grids' members with common='subgrid': the common rows "
-                                     f"run on sub-grid 0 alone; use common='all', or an ep of the replicas alone")
-        return axes
+        try:
+            return super().expert_axes(ep, tp, dp, options)
+        except LatticeConfigError as e:
+            if options.get("common") == "all":
+                raise
+            raise LatticeConfigError(f"{e} (with common='subgrid' the common rows run on sub-grid 0 alone; "
+                                     f"common='all' splits them over the sub-grids' members too)") from None
 
     def token_spec(self):
         return self.common_spec  # the common rows' parameters: an expert is one

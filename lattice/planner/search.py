@@ -192,19 +192,23 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
     return plan
 
 
-def expert_sizes(cfg, mode: str, tp: int, options) -> list[int]:
-    """The ep a mixture of experts may take in this tensor layout (1, and the size of the mode's
-    expert axis where it divides the experts); [1] for a dense model."""
+def expert_sizes(cfg, mode: str, tp: int, dp: int, options) -> list[int]:
+    """The ep a mixture of experts may take in this layout (1, the size of the mode's expert axis,
+    the replicas and their product, each where it divides the experts); [1] for a dense model."""
     experts = getattr(cfg, "n_experts", 0)
-    axis = get_mode(mode).expert_split_axis
-    if not experts or axis is None or tp == 1:
+    if not experts:
         return [1]
-    size = dict(get_mode(mode).mesh_axes(tp, options)).get(axis, 1)
-    try:
-        get_mode(mode).expert_axes(size, tp, 1, options)
-    except LatticeConfigError:
-        return [1]
-    return [1] + ([size] if size > 1 and experts % size == 0 else [])
+    axis = get_mode(mode).usable_expert_axis(options)
+    size = dict(get_mode(mode).mesh_axes(tp, options)).get(axis, 1) if axis is not None else 1
+    out = []
+    for ep in dict.fromkeys((1, size, dp, size * dp)):
+        try:
+            get_mode(mode).expert_axes(ep, tp, dp, options)
+        except LatticeConfigError:
+            continue
+        if experts % ep == 0:
+            out.append(ep)
+    return out
 
 
 def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, batch, machine, precisions, placements):
@@ -216,7 +220,7 @@ def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, b
                 plan.refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
                 continue
             for (m, schedule, virtual), ep, placement in itertools.product(
-                    _microbatch_counts(pp, batch // dp, cfg.n_layers), expert_sizes(cfg, mode, tp, options), placements):
+                    _microbatch_counts(pp, batch // dp, cfg.n_layers), expert_sizes(cfg, mode, tp, dp, options), placements):
                 if placement != "natural" and (pp > 1 or cp > 1):
                     continue  # the topology-aware grids are of one replica's tensor ranks
                 pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual,
