@@ -53,7 +53,8 @@ from lattice.parallel.comm import unmetered_all_gather, unmetered_reduce_scatter
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
-from lattice.parallel.zero_layout import owned_rows, plan_buckets, rows_of, rows_per_shard, split_shards, zero_shards
+from lattice.parallel.zero_layout import (owned_rows, plan_buckets, rows_by_shard, rows_of, rows_per_shard, split_shards,
+                                          zero_shards)
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
@@ -235,7 +236,7 @@ class ZeroOptimizer:
             grad = piece.param.grad
             if grad is None:
                 continue  # a parameter this step did not use: zeros
-            for _, rows, segment in self._rows_by_shard(piece, grad, flat):
+            for _, rows, segment in rows_by_shard(grad, piece.width, piece.offset, flat):
                 segment.copy_(rows)
             if self.stage != 1:  # stage 2 keeps the slices alone; stage 0 the reduced copy alone
                 piece.param.grad = None
@@ -290,23 +291,19 @@ class ZeroOptimizer:
         """The global L2 norm of the full gradient from the owned pieces, identical on every
         rank: each piece counts 1/(ranks of the replica holding the same shard), a pipeline
         mirror not at all; summed over the dp group (when split over it), then over the model
-        replica's. Pieces split over the replicas (an MoE's experts) add up over them."""
-        acc = torch.promote_types(self.model.dtype, torch.float32)
-        topo = self.ctx.topology
+        replica's. Pieces split over the replicas (an MoE's experts) add up over them too."""
+        acc, topo = torch.promote_types(self.model.dtype, torch.float32), self.ctx.topology
+        split = any(spec.split_over_dp for spec in self.model.specs.values())
         sums = []
-        for over_dp in (False, True):
-            sums.append(weighted_square_sum([(piece.master.grad, self.model.specs[piece.name].replicas(topo))
-                                             for b in self.buckets if b.over_dp == over_dp
-                                             for piece in b.pieces
-                                             if piece.master is not None and not self.model.is_mirror(piece.name)],
-                                            acc, self.ctx.device))
-            if self.shards > 1:  # (with one shard every replica holds every row already)
-                # (a cp rank's rows count 1/cp, and the replica's sum has cp of them)
-                sums[-1] = raw_all_reduce(sums[-1], self.group if not over_dp else self.ctx.group(MeshAxis.CP))
-        if not any(spec.split_over_dp for spec in self.model.specs.values()):
-            return raw_all_reduce(sums[0], self.ctx.model_group()).reshape(()).sqrt()
-        sq = raw_all_reduce(sums[0] / self.dp + sums[1], self.ctx.group(MeshAxis.DP))
-        return raw_all_reduce(sq, self.ctx.model_group()).reshape(()).sqrt()
+        for over_dp, group in ((False, self.group), (True, self.ctx.group(MeshAxis.CP)))[:1 + split]:
+            sq = weighted_square_sum([(p.master.grad, self.model.specs[p.name].replicas(topo)) for b in self.buckets
+                                      if b.over_dp == over_dp for p in b.pieces
+                                      if p.master is not None and not self.model.is_mirror(p.name)], acc, self.ctx.device)
+            # (with one shard every replica holds every row; a cp rank's rows count 1/cp, the replica's sum has cp)
+            sums.append(raw_all_reduce(sq, group) if self.shards > 1 else sq)
+        if split:
+            sums[0] = raw_all_reduce(sums[0] / self.dp + sums[1], self.ctx.group(MeshAxis.DP))
+        return raw_all_reduce(sums[0], self.ctx.model_group()).reshape(()).sqrt()
 
     @torch.no_grad()
     def clip(self, norm: torch.Tensor, max_norm: float) -> None:
@@ -360,7 +357,7 @@ class ZeroOptimizer:
         if work is not None:
             work.wait()
         for piece in bucket.pieces:
-            for r, rows, segment in self._rows_by_shard(piece, piece.param.detach(), gathered):
+            for r, rows, segment in rows_by_shard(piece.param.detach(), piece.width, piece.offset, gathered):
                 if r != bucket.shard:
                     rows.copy_(segment)
 
@@ -392,17 +389,6 @@ class ZeroOptimizer:
         if phase is not None:
             record("all_gather", bucket.group, gathered.numel(), dtype, phase=phase)
         return gathered, unmetered_all_gather(gathered.view(-1), mine, group=bucket.group, async_op=True)
-
-    def _rows_by_shard(self, piece: _Piece, tensor: torch.Tensor, segments: torch.Tensor):
-        """(shard r, its rows of `tensor` (shaped like the piece's parameter), the matching
-        (rows, width) view of segments[r]) for every shard that owns rows: the bucket layout."""
-        rows = tensor.view(-1, piece.width)
-        shards = segments.shape[0]
-        for r in range(shards):
-            r0, r1 = owned_rows(rows.shape[0], shards, r)
-            if r1 > r0:
-                segment = segments[r, piece.offset:piece.offset + (r1 - r0) * piece.width]
-                yield r, rows[r0:r1], segment.view(-1, piece.width)
 
     @torch.no_grad()
     def masters_from_params(self) -> None:
@@ -456,7 +442,7 @@ class ZeroOptimizer:
                                         self.master_dtype)
                 for piece in bucket.pieces:
                     full = torch.empty(piece.param.shape, dtype=self.master_dtype, device=self.ctx.device)
-                    for _, rows, segment in self._rows_by_shard(piece, full, gathered):
+                    for _, rows, segment in rows_by_shard(full, piece.width, piece.offset, gathered):
                         rows.copy_(segment)
                     out[key][piece.name] = full if stepped else None
         return out

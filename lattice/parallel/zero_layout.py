@@ -29,6 +29,18 @@ def owned_rows(rows: int, dp: int, r: int) -> tuple[int, int]:
     return r0, min(r0 + per, rows)
 
 
+def rows_by_shard(tensor, width: int, offset: int, segments):
+    """(shard r, its rows of `tensor` (a parameter's local shard, `width` elements a row), the
+    matching (rows, width) view of segments[r] from `offset`) for every shard that owns rows: a
+    bucket's layout, shard-major, each of its `segments.shape[0]` shards ⌈rows/shards⌉ rows."""
+    rows = tensor.view(-1, width)
+    shards = segments.shape[0]
+    for r in range(shards):
+        r0, r1 = owned_rows(rows.shape[0], shards, r)
+        if r1 > r0:
+            yield r, rows[r0:r1], segments[r, offset:offset + (r1 - r0) * width].view(-1, width)
+
+
 def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
                  cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int, bool]]:
     """The gradient buckets of this rank's parameters: (late, names, segment, over_dp), where
