@@ -55,6 +55,60 @@ def _router_at_input_precision(self, hidden_states):
     return logits, top.to(logits.dtype), chosen
 
 
+def _router_with_expert_bias(self, hidden_states):
+    """DeepSeek-V3's selection as its paper writes it, on transformers' router: the top k of the
+    probabilities plus the layer's expert bias (`self.expert_bias`) pick the experts, whose weights
+    are the probabilities alone (then renormalised where the family does)."""
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    probs = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+    top = probs.gather(-1, chosen)
+    if getattr(self, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top, chosen
+
+
+def _with_expert_bias(hf, biases: list, rate: float):
+    """(transformers' model routing with `biases` (one per MoE layer) and no balancing loss, lattice's
+    config and full weights of it with expert_bias_rate `rate` and those biases)."""
+    import types
+
+    family = Mixtral if hf.config.model_type == "mixtral" else Qwen2Moe
+    cfg, weights = lattice_hf.read_hf(family, hf)
+    cfg = dataclasses.replace(cfg, expert_bias_rate=rate, router_aux_loss_coef=0.0)
+    hf.config.router_aux_loss_coef = 0.0
+    for layer, bias in zip(cfg.sparse_layers(), biases):
+        weights[f"blocks.{layer}.mlp.router.expert_bias"] = bias
+        router = hf.model.layers[layer].mlp.gate
+        router.expert_bias, router.forward = bias, types.MethodType(_router_with_expert_bias, router)
+    return hf, cfg, weights
+
+
+def _biases(which: str, scale: float = 0.3) -> list:
+    layers = len(CONFIGS[which][1](**CONFIGS[which][2]).sparse_layers())
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randn(CONFIGS[which][2]["n_experts"], generator=gen, dtype=torch.float64) * scale
+            for _ in range(layers)]
+
+
+def _biased_equals_transformers(which: str, layout: dict):
+    """(relative difference of the loss, worst of a gradient) against transformers routing with the
+    expert biases, on one padded batch."""
+    ctx = cached_init(**layout)
+    hf, cfg, weights = _with_expert_bias(random_hf(which, seed=5), _biases(which), 0.01)
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    model.load_full_state_dict(weights)
+    tokens, targets, mask = _batch(6, padded=True)
+    reference = _reference(hf, tokens, targets, mask, ctx.pipeline.m if ctx.pipeline is not None else 1)
+    reference.backward()
+    loss = model.forward_backward(tokens, targets, attention_mask=mask)
+    full = model.full_grad_dict()
+    grads = lattice_hf.to_hf_state_dict(model.family, dataclasses.replace(cfg, expert_bias_rate=0.0),
+                                        {k: v for k, v in full.items() if "expert_bias" not in k})
+    worst = max(rel_diff(grads[name], p.grad) for name, p in hf.named_parameters())
+    return abs(loss - reference.item()) / reference.item(), worst
+
+
 def _balancing_loss_at_input_precision(gate_logits, num_experts=None, top_k=2, attention_mask=None):
     """transformers' load_balancing_loss_func, its float32 accumulators at the logits' precision."""
     dtype = gate_logits[0].dtype if gate_logits[0].dtype == torch.float64 else torch.float32
@@ -267,6 +321,105 @@ def test_expert_parallel_communication_equals_the_cost_model_over_the_group(layo
         assert_comm_equal(*totals, (layout, checkpointing))
 
 
+@pytest.mark.parametrize("which, layout", [
+    pytest.param(which, layout, id=f"{which}-" + "-".join(f"{k}={v}" for k, v in layout.items()),
+                 marks=[pytest.mark.fast] if layout == dict(mode="serial") else [])
+    for which in CONFIGS for layout in (
+        dict(mode="serial"), dict(mode="1d", tp=2, sequence_parallel=True, ep=2), dict(mode="2d", tp=4, ep=2),
+        dict(mode="serial", dp=2, ep=2), dict(mode="1d", tp=2, pp=2, microbatches=2),
+        dict(mode="subgraph", tp=2, subgrids=2))])
+def test_an_expert_bias_routes_as_deepseek_v3_writes_it(which, layout):
+    """Catches an expert bias that does not change which experts a token takes, or that leaks into
+    their weights or the gradients (DeepSeek-V3: top-k of probabilities plus bias selects, the
+    probabilities weigh), or that a layout applies to another layer's router: the loss and every
+    gradient within 1e-10 of transformers' with its routers choosing by the same biases (plain
+    PyTorch here), on a padded batch."""
+    results = run_distributed(lattice.context(**layout).world_size, _biased_equals_transformers, which, layout)
+    for loss, grads in results:
+        assert loss < 1e-10 and grads < 1e-10, (loss, grads)
+
+
+@pytest.mark.fast
+def test_the_expert_biases_route_other_experts():
+    """Catches a reference in which the biases pick the same experts as none (the test above would
+    then prove nothing): some token's experts differ."""
+    hf = random_hf("mixtral", seed=5)
+    tokens, _, _ = _batch(6)
+    with torch.no_grad():
+        plain = [torch.topk(torch.softmax(x, -1), 2).indices for x in hf(input_ids=tokens,
+                                                                          output_router_logits=True).router_logits]
+        hf, _, _ = _with_expert_bias(hf, _biases("mixtral"), 0.01)
+        logits = hf(input_ids=tokens, output_router_logits=True).router_logits
+    biased = [torch.topk(torch.softmax(x, -1) + b, 2).indices for x, b in zip(logits, _biases("mixtral"))]
+    assert any(not torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(plain, biased))
+
+
+def _biases_after_steps(layout: dict, steps: int, rate: float) -> list:
+    """lattice's expert biases after `steps` training passes (each replica on its rows of the batch,
+    then `after_update`), from zero."""
+    ctx = cached_init(**layout)
+    hf, cfg, weights = _with_expert_bias(random_hf("mixtral", seed=5), [torch.zeros(4, dtype=torch.float64)] * 2, rate)
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    model.load_full_state_dict(weights)
+    tokens, targets, mask = _batch(6, padded=True)
+    rows = slice(ctx.coord(MeshAxis.DP) * 4 // ctx.dp, (ctx.coord(MeshAxis.DP) + 1) * 4 // ctx.dp)
+    model.train()
+    for _ in range(steps):
+        model.forward_backward(tokens[rows], targets[rows], attention_mask=mask[rows])
+        model.after_update(True)
+        model.zero_grad(set_to_none=True)
+    full = model.full_state_dict()
+    return [full[f"blocks.{i}.mlp.router.expert_bias"] for i in range(2)]
+
+
+@pytest.mark.parametrize("layout", [dict(mode="serial"), dict(mode="serial", dp=2, ep=2),
+                                    dict(mode="2d", tp=4, ep=2, dp=2), dict(mode="1d", tp=2, pp=2, microbatches=2)],
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_the_expert_bias_moves_toward_balance_by_the_whole_batch(layout):
+    """Catches a bias update by one rank's or one replica's loads (the ranks would then disagree),
+    counting padding or counting a layer twice, a step of another size or sign, and loads not
+    cleared between steps: after each of 3 passes every bias moved by rate · sign(mean - load),
+    the loads counted from transformers' router logits on the whole batch (padding excluded) with
+    the biases so far, equal on every rank."""
+    rate, steps = 0.05, 3
+    hf, _, _ = _with_expert_bias(random_hf("mixtral", seed=5), [torch.zeros(4, dtype=torch.float64)] * 2, rate)
+    tokens, _, mask = _batch(6, padded=True)
+    biases = [torch.zeros(4, dtype=torch.float64) for _ in range(2)]
+    for _ in range(steps):
+        for layer, bias in enumerate(biases):
+            hf.model.layers[layer].mlp.gate.expert_bias = bias
+        with torch.no_grad():
+            logits = hf(input_ids=tokens, attention_mask=mask, output_router_logits=True).router_logits
+        for layer, (x, bias) in enumerate(zip(logits, biases)):
+            chosen = torch.topk(torch.softmax(x, -1) + bias, 2).indices[mask.reshape(-1) != 0]
+            loads = torch.bincount(chosen.reshape(-1), minlength=4).double()
+            biases[layer] = bias + rate * torch.sign(loads.mean() - loads)
+    assert any(b.abs().sum() > 0 for b in biases)
+    for rank, got in enumerate(run_distributed(lattice.context(**layout).world_size, _biases_after_steps, layout, steps,
+                                               rate)):
+        for a, b in zip(got, biases):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), (rank, a, b)
+
+
+@pytest.mark.parametrize("layout, zero", [(dict(mode="serial", dp=2, ep=2), 1), (dict(mode="1d", tp=2, ep=2), 0),
+                                          (dict(mode="serial", pp=2, microbatches=2), 0)],
+                         ids=["dp2-ep2-zero1", "1d-ep2", "pp2"])
+def test_training_with_an_expert_bias_follows_serial_and_resumes(layout, zero, tmp_path):
+    """Catches an expert bias that the optimizer steps (weight decay, a zero gradient's moments),
+    that a checkpoint drops or a resume resets, that ZeRO's master rows overwrite, or that moves
+    differently in another layout: 4 Trainer steps with expert_bias_rate, 2 then 2 resumed, follow
+    serial's uninterrupted losses and gradient norms (float64)."""
+    sizes = dict(expert_bias_rate=0.05, router_aux_loss_coef=0.0)
+    serial = run_distributed(1, _trained, dict(mode="serial"), 0, 4, **sizes)[0]
+    plain = run_distributed(1, _trained, dict(mode="serial"), 0, 4, router_aux_loss_coef=0.0)[0]
+    assert any(abs(a[0] - b[0]) > 1e-6 for a, b in zip(serial, plain))  # the bias changed the routing
+    world = lattice.context(**layout).world_size
+    first = run_distributed(world, _trained, layout, zero, 4, str(tmp_path), 2, **sizes)[-1]
+    second = run_distributed(world, _trained, layout, zero, 4, str(tmp_path), None, str(tmp_path), **sizes)[-1]
+    for a, b in zip(first + second, serial):  # (a pipeline's balancing statistic is its micro-batches')
+        assert max(abs(x - y) / abs(y) for x, y in zip(a[:2], b[:2])) < 1e-10, (a, b)
+
+
 @pytest.mark.fast
 def test_the_balancing_loss_is_transformers_own_and_moves_the_router():
     """Catches a balancing loss that is never added (the layout tests would still pass with a
@@ -327,7 +480,8 @@ def test_the_router_z_loss_equals_an_independent_computation(layout, padded):
 @pytest.mark.fast
 def test_bad_moe_configs_are_refused_in_one_line():
     """Catches a top-k above the experts, a transformers option lattice does not implement, an ep
-    that does not divide the experts or fit the layout's expert axis, ep asked of a dense model,
+    that does not divide the experts or fit the layout's expert axis, ep asked of a dense model, a
+    negative expert-bias rate, an export to transformers of a model routed with an expert bias,
     and context parallelism together with a pipeline (not implemented for MoE yet) reaching a shape
     error or a hang."""
     with pytest.raises(LatticeConfigError, match="top_k = 5 exceeds n_experts = 4"):
@@ -344,6 +498,11 @@ def test_bad_moe_configs_are_refused_in_one_line():
                             lattice.context("subgraph", tp=6, subgrids=2, ep=3))
     with pytest.raises(LatticeConfigError, match="ep = 4 does not fit mode '2d' with tp = 4"):
         lattice.context("2d", tp=4, ep=4)
+    with pytest.raises(LatticeConfigError, match="expert_bias_rate must be >= 0"):
+        MixtralConfig(**{**CONFIGS["mixtral"][2], "expert_bias_rate": -0.1})
+    for family, config_class, sizes in CONFIGS.values():  # transformers' routers have no expert bias
+        with pytest.raises(LatticeConfigError, match="expert_bias_rate = 0.01: this model picks its experts with"):
+            family.hf.config_to_hf(config_class(**{**sizes, "expert_bias_rate": 0.01}))
     with pytest.raises(LatticeConfigError, match="ep = 2 splits a mixture of experts, which gpt2 is not"):
         lattice.build_model(lattice.get_arch("gpt2").config_class.preset("tiny"), lattice.context("1d", tp=2, ep=2))
 
@@ -388,12 +547,12 @@ RUN = dict(arch="mixtral", model="tiny", vocab_size=512, batch_size=4, lr=3e-3, 
 
 
 def _trained(layout: dict, zero: int, steps: int, out: str | None = None, stop_at: int | None = None,
-             resume: str | None = None) -> list[float]:
+             resume: str | None = None, **sizes) -> list[float]:
     from lattice.training.trainer import TrainConfig, Trainer
 
     ctx = cached_init(**layout)
-    trainer = Trainer(TrainConfig(**RUN, steps=steps, zero=zero, out_dir=out, checkpoint_interval=2, stop_at=stop_at),
-                      ctx, resume=resume)
+    trainer = Trainer(TrainConfig(**RUN, steps=steps, zero=zero, out_dir=out, checkpoint_interval=2, stop_at=stop_at,
+                                  model_sizes=sizes), ctx, resume=resume)
     trainer.fit()
     # (a pipeline's first stage holds no loss: its rows have no balancing loss)
     return [tuple(r[k] for k in ("train_loss", "grad_norm", "balance_loss") if k in r) for r in trainer.history]

@@ -213,8 +213,9 @@ def _write_single(dst: Path, meta: dict, tensors: dict) -> Path:
     tensors = _loaded(tensors)
     model = _model_part(tensors)
     step = meta["optimizer_step"]
+    # (a tensor the model updates itself, an MoE's expert bias, has no moments in a sharded checkpoint)
     optimizer = {m: {name: tensors[f"optimizer/{m}/{name}"] if step else torch.zeros_like(t)
-                     for name, t in model.items()} for m in _MOMENTS}
+                     for name, t in model.items() if not step or f"optimizer/{m}/{name}" in tensors} for m in _MOMENTS}
     payload = {k: v for k, v in meta.items() if k not in ("rng", "optimizer_step")}
     payload.update(model=model, optimizer={**optimizer, "step": step})
     if "rng" in meta:

@@ -104,14 +104,17 @@ def training_state(model, optimizer, *, with_moments: bool, staged: bool = False
     """The chunks this rank contributes: weights, and AdamW's moments (shaped and sharded like
     their parameters) when `with_moments`. `staged` copies them to CPU first, so that training
     may go on changing the live tensors while a background thread writes the copies."""
+    params = dict(model.named_parameters())
+    # key: (name, the tensor, its first row in the local shard); the model's own state (an MoE's
+    # expert bias, no optimizer's) whole on every rank that holds it
+    tensors = {f"model/{name}": (name, p.detach(), 0) for name, p in params.items() if not model.specs[name].trainable}
     if isinstance(optimizer, ZeroOptimizer):  # this dp rank's rows (lattice.parallel.zero)
-        tensors = {key: (name, t, row) for key, name, t, row in optimizer.checkpoint_tensors(with_moments)}
-    else:  # key: (name, the tensor, its first row in the local shard)
-        params = dict(model.named_parameters())
-        tensors = {f"model/{name}": (name, p.detach(), 0) for name, p in params.items()}
+        tensors.update({key: (name, t, row) for key, name, t, row in optimizer.checkpoint_tensors(with_moments)})
+    else:
+        tensors.update({f"model/{name}": (name, p.detach(), 0) for name, p in params.items()})
         if with_moments:
-            tensors.update({f"optimizer/{key}/{name}": (name, optimizer.state[p][key], 0)
-                            for name, p in params.items() for key in ("exp_avg", "exp_avg_sq")})
+            tensors.update({f"optimizer/{key}/{name}": (name, optimizer.state[p][key], 0) for name, p in params.items()
+                            if model.specs[name].trainable for key in ("exp_avg", "exp_avg_sq")})
     out = {}
     for key, (name, t, row) in tensors.items():
         chunk = chunk_of(t.detach().to("cpu", copy=True) if staged else t.detach(), model.specs[name], model.ctx, row)
@@ -307,7 +310,8 @@ def check_tensors(saved: dict, model, *, with_moments: bool, where) -> None:
     """Every key this model needs, with its full shape, is in the checkpoint (before any
     collective, on every rank)."""
     for name, spec in model.specs.items():
-        keys = [f"model/{name}"] + ([f"optimizer/{k}/{name}" for k in ("exp_avg", "exp_avg_sq")] if with_moments else [])
+        moments = with_moments and spec.trainable
+        keys = [f"model/{name}"] + ([f"optimizer/{k}/{name}" for k in ("exp_avg", "exp_avg_sq")] if moments else [])
         for key in keys:
             shape = saved["tensors"].get(key)
             if shape is None:
@@ -328,7 +332,7 @@ def load(saved: dict, model, optimizer=None) -> None:
     if with_moments and isinstance(optimizer, ZeroOptimizer):
         optimizer.prepare_moments(int(saved["optimizer_step"]))
     elif with_moments:
-        for p in model.parameters():
+        for p in (p for name, p in model.named_parameters() if model.specs[name].trainable):
             state = optimizer.state.get(p, {})
             moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
             if all(m is not None and m.shape == p.shape and m.dtype == p.dtype for m in moments):

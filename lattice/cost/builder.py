@@ -365,6 +365,7 @@ class CostBuilder(AttentionTerms):
         coords = c.topology.coords(c.rank)
         # an MoE's experts split over the replicas: only a replica's cp ranks share them
         split = sum(p.numel() for name, p in self.params.items() if self.model.specs[name].split_over_dp)
+        frozen = sum(p.numel() for name, p in self.params.items() if not self.model.specs[name].trainable)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
             for _, _, segment, over_dp in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
@@ -377,7 +378,7 @@ class CostBuilder(AttentionTerms):
                 elif size > 1:
                     self.add("backward", "all_reduce", axes, segment, 1, "grads", itemsize=reduced)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
-            grads = c.memory["parameters"] / c.itemsize - split
+            grads = c.memory["parameters"] / c.itemsize - split - frozen  # (DDP's: no expert bias)
             c.reduced_grad_bytes = grads * c.itemsize  # read and written once into the buckets
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
                      max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")

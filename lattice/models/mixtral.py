@@ -29,7 +29,7 @@ from lattice.models.components import MLP, Rotary, SelfAttention, residual_dropo
 from lattice.models.hf import HFTensor
 from lattice.models.llama import Llama, LlamaConfig
 from lattice.models.mistral import MistralConfig, MistralHF
-from lattice.models.moe import MoEDecoder, SparseMoE
+from lattice.models.moe import MoEDecoder, SparseMoE, refuse_expert_bias
 from lattice.models.registry import register
 from lattice.parallel.context import LatticeConfigError
 
@@ -44,6 +44,9 @@ class MixtralConfig(MistralConfig):
     top_k: int = 2
     router_aux_loss_coef: float = 0.001  # transformers' default; Mixtral's checkpoints say 0.02
     router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss (Megatron-LM's --moe-z-loss-coeff; not in transformers)
+    # DeepSeek-V3's aux-loss-free balancing: each expert's bias on the routing scores moves by this
+    # much a step toward the mean load (Megatron-LM's --moe-router-bias-update-rate; 0: off)
+    expert_bias_rate: float = 0.0
     mlp_only: list[int] = field(default_factory=list)  # layers with a dense MLP instead
 
     presets = {
@@ -60,7 +63,7 @@ class MixtralConfig(MistralConfig):
         if self.top_k > self.n_experts:
             raise LatticeConfigError(f"top_k = {self.top_k} exceeds n_experts = {self.n_experts}: a token cannot go to "
                                      f"more experts than there are; choose top_k <= {self.n_experts}")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "expert_bias_rate"):
             if not getattr(self, name) >= 0:
                 raise LatticeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.mlp_only = sorted(set(int(i) for i in self.mlp_only))  # a list, as a saved config holds it
@@ -117,6 +120,7 @@ class MixtralHF(MistralHF):
                 "router_aux_loss_coef": float(c.router_aux_loss_coef)}
 
     def fields_to_hf(self, cfg) -> dict:
+        refuse_expert_bias(cfg, self.model_class)
         return {**super().fields_to_hf(cfg), "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
                 "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": True,
                 "router_jitter_noise": 0.0}

@@ -18,7 +18,9 @@ tokens). Per token (n tokens, E experts, top k):
 Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expert on its rows,
 puts the rows back in token order and sums each token's k weighted outputs: no capacity, no token
 dropped. Experts are kept as transformers 5 keeps them with the experts' dim folded into the rows:
-`experts.gate_up` (E·2I, h) and `experts.down` (E·h, I).
+`experts.gate_up` (E·2I, h) and `experts.down` (E·h, I); with `--ep` they split over a replica's
+ranks, the data-parallel replicas or both (`Experts`). With `expert_bias_rate`, DeepSeek-V3's
+expert bias picks the experts instead of the probabilities alone (`Router`).
 
 The load-balancing loss (Switch Transformer's, over all MoE layers together as transformers'
 `load_balancing_loss_func`): with C_e the top-k assignments of expert e and S_e the sum of its
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from lattice.models.base import DecoderLM
 from lattice.modes.kernels.layers import upcast
 from lattice.parallel import comm
-from lattice.parallel.context import MeshAxis
+from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.context_parallel import take_context_chunks
 from lattice.parallel.sharding import ShardSpec, register_sharded
 
@@ -57,19 +59,22 @@ class Balance:
         self.ctx, self.experts, self.z_loss, self.layers, self.carried = ctx, experts, z_loss, {}, carried
 
     def add(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None,
-            logits: torch.Tensor | None = None) -> None:
+            logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Record one MoE layer's statistics; its assignments per expert over the whole batch (C),
+        or None where the layer was recorded already (recomputed under activation checkpointing)."""
         n, E = probs.shape
         valid = probs.new_ones(n) if mask is None else mask.to(probs.dtype)
         counts = probs.new_zeros(E).scatter_add_(0, chosen.reshape(-1), valid.repeat_interleave(chosen.shape[1]))
         mine = (probs * valid[:, None]).sum(0)
         z = (upcast(logits).logsumexp(-1).square() * valid).sum()[None] if self.z_loss else None
         if layer in self.layers:  # recomputed under activation checkpointing: recorded already
-            return
+            return None
         whole = torch.cat([counts, mine.detach(), valid.sum()[None]] + ([z.detach()] if z is not None else []))
         for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP, MeshAxis.CP)):
             if comm.group_size(group) > 1:
                 whole = comm.raw_all_reduce(whole, group)
         self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E:2 * E + 1], z, whole[2 * E + 1:])
+        return whole[:E]
 
     def report(self, value: torch.Tensor, z: torch.Tensor | None) -> dict[str, float]:
         """The balancing loss (and z-loss) and each MoE layer's most and mean assignments per expert
@@ -110,21 +115,55 @@ class Balance:
         return share + (value - share).detach()
 
 
-class Router(nn.Module):
-    """logits = x Wᵀ with W (E, h); the top k experts of each token and their weights."""
+def refuse_expert_bias(cfg, hf_class: str) -> None:
+    """Refuse an export to transformers of a model routed with an expert bias, which it has not."""
+    if getattr(cfg, "expert_bias_rate", 0.0):
+        raise LatticeConfigError(f"expert_bias_rate = {cfg.expert_bias_rate}: this model picks its experts with "
+                                 f"DeepSeek-V3's expert bias, which transformers' {hf_class} has not (it would route "
+                                 f"its tokens elsewhere); export a model trained with expert_bias_rate = 0")
 
-    def __init__(self, mode, d_model: int, experts: int, top_k: int, normalize: bool):
+
+class Router(nn.Module):
+    """logits = x Wᵀ with W (E, h); the top k experts of each token and their weights. With
+    `bias_rate` > 0, DeepSeek-V3's aux-loss-free balancing: an expert bias b (E,), the model's own
+    state rather than a weight the optimizer trains, picks the experts, top-k of probs + b, while
+    the weights stay the probabilities; after each optimizer step (`update_bias`) b moves by
+    bias_rate toward balance, b_e += bias_rate · sign(mean(c) - c_e), c the step's assignments per
+    expert over the whole batch (every micro-batch and replica), so every rank moves it alike."""
+
+    def __init__(self, mode, d_model: int, experts: int, top_k: int, normalize: bool, bias_rate: float = 0.0):
         super().__init__()
-        register_sharded(self, "weight", ShardSpec((experts, d_model), **mode.token_spec()), mode.ctx)
-        self.top_k, self.normalize = top_k, normalize
+        spec = mode.token_spec()
+        register_sharded(self, "weight", ShardSpec((experts, d_model), **spec), mode.ctx)
+        self.top_k, self.normalize, self.bias_rate, self.loads = top_k, normalize, bias_rate, None
+        if bias_rate:  # held where the router is, whole, no gradient to sum
+            register_sharded(self, "expert_bias", ShardSpec((experts,), holders=spec.get("holders", ()),
+                                                            trainable=False), mode.ctx)
+        else:
+            self.expert_bias = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype in (torch.bfloat16, torch.float16):
+            self.expert_bias.data = self.expert_bias.data.float()  # steps of bias_rate need float32's precision
+        return out
 
     def forward(self, tokens):  # (n, h) -> logits, probs (n, E), weights (n, k), experts (n, k)
         logits = F.linear(tokens, self.weight)
         probs = torch.softmax(upcast(logits), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            chosen = torch.topk(probs + self.expert_bias.to(probs.dtype), self.top_k, dim=-1).indices
+            weights = probs.gather(-1, chosen)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights.to(tokens.dtype), chosen
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """b += bias_rate · sign(mean(c) - c) by the loads c the step's training forwards counted."""
+        self.expert_bias += self.bias_rate * torch.sign(self.loads.mean() - self.loads).to(self.expert_bias.dtype)
 
 
 class Experts(nn.Module):
@@ -213,7 +252,8 @@ class SparseMoE(nn.Module):
     def __init__(self, mode, cfg, layer: int):
         super().__init__()
         self.mode, self.layer, self.n_experts = mode, layer, cfg.n_experts
-        self.router = Router(mode, cfg.d_model, cfg.n_experts, cfg.top_k, cfg.normalize_top_k)
+        self.router = Router(mode, cfg.d_model, cfg.n_experts, cfg.top_k, cfg.normalize_top_k,
+                             getattr(cfg, "expert_bias_rate", 0.0))
         self.experts = Experts(mode, cfg.d_model, cfg.n_experts, cfg.expert_size)
         self.shared = SharedExpert(mode, cfg.d_model, cfg.shared_expert_size) if cfg.shared_expert_size else None
 
@@ -228,7 +268,9 @@ class SparseMoE(nn.Module):
             return back(tokens * tokens.detach())
         logits, probs, weights, chosen = self.router(tokens)
         if balance is not None:
-            balance.add(self.layer, probs, chosen, mask, logits)
+            loads = balance.add(self.layer, probs, chosen, mask, logits)
+            if loads is not None and self.router.expert_bias is not None and self.training:
+                self.router.loads = loads if self.router.loads is None else self.router.loads + loads
         y = self.experts(tokens, weights, chosen)
         if self.shared is not None:
             y = y + self.shared(tokens)
@@ -300,12 +342,21 @@ class MoEDecoder(DecoderLM):
 
     def with_auxiliary_loss(self, loss):
         cfg = self.cfg
-        if self._balance is None or not cfg.sparse_layers() or not (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
+        if self._balance is None or not cfg.sparse_layers():
             return loss
         extra = self._balance.loss(cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
-        if self.training:
+        if self.training:  # (the loads and the balancing statistic are reported at a coefficient of 0 too)
             self._reported = self._balance.reported
-        return loss + extra.to(loss.dtype)
+        return loss + extra.to(loss.dtype) if cfg.router_aux_loss_coef or cfg.router_z_loss_coef else loss
+
+    def after_update(self, updated: bool = True) -> None:
+        """After an optimizer step (`updated`; False: a skipped one) each router's expert bias moves
+        toward balance by the step's loads (Router), which then count afresh."""
+        for module in self.modules():
+            if isinstance(module, Router) and module.loads is not None:
+                if updated:
+                    module.update_bias()
+                module.loads = None
 
     def step_metric_names(self) -> tuple[str, ...]:
         """The columns `step_metrics` fills: the balancing loss, then each MoE layer's most and mean

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from lattice.models.llama import LlamaConfig
 from lattice.models.mixtral import Mixtral, MixtralConfig, MixtralHF
+from lattice.models.moe import refuse_expert_bias
 from lattice.models.qwen2 import Qwen2HF
 from lattice.models.registry import register
 from lattice.parallel.context import LatticeConfigError
@@ -95,6 +96,7 @@ class Qwen2MoeHF(MixtralHF, Qwen2HF):
                 "router_aux_loss_coef": float(c.router_aux_loss_coef)}
 
     def fields_to_hf(self, cfg) -> dict:
+        refuse_expert_bias(cfg, self.model_class)
         return {"use_sliding_window": False, "qkv_bias": True, "num_experts": cfg.n_experts,
                 "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_width,
                 "shared_expert_intermediate_size": cfg.shared_width, "norm_topk_prob": cfg.normalize_top_k,

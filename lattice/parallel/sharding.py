@@ -34,6 +34,7 @@ class ShardSpec:
     holders: tuple[tuple[MeshAxis, int], ...] = ()
     padded_shape: tuple[int, ...] | None = None
     grad_sum: tuple[MeshAxis, ...] = ()
+    trainable: bool = True  # False: state the model updates itself (an MoE's expert bias), no gradient or optimizer
 
     def __post_init__(self):
         dims = [d for d, _ in self.splits]
@@ -148,7 +149,7 @@ def register_sharded(module: nn.Module, name: str, spec: ShardSpec, ctx: Paralle
         module._lattice_specs = {}
     module._lattice_specs[name] = spec
     if spec.holds(ctx.coords):
-        param = nn.Parameter(torch.empty(spec.local_shape(ctx.topology), dtype=dtype))
+        param = nn.Parameter(torch.empty(spec.local_shape(ctx.topology), dtype=dtype), requires_grad=spec.trainable)
         module.register_parameter(name, param)
         return param
     module.register_parameter(name, None)

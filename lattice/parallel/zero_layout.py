@@ -53,6 +53,7 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     pipeline's sums between stages make their parameters late. Pure: the cost model plans a
     meta model with it (`params`: its named parameters, where the caller has walked them)."""
     params = dict(model.named_parameters()) if params is None else params
+    params = {name: p for name, p in params.items() if model.specs[name].trainable}
     kinds = {}  # (late, over dp) -> names
     every_late = model.ctx.cp > 1 and cp_summed
     between_stages = set(getattr(model, "summed_between_stages", ()))
@@ -97,16 +98,19 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     shards, shard = (dp, dp_rank) if stage else (1, 0)
     params = dict(model.named_parameters()) if params is None else params  # as plan_buckets
     numel = sum(p.numel() for p in params.values())
+    trained = sum(p.numel() for name, p in params.items() if model.specs[name].trainable)
     owned = 0
     for name, p in params.items():
+        if not model.specs[name].trainable:  # (no gradient, no optimizer state)
+            continue
         rows, width = rows_of(p.shape)
         n = split_shards(shards, model.ctx) if model.specs[name].split_over_dp else shards
         r0, r1 = owned_rows(rows, n, shard % n)
         owned += (r1 - r0) * width
     reduced = sum(bucket[2] for bucket in plan_buckets(model, shards, itemsize=state, params=params))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
-        grads = state * reduced + (itemsize * numel if stage == 1 else 0)
+        grads = state * reduced + (itemsize * trained if stage == 1 else 0)
     else:  # the gradient itself, or (stage 2) only the reduced slice
-        grads = itemsize * (reduced if stage == 2 else numel)
+        grads = itemsize * (reduced if stage == 2 else trained)
     return {"parameters": itemsize * numel, "gradients": grads,
             "optimizer": (3 if mixed else 2) * state * owned}

@@ -18,7 +18,8 @@ def make_optimizer(model, *, lr: float, betas: tuple[float, float], weight_decay
     """Decay only matrices (lattice.parallel.zero.decays)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if decays(model.specs[name].full_shape) else no_decay).append(p)
+        if model.specs[name].trainable:
+            (decay if decays(model.specs[name].full_shape) else no_decay).append(p)
     return adamw(decay, no_decay, lr=lr, betas=betas, weight_decay=weight_decay)
 
 

@@ -137,7 +137,8 @@ class Trainer:
             return
         from lattice.parallel.sharding import all_reduce_grads, byte_buckets
 
-        params = [p for name, p in self.model.named_parameters() if name not in self.split_over_dp]
+        params = [p for name, p in self.model.named_parameters()
+                  if name not in self.split_over_dp and self.model.specs[name].trainable]
         for bucket in byte_buckets(params, lambda p: p.numel() * p.element_size()):
             all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
         self._average_split_over_replicas(seeded=1)
@@ -241,6 +242,8 @@ class Trainer:
         else:  # --on-nan skip: the batch is consumed, the weights and moments stay as they were
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
+        if hasattr(self.model, "after_update"):  # the model's own state (an MoE's expert bias)
+            self.model.after_update(finite)
         self.step += 1
         train_loss = dp_mean(loss, self.ctx)
         dt = time.perf_counter() - t0
