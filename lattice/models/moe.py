@@ -291,9 +291,6 @@ class MoEDecoder(DecoderLM):
     def layout_problem(cls, cfg, layout):
         if layout is None:
             return None
-        if layout.cp > 1 and layout.pp > 1:
-            return (f"{cls.name} is a mixture of experts, which lattice trains with context parallelism or with a "
-                    f"pipeline but not both so far (cp = {layout.cp}, pp = {layout.pp}); use cp = 1 or pp = 1")
         if cfg.n_experts % layout.ep:
             return (f"ep = {layout.ep} does not divide n_experts = {cfg.n_experts}: each expert-parallel rank holds "
                     f"n_experts / ep whole experts; use an ep that divides {cfg.n_experts}")

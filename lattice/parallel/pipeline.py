@@ -383,6 +383,9 @@ class PipelineModel(nn.Module):
         inputs = [model.microbatch_inputs(tokens[r], targets[r], *(None if t is None else t[r]
                                                                    for t in (attention_mask, token_types, position_ids)))
                   for r in rows]
+        # each micro-batch's share over all its chunks, for what the family adds to its loss (in order:
+        # micro-batches reach the last stage's loss one after the other)
+        self._whole_shares = [int(model.labelled_count(targets[r])) / self._labelled for r in rows]
         tokens, targets = take_context_chunks(ctx, tokens, targets)  # under cp, this rank's chunks
         for module in modules:
             module.begin_step(inputs)
@@ -394,8 +397,15 @@ class PipelineModel(nn.Module):
         return self._loss_to_replica(torch.stack(losses).sum() if last else None)
 
     def _microbatch_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self._model.with_auxiliary_loss(self._model.head_loss(x, targets))
-        return loss * (self._model.labelled_count(targets).to(loss.dtype) / self._labelled)
+        model, whole = self._model, self._whole_shares.pop(0)
+        head = model.head_loss(x, targets)
+        share = model.labelled_count(targets).to(head.dtype) / self._labelled  # (under cp: of this rank's chunks)
+        if self.ctx.cp == 1:
+            return model.with_auxiliary_loss(head) * share
+        # under cp the family's term (a balancing loss) is the whole micro-batch's: each rank's value
+        # counts its chunks' share of it, its gradient (of this rank's own part) the micro-batch's
+        extra = model.with_auxiliary_loss(head) - head
+        return head * share + extra * whole + (extra * (share - whole)).detach()
 
     def _loss_to_replica(self, loss: torch.Tensor | None) -> float:
         """The last stage's loss, broadcast to every stage of the replica."""
