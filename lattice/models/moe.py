@@ -79,7 +79,11 @@ class Balance:
     def report(self, value: torch.Tensor, z: torch.Tensor | None) -> dict[str, float]:
         """The balancing loss (and z-loss) and each MoE layer's most and mean assignments per expert
         (the whole batch's), as `MoEDecoder.step_metrics` reports them."""
-        out = {"balance_loss": float(value), **({"z_loss": float(z)} if z is not None else {})}
+        return {"balance_loss": float(value), **({"z_loss": float(z)} if z is not None else {}), **self.loads()}
+
+    def loads(self) -> dict[str, float]:
+        """Each of this forward's MoE layers' most and mean assignments per expert (the batch's)."""
+        out = {}
         for k in sorted(self.layers):
             counts = self.layers[k][0]
             out[f"moe{k}_load_max"], out[f"moe{k}_load_mean"] = float(counts.max()), float(counts.mean())
@@ -335,6 +339,8 @@ class MoEDecoder(DecoderLM):
         if last:
             self._balance = balance  # the schedule's loss of this micro-batch follows at once
             return out
+        if self.training:  # (the last stage reports the loss; this one its layers' loads)
+            self._reported = balance.loads()
         return (*out, balance.carried_out(self.boundary_dtypes(0)[1]))
 
     def with_auxiliary_loss(self, loss):
@@ -364,5 +370,5 @@ class MoEDecoder(DecoderLM):
 
     def step_metrics(self) -> dict[str, float]:
         """The last training forward's `step_metric_names` (of its last micro-batch; under a
-        pipeline the last stage's, its own layers' loads)."""
+        pipeline a stage's own: its layers' loads, and on the last stage the losses)."""
         return dict(self._reported)

@@ -27,7 +27,7 @@ from lattice import checkpoint
 from lattice.checkpoint import run_dir
 from lattice.checkpoint.run_checkpoints import RunCheckpoints
 from lattice.data.corpus import Corpus, unigram_baseline
-from lattice.parallel.comm import record
+from lattice.parallel.comm import raw_all_reduce, record
 from lattice.parallel.context import Diverged, LatticeConfigError, MeshAxis, ParallelContext
 from lattice.parallel.pipeline import microbatch_count, microbatch_rows
 from lattice.parallel.zero import ZeroOptimizer
@@ -248,8 +248,22 @@ class Trainer:
         train_loss = dp_mean(loss, self.ctx)
         dt = time.perf_counter() - t0
         return {"step": self.step, "lr": lr, "train_loss": train_loss, "grad_norm": float(norm),
-                "tokens_per_s": cfg.batch_size * self.seq_len / dt, "skipped": not finite,
-                **getattr(self.model, "step_metrics", dict)()}
+                "tokens_per_s": cfg.batch_size * self.seq_len / dt, "skipped": not finite, **self._model_metrics()}
+
+    def _model_metrics(self) -> dict[str, float]:
+        """The model's own metrics of the step (an MoE's balancing loss and loads), which under a
+        pipeline each stage computes of its own blocks: summed over the stages, so that every
+        rank (rank 0 logs them) has each from the stage that holds it."""
+        names = getattr(self.model, "step_metric_names", tuple)()
+        if not names:
+            return {}
+        got = self.model.step_metrics()
+        if self.ctx.pipeline is None:
+            return got
+        buf = torch.tensor([got.get(n, 0.0) for n in names] + [float(n in got) for n in names], dtype=torch.float64,
+                           device=self.ctx.device)
+        values, held = raw_all_reduce(buf, self.ctx.group(MeshAxis.PP)).view(2, -1).tolist()
+        return {n: v for n, v, h in zip(names, values, held) if h}
 
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches, identical on every rank."""
