@@ -9,7 +9,10 @@ The MoE model is Mixtral's `small` preset (8 experts of width 256, top 2); the d
 Llama of the same shape whose MLP is top_k x 256 wide, so that a token meets as many weights in
 both. Each layout runs on its ranks (gloo, one thread each): one step to warm up, then `--steps`
 timed steps of the Trainer's work (forward, backward, the in-replica gradient sums, AdamW; with dp
-replicas each on its 1/dp of the batch, without their gradient average), their median reported; CommMeter counts one step's collectives. The experts' memory per rank is the
+replicas each on its 1/dp of the batch, without their gradient average), their median reported; CommMeter counts one step's collectives; the cost model's all-to-all elements (balanced routing:
+every rank receives as many rows as it sends) are reported beside the measured ones (their
+sums over the ranks, and the busiest rank's over its price), with the routing's imbalance, the most loaded expert over the mean (of the
+worst layer, the whole batch's). The experts' memory per rank is the
 bytes of the rank's expert parameters and, after the step, their two AdamW moments; at ep > 1
 (over a replica's ranks, the replicas, or both) against 1/ep of the same layout's ep = 1.
 """
@@ -84,7 +87,17 @@ def _measure(layout: dict, arch: str, steps: int, batch: int) -> dict:
     summary = meter.summary()
     total = sum(v["elements"] for v in summary.values())
     to_all = sum(v["elements"] for k, v in summary.items() if k[1] == "all_to_all")
+    # the cost model prices balanced routing: its all-to-all elements beside the measured ones, and
+    # the routing's imbalance (the most loaded expert over the mean, the worst layer) beside them
+    options = {k: v for k, v in layout.items() if k != "mode"}
+    modelled = lattice.cost.estimate(cfg, layout["mode"], batch=len(tokens), seq=cfg.seq_len, rank=ctx.rank,
+                                     **options).summary()
+    loads = getattr(model, "step_metrics", dict)()
+    imbalance = max((loads[k] / loads[k.replace("_max", "_mean")] for k in loads if k.endswith("_load_max")),
+                    default=1.0)
     return {"step_s": statistics.median(slowest.tolist()), "elements": total, "all_to_all_elements": to_all,
+            "all_to_all_elements_modelled": sum(v["elements"] for k, v in modelled.items() if k[1] == "all_to_all"),
+            "load_max_over_mean": imbalance,
             "expert_param_bytes": sum(p.numel() * p.element_size() for p in experts), "expert_moment_bytes": moments}
 
 
@@ -108,12 +121,21 @@ def main() -> None:
             ranks = spawn(world, _measure, layout, arch, args.steps, args.batch)
             row[arch] = ranks[0]
             row[arch]["expert_param_bytes_per_rank"] = [r["expert_param_bytes"] for r in ranks]
+            row[arch]["all_to_all_elements_per_rank"] = [r["all_to_all_elements"] for r in ranks]
+            row[arch]["all_to_all_elements_modelled_per_rank"] = [r["all_to_all_elements_modelled"] for r in ranks]
             row[arch]["expert_moment_bytes_per_rank"] = [r["expert_moment_bytes"] for r in ranks]
         rows.append(row)
         moe = row["moe"]
         dense = f"dense {row['dense']['step_s'] * 1e3:7.1f} ms, " if "dense" in row else " " * 20
+        pairs = list(zip(moe["all_to_all_elements_per_rank"], moe["all_to_all_elements_modelled_per_rank"]))
+        measured, balanced = sum(m for m, _ in pairs), sum(b for _, b in pairs)
+        moe["all_to_all_measured_over_modelled"] = measured / balanced if balanced else None
+        moe["all_to_all_busiest_rank_over_modelled"] = max(m / b for m, b in pairs) if balanced else None
         print(f"{text:<40} {dense}moe {moe['step_s'] * 1e3:7.1f} ms, all-to-all "
-              f"{moe['all_to_all_elements'] / max(moe['elements'], 1):5.1%} of the elements moved, experts "
+              f"{moe['all_to_all_elements'] / max(moe['elements'], 1):5.1%} of the elements moved"
+              + (f" ({measured / balanced:.3f} of the cost model's balanced routing over the ranks, the busiest "
+                 f"rank's {moe['all_to_all_busiest_rank_over_modelled']:.3f}; most loaded expert "
+                 f"{moe['load_max_over_mean']:.2f}x the mean)" if balanced else "") + ", experts "
               f"{max(moe['expert_param_bytes_per_rank']) / 2 ** 20:6.2f} MiB weights + "
               f"{max(moe['expert_moment_bytes_per_rank']) / 2 ** 20:6.2f} MiB moments on the fullest rank", flush=True)
     for row in rows:  # experts' memory against 1/ep of the same layout without ep
