@@ -221,7 +221,8 @@ LAYOUTS = [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, seq
            dict(mode="2d", tp=4, ep=2, pp=2, microbatches=2, pp_schedule="gpipe"), dict(mode="serial", cp=2),
            dict(mode="1d", tp=2, cp=2, sequence_parallel=True), dict(mode="2d", tp=4, ep=2, cp=2),
            dict(mode="subgraph", tp=2, subgrids=2, common="subgrid", dp=2, ep=2),
-           dict(mode="serial", cp=2, pp=2, microbatches=2)]
+           dict(mode="serial", cp=2, pp=2, microbatches=2), dict(mode="serial", cp=2, ep=2),
+           dict(mode="1d", tp=2, cp=2, ep=4, sequence_parallel=True)]
 
 
 @pytest.mark.parametrize("which, layout, padded", [
@@ -571,7 +572,8 @@ def test_training_with_experts_split_and_zero_follows_serial():
 
 @pytest.mark.parametrize("layout", [
     dict(mode="serial", dp=2, ep=2), dict(mode="1d", tp=2, dp=2, ep=4, sequence_parallel=True),
-    dict(mode="serial", dp=2, ep=2, cp=2), dict(mode="serial", dp=2, ep=2, pp=2, microbatches=2),
+    dict(mode="serial", dp=2, ep=2, cp=2), dict(mode="serial", dp=2, cp=2, ep=4),
+    dict(mode="serial", dp=2, ep=2, pp=2, microbatches=2),
     dict(mode="serial", dp=2, ep=2, microbatches=2)], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_training_with_experts_split_over_the_replicas_follows_serial(layout, zero):
@@ -632,7 +634,8 @@ def _trainer_step_metered(layout: dict, zero: int):
 
 
 @pytest.mark.parametrize("layout", [dict(mode="serial", dp=2, ep=2), dict(mode="serial", dp=2, ep=2, cp=2),
-                                    dict(mode="1d", tp=2, dp=2, ep=4)], ids=lambda d: "-".join(map(str, d.values())))
+                                    dict(mode="serial", dp=2, cp=2, ep=4), dict(mode="1d", tp=2, dp=2, ep=4)],
+                         ids=lambda d: "-".join(map(str, d.values())))
 @pytest.mark.parametrize("zero", [0, 1])
 def test_a_step_with_experts_split_over_the_replicas_communicates_as_the_cost_model(layout, zero):
     """Catches the experts split over the replicas averaged over them by DDP (or ZeRO over dp x cp)

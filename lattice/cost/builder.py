@@ -14,7 +14,7 @@ from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
-from lattice.parallel.zero_layout import memory_per_rank, plan_buckets, split_shards
+from lattice.parallel.zero_layout import memory_per_rank, plan_buckets, sharers, zero_split
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -363,27 +363,32 @@ class CostBuilder(AttentionTerms):
         reduced = 2 if mixed and c.grad_reduce_dtype == "bf16" else state  # the gradient reduction's element
         ranks = dp * self.cp  # holding the same shards of other tokens
         coords = c.topology.coords(c.rank)
-        # an MoE's experts split over the replicas: only a replica's cp ranks share them
-        split = sum(p.numel() for name, p in self.params.items() if self.model.specs[name].split_over_dp)
+        kinds: dict[tuple, int] = {}  # an MoE's experts split over replica axes: the others' ranks share them
+        for name, p in self.params.items():
+            spec = self.model.specs[name]
+            if spec.replica_splits and spec.trainable:
+                kinds[spec.replica_splits] = kinds.get(spec.replica_splits, 0) + p.numel()
         frozen = sum(p.numel() for name, p in self.params.items() if not self.model.specs[name].trainable)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            for _, _, segment, over_dp in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
-                                                       params=self.params):
-                n, axes, size = (split_shards(shards, self.model.ctx), (CP,), self.cp) if over_dp else \
-                    (shards, (DP, CP), ranks)
+            for _, _, segment, split in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
+                                                     params=self.params):
+                n, axes = zero_split(self.model.ctx, split, shards, 0)[0], sharers(split)
+                size = math.prod(self.topo.size(a) for a in axes)
                 if n > 1:
                     self.add("backward", "reduce_scatter", axes, n * segment, 1, "grads", itemsize=reduced)
                     self.add("optimizer", "all_gather", axes, n * segment, 1, "grads")
                 elif size > 1:
                     self.add("backward", "all_reduce", axes, segment, 1, "grads", itemsize=reduced)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
-            grads = c.memory["parameters"] / c.itemsize - split - frozen  # (DDP's: no expert bias)
+            grads = c.memory["parameters"] / c.itemsize - sum(kinds.values()) - frozen  # (DDP's: no expert bias)
             c.reduced_grad_bytes = grads * c.itemsize  # read and written once into the buckets
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
                      max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")
-            if split and self.cp > 1 and c.pipeline is None:  # the Trainer's sum of the experts over cp
-                self.add("backward", "all_reduce", (CP,), split, 1, "grads")
+            for split, numel in kinds.items():  # the Trainer's sum of the experts over the axes they are not split over
+                axes = tuple(a for a in (DP, CP) if a not in split and (a == DP or c.pipeline is None))
+                if math.prod(self.topo.size(a) for a in axes) > 1:
+                    self.add("backward", "all_reduce", axes, numel, 1, "grads")
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
         held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None,
                                params=self.params)
@@ -399,8 +404,8 @@ class CostBuilder(AttentionTerms):
         for axes, names in grad_sum_buckets(self.model, params=params):
             if self.c.group_size(axes) > 1:
                 self.add("backward", "all_reduce", axes, sum(params[n].numel() for n in names), 1, "grads")
-        if self.cp > 1 and over_cp:  # every gradient over the cp group
-            held = [n for n in self.model.specs if n in params]  # in sync_grads' order
+        if self.cp > 1 and over_cp:  # every gradient over the cp group (but experts split over it)
+            held = [n for n in self.model.specs if n in params and CP not in self.model.specs[n].replica_splits]
             for names in byte_buckets(held, lambda n: params[n].numel() * params[n].element_size()):
                 self.add("backward", "all_reduce", (CP,), sum(params[n].numel() for n in names), 1, "grads")
 

@@ -148,22 +148,28 @@ class Mode:
         return cls.expert_split_axis
 
     @classmethod
-    def expert_axes(cls, ep: int, tp: int, dp: int, options: Mapping[str, Any]) -> tuple:
-        """The mesh axes `ep` expert-parallel ranks span (() for ep = 1), or a one-line refusal:
-        the mode's expert axis, the data-parallel replicas, or both (the replicas major)."""
+    def expert_axes(cls, ep: int, tp: int, dp: int, options: Mapping[str, Any], cp: int = 1) -> tuple:
+        """The mesh axes `ep` expert-parallel ranks span (() for ep = 1), or a one-line refusal: the
+        mode's expert axis, the context-parallel ranks, the data-parallel replicas, or several of
+        them (in mesh order, the replicas major; where sizes coincide, the fewest and innermost)."""
         if ep == 1:
             return ()
         axis = cls.usable_expert_axis(options)
         size = dict(cls.mesh_axes(tp, options)).get(axis, 1) if axis is not None else 1
-        choices = {}  # ep -> axes, the replica's own axis first where sizes coincide
-        for n, axes in ((size, (axis,)), (dp, (MeshAxis.DP,)), (size * dp, (MeshAxis.DP, axis))):
-            if n > 1 and all(a is not None for a in axes) and (len(axes) == 1 or size > 1 and dp > 1):
-                choices.setdefault(n, axes)
+        sizes = {axis: size, MeshAxis.CP: cp, MeshAxis.DP: dp}
+        choices = {}  # ep -> axes
+        for axes in ((axis,), (MeshAxis.CP,), (MeshAxis.DP,), (MeshAxis.CP, axis), (MeshAxis.DP, axis),
+                     (MeshAxis.DP, MeshAxis.CP), (MeshAxis.DP, MeshAxis.CP, axis)):
+            if all(a is not None and sizes[a] > 1 for a in axes):
+                choices.setdefault(math.prod(sizes[a] for a in axes), axes)
         if ep not in choices:
-            where = (f"its {axis.value} axis ({size} ranks), " if size > 1 else "") + f"the data-parallel replicas " \
-                    f"({dp})" + (" or both" if size > 1 and dp > 1 else "")
-            raise LatticeConfigError(f"ep = {ep} does not fit mode {cls.name!r} with tp = {tp}, dp = {dp}: its experts "
-                                     f"split over {where}; use ep in {[1] + sorted(choices)}")
+            parts = ([f"its {axis.value} axis ({size} ranks)"] if size > 1 else []) + \
+                    ([f"the context-parallel ranks ({cp})"] if cp > 1 else []) + [f"the data-parallel replicas ({dp})"]
+            where = ", ".join(parts[:-1]) + (" or " if len(parts) > 1 else "") + parts[-1] + \
+                (", or several of them" if len(parts) > 1 and sum(n > 1 for n in sizes.values()) > 1 else "")
+            raise LatticeConfigError(f"ep = {ep} does not fit mode {cls.name!r} with tp = {tp}, dp = {dp}"
+                                     + (f", cp = {cp}" if cp > 1 else "") + f": its experts split over {where}; use "
+                                     f"ep in {[1] + sorted(choices)}")
         return choices[ep]
 
     @classmethod

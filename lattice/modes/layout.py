@@ -95,7 +95,7 @@ class Layout:
                                                 "it (default on)")
     ep: int = flag(1, "expert-parallel ranks: a mixture of experts' experts split over this many ranks, each token "
                       "sent to its experts' rank and back: a replica's (1d: tp; 2d, 3d: q; subgraph: tp / subgrids), "
-                      "the dp replicas, or both (their product)")
+                      "the cp ranks, the dp replicas, or several of them (their product)")
     options: Mapping[str, Any] = field(default_factory=dict)
     placement: str = flag(PLACEMENTS[0], "rank placement: in mesh order, or the mode's topology-aware grid",
                           choices=lambda: PLACEMENTS)
@@ -116,7 +116,7 @@ class Layout:
         elif self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         object.__setattr__(self, "options", mode_cls.resolve_options(dict(self.options)))
-        object.__setattr__(self, "expert_axes", mode_cls.expert_axes(self.ep, self.tp, self.dp, self.options))
+        object.__setattr__(self, "expert_axes", mode_cls.expert_axes(self.ep, self.tp, self.dp, self.options, self.cp))
         object.__setattr__(self, "pipeline", self._pipeline_config())
         if self.placement not in PLACEMENTS:
             raise LatticeConfigError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
@@ -124,8 +124,8 @@ class Layout:
             raise LatticeConfigError("placement 'topology' is not implemented with pipeline parallelism; use the "
                                      "natural placement with pp > 1")
         if len(self.expert_axes) > 1 and self.placement != "natural":
-            raise LatticeConfigError(f"placement 'topology' is not implemented with ep = {self.ep} over the replicas "
-                                     f"and a tensor axis together; use the natural placement")
+            raise LatticeConfigError(f"placement 'topology' is not implemented with ep = {self.ep} over several mesh "
+                                     f"axes; use the natural placement")
         if self.cp_attention not in CP_ATTENTION:
             raise LatticeConfigError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         if self.cp > 1 and self.placement != "natural":
@@ -176,7 +176,8 @@ class Layout:
     def stage_layout(self) -> "Layout":
         """The tensor ranks of one pipeline stage alone: this mode, tp and options, one replica, no
         pipeline, placed on nodes as the whole layout is (`ranks_per_node`, `placement`)."""
-        ep = self.ep // self.dp if MeshAxis.DP in self.expert_axes else self.ep  # the replica's share of it
+        # the stage's share of ep: without the replicas' and the cp ranks'
+        ep = self.ep // math.prod(self.topology.size(a) for a in self.expert_axes if a in (MeshAxis.DP, MeshAxis.CP))
         return Layout(self.mode, tp=self.tp, ep=ep, options=self.options, ranks_per_node=self.ranks_per_node,
                       placement=self.placement)
 

@@ -295,9 +295,9 @@ class SubGraph(Mode):
         return MEM if options.get("common") == "all" else None  # common="subgrid": sub-grid 0 alone routes
 
     @classmethod
-    def expert_axes(cls, ep, tp, dp, options):
+    def expert_axes(cls, ep, tp, dp, options, cp=1):
         try:
-            return super().expert_axes(ep, tp, dp, options)
+            return super().expert_axes(ep, tp, dp, options, cp)
         except LatticeConfigError as e:
             if options.get("common") == "all":
                 raise

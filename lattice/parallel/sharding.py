@@ -92,10 +92,15 @@ class ShardSpec:
         return tuple(sl)
 
     @property
+    def replica_splits(self) -> tuple[MeshAxis, ...]:
+        """Of the axes whose ranks hold other tokens of the same shards (dp, cp), those this one is
+        split over (an MoE's experts), which then hold different pieces rather than copies: its
+        gradient is neither averaged nor summed over them, and the norm adds the pieces up."""
+        return tuple(a for a in (MeshAxis.DP, MeshAxis.CP) if any(a in axes for _, axes in self.splits))
+
+    @property
     def split_over_dp(self) -> bool:
-        """Whether the data-parallel replicas hold different pieces (an MoE's experts split over
-        them) rather than copies: its gradient is no replica average, and the norm adds them up."""
-        return any(MeshAxis.DP in axes for _, axes in self.splits)
+        return MeshAxis.DP in self.replica_splits
 
     def replicas(self, topo: Topology) -> int:
         """How many ranks of one model replica (all axes but DP) hold each distinct shard."""
@@ -321,7 +326,7 @@ def sum_replica_grads(model: nn.Module, over_cp: bool = True) -> None:
         if group is not None:
             all_reduce_grads([params[n] for n in names], group)
     if model.ctx.cp > 1 and over_cp:  # each rank of a cp group holds every parameter's gradient of its chunks alone
-        held = [n for n in model.specs if n in params]
+        held = [n for n in model.specs if n in params and MeshAxis.CP not in model.specs[n].replica_splits]
         for bucket in byte_buckets(held, lambda n: params[n].numel() * params[n].element_size()):
             all_reduce_grads([params[n] for n in bucket], model.ctx.group(MeshAxis.CP))
 

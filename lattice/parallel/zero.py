@@ -53,8 +53,8 @@ from lattice.parallel.comm import unmetered_all_gather, unmetered_reduce_scatter
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
-from lattice.parallel.zero_layout import (owned_rows, plan_buckets, rows_by_shard, rows_of, rows_per_shard, split_shards,
-                                          zero_shards)
+from lattice.parallel.zero_layout import (owned_rows, plan_buckets, rows_by_shard, rows_of, rows_per_shard, sharers,
+                                          zero_shards, zero_split)
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
@@ -104,7 +104,7 @@ class _Bucket:
     shards: int  # the ranks its rows are split over, this rank's `shard` of them, in `group`
     shard: int
     group: object
-    over_dp: bool  # of parameters split over the replicas (an MoE's experts)
+    split: tuple  # the replica axes its parameters are split over (an MoE's experts), else ()
     waiting: dict = field(default_factory=dict)  # id(parameter) -> accumulations its gradient still awaits
     flat: torch.Tensor | None = None  # the rank-major gradients being reduced
     reduced: torch.Tensor | None = None  # this rank's segment of their average
@@ -136,13 +136,8 @@ class ZeroOptimizer:
         # reduction averages over dp and sums over cp, unless sync_grads summed over cp already
         # (`cp_summed`: model.forward_backward's, a pipeline's; the Trainer's backward leaves it)
         self.dp, self.group, self.cp_summed = ctx.dp, ctx.group(MeshAxis.DP, MeshAxis.CP), cp_summed
-        self.divisor = ctx.dp * (ctx.cp if cp_summed else 1)
         # stage 0 (mixed precision without ZeRO): one shard, every rank owns every row
         self.shards, self.shard = zero_shards(ctx) if stage else (1, 0)
-        # parameters split over the replicas (an MoE's experts): only a replica's cp ranks share them
-        expert_shards = split_shards(self.shards, ctx)
-        splits = {False: (self.shards, self.shard, self.group),
-                  True: (expert_shards, self.shard % expert_shards, ctx.group(MeshAxis.CP))}
         self.param_dtype = model.dtype
         self.master_dtype = torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
@@ -151,9 +146,11 @@ class ZeroOptimizer:
         self.buckets: list[_Bucket] = []
         decay, no_decay = [], []
         itemsize = self.reduce_dtype.itemsize  # a bucket's bytes are those of its reduction
-        for late, names, segment, over_dp in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize,
-                                                          cp_summed=cp_summed):
-            shards, shard, group = splits[over_dp]
+        for late, names, segment, split in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize,
+                                                        cp_summed=cp_summed):
+            # parameters split over replica axes (an MoE's experts): only the others' ranks share them
+            shards, shard = zero_split(ctx, split, self.shards, self.shard)
+            group = ctx.group(*sharers(split))
             pieces, offset = [], 0
             for name in names:
                 p = params[name]
@@ -167,7 +164,7 @@ class ZeroOptimizer:
                         piece.master = piece.master.to(self.master_dtype, copy=True)
                     (decay if decays(model.specs[name].full_shape) else no_decay).append(piece.master)
                 pieces.append(piece)
-            self.buckets.append(_Bucket(pieces, segment, late, shards, shard, group, over_dp))
+            self.buckets.append(_Bucket(pieces, segment, late, shards, shard, group, split))
         self.pieces = {piece.name: piece for b in self.buckets for piece in b.pieces}
         self.inner = adamw(decay, no_decay, lr=lr, betas=betas, weight_decay=weight_decay)
         if hooks:
@@ -242,8 +239,10 @@ class ZeroOptimizer:
                 piece.param.grad = None
         if self.grad_scale != 1.0:
             flat.mul_(self.grad_scale)
-        if self.divisor > 1:
-            flat.div_(self.divisor)
+        # the average over dp, and over cp where sync_grads summed cp copies (not of experts split over cp)
+        divisor = self.dp * (self.ctx.cp if self.cp_summed and MeshAxis.CP not in bucket.split else 1)
+        if divisor > 1:
+            flat.div_(divisor)
         if bucket.shards > 1:
             bucket.reduced = torch.empty(bucket.segment, dtype=dtype, device=self.ctx.device)
             record("reduce_scatter", bucket.group, flat.numel(), dtype, phase="backward")
@@ -293,17 +292,19 @@ class ZeroOptimizer:
         mirror not at all; summed over the dp group (when split over it), then over the model
         replica's. Pieces split over the replicas (an MoE's experts) add up over them too."""
         acc, topo = torch.promote_types(self.model.dtype, torch.float32), self.ctx.topology
-        split = any(spec.split_over_dp for spec in self.model.specs.values())
+        kinds = sorted({spec.replica_splits for spec in self.model.specs.values() if spec.trainable},
+                       key=lambda split: (len(split), [a.value for a in split]))
         sums = []
-        for over_dp, group in ((False, self.group), (True, self.ctx.group(MeshAxis.CP)))[:1 + split]:
+        for split in kinds:  # (the same on every rank: the model's specs)
             sq = weighted_square_sum([(p.master.grad, self.model.specs[p.name].replicas(topo)) for b in self.buckets
-                                      if b.over_dp == over_dp for p in b.pieces
+                                      if b.split == split for p in b.pieces
                                       if p.master is not None and not self.model.is_mirror(p.name)], acc, self.ctx.device)
             # (with one shard every replica holds every row; a cp rank's rows count 1/cp, the replica's sum has cp)
-            sums.append(raw_all_reduce(sq, group) if self.shards > 1 else sq)
-        if split:
-            sums[0] = raw_all_reduce(sums[0] / self.dp + sums[1], self.ctx.group(MeshAxis.DP))
-        return raw_all_reduce(sums[0], self.ctx.model_group()).reshape(()).sqrt()
+            sums.append(raw_all_reduce(sq, self.ctx.group(*sharers(split))) if self.shards > 1 else sq)
+        if any(MeshAxis.DP in split for split in kinds):  # the replicas' own pieces add up, the rest counts once
+            sums = [raw_all_reduce(sum(sq if MeshAxis.DP in split else sq / self.dp for sq, split in zip(sums, kinds)),
+                                   self.ctx.group(MeshAxis.DP))]
+        return raw_all_reduce(sum(sums), self.ctx.model_group()).reshape(()).sqrt()
 
     @torch.no_grad()
     def clip(self, norm: torch.Tensor, max_norm: float) -> None:

@@ -42,11 +42,12 @@ def rows_by_shard(tensor, width: int, offset: int, segments):
 
 
 def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
-                 cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int, bool]]:
-    """The gradient buckets of this rank's parameters: (late, names, segment, over_dp), where
+                 cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int, tuple]]:
+    """The gradient buckets of this rank's parameters: (late, names, segment, split), where
     `segment` is the elements each of the bucket's shards receives (the bucket holds shards ×
-    segment: `dp` of them, or `split_shards` of a bucket of parameters split `over_dp`), and `late`
-    marks parameters whose gradient sync_grads completes. Parameters in reverse order (roughly
+    segment: `dp` of them (dp x cp, or 1), or `zero_split`'s of a bucket of parameters `split` over
+    some of the replica axes, an MoE's experts), and `late` marks parameters whose gradient
+    sync_grads completes. Parameters in reverse order (roughly
     the order backward produces their gradients), at most `max_bytes` of them per bucket
     (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
     parallelism sync_grads sums every gradient over cp, which makes every bucket late; a
@@ -54,22 +55,24 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     meta model with it (`params`: its named parameters, where the caller has walked them)."""
     params = dict(model.named_parameters()) if params is None else params
     params = {name: p for name, p in params.items() if model.specs[name].trainable}
-    kinds = {}  # (late, over dp) -> names
+    kinds = {}  # (late, the replica axes split over) -> names
     every_late = model.ctx.cp > 1 and cp_summed
     between_stages = set(getattr(model, "summed_between_stages", ()))
     for name in reversed(list(params)):
         spec = model.specs[name]
-        kinds.setdefault((every_late or bool(spec.grad_sum) or name in between_stages, spec.split_over_dp), []).append(name)
+        late = every_late or bool(spec.grad_sum) or name in between_stages
+        kinds.setdefault((late, tuple(a.value for a in spec.replica_splits)), []).append(name)
     out = []
-    for (is_late, over_dp), names in sorted(kinds.items()):
-        shards = split_shards(dp, model.ctx) if over_dp else dp
+    for (is_late, split), names in sorted(kinds.items()):
+        split = tuple(MeshAxis(a) for a in split)
+        shards = zero_split(model.ctx, split, dp, 0)[0]
         for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
                                    max_bytes):
             segment = 0
             for n in names_:
                 rows, width = rows_of(params[n].shape)
                 segment += rows_per_shard(rows, shards) * width
-            out.append((is_late, names_, segment, over_dp))
+            out.append((is_late, names_, segment, split))
     return out
 
 
@@ -78,10 +81,23 @@ def zero_shards(ctx) -> tuple[int, int]:
     return ctx.dp * ctx.cp, ctx.coord(MeshAxis.DP) * ctx.cp + ctx.coord(MeshAxis.CP)
 
 
-def split_shards(shards: int, ctx) -> int:
-    """ZeRO's shards of a parameter split over the data-parallel replicas (an MoE's experts, which
-    only the cp ranks of a replica share) where the others take `shards` (dp x cp, or 1)."""
-    return max(1, shards // ctx.dp)
+def sharers(split: tuple) -> tuple:
+    """The replica axes (dp, cp) whose ranks hold the same shard of a parameter split over `split`
+    of them (an MoE's experts; () for every other parameter), in mesh order."""
+    return tuple(a for a in (MeshAxis.DP, MeshAxis.CP) if a not in split)
+
+
+def zero_split(ctx, split: tuple, shards: int, shard: int) -> tuple[int, int]:
+    """ZeRO's (shards, this rank's shard) of a parameter split over the replica axes `split`, over
+    its `sharers` in group-rank order, from every other parameter's (`shards` dp x cp or 1, and
+    `shard`, `zero_shards`' index)."""
+    if shards == 1 or not split:
+        return shards, shard
+    coords = dict(zip((MeshAxis.DP, MeshAxis.CP), divmod(shard, ctx.cp)))
+    n, k = 1, 0
+    for axis in sharers(split):
+        n, k = n * ctx.size(axis), k * ctx.size(axis) + coords[axis]
+    return n, k
 
 
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
@@ -104,8 +120,8 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
         if not model.specs[name].trainable:  # (no gradient, no optimizer state)
             continue
         rows, width = rows_of(p.shape)
-        n = split_shards(shards, model.ctx) if model.specs[name].split_over_dp else shards
-        r0, r1 = owned_rows(rows, n, shard % n)
+        n, k = zero_split(model.ctx, model.specs[name].replica_splits, shards, shard)
+        r0, r1 = owned_rows(rows, n, k)
         owned += (r1 - r0) * width
     reduced = sum(bucket[2] for bucket in plan_buckets(model, shards, itemsize=state, params=params))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one

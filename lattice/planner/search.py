@@ -192,18 +192,19 @@ def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | 
     return plan
 
 
-def expert_sizes(cfg, mode: str, tp: int, dp: int, options) -> list[int]:
+def expert_sizes(cfg, mode: str, tp: int, dp: int, options, cp: int = 1) -> list[int]:
     """The ep a mixture of experts may take in this layout (1, the size of the mode's expert axis,
-    the replicas and their product, each where it divides the experts); [1] for a dense model."""
+    of the cp ranks, of the replicas and the products of these, each where it divides the experts);
+    [1] for a dense model."""
     experts = getattr(cfg, "n_experts", 0)
     if not experts:
         return [1]
     axis = get_mode(mode).usable_expert_axis(options)
     size = dict(get_mode(mode).mesh_axes(tp, options)).get(axis, 1) if axis is not None else 1
     out = []
-    for ep in dict.fromkeys((1, size, dp, size * dp)):
+    for ep in sorted({a * c * d for a in (1, size) for c in (1, cp) for d in (1, dp)}):
         try:
-            get_mode(mode).expert_axes(ep, tp, dp, options)
+            get_mode(mode).expert_axes(ep, tp, dp, options, cp)
         except LatticeConfigError:
             continue
         if experts % ep == 0:
@@ -220,7 +221,7 @@ def _search_tensor_layout(cfg, plan: Ranking, mode, tp, options, *, gpus, rpn, b
                 plan.refuse(mode, f"a global batch of {batch} does not split over dp={dp} replicas")
                 continue
             for (m, schedule, virtual), ep, placement in itertools.product(
-                    _microbatch_counts(pp, batch // dp, cfg.n_layers), expert_sizes(cfg, mode, tp, dp, options), placements):
+                    _microbatch_counts(pp, batch // dp, cfg.n_layers), expert_sizes(cfg, mode, tp, dp, options, cp), placements):
                 if placement != "natural" and (pp > 1 or cp > 1):
                     continue  # the topology-aware grids are of one replica's tensor ranks
                 pipe = dict(microbatches=m, pp_schedule=schedule, pp_virtual=virtual,

@@ -113,12 +113,13 @@ class Trainer:
         # a rank holding no parameters has nothing to average, and neither has the rest of its dp
         # group, which holds the same pieces (sub-graph's sub-grids but the first with
         # common="subgrid" and projections="common": their branch is attention alone); DDP refuses it
-        # an MoE's experts split over the replicas: each replica holds its own, which DDP must leave alone
-        self.split_over_dp = [name for name, _ in self.model.named_parameters() if self.model.specs[name].split_over_dp]
+        # an MoE's experts split over the replicas or cp ranks: each holds its own, which DDP must leave alone
+        self.split_over_replicas = [name for name, _ in self.model.named_parameters()
+                                    if self.model.specs[name].replica_splits]
         if self.ddp_averages and any(p.requires_grad for p in self.model.parameters()):
             from torch.nn.parallel import DistributedDataParallel
 
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, self.split_over_dp)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, self.split_over_replicas)
 
             group = ctx.group(MeshAxis.DP, MeshAxis.CP)  # DDP's average over dp x cp of cp x the loss
             # gradients as views of DDP's buckets: the summed buckets are not copied back into separate
@@ -138,27 +139,29 @@ class Trainer:
         from lattice.parallel.sharding import all_reduce_grads, byte_buckets
 
         params = [p for name, p in self.model.named_parameters()
-                  if name not in self.split_over_dp and self.model.specs[name].trainable]
+                  if name not in self.split_over_replicas and self.model.specs[name].trainable]
         for bucket in byte_buckets(params, lambda p: p.numel() * p.element_size()):
             all_reduce_grads(bucket, self.ctx.group(MeshAxis.DP), divide_by=self.ctx.dp)
         self._average_split_over_replicas(seeded=1)
 
     @torch.no_grad()
     def _average_split_over_replicas(self, seeded: int) -> None:
-        """The replicas' average where DDP's would be for the parameters split over them (an MoE's
-        experts): a rank's gradient holds every replica's tokens routed to its experts already, of
-        its context-parallel chunks alone (summed here where sync_grads leaves cp to the reduction),
-        each loss `seeded` times its own."""
-        params = dict(self.model.named_parameters())
-        grads = [params[name].grad for name in self.split_over_dp if params[name].grad is not None]
-        if not grads:
-            return
-        if self.ctx.cp > 1 and self.reduces_cp:
-            from lattice.parallel.sharding import all_reduce_grads
+        """The replicas' average where DDP's would be for the parameters split over the replicas or
+        the cp ranks (an MoE's experts): a rank's gradient holds the tokens of every rank along
+        those axes routed to its experts already; it is summed over the other one of dp and cp
+        (cp here where sync_grads leaves it to the reduction) and divided by dp, each loss having
+        been `seeded` times its own."""
+        from lattice.parallel.sharding import all_reduce_grads
 
-            all_reduce_grads([params[name] for name in self.split_over_dp], self.ctx.group(MeshAxis.CP))
-            grads = [params[name].grad for name in self.split_over_dp]
-        torch._foreach_div_(grads, float(self.ctx.dp * seeded))
+        params, kinds = dict(self.model.named_parameters()), {}
+        for name in self.split_over_replicas:
+            kinds.setdefault(self.model.specs[name].replica_splits, []).append(params[name])
+        for split, held in kinds.items():  # (one kind, the experts': the same on every rank of a group)
+            axes = [a for a in (MeshAxis.DP, MeshAxis.CP) if a not in split and (a == MeshAxis.DP or self.reduces_cp)]
+            group = self.ctx.group(*axes) if axes else None
+            if group is not None:
+                all_reduce_grads(held, group)
+            torch._foreach_div_([p.grad for p in held if p.grad is not None], float(self.ctx.dp * seeded))
 
     def _accumulate(self, x, y, inputs: dict, weight: float) -> torch.Tensor:
         """Forward and backward of the replica batch without a pipeline, in its micro-batches in
