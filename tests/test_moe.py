@@ -190,19 +190,28 @@ def _equals_transformers(which: str, layout: dict, padded: bool):
     return abs(loss - reference.item()) / reference.item(), worst
 
 
-def _whole_batch_over_replicas(which: str, layout: dict):
-    """The same, each data-parallel replica on its half of the batch and the gradients averaged
-    over the replicas (as DDP does), against transformers on the whole batch."""
+def _whole_batch_over_replicas(which: str, layout: dict, padded: bool):
+    """The same, each data-parallel replica on its half of the batch, its loss weighted as the
+    Trainer weighs it (dp x its share of the labelled targets: padded halves hold different
+    counts) and the gradients averaged over the replicas (as DDP does), against transformers on the
+    whole batch."""
     import torch.distributed as dist
 
     ctx = cached_init(**layout)
     hf = random_hf(which, seed=5)
     model = lattice.from_hf(hf, ctx)
-    tokens, targets, _ = _batch(6)
-    reference = _reference(hf, tokens, targets, None)
+    tokens, targets, mask = _batch(6, padded=padded)
+    reference = _reference(hf, tokens, targets, mask)
     reference.backward()
     rows = slice(ctx.coord(MeshAxis.DP) * 2, ctx.coord(MeshAxis.DP) * 2 + 2)
-    loss = torch.tensor(model.forward_backward(tokens[rows], targets[rows]), dtype=torch.float64)
+
+    def labelled(r):
+        return int(model.labelled_count(model.unpadded_targets(targets[r], None if mask is None else mask[r])))
+
+    inputs = {} if mask is None else {"attention_mask": mask[rows]}
+    loss = model(tokens[rows], targets[rows], **inputs) * (ctx.dp * labelled(rows) / labelled(slice(None)))
+    loss.backward()
+    loss = loss.detach()
     full = model.full_grad_dict()
     for t in [loss, *full.values()]:
         dist.all_reduce(t, group=ctx.group(MeshAxis.DP))
@@ -256,15 +265,18 @@ def test_3d_with_its_experts_over_the_hidden_group_and_the_replicas_equals_trans
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)
 
 
-@pytest.mark.parametrize("which, layout", [(which, layout) for which in CONFIGS for layout in (
+@pytest.mark.parametrize("which, layout, padded", [(which, layout, padded) for which in CONFIGS for layout in (
     dict(mode="serial", dp=2), dict(mode="2d", tp=4, dp=2), dict(mode="2d", tp=4, ep=2, dp=2),
     dict(mode="serial", dp=2, ep=2), dict(mode="1d", tp=2, sequence_parallel=True, dp=2, ep=4),
-    dict(mode="2d", tp=4, dp=2, ep=2 * 2))])
-def test_moe_over_replicas_equals_transformers_on_the_whole_batch(which, layout):
+    dict(mode="2d", tp=4, dp=2, ep=2 * 2)) for padded in (False, True)])
+def test_moe_over_replicas_equals_transformers_on_the_whole_batch(which, layout, padded):
     """Catches balancing statistics taken over one replica's tokens (each replica's aux loss is then
-    its own half's) or a balancing gradient that the data-parallel average shrinks by dp: two
-    replicas on the two halves of a batch, gradients averaged, equal transformers on the whole."""
-    results = run_distributed(lattice.context(**layout).world_size, _whole_batch_over_replicas, which, layout)
+    its own half's), a balancing gradient that the data-parallel average shrinks by dp, or one that
+    the Trainer's weight of a replica with more or fewer labelled targets scales: two replicas on
+    the two halves of a batch (padded: of different counts), each loss weighted as the Trainer
+    does, gradients averaged, equal transformers on the whole."""
+    results = run_distributed(lattice.context(**layout).world_size, _whole_batch_over_replicas, which, layout,
+                              padded)
     for loss, grads in results:
         assert loss < 1e-10 and grads < 1e-10, (loss, grads)
 

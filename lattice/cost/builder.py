@@ -268,7 +268,7 @@ class CostBuilder(AttentionTerms):
     def moe(self, experts: int, top_k: int, width: int, *, normalize: bool, shared: int = 0, z_loss: bool = False) -> None:
         """A mixture of experts on the residual stream (lattice.models.moe.SparseMoE): the mode's
         whole tokens (`Mode.cost_expert_tokens`, n here), the router (h -> E, softmax at float32 or
-        above, top-k), the balancing statistics (2E + 1 numbers all-reduced over the replica and the
+        above, top-k), the balancing statistics (2E + 2 numbers all-reduced over the replica and the
         replicas, in training), each of the n·k assignments through its expert's SwiGLU of `width`,
         the combine, and a shared SwiGLU expert of width `shared` beside them; with `z_loss` the
         router's logsumexp too (one more statistic)."""
@@ -280,7 +280,7 @@ class CostBuilder(AttentionTerms):
         groups = [axes for axes in (self.topo.tensor_axes, self.topo.canonical_axes((DP, CP)))
                   if math.prod(self.topo.size(x) for x in axes) > 1]
         for axes in groups:
-            self.add("forward", "all_reduce", axes, 2 * experts + 1 + z_loss, 1, "moe", itemsize=stat, once=True)
+            self.add("forward", "all_reduce", axes, 2 * experts + 2 + z_loss, 1, "moe", itemsize=stat, once=True)
         # saved: the tokens, the probabilities, the top-k weights (and their sum), the statistics'
         # mask; each assignment's token row, its gate and up features, act(gate), their product,
         # its expert's output and its weight; the shared expert's four hidden tensors, its gate and

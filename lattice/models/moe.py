@@ -19,7 +19,7 @@ Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expe
 puts the rows back in token order and sums each token's k weighted outputs: no capacity, no token
 dropped. Experts are kept as transformers 5 keeps them with the experts' dim folded into the rows:
 `experts.gate_up` (E·2I, h) and `experts.down` (E·h, I); with `--ep` they split over a replica's
-ranks, the data-parallel replicas or both (`Experts`). With `expert_bias_rate`, DeepSeek-V3's
+ranks, the context-parallel ranks, the data-parallel replicas or several (`Experts`). With `expert_bias_rate`, DeepSeek-V3's
 expert bias picks the experts instead of the probabilities alone (`Router`).
 
 The load-balancing loss (Switch Transformer's, over all MoE layers together as transformers'
@@ -30,8 +30,10 @@ tokens times the layers,
     aux = E · Σ_e (C_e / R) · (S_e / R),       loss = cross-entropy + router_aux_loss_coef · aux
 
 C, S and R are summed over the replica's ranks, its context-parallel ranks and the data-parallel
-replicas per layer (2E + 1 numbers), so that the loss is the whole batch's; C is a constant to autograd, so each rank
-differentiates its own share of S (scaled by dp, which the data-parallel average divides back).
+replicas per layer (2E + 2 numbers, with the labelled targets of every replica), so that the loss
+is the whole batch's; C is a constant to autograd, so each rank differentiates its own share of S,
+scaled by dp over the replica's weight (the Trainer's, dp x its share of the labelled targets):
+the replicas' average of the weighted gradients is the batch's, padded replicas or not.
 With micro-batches (gradient accumulation) each micro-batch takes its own statistics, as
 Megatron-LM does.
 """
@@ -52,11 +54,14 @@ from lattice.parallel.sharding import ShardSpec, register_sharded
 
 class Balance:
     """One forward's router statistics, a row per MoE layer: C (E,), this rank's S (E,) with its
-    graph, the whole batch's S (E,) and R, and with a z-loss Z, the sum of logsumexp(logits)²
-    over the tokens (this rank's with its graph, the batch's)."""
+    graph, the whole batch's S (E,) and R, the batch's labelled targets over every replica, and
+    with a z-loss Z, the sum of logsumexp(logits)² over the tokens (this rank's with its graph, the
+    batch's). `labelled`: this replica's labelled targets of the batch (whole sequences)."""
 
-    def __init__(self, ctx, experts: int, z_loss: bool = False, carried: torch.Tensor | None = None):
+    def __init__(self, ctx, experts: int, z_loss: bool = False, carried: torch.Tensor | None = None,
+                 labelled: float = 0.0):
         self.ctx, self.experts, self.z_loss, self.layers, self.carried = ctx, experts, z_loss, {}, carried
+        self.labelled = labelled
 
     def add(self, layer: int, probs: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None,
             logits: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -69,11 +74,14 @@ class Balance:
         z = (upcast(logits).logsumexp(-1).square() * valid).sum()[None] if self.z_loss else None
         if layer in self.layers:  # recomputed under activation checkpointing: recorded already
             return None
-        whole = torch.cat([counts, mine.detach(), valid.sum()[None]] + ([z.detach()] if z is not None else []))
+        # (each of the replica's tensor and cp ranks holds its labelled count: their share of it sums to it)
+        labelled = probs.new_tensor([self.labelled / (comm.group_size(self.ctx.tensor_group()) * self.ctx.cp)])
+        whole = torch.cat([counts, mine.detach(), valid.sum()[None], labelled] + ([z.detach()] if z is not None else []))
         for group in (self.ctx.tensor_group(), self.ctx.group(MeshAxis.DP, MeshAxis.CP)):
             if comm.group_size(group) > 1:
                 whole = comm.raw_all_reduce(whole, group)
-        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E:2 * E + 1], z, whole[2 * E + 1:])
+        self.layers[layer] = (whole[:E], mine, whole[E:2 * E], whole[2 * E:2 * E + 1], z, whole[2 * E + 2:],
+                              whole[2 * E + 1:2 * E + 2])
         return whole[:E]
 
     def report(self, value: torch.Tensor, z: torch.Tensor | None) -> dict[str, float]:
@@ -90,31 +98,36 @@ class Balance:
         return out
 
     def totals(self) -> list:
-        """[C, this rank's S, the batch's S, R, this rank's z, the batch's z] over this forward's MoE
-        layers and those a pipeline's earlier stages carried here (z: each layer's Z over its R)."""
+        """[C, this rank's S, the batch's S, R, this rank's z, the batch's z, the labelled targets
+        of every replica] over this forward's MoE layers and those a pipeline's earlier stages
+        carried here (z: each layer's Z over its R; the targets: any layer's)."""
         E, like = self.experts, self.carried
         if like is None and self.layers:
             like = next(iter(self.layers.values()))[0]
-        zeros = [torch.zeros(n, dtype=torch.float64) if like is None else like.new_zeros(n) for n in (E, E, E, 1, 1, 1)]
-        out = zeros if self.carried is None else list(self.carried.split([E, E, E, 1, 1, 1]))
-        for counts, mine, whole, rows, z, z_whole in (self.layers[k] for k in sorted(self.layers)):
+        sizes = (E, E, E, 1, 1, 1, 1)
+        zeros = [torch.zeros(n, dtype=torch.float64) if like is None else like.new_zeros(n) for n in sizes]
+        out = zeros if self.carried is None else list(self.carried.split(sizes))
+        for counts, mine, whole, rows, z, z_whole, labelled in (self.layers[k] for k in sorted(self.layers)):
             out = [out[0] + counts, out[1] + mine, out[2] + whole, out[3] + rows,
-                   out[4] + (z / rows if z is not None else 0), out[5] + (z_whole / rows if z is not None else 0)]
+                   out[4] + (z / rows if z is not None else 0), out[5] + (z_whole / rows if z is not None else 0),
+                   labelled]
         return out
 
     def carried_out(self, dtype: torch.dtype) -> torch.Tensor:
-        """`totals` as one vector (3E + 3) for the next pipeline stage: this rank's S and z with
+        """`totals` as one vector (3E + 4) for the next pipeline stage: this rank's S and z with
         their graph, so that the last stage's loss differentiates into every stage."""
         return torch.cat([t.reshape(-1).to(dtype) for t in self.totals()])
 
     def loss(self, aux_coef: float, z_coef: float = 0.0) -> torch.Tensor:
         """aux_coef x aux + z_coef x z (module docstring): its value the whole batch's, its gradient
-        this rank's share."""
-        counts, mine, whole, total, z_mine, z = self.totals()
+        this rank's share, times dp / this replica's weight (the Trainer's, dp x its share of the
+        labelled targets, multiplies it back), so that the replicas' average is the batch's."""
+        counts, mine, whole, total, z_mine, z, labelled = self.totals()
         E = counts.shape[0]
         aux = E * ((counts / total) * (whole / total)).sum()
         value = aux_coef * aux + z_coef * z.sum()  # z: each layer's mean over its tokens, summed (Megatron-LM's)
-        share = (aux_coef * E * ((counts / total) * (mine / total)).sum() + z_coef * z_mine.sum()) * self.ctx.dp
+        weight = self.ctx.dp * self.labelled / float(labelled) if self.labelled and float(labelled) else 1.0
+        share = (aux_coef * E * ((counts / total) * (mine / total)).sum() + z_coef * z_mine.sum()) * self.ctx.dp / weight
         self.reported = self.report(aux.detach(), z.sum() if self.z_loss else None)
         return share + (value - share).detach()
 
@@ -300,11 +313,18 @@ class MoEDecoder(DecoderLM):
                     f"n_experts / ep whole experts; use an ep that divides {cfg.n_experts}")
         return None
 
-    def _new_balance(self, carried=None) -> Balance:
-        return Balance(self.ctx, self.cfg.n_experts, z_loss=bool(self.cfg.router_z_loss_coef), carried=carried)
+    def _new_balance(self, carried=None, labelled: float = 0.0) -> Balance:
+        return Balance(self.ctx, self.cfg.n_experts, z_loss=bool(self.cfg.router_z_loss_coef), carried=carried,
+                       labelled=labelled)
+
+    def _labelled(self, targets, attention_mask) -> float:
+        """The batch's labelled targets on this replica (whole sequences, every rank alike)."""
+        return float(self.labelled_count(self.unpadded_targets(targets, attention_mask), clamp=False))
 
     def forward(self, tokens, targets=None, **kwargs):
-        self._balance = self._new_balance() if targets is not None and kwargs.get("cache") is None else None
+        self._balance = None
+        if targets is not None and kwargs.get("cache") is None:
+            self._balance = self._new_balance(labelled=self._labelled(targets, kwargs.get("attention_mask")))
         try:
             return super().forward(tokens, targets, **kwargs)
         finally:
@@ -324,7 +344,11 @@ class MoEDecoder(DecoderLM):
 
     # ---- pipeline stages: the running statistics travel beside the residual stream
     def boundary_shapes(self, after, batch, seq, target_seq):
-        return (*super().boundary_shapes(after, batch, seq, target_seq), (3 * self.cfg.n_experts + 3,))
+        return (*super().boundary_shapes(after, batch, seq, target_seq), (3 * self.cfg.n_experts + 4,))
+
+    def microbatch_inputs(self, tokens, targets, attention_mask, token_types, position_ids=None) -> dict:
+        return {**super().microbatch_inputs(tokens, targets, attention_mask, token_types, position_ids),
+                "labelled": self._labelled(targets, attention_mask)}
 
     def boundary_dtypes(self, after):
         return (None, torch.promote_types(self.dtype, torch.float32))
@@ -333,7 +357,7 @@ class MoEDecoder(DecoderLM):
         return (True, False)  # every tensor rank's own statistics
 
     def run_stage(self, values, block_ids, first, last, inputs):
-        balance = self._new_balance(None if first else values[1])
+        balance = self._new_balance(None if first else values[1], inputs["labelled"])
         out = super().run_stage(values[:1], block_ids, first, last,
                                 {**inputs, "padding": {**inputs.get("padding", {}), "balance": balance}})
         if last:
