@@ -231,7 +231,8 @@ LAYOUTS = [dict(mode="serial"), dict(mode="1d", tp=2), dict(mode="1d", tp=2, seq
            dict(mode="1d", tp=2, cp=2, sequence_parallel=True), dict(mode="2d", tp=4, ep=2, cp=2),
            dict(mode="subgraph", tp=2, subgrids=2, common="subgrid", dp=2, ep=2),
            dict(mode="serial", cp=2, pp=2, microbatches=2), dict(mode="serial", cp=2, ep=2),
-           dict(mode="1d", tp=2, cp=2, ep=4, sequence_parallel=True)]
+           dict(mode="1d", tp=2, cp=2, ep=4, sequence_parallel=True), dict(mode="serial", dp=2, cp=2, ep=4),
+           dict(mode="1d", tp=2, ep=2, sequence_parallel=True), dict(mode="subgraph", tp=4, subgrids=2, dp=2, ep=4)]
 
 
 @pytest.mark.parametrize("which, layout, padded", [
