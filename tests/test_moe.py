@@ -553,13 +553,13 @@ def test_the_planner_offers_every_ep_the_layout_takes():
 
 def test_plan_auto_for_mixtral_8x7b_searches_ep(capfd):
     """Catches `plan --auto` for an MoE model that leaves ep out of its setups or prints a command
-    without the first one's: Mixtral-8x7B on 64 H100s ranks setups with ep (over the replicas too)
+    without the first one's: Mixtral-8x7B on 64 H100s ranks setups with ep (over cp or the replicas too)
     and the first one's command carries its --ep, if it has one."""
     out = lattice_cli(["plan", "--auto", "--arch", "mixtral", "--model", "mixtral-8x7b", "--gpus", "64",
                        "--ranks-per-node", "8", "--machine", "h100-node"], capfd)
     ranked = [line for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\.\d", line)]
     eps = [re.search(r" ep=(\d+)", line) for line in ranked]
-    # (serial has no expert axis: its ep is the replicas')
+    # (serial has no expert axis: its ep folds over the cp ranks or the replicas)
     assert any(eps) and any(" serial " in line and int(e.group(1)) > 1 for e, line in zip(eps, ranked) if e), out
     command = next(line for line in out.splitlines() if line.startswith("the first as a run"))
     assert (f"--ep {eps[0].group(1)}" in command) if eps[0] else "--ep" not in command, (ranked[0], command)
