@@ -19,8 +19,9 @@ Dispatch sorts the n·k (token, expert) pairs by expert (stable), runs each expe
 puts the rows back in token order and sums each token's k weighted outputs: no capacity, no token
 dropped. Experts are kept as transformers 5 keeps them with the experts' dim folded into the rows:
 `experts.gate_up` (E·2I, h) and `experts.down` (E·h, I); with `--ep` they split over a replica's
-ranks, the context-parallel ranks, the data-parallel replicas or several (`Experts`). With `expert_bias_rate`, DeepSeek-V3's
-expert bias picks the experts instead of the probabilities alone (`Router`).
+ranks, the context-parallel ranks, the data-parallel replicas or several (`Experts`). With
+`expert_bias_rate`, DeepSeek-V3's expert bias picks the experts instead of the probabilities
+alone (`Router`).
 
 The load-balancing loss (Switch Transformer's, over all MoE layers together as transformers'
 `load_balancing_loss_func`): with C_e the top-k assignments of expert e and S_e the sum of its
@@ -126,7 +127,7 @@ class Balance:
         E = counts.shape[0]
         aux = E * ((counts / total) * (whole / total)).sum()
         value = aux_coef * aux + z_coef * z.sum()  # z: each layer's mean over its tokens, summed (Megatron-LM's)
-        weight = self.ctx.dp * self.labelled / float(labelled) if self.labelled and float(labelled) else 1.0
+        weight = self.ctx.dp * self.labelled / labelled if self.labelled else 1.0  # (labelled: every replica's, > 0)
         share = (aux_coef * E * ((counts / total) * (mine / total)).sum() + z_coef * z_mine.sum()) * self.ctx.dp / weight
         self.reported = self.report(aux.detach(), z.sum() if self.z_loss else None)
         return share + (value - share).detach()
@@ -188,7 +189,7 @@ class Experts(nn.Module):
     `down` (E·h, I), each expert's h rows: transformers' (E, 2I, h) and (E, h, I) with the experts'
     dim folded into the rows, so that ZeRO splits an expert's state over the replicas by its rows
     even where a rank holds one expert. With ep > 1 the E experts split over the layout's expert
-    axes (`Mode.expert_axes`: a replica's, the data-parallel replicas', or both) in blocks of E/ep,
+    axes (`Mode.expert_axes`: a replica's, the cp ranks', the replicas', or several) in blocks of E/ep,
     and each (token, expert) row travels to its expert's rank and back (`comm.exchange`)."""
 
     def __init__(self, mode, d_model: int, experts: int, width: int):

@@ -110,12 +110,12 @@ class Trainer:
         # (one collective over dp x cp, as Megatron's); sync_grads then leaves cp alone
         self.reduces_cp = ctx.pipeline is None and (cfg.distributed_optimizer or ctx.dp > 1)
         self.ddp_averages = ctx.dp > 1 and ctx.pipeline is None and not cfg.distributed_optimizer
-        # a rank holding no parameters has nothing to average, and neither has the rest of its dp
-        # group, which holds the same pieces (sub-graph's sub-grids but the first with
-        # common="subgrid" and projections="common": their branch is attention alone); DDP refuses it
         # an MoE's experts split over the replicas or cp ranks: each holds its own, which DDP must leave alone
         self.split_over_replicas = [name for name, _ in self.model.named_parameters()
                                     if self.model.specs[name].replica_splits]
+        # a rank holding no parameters has nothing to average, and neither has the rest of its dp
+        # group, which holds the same pieces (sub-graph's sub-grids but the first with
+        # common="subgrid" and projections="common": their branch is attention alone); DDP refuses it
         if self.ddp_averages and any(p.requires_grad for p in self.model.parameters()):
             from torch.nn.parallel import DistributedDataParallel
 
