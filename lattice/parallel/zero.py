@@ -54,7 +54,7 @@ from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
 from lattice.parallel.zero_layout import (owned_rows, plan_buckets, rows_by_shard, rows_of, rows_per_shard, sharers,
-                                          zero_shards, zero_split)
+                                          split_order, zero_shards, zero_split)
 
 ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
@@ -292,8 +292,7 @@ class ZeroOptimizer:
         mirror not at all; summed over the dp group (when split over it), then over the model
         replica's. Pieces split over the replicas (an MoE's experts) add up over them too."""
         acc, topo = torch.promote_types(self.model.dtype, torch.float32), self.ctx.topology
-        kinds = sorted({spec.replica_splits for spec in self.model.specs.values() if spec.trainable},
-                       key=lambda split: (len(split), [a.value for a in split]))
+        kinds = sorted({spec.replica_splits for spec in self.model.specs.values() if spec.trainable}, key=split_order)
         sums = []
         for split in kinds:  # (the same on every rank: the model's specs)
             sq = weighted_square_sum([(p.master.grad, self.model.specs[p.name].replicas(topo)) for b in self.buckets

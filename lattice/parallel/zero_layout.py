@@ -61,10 +61,10 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     for name in reversed(list(params)):
         spec = model.specs[name]
         late = every_late or bool(spec.grad_sum) or name in between_stages
-        kinds.setdefault((late, tuple(a.value for a in spec.replica_splits)), []).append(name)
+        kinds.setdefault((late, spec.replica_splits), []).append(name)
     out = []
-    for (is_late, split), names in sorted(kinds.items()):
-        split = tuple(MeshAxis(a) for a in split)
+    for is_late, split in sorted(kinds, key=lambda kind: (kind[0], split_order(kind[1]))):
+        names = kinds[(is_late, split)]
         shards = zero_split(model.ctx, split, dp, 0)[0]
         for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
                                    max_bytes):
@@ -79,6 +79,12 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
 def zero_shards(ctx) -> tuple[int, int]:
     """(shards, this rank's shard) of ZeRO's split: over dp x cp, in group-rank order."""
     return ctx.dp * ctx.cp, ctx.coord(MeshAxis.DP) * ctx.cp + ctx.coord(MeshAxis.CP)
+
+
+def split_order(split: tuple) -> tuple:
+    """A sort key of replica splits that every rank computes alike (enum hashes, and so a set's
+    order, differ between processes): the fewest axes first, then by name."""
+    return len(split), [a.value for a in split]
 
 
 def sharers(split: tuple) -> tuple:
