@@ -67,8 +67,12 @@ class RunCheckpoints:
     def save(self, path: str | os.PathLike, *, step: int, elapsed: float) -> Path:
         """Write the checkpoint of `step` into PATH/checkpoints/step-N (a collective: every rank
         must call it). Returns where it is (being) written."""
-        moments = [t for state in self.optimizer.state.values() for k, t in state.items() if k != "step"]
-        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in [*self.model.parameters(), *moments]))],
+        steps = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
+        # (copied now under async_checkpoint: the thread writes the copy while training goes on)
+        state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps),
+                                       staged=self.async_writer is not None)
+        # the weights as saved (ZeRO-3's master rows: its parameters are gathered only where used)
+        bad = torch.tensor([float(any(not torch.isfinite(chunk.data).all() for chunk in state.values()))],
                            device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -84,13 +88,10 @@ class RunCheckpoints:
             "layout": self.ctx.layout.record(),
             "forward_count": self.model.seeds.forward_count,
         }
-        steps = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
         meta.update(optimizer_step=max(steps, default=0), rng={"torch": checkpoint_files.encode_rng(torch.get_rng_state())})
-        if self.async_writer is not None:  # copy now; the thread writes the copy while training goes on
-            state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps), staged=True)
+        if self.async_writer is not None:
             self.async_writer.submit(Path(path), meta, state, keep=self.cfg.keep)
             return Path(path) / sharded.SUBDIR / sharded.step_name(step)
-        state = sharded.training_state(self.model, self.optimizer, with_moments=bool(steps))
         return sharded.write(Path(path), meta, state, keep=self.cfg.keep)
 
     def restore(self, ckpt: dict) -> tuple[int, float]:

@@ -1,4 +1,4 @@
-"""A distributed optimizer over the data-parallel axis (ZeRO stage 1 and 2; Megatron-LM's
+"""A distributed optimizer over the data-parallel axis (ZeRO stages 1, 2 and 3; Megatron-LM's
 distributed optimizer): AdamW whose moments each dp rank keeps for its 1/d of every parameter
 (under context parallelism, each of the dp x cp ranks its 1/(d·cp)).
 
@@ -38,25 +38,28 @@ Memory per parameter with fp32 weights (4 weight + 4 gradient + 8 moments = 16 b
 ZeRO): stage 1 keeps 8 + 8/d, stage 2 4 + 12/d (the gradient is also split). The fp32 weight
 is its own master copy: the piece AdamW updates is a view into the parameter. With bf16 weights:
 18, 4 + 16/d, 2 + 16/d (see `memory_per_rank`).
+
+Stage 3 keeps the owned rows alone between uses, as master rows (16/d bytes with fp32 or bf16
+weights), and gathers each block's weights around its forward and backward
+(lattice.parallel.zero3) instead of all-gathering the updated weights after the step.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lattice.parallel.comm import unmetered_all_gather, unmetered_reduce_scatter, raw_all_reduce, record
 from lattice.parallel.context import LatticeConfigError, MeshAxis
 from lattice.parallel.param_gather import ParamGatherOverlap
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, weighted_square_sum
-from lattice.parallel.zero_layout import (owned_rows, plan_buckets, rows_by_shard, rows_of, rows_per_shard, sharers,
-                                          split_order, zero_shards, zero_split)
+from lattice.parallel.zero3 import ShardedWeights
+from lattice.parallel.zero_layout import (Bucket, Piece, block_of, owned_rows, plan_buckets, rows_by_shard, rows_of,
+                                          rows_per_shard, sharers, split_order, zero_shards, zero_split)
 
-ZERO_STAGES = (0, 1, 2)  # 0: every replica keeps the whole optimizer state
+ZERO_STAGES = (0, 1, 2, 3)  # 0: every replica keeps the whole optimizer state; 3: and the weights are split
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # weights that get fp32 master rows in the optimizer
 
 
@@ -78,44 +81,12 @@ def adamw(decay: list, no_decay: list, *, lr: float, betas: tuple[float, float],
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
 
-@dataclass
-class _Piece:
-    """This dp rank's rows [r0, r1) of one parameter, at `offset` in its bucket's segment."""
-
-    name: str
-    param: nn.Parameter
-    r0: int
-    r1: int
-    per: int  # rows per dp rank (the bucket reserves this many for every rank)
-    width: int  # elements per row
-    offset: int
-    master: torch.Tensor | None = None  # the rows AdamW updates (a view into the parameter)
-
-    @property
-    def numel(self) -> int:
-        return (self.r1 - self.r0) * self.width
-
-
-@dataclass
-class _Bucket:
-    pieces: list[_Piece]
-    segment: int
-    late: bool
-    shards: int  # the ranks its rows are split over, this rank's `shard` of them, in `group`
-    shard: int
-    group: object
-    split: tuple  # the replica axes its parameters are split over (an MoE's experts), else ()
-    waiting: dict = field(default_factory=dict)  # id(parameter) -> accumulations its gradient still awaits
-    flat: torch.Tensor | None = None  # the rank-major gradients being reduced
-    reduced: torch.Tensor | None = None  # this rank's segment of their average
-    work: object = None
-    launched: bool = False
-
-
 class ZeroOptimizer:
     """AdamW (decay on matrices only, as lattice.training.optim.make_optimizer) with its state split over
-    the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients, 0 nothing
-    (for the fp32 master rows of bf16 weights alone). `hooks`: start each bucket's reduction
+    the data-parallel replicas. `stage` 1 splits the moments, 2 also the gradients, 3 also the
+    weights (`reshard_after_forward`, `reshard_microbatches`: lattice.parallel.zero3's, where
+    `overlap_param_gather` prefetches the next block's weights), 0 nothing (for the fp32 master
+    rows of bf16 weights alone). `hooks`: start each bucket's reduction
     from backward, once each of its gradients accumulated `accumulations` times (a pipeline's
     micro-batches: in the last one's backward). `grad_scale`: multiplies the gradients as a
     bucket lays them out (the Trainer's weight of a replica's share of the labelled targets,
@@ -126,10 +97,11 @@ class ZeroOptimizer:
 
     def __init__(self, model, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, stage: int = 1,
                  hooks: bool = True, bucket_bytes: int = GRAD_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None,
-                 cp_summed: bool = True, overlap_param_gather: bool = False, accumulations: int = 1):
+                 cp_summed: bool = True, overlap_param_gather: bool = False, accumulations: int = 1,
+                 reshard_after_forward: bool = True, reshard_microbatches: bool = False):
         if stage not in ZERO_STAGES:
-            raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state) or 2 (and gradients), "
-                                     f"got {stage}")
+            raise LatticeConfigError(f"zero stage must be 0 (nothing split), 1 (optimizer state), 2 (and gradients) or "
+                                     f"3 (and weights), got {stage}")
         self.model, self.ctx, self.stage, self.accumulations, self.grad_scale = model, ctx, stage, accumulations, 1.0
         # the ranks that hold the same shards of other tokens: the dp replicas and, under context
         # parallelism, the cp ranks of each (Megatron's data-parallel group with cp); the
@@ -141,13 +113,15 @@ class ZeroOptimizer:
         self.param_dtype = model.dtype
         self.master_dtype = torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
-        self.separate_masters = self.master_dtype != self.param_dtype
+        # (stage 3's master rows are the only copy of the weights between uses)
+        self.separate_masters = self.master_dtype != self.param_dtype or stage == 3
         params = dict(model.named_parameters())
-        self.buckets: list[_Bucket] = []
+        block = block_of(model, params) if stage == 3 else {}
+        self.buckets: list[Bucket] = []
         decay, no_decay = [], []
         itemsize = self.reduce_dtype.itemsize  # a bucket's bytes are those of its reduction
         for late, names, segment, split in plan_buckets(model, self.shards, bucket_bytes, itemsize=itemsize,
-                                                        cp_summed=cp_summed):
+                                                        cp_summed=cp_summed, by_block=stage == 3):
             # parameters split over replica axes (an MoE's experts): only the others' ranks share them
             shards, shard = zero_split(ctx, split, self.shards, self.shard)
             group = ctx.group(*sharers(split))
@@ -156,7 +130,7 @@ class ZeroOptimizer:
                 p = params[name]
                 rows, width = rows_of(p.shape)
                 r0, r1 = owned_rows(rows, shards, shard)
-                piece = _Piece(name, p, r0, r1, rows_per_shard(rows, shards), width, offset)
+                piece = Piece(name, p, r0, r1, rows_per_shard(rows, shards), width, offset)
                 offset += piece.per * width
                 if piece.numel:
                     piece.master = p.detach().view(rows, width)[r0:r1]
@@ -164,7 +138,7 @@ class ZeroOptimizer:
                         piece.master = piece.master.to(self.master_dtype, copy=True)
                     (decay if decays(model.specs[name].full_shape) else no_decay).append(piece.master)
                 pieces.append(piece)
-            self.buckets.append(_Bucket(pieces, segment, late, shards, shard, group, split))
+            self.buckets.append(Bucket(pieces, segment, late, shards, shard, group, split, block.get(names[0], -1)))
         self.pieces = {piece.name: piece for b in self.buckets for piece in b.pieces}
         self.inner = adamw(decay, no_decay, lr=lr, betas=betas, weight_decay=weight_decay)
         if hooks:
@@ -175,8 +149,15 @@ class ZeroOptimizer:
                             lambda p, bucket=bucket: self._grad_ready(bucket, p))
         self._next = 0  # the first bucket not launched yet: buckets start in plan order on every rank
         self._arm()
-        self.overlap = None
-        if overlap_param_gather and self.shards > 1:
+        self.overlap = self.sharded = None
+        if stage == 3:
+            self.sharded = ShardedWeights(model, self.buckets, lambda piece: piece.master.to(self.param_dtype),
+                                          reshard_after_forward=reshard_after_forward, prefetch=overlap_param_gather,
+                                          reshard_microbatches=reshard_microbatches)
+            self.sharded.accumulating = accumulations > 1
+            model.register_state_dict_pre_hook(lambda *_: self.gather_params())
+            self.sharded.free_all()  # (the master rows hold the weights now)
+        elif overlap_param_gather and self.shards > 1:
             bucket_of = {id(piece.param): i for i, b in enumerate(self.buckets) for piece in b.pieces}
             self.overlap = ParamGatherOverlap(getattr(model, "_model", model), bucket_of, len(self.buckets))
             model.register_state_dict_pre_hook(lambda *_: self.finish_param_gathers())
@@ -206,7 +187,7 @@ class ZeroOptimizer:
         self._next = 0
 
     # ---- gradients
-    def _grad_ready(self, bucket: _Bucket, param) -> None:
+    def _grad_ready(self, bucket: Bucket, param) -> None:
         left = bucket.waiting.get(id(param))
         if left is None:  # accumulated after its bucket's reduction started: that gradient would be lost
             name = next(piece.name for piece in bucket.pieces if piece.param is param)
@@ -214,6 +195,9 @@ class ZeroOptimizer:
                                f"one step; pass ZeroOptimizer(accumulations=...) the backward passes of a step")
         if left > 1:
             bucket.waiting[id(param)] = left - 1
+            if self.sharded is not None and len(set(bucket.waiting.values())) == 1 and len(bucket.waiting) == len(
+                    bucket.pieces):  # a micro-batch's backward through the bucket is complete
+                self.sharded.pass_done(bucket)
             return
         del bucket.waiting[id(param)]
         while self._next < len(self.buckets):  # launch in plan order, as far as the ready ones go
@@ -224,7 +208,7 @@ class ZeroOptimizer:
             self._next += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         """Lay the bucket's gradients out rank-major, averaged, in the reduction dtype, and start
         their reduce-scatter (an all-reduce with one shard)."""
         dtype = self.reduce_dtype
@@ -254,6 +238,8 @@ class ZeroOptimizer:
                 record("all_reduce", bucket.group, flat.numel(), dtype, phase="backward")
                 bucket.work = dist.all_reduce(bucket.reduced, group=bucket.group, async_op=True)
         bucket.launched = True
+        if self.sharded is not None:  # its weights' last reader has run
+            self.sharded.free(bucket)
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
@@ -319,7 +305,9 @@ class ZeroOptimizer:
         with `overlap_param_gather`)."""
         self.finish_param_gathers()
         self.inner.step()
-        if self.separate_masters:
+        if self.sharded is not None:  # the next forward gathers the updated rows
+            self.sharded.free_all()
+        elif self.separate_masters:
             self.params_from_masters()
         else:
             self._gather_rows()
@@ -328,6 +316,9 @@ class ZeroOptimizer:
     def params_from_masters(self) -> None:
         """Round the master rows into the weights and gather every shard's (after an update, or
         after a checkpoint was read into the master rows)."""
+        if self.sharded is not None:  # gathered from the master rows where they are read
+            self.sharded.free_all()
+            return
         for piece in self.pieces.values():
             if piece.master is not None:
                 piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1] = piece.master
@@ -352,7 +343,7 @@ class ZeroOptimizer:
                 self.overlap.start(i, finish)
 
     @torch.no_grad()
-    def _take_rows(self, bucket: _Bucket, gathered: torch.Tensor, work) -> None:
+    def _take_rows(self, bucket: Bucket, gathered: torch.Tensor, work) -> None:
         """Copy the other ranks' updated rows of the bucket into the weights, once gathered."""
         if work is not None:
             work.wait()
@@ -361,13 +352,19 @@ class ZeroOptimizer:
                 if r != bucket.shard:
                     rows.copy_(segment)
 
+    def gather_params(self) -> None:
+        """Stage 3: every weight whole, for a reader or writer other than a forward (the next
+        reduction frees them again)."""
+        if self.sharded is not None:
+            self.sharded.gather_all()
+
     def finish_param_gathers(self) -> None:
         """Await every all-gather of updated weights still running (`overlap_param_gather`),
         for a reader of the weights other than the forward."""
         if self.overlap is not None:
             self.overlap.finish()
 
-    def _gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None) -> torch.Tensor:
+    def _gather(self, bucket: Bucket, owned, dtype, phase: str | None = None) -> torch.Tensor:
         """(shards, segment): every dp rank's segment of the bucket, each holding `owned(piece)`
         (this rank's rows of each parameter, or None for zeros); metered when `phase` is given."""
         gathered, work = self._start_gather(bucket, owned, dtype, phase)
@@ -375,7 +372,7 @@ class ZeroOptimizer:
             work.wait()
         return gathered
 
-    def _start_gather(self, bucket: _Bucket, owned, dtype, phase: str | None = None):
+    def _start_gather(self, bucket: Bucket, owned, dtype, phase: str | None = None):
         """`_gather`'s all-gather, started: (its output, the work to await before reading it;
         None with one shard)."""
         mine = torch.zeros(bucket.segment, dtype=dtype, device=self.ctx.device)

@@ -1,13 +1,65 @@
 """Where ZeRO's split puts each parameter's rows (lattice.parallel.zero): which rows a dp rank
 owns, the gradient buckets, and the bytes a rank keeps at each stage. Pure functions of a model's
-shard specs and shapes: the cost model plans a meta model with them, the optimizer a real one."""
+shard specs and shapes (the cost model plans a meta model with them, the optimizer a real one),
+and the optimizer's record of each bucket and of its pieces."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
 
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import GRAD_BUCKET_BYTES, byte_buckets
+
+
+@dataclass
+class Piece:
+    """This dp rank's rows [r0, r1) of one parameter, at `offset` in its bucket's segment."""
+
+    name: str
+    param: nn.Parameter
+    r0: int
+    r1: int
+    per: int  # rows per dp rank (the bucket reserves this many for every rank)
+    width: int  # elements per row
+    offset: int
+    master: torch.Tensor | None = None  # the rows AdamW updates (a view into the parameter below stage 3)
+    alias: torch.Tensor | None = None  # stage 3: the parameter's storage, written without bumping its version
+
+    @property
+    def numel(self) -> int:
+        return (self.r1 - self.r0) * self.width
+
+
+@dataclass
+class Bucket:
+    pieces: list[Piece]
+    segment: int
+    late: bool
+    shards: int  # the ranks its rows are split over, this rank's `shard` of them, in `group`
+    shard: int
+    group: object
+    split: tuple  # the replica axes its parameters are split over (an MoE's experts), else ()
+    block: int = -1  # stage 3: its parameters' block (`block_of`), -1 outside every block
+    waiting: dict = field(default_factory=dict)  # id(parameter) -> accumulations its gradient still awaits
+    flat: torch.Tensor | None = None  # the rank-major gradients being reduced
+    reduced: torch.Tensor | None = None  # this rank's segment of their average
+    work: object = None
+    launched: bool = False
+    whole: bool = True  # stage 3: whether its parameters hold their whole local shards
+    gathering: tuple | None = None  # stage 3: (the gathered segments, the work) of a gather under way
+
+
+def block_of(model, params: dict) -> dict[str, int]:
+    """Each parameter's block (its index in `pipeline_blocks()`, the model's order of running
+    them), -1 for those outside every block (embeddings, final norms, heads): the units ZeRO-3
+    gathers and frees together."""
+    root = getattr(model, "_model", model)  # (a pipeline's stages: the model they cut)
+    index = {id(p): i for i, block in enumerate(root.pipeline_blocks()) for p in block.parameters()}
+    return {name: index.get(id(p), -1) for name, p in params.items()}
 
 
 def rows_of(shape) -> tuple[int, int]:
@@ -42,7 +94,8 @@ def rows_by_shard(tensor, width: int, offset: int, segments):
 
 
 def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: int | None = None,
-                 cp_summed: bool = True, params: dict | None = None) -> list[tuple[bool, list[str], int, tuple]]:
+                 cp_summed: bool = True, params: dict | None = None,
+                 by_block: bool = False) -> list[tuple[bool, list[str], int, tuple]]:
     """The gradient buckets of this rank's parameters: (late, names, segment, split), where
     `segment` is the elements each of the bucket's shards receives (the bucket holds shards ×
     segment: `dp` of them (dp x cp, or 1), or `zero_split`'s of a bucket of parameters `split` over
@@ -51,8 +104,9 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
     the order backward produces their gradients), at most `max_bytes` of them per bucket
     (`itemsize` bytes per element, default the parameters'). `cp_summed`: under context
     parallelism sync_grads sums every gradient over cp, which makes every bucket late; a
-    pipeline's sums between stages make their parameters late. Pure: the cost model plans a
-    meta model with it (`params`: its named parameters, where the caller has walked them)."""
+    pipeline's sums between stages make their parameters late. `by_block` (ZeRO-3): no bucket
+    holds parameters of two blocks (`block_of`). Pure: the cost model plans a meta model with it
+    (`params`: its named parameters, where the caller has walked them)."""
     params = dict(model.named_parameters()) if params is None else params
     params = {name: p for name, p in params.items() if model.specs[name].trainable}
     kinds = {}  # (late, the replica axes split over) -> names
@@ -62,12 +116,18 @@ def plan_buckets(model, dp: int, max_bytes: int = GRAD_BUCKET_BYTES, itemsize: i
         spec = model.specs[name]
         late = every_late or bool(spec.grad_sum) or name in between_stages
         kinds.setdefault((late, spec.replica_splits), []).append(name)
+    blocks = block_of(model, params) if by_block else {}
     out = []
     for is_late, split in sorted(kinds, key=lambda kind: (kind[0], split_order(kind[1]))):
         names = kinds[(is_late, split)]
         shards = zero_split(model.ctx, split, dp, 0)[0]
-        for names_ in byte_buckets(names, lambda n: params[n].numel() * (itemsize or params[n].element_size()),
-                                   max_bytes):
+        runs = [[]]  # runs of parameters of one block
+        for name in names:
+            if runs[-1] and blocks.get(name) != blocks.get(runs[-1][-1]):
+                runs.append([])
+            runs[-1].append(name)
+        for names_ in (bucket for run in runs for bucket in byte_buckets(
+                run, lambda n: params[n].numel() * (itemsize or params[n].element_size()), max_bytes)):
             segment = 0
             for n in names_:
                 rows, width = rows_of(params[n].shape)

@@ -101,8 +101,17 @@ class TrainConfig:
     bf16: bool = flag(False, "bf16 autocast", group="training")
     activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
     zero: int = flag(0, "distributed optimizer over the --dp replicas: 1 splits the AdamW moments (ZeRO-1, Megatron's "
-                        "distributed optimizer), 2 also the gradients; 0 keeps everything on every replica (DDP)",
-                     choices=lambda: ZERO_STAGES, group="training")
+                        "distributed optimizer), 2 also the gradients, 3 also the weights (fully sharded data "
+                        "parallelism: each block's gathered around its forward and backward); 0 keeps everything on "
+                        "every replica (DDP)", choices=lambda: ZERO_STAGES, group="training")
+    reshard_after_forward: bool = flag(True, "with --zero 3: free each block's gathered weights after its forward and "
+                                             "gather them again for its backward; off keeps them from the forward to "
+                                             "the gradient reduction (one gather a step, a model's weights in memory)",
+                                       group="training")
+    reshard_microbatches: bool = flag(False, "with --zero 3 and several micro-batches a step (a pipeline, gradient "
+                                             "accumulation): gather and free each block's weights around every "
+                                             "micro-batch's forward and backward, rather than once a step",
+                                      group="training")
     overlap_grad_reduce: bool | None = flag(None, "with the distributed optimizer (--zero, --precision bf16): each "
                                                   "bucket's reduction starts in backward once its gradients are "
                                                   "complete (under a pipeline, in the last micro-batch's), rather than "
@@ -110,8 +119,9 @@ class TrainConfig:
                                                   "on 2 CPU cores within 4%% of off)", group="training")
     overlap_param_gather: bool | None = flag(None, "with --zero 1 or 2: each bucket's all-gather of updated weights "
                                                    "runs beside the next forward, awaited before the first layer reading "
-                                                   "it (Megatron-LM's --overlap-param-gather; default: on with --zero 1 "
-                                                   "or 2, as measured faster)", group="training")
+                                                   "it (Megatron-LM's --overlap-param-gather); with --zero 3: the next "
+                                                   "block's gather starts as a block starts (default: on with --zero)",
+                                             group="training")
     out_dir: str | None = flag(None, "where checkpoints and metrics.csv go; lattice train without it: a new runs/run-N "
                                "(runs/latest links to the newest), or with --resume the resumed run's directory",
                                alias="--checkpoint-dir", group="checkpoints")
@@ -176,13 +186,16 @@ class TrainConfig:
             raise LatticeConfigError("--grad-reduce-dtype bf16 reduces bf16 gradients; it needs --precision bf16")
         if self.zero not in ZERO_STAGES:
             raise LatticeConfigError(f"zero must be one of {ZERO_STAGES} (1: optimizer state split over dp, 2: and the "
-                                     f"gradients), got {self.zero!r}")
+                                     f"gradients, 3: and the weights), got {self.zero!r}")
         if self.overlap_grad_reduce is not None and not self.distributed_optimizer:
             raise LatticeConfigError("--overlap-grad-reduce times the distributed optimizer's reductions (--zero 1 or 2, "
                                      "or --precision bf16); without it DDP always overlaps its all-reduce with backward")
         if self.overlap_param_gather and self.zero == 0:
             raise LatticeConfigError("--overlap-param-gather overlaps the distributed optimizer's all-gather of updated "
-                                     "weights with the next forward; it needs --zero 1 or 2")
+                                     "weights with the next forward; it needs --zero 1, 2 or 3")
+        if self.zero != 3 and (not self.reshard_after_forward or self.reshard_microbatches):
+            raise LatticeConfigError("--no-reshard-after-forward and --reshard-microbatches choose when ZeRO-3 frees "
+                                     "gathered weights; they need --zero 3")
         if self.dtype not in DTYPES:
             raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
         check_task(self.task_name, get_arch(self.arch))

@@ -83,7 +83,9 @@ class Trainer:
                                            accumulations=microbatch_count(ctx),
                                            reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                            cp_summed=ctx.pipeline is not None,
-                                           overlap_param_gather=cfg.overlap_param_gather is not False)
+                                           overlap_param_gather=cfg.overlap_param_gather is not False,
+                                           reshard_after_forward=cfg.reshard_after_forward,
+                                           reshard_microbatches=cfg.reshard_microbatches)
         else:
             self.optimizer = make_optimizer(self.model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                             weight_decay=cfg.weight_decay)
@@ -97,6 +99,8 @@ class Trainer:
             if spec.schedule_changes and ctx.rank == 0:
                 print(schedule_change(ckpt["train_config"], cfg, self.step, list(spec.schedule_changes)), flush=True)
         if donor is not None:
+            if cfg.distributed_optimizer:  # (ZeRO-3's weights whole to be written)
+                self.optimizer.gather_params()
             fresh = init_weights_from(donor, self.model, ctx)
             if cfg.distributed_optimizer:
                 self.optimizer.masters_from_params()
@@ -333,7 +337,7 @@ class Trainer:
             finally:
                 heartbeat.stop()
                 metrics.close()
-            self._finish_param_gathers()  # the weights are whole when fit returns
+            self._finish_param_gathers(whole=True)  # the weights are whole when fit returns
             if val_loss is None and stopped_by is None:
                 val_loss = self.evaluate()
             if stopped_by is None and self.step < cfg.steps:
@@ -377,11 +381,13 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
-    def _finish_param_gathers(self) -> None:
+    def _finish_param_gathers(self, whole: bool = False) -> None:
         """Await the all-gathers of updated weights that --overlap-param-gather leaves to the next
-        forward, before the weights are read otherwise."""
+        forward, before the weights are read otherwise; `whole`: ZeRO-3's weights gathered too."""
         if isinstance(self.optimizer, ZeroOptimizer):
             self.optimizer.finish_param_gathers()
+            if whole:
+                self.optimizer.gather_params()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike) -> Path:

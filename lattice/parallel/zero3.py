@@ -1,0 +1,168 @@
+"""ZeRO stage 3 (fully sharded data parallelism): between its uses a parameter keeps only this
+dp rank's rows, the master rows of lattice.parallel.zero's optimizer; its whole local shard (the
+mode's tensor shard) is all-gathered over the ranks holding the same shard just before a block
+runs and freed after.
+
+With w_r the rows rank r owns of a block's parameter w and d ranks sharing it:
+    forward:   all-gather w = [w_0; …; w_{d-1}]  before the block, freed after it
+    backward:  all-gather w again before the block's backward (`reshard_after_forward`), then
+               reduce-scatter ĝ_r = (1/d) Σ_k P_r g_k as stages 1 and 2 do, and free w
+A block is a unit: `zero_layout.plan_buckets(by_block=True)` never puts two blocks' parameters
+in one bucket, and the hooks here gather every bucket of a block together. The parameters
+outside the blocks (embeddings, final norms, heads: a tied table is read by the head without
+its embedding running) are gathered by the first module of theirs that runs and kept until
+their gradients' reduction starts. Under gradient accumulation and pipeline micro-batches the
+blocks stay gathered from their first forward to their reduction, one gather per step
+(`reshard_microbatches` frees them after every micro-batch's forward and backward instead).
+
+`prefetch` issues the next block's all-gather as a block starts (the previous block's in
+backward), so that it travels while the block computes: at most two blocks are gathered.
+
+A freed parameter keeps its shape and its autograd identity: its storage is resized to nothing
+and back (what torch's FSDP does), so the tensors forward saved for backward see the gathered
+values again; the values are written through an alias of the storage, which leaves the
+parameter's version counter (autograd's check of in-place changes) alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lattice.parallel.comm import record, unmetered_all_gather
+from lattice.parallel.zero_layout import Bucket, rows_by_shard
+
+OUTSIDE = -1  # the unit of the parameters outside every block
+
+
+class ShardedWeights:
+    """The gather-before-use, free-after lifecycle of the parameters in `buckets` (the
+    optimizer's, planned by block), with hooks on the blocks of `model` and on the modules
+    holding its other parameters. `rows(piece)`: the owned rows to gather, in the weights' dtype
+    (the master rows, rounded)."""
+
+    def __init__(self, model, buckets: list[Bucket], rows, *, reshard_after_forward: bool = True,
+                 reshard_microbatches: bool = False, prefetch: bool = True):
+        self.rows, self.prefetch = rows, prefetch
+        self.reshard_after_forward, self.reshard_microbatches = reshard_after_forward, reshard_microbatches
+        self.units: dict[int, list[Bucket]] = {}
+        for bucket in buckets:
+            if bucket.shards > 1:  # (experts split over every replica axis: nothing is shared)
+                self.units.setdefault(bucket.block, []).append(bucket)
+        self.order = sorted(u for u in self.units if u != OUTSIDE)  # the blocks this rank holds, in running order
+        self.in_backward: set[int] = set()  # blocks gathered for (or by) their backward, until freed
+        self.accumulating = False  # more than one forward before the reduction (kept gathered)
+        for piece in (piece for unit in self.units.values() for b in unit for piece in b.pieces):
+            p = piece.param
+            if p.untyped_storage().nbytes() != p.numel() * p.element_size() or not p.is_contiguous():
+                p.data = p.data.clone()  # a storage of its own, to free and gather alone
+            piece.alias = torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), 0, p.shape)
+        root = getattr(model, "_model", model)
+        blocks = root.pipeline_blocks()
+        for u in self.order:
+            blocks[u].register_forward_pre_hook(lambda module, args, u=u: self._before_block(u))
+            blocks[u].register_forward_hook(lambda module, args, out, u=u: self._after_block(u, out))
+        if OUTSIDE in self.units:
+            outside = {id(piece.param) for b in self.units[OUTSIDE] for piece in b.pieces}
+            for module in root.modules():
+                if any(id(p) in outside for p in module.parameters(recurse=False)):
+                    module.register_forward_pre_hook(lambda module, args: self._gather_unit(OUTSIDE, "forward"))
+
+    def pass_done(self, bucket: Bucket) -> None:
+        """Each of the bucket's gradients accumulated once more (a micro-batch's backward through
+        it): with `reshard_microbatches`, free it until the next micro-batch's forward."""
+        if self.reshard_microbatches:
+            self.free(bucket)
+
+    # ---- one bucket
+    @torch.no_grad()
+    def _start(self, bucket: Bucket, phase: str) -> None:
+        if bucket.whole or bucket.gathering is not None:
+            return
+        device, dtype = bucket.pieces[0].param.device, bucket.pieces[0].param.dtype
+        mine = torch.zeros(bucket.segment, dtype=dtype, device=device)
+        for piece in bucket.pieces:
+            if piece.master is not None:
+                mine[piece.offset:piece.offset + piece.numel] = self.rows(piece).reshape(-1)
+        gathered = torch.empty(bucket.shards, bucket.segment, dtype=dtype, device=device)
+        record("all_gather", bucket.group, gathered.numel(), dtype, phase=phase)
+        bucket.gathering = (gathered, unmetered_all_gather(gathered.view(-1), mine, group=bucket.group, async_op=True))
+
+    @torch.no_grad()
+    def _finish(self, bucket: Bucket, phase: str) -> None:
+        self._start(bucket, phase)
+        if bucket.gathering is None:
+            return
+        (gathered, work), bucket.gathering = bucket.gathering, None
+        work.wait()
+        for piece in bucket.pieces:
+            p = piece.param
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+            for _, rows, segment in rows_by_shard(piece.alias, piece.width, piece.offset, gathered):
+                rows.copy_(segment)
+        bucket.whole = True
+
+    def free(self, bucket: Bucket) -> None:
+        """Drop the bucket's whole parameters (its reduction has started, or its block ran)."""
+        if bucket.shards == 1:
+            return
+        if bucket.gathering is not None:  # a prefetch nothing used
+            bucket.gathering[1].wait()
+            bucket.gathering = None
+        if bucket.whole:
+            for piece in bucket.pieces:
+                piece.param.untyped_storage().resize_(0)
+            bucket.whole = False
+        if bucket.block in self.in_backward and not any(b.whole for b in self.units[bucket.block]):
+            self.in_backward.discard(bucket.block)
+
+    def free_all(self) -> None:
+        """Every parameter back to its rows (after the update: the whole ones are stale)."""
+        for unit in self.units.values():
+            for bucket in unit:
+                self.free(bucket)
+        self.in_backward.clear()
+
+    def gather_all(self) -> None:
+        """Every parameter whole, for readers other than a forward (full_state_dict, export)."""
+        for u in self.units:
+            self._gather_unit(u, None)
+
+    # ---- one block
+    def _gather_unit(self, u: int, phase: str | None) -> None:
+        for bucket in self.units.get(u, ()):
+            self._start(bucket, phase)
+        for bucket in self.units.get(u, ()):
+            self._finish(bucket, phase)
+
+    def _prefetch(self, u: int, step: int, phase: str) -> None:
+        at = self.order.index(u) + step
+        if self.prefetch and 0 <= at < len(self.order):
+            for bucket in self.units[self.order[at]]:
+                self._start(bucket, phase)
+
+    def _before_block(self, u: int) -> None:
+        if u in self.in_backward:  # its recomputation under activation checkpointing
+            return
+        self._gather_unit(u, "forward")
+        self._prefetch(u, 1, "forward")
+
+    def _after_block(self, u: int, out) -> None:
+        if u in self.in_backward:
+            return
+        training = torch.is_grad_enabled()
+        if training and not (self.reshard_microbatches if self.accumulating else self.reshard_after_forward):
+            return  # kept until its reduction
+        for bucket in self.units[u]:
+            self.free(bucket)
+        if training:  # gathered again once the gradient of its output arrives
+            outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in outputs:
+                t.register_hook(lambda grad, u=u: self._before_backward(u))
+
+    def _before_backward(self, u: int) -> None:
+        if u not in self.in_backward:
+            self.in_backward.add(u)
+            self._gather_unit(u, "backward")
+            self._prefetch(u, -1, "backward")
+
