@@ -5,6 +5,7 @@ sums, the data-parallel all-reduce) and sums the work, saves and terms into a `C
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from contextlib import contextmanager
@@ -14,7 +15,8 @@ from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
-from lattice.parallel.zero_layout import memory_per_rank, plan_buckets, sharers, zero_split
+from lattice.parallel.pipeline import microbatch_count
+from lattice.parallel.zero_layout import block_of, memory_per_rank, plan_buckets, sharers, zero_split
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -371,13 +373,19 @@ class CostBuilder(AttentionTerms):
         frozen = sum(p.numel() for name, p in self.params.items() if not self.model.specs[name].trainable)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            for _, _, segment, split in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
-                                                     params=self.params):
+            gathers = self._weight_gathers()
+            for _, names, segment, split in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
+                                                         params=self.params, by_block=c.zero == 3):
                 n, axes = zero_split(self.model.ctx, split, shards, 0)[0], sharers(split)
                 size = math.prod(self.topo.size(a) for a in axes)
                 if n > 1:
                     self.add("backward", "reduce_scatter", axes, n * segment, 1, "grads", itemsize=reduced)
-                    self.add("optimizer", "all_gather", axes, n * segment, 1, "grads")
+                    if c.zero < 3:
+                        self.add("optimizer", "all_gather", axes, n * segment, 1, "grads")
+                    for phase, calls in gathers[names[0]].items():  # ZeRO-3's around the forward and backward
+                        if calls:
+                            c.terms.append(Term(phase, "all_gather", tuple(axes), calls, calls * n * segment, "weights",
+                                                c.itemsize))
                 elif size > 1:
                     self.add("backward", "all_reduce", axes, segment, 1, "grads", itemsize=reduced)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
@@ -394,7 +402,24 @@ class CostBuilder(AttentionTerms):
                                params=self.params)
         c.memory["gradients"] = held["gradients"]
         c.memory["optimizer"] = held["optimizer"]  # AdamW's moments (and fp32 master rows), this rank's rows under ZeRO
+        if c.zero == 3:  # the weights kept between uses, and those gathered during the step
+            c.memory["parameters"], c.memory["gathered"] = held["parameters"], held["gathered"]
         self._totals()
+
+    def _weight_gathers(self) -> dict[str, dict[str, int]]:
+        """ZeRO-3 (lattice.parallel.zero3): {parameter: {phase: all-gathers of its bucket a step}}.
+        A block's weights are gathered for each forward and again for each backward when freed
+        after the forward; with several micro-batches they stay from the first forward to the
+        reduction (`reshard_microbatches`: around each). Those outside the blocks stay gathered
+        from the first forward to the reduction."""
+        c = self.c
+        if c.zero != 3:
+            return collections.defaultdict(dict)
+        m = microbatch_count(self.model.ctx)
+        passes = m if c.reshard_microbatches else 1
+        again = passes if c.reshard_microbatches else int(m == 1 and c.reshard_after_forward)
+        return {name: {"forward": 1 if block < 0 else passes, "backward": 0 if block < 0 else again}
+                for name, block in block_of(self.model, self.params).items()}
 
     def _gradient_sums(self, over_cp: bool = True):
         """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes;

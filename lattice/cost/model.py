@@ -94,7 +94,9 @@ class Cost:
     zero: int = 0  # the distributed optimizer's stage (lattice.parallel.zero); 0: DDP
     precision: str = "fp32"  # "bf16": bf16 weights with fp32 master rows (lattice.parallel.zero), else `itemsize` throughout
     rank: int = 0  # the global rank whose share this is
-    overlap_param_gather: bool = False  # ZeRO's all-gather of updated weights beside the next forward
+    overlap_param_gather: bool = False  # ZeRO's all-gather of updated weights beside the next forward (ZeRO-3: the next block's)
+    reshard_after_forward: bool = True  # ZeRO-3: a block's weights gathered again for its backward
+    reshard_microbatches: bool = False  # ZeRO-3: and around every micro-batch
     grad_reduce_dtype: str = "fp32"  # "bf16": bf16 weights' gradients reduced in bf16 (--grad-reduce-dtype)
     # gradient bytes copied once into a flat buffer for the data-parallel all-reduce (DDP's buckets,
     # whose gradients then stay views of them; a pipeline's flat all-reduce, likewise)
@@ -238,8 +240,9 @@ class Cost:
         keys and values (site layer.ring), which travel while attention computes the block before,
         and the layers' collectives a layout starts before the weight gradients' products and
         awaits after them (sites ending in ".hidden"; the products are half of backward's linear
-        work) (`overlapped`: the seconds of them hidden so, Machine.overlap of the shorter of the
-        collectives and that compute). With stem=True, the Transformer layers
+        work), and ZeRO-3's gathers of the next block's weights beside a block's compute (site
+        weights, with overlap_param_gather) (`overlapped`: the seconds of them hidden so,
+        Machine.overlap of the shorter of the collectives and that compute). With stem=True, the Transformer layers
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
@@ -256,11 +259,16 @@ class Cost:
                                        + self._elementwise_seconds(by_operator, phase, machine)
                                        + work["ops"][phase] * machine.op_overhead)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
+            if self.zero == 3 and self.overlap_param_gather and not stem:  # the next block's gather beside a block
+                hidden = machine.overlap * min(self.comm_time(machine, phase, "weights"), out[f"{phase}_compute"])
+                out[f"{phase}_overlapped"] = hidden
+                out[f"{phase}_comm"] -= hidden
             cp = self.topology.size(MeshAxis.CP)
             if cp > 1:  # each of the ring's cp - 1 sends beside one of its cp blocks of attention
                 attention = work["scores"][phase] / machine.attn_rate * (1 - 1 / cp)
-                out[f"{phase}_overlapped"] = machine.overlap * min(self.comm_time(machine, phase, "layer.ring"), attention)
-                out[f"{phase}_comm"] -= out[f"{phase}_overlapped"]
+                ring = machine.overlap * min(self.comm_time(machine, phase, "layer.ring"), attention)
+                out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + ring
+                out[f"{phase}_comm"] -= ring
             beside_products = sum(self.comm_time(machine, phase, site) for site in
                                   sorted({t.site for t in self.terms if t.phase == phase and t.site.endswith(".hidden")}))
             if beside_products:
@@ -326,7 +334,8 @@ def meta_model(cfg, layout: Layout, rank: int):
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
              zero: int = 0, precision: str = "fp32", padded: bool = False, overlap_param_gather: bool | None = None,
-             grad_reduce_dtype: str = "fp32", parts: tuple[bool, bool] | None = None, **layout_kwargs) -> Cost:
+             grad_reduce_dtype: str = "fp32", parts: tuple[bool, bool] | None = None, reshard_after_forward: bool = True,
+             reshard_microbatches: bool = False, **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
@@ -340,8 +349,8 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     `precision` "bf16": bf16 weights and activations with fp32 master rows, moments and
     gradient reduction (then `dtype` is bf16). `padded`: the batches carry an attention mask,
     whose copies every masked attention saves (padding costs no communication).
-    `overlap_param_gather` (default: with ZeRO, as the Trainer) and `grad_reduce_dtype`: as
-    `lattice train`'s flags. `parts` (first, last), for a layout without a pipeline: the rank runs
+    `overlap_param_gather` (default: with ZeRO, as the Trainer), `grad_reduce_dtype`,
+    `reshard_after_forward` and `reshard_microbatches` (ZeRO-3's): as `lattice train`'s flags. `parts` (first, last), for a layout without a pipeline: the rank runs
     only those of the model's end parts, as one stage of a pipeline would (the planner prices a
     stage so)."""
     if precision == "bf16":
@@ -356,7 +365,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
                 target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
                 precision=precision, padded=padded, grad_reduce_dtype=grad_reduce_dtype,
                 overlap_param_gather=bool(zero) if overlap_param_gather is None else overlap_param_gather,
-                parts=parts)
+                parts=parts, reshard_after_forward=reshard_after_forward, reshard_microbatches=reshard_microbatches)
     CostBuilder(cost, model).build()
     return cost
 

@@ -169,19 +169,21 @@ def zero_split(ctx, split: tuple, shards: int, shard: int) -> tuple[int, int]:
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
                     master_itemsize: int | None = None, params: dict | None = None) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
-    its shards, a meta model will do) for ZeRO `stage` 0, 1 or 2 over `dp` replicas, with
+    its shards, a meta model will do) for ZeRO `stage` 0 to 3 over `dp` replicas, with
     `itemsize`-byte weights (under cp: dp x cp shards, `zero_shards`) and, given `master_itemsize`
     (bf16 weights: 4), master rows, moments
     and reduced gradients of that size. Per parameter, up to rows that do not divide by d:
-    fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2); bf16 weights with fp32 masters
-    18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d (stage 2)."""
+    fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2), 16/d (stage 3); bf16 weights with
+    fp32 masters 18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d
+    (stage 2), 16/d (stage 3). Stage 3 adds `gathered`: the weights whole during a step, those
+    outside the blocks and the two largest blocks' (one running, the next one's gather under way)."""
     state = master_itemsize or itemsize
     mixed = master_itemsize is not None and master_itemsize != itemsize
     shards, shard = (dp, dp_rank) if stage else (1, 0)
     params = dict(model.named_parameters()) if params is None else params  # as plan_buckets
     numel = sum(p.numel() for p in params.values())
     trained = sum(p.numel() for name, p in params.items() if model.specs[name].trainable)
-    owned = 0
+    owned, shared, blocks = 0, {}, block_of(model, params) if stage == 3 else {}
     for name, p in params.items():
         if not model.specs[name].trainable:  # (no gradient, no optimizer state)
             continue
@@ -189,10 +191,16 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
         n, k = zero_split(model.ctx, model.specs[name].replica_splits, shards, shard)
         r0, r1 = owned_rows(rows, n, k)
         owned += (r1 - r0) * width
+        if n > 1 and stage == 3:  # (gathered where used; with nothing to share, whole throughout)
+            shared[blocks[name]] = shared.get(blocks[name], 0) + p.numel()
     reduced = sum(bucket[2] for bucket in plan_buckets(model, shards, itemsize=state, params=params))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
         grads = state * reduced + (itemsize * trained if stage == 1 else 0)
-    else:  # the gradient itself, or (stage 2) only the reduced slice
-        grads = itemsize * (reduced if stage == 2 else trained)
-    return {"parameters": itemsize * numel, "gradients": grads,
-            "optimizer": (3 if mixed else 2) * state * owned}
+    else:  # the gradient itself, or (stages 2 and 3) only the reduced slice
+        grads = itemsize * (reduced if stage >= 2 else trained)
+    out = {"parameters": itemsize * numel, "gradients": grads, "optimizer": (3 if mixed else 2) * state * owned}
+    if stage == 3:  # the weights kept are those nothing shares and the master rows (fp32: the weights themselves)
+        out["parameters"] = itemsize * (numel - sum(shared.values())) + (0 if mixed else state * owned)
+        largest = sorted((n for block, n in shared.items() if block >= 0), reverse=True)[:2]
+        out["gathered"] = itemsize * (shared.get(-1, 0) + sum(largest))
+    return out
