@@ -56,10 +56,10 @@ def _replicas(layout: dict, dtype, family: str = "gpt2"):
     return ctx, cfg, weights, replica_step
 
 
-def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict:
+def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2", options: dict | None = None) -> dict:
     """Three AdamW steps of the same float64 model: plain data parallelism (gradients averaged
     by hand with torch.distributed, lattice.training.optim's norm and clip, torch's AdamW) and the
-    distributed optimizer at each stage; full weights and moments of both, and the distributed
+    distributed optimizer at each stage (ZeRO-3 with `options`); full weights and moments of both, and the distributed
     optimizer's collectives of its first step beside the cost model's (stage 2 recomputes each
     block in backward and gathers the updated weights beside the next forward). The plain run's first loss and gradients are checked against the serial
     model's on the whole global batch."""
@@ -91,16 +91,17 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
         ref_opt.step()
     ref_weights, ref_moments = ref.full_state_dict(), checkpoint.gather_optimizer(ref, ref_opt)
     out = {"clipped": min(ref_norms) > CLIP, "to_serial": to_serial}
-    # stage 2 with activation checkpointing: its recomputation must not re-fire a bucket; and with
-    # overlap_param_gather: a forward that reads a weight before its bucket's gather is awaited
-    # (a loss head's, a pipeline stage's mirror of the table) steps from stale rows
+    # stages 2 and 3 with activation checkpointing: its recomputation must not re-fire a bucket
+    # (nor, at stage 3, free a block its backward still reads); and with overlap_param_gather: a
+    # forward that reads a weight before its bucket's gather is awaited (a loss head's, a pipeline
+    # stage's mirror of the table) steps from stale rows (at stage 3: the next block's prefetch)
     for stage in stages:
-        model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=stage == 2)
+        model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=stage >= 2)
         model.load_full_state_dict(weights)
         leave_cp = ctx.cp > 1 and ctx.pipeline is None  # the Trainer's way: one reduction over dp x cp
         opt = ZeroOptimizer(model, ctx, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=stage,
                             accumulations=ctx.pipeline.m if ctx.pipeline else 1, cp_summed=not leave_cp,
-                            overlap_param_gather=stage == 2)
+                            overlap_param_gather=stage >= 2, **(options or {}) if stage == 3 else {})
         norms = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -119,11 +120,13 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2") -> dict
                     measured[k] = (calls - v["calls"], elements - v["elements"])
                 measured = {k: v for k, v in measured.items() if v[0]}
         opt.finish_param_gathers()  # (the last step's gathers: full_state_dict reads the weights directly)
+        opt.gather_params()  # (stage 3's weights are each rank's rows until gathered)
         moments = checkpoint.gather_optimizer(model, opt)
         owned = sum(t.numel() for key, _, t, _ in opt.checkpoint_tensors(True)
                     if key.startswith("optimizer/exp_avg/"))
         analytic = lattice.cost.estimate(cfg, layout["mode"], batch=REPLICA_BATCH, seq=T, dtype=torch.float64,
-                                         rank=ctx.rank, zero=stage, activation_checkpointing=stage == 2,
+                                         rank=ctx.rank, zero=stage, activation_checkpointing=stage >= 2,
+                                         **(options or {}) if stage == 3 else {},
                                          **{k: v for k, v in layout.items() if k != "mode"})
         modelled = {k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]}
         out[stage] = {"weights": _worst(model.full_state_dict(), ref_weights),
@@ -160,20 +163,24 @@ def test_zero_equals_plain_data_parallelism_and_its_cost_model(layout):
     weights), a pipeline's bucket started before its last micro-batch or before the stages' sum
     of the tied table, weight decay on the wrong slices, a rank keeping more than its rows of the
     moments, a bucket started before sync_grads completed its gradients, and collectives the
-    cost model does not describe (or the reverse): weights and both moments after three steps
-    equal plain data parallelism's within 1e-12."""
-    assert_zero_equals_ddp_and_serial(layout)
+    cost model does not describe (or the reverse); at stage 3 also a block's weights freed
+    before its backward (or its recomputation) reads them, gathered from stale master rows, or
+    gathered more or less often than the cost model prices: weights and both moments after three
+    steps equal plain data parallelism's within 1e-12."""
+    assert_zero_equals_ddp_and_serial(layout, stages=(1, 2, 3))
 
 
-def assert_zero_equals_ddp_and_serial(layout: dict, family: str = "gpt2") -> None:
+def assert_zero_equals_ddp_and_serial(layout: dict, family: str = "gpt2", stages=(1, 2),
+                                      options: dict | None = None) -> None:
     """The checks of the test above, for `family` (also run by test_context_parallel's matrix):
     plain data parallelism's first loss and gradients equal serial's within 1e-10, ZeRO's weights,
     moments and norms plain data parallelism's within 1e-12, its collectives the cost model's."""
-    results = run_distributed(_world(layout), _zero_against_ddp, layout, family=family)
+    results = run_distributed(_world(layout), _zero_against_ddp, layout, stages=stages, family=family,
+                              options=options)
     for rank, result in enumerate(results):
         assert result["clipped"], rank
         assert result["to_serial"] < 1e-10, (rank, result["to_serial"])
-        for stage in (1, 2):
+        for stage in stages:
             r = result[stage]
             assert r["steps"] == STEPS, (rank, stage)
             assert max(r["weights"], r["moments"], r["norms"]) < 1e-12, (rank, stage, r)
@@ -182,14 +189,14 @@ def assert_zero_equals_ddp_and_serial(layout: dict, family: str = "gpt2") -> Non
             assert set(r["measured"]) == set(r["modelled"]), (rank, stage, set(r["measured"]) ^ set(r["modelled"]))
             assert r["measured"] == r["modelled"], (rank, stage)
             dp = shards  # the gradients' reduce-scatter runs in backward, the weights' all-gather after
-            assert ("backward", "reduce_scatter", dp) in r["measured"]
-            assert ("optimizer", "all_gather", dp) in r["measured"]
-    worst = max(max(result[stage][k] for stage in (1, 2) for k in ("weights", "moments", "norms"))
+            assert ("backward", "reduce_scatter", dp) in r["measured"]  # (stage 3: before the forward)
+            assert ("forward" if stage == 3 else "optimizer", "all_gather", dp) in r["measured"]
+    worst = max(max(result[stage][k] for stage in stages for k in ("weights", "moments", "norms"))
                 for result in results)
-    print(f"\n{family} {layout} zero 1 and 2: {len(results)} ranks; first loss and gradients to serial "
+    print(f"\n{family} {layout} zero {stages}: {len(results)} ranks; first loss and gradients to serial "
           f"{max(r['to_serial'] for r in results):.1e}; weights, moments, norms after {STEPS} steps to plain "
           f"data parallelism {worst:.1e}; rank 0's first step metered "
-          f"{sum(e for _, e in results[0][1]['measured'].values()):,} elements = cost model")
+          f"{sum(e for _, e in results[0][stages[0]]['measured'].values()):,} elements = cost model")
 
 
 def _overlapped_against_waited(layout: dict, family: str) -> dict:
@@ -425,8 +432,10 @@ def test_a_bf16_gradient_reduction_is_priced_at_its_own_bytes():
     ({"precision": "bf16", "dtype": "float64"}, "--dtype float64"),
     ({"precision": "bf16", "bf16": True}, "--bf16"),
     ({"grad_reduce_dtype": "bf16"}, "--precision bf16"),
-    ({"zero": 3}, "zero must be one of"),
-    ({"overlap_param_gather": True}, "--zero 1 or 2"),
+    ({"zero": 4}, "zero must be one of"),
+    ({"overlap_param_gather": True}, "--zero 1, 2 or 3"),
+    ({"zero": 2, "reshard_after_forward": False}, "--zero 3"),
+    ({"reshard_microbatches": True}, "--zero 3"),
     ({"overlap_grad_reduce": False}, "DDP always overlaps"),
 ])
 def test_refuses_what_the_optimizer_cannot_do(given, named):
