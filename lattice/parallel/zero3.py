@@ -69,8 +69,8 @@ class ShardedWeights:
 
     def pass_done(self, bucket: Bucket) -> None:
         """Each of the bucket's gradients accumulated once more (a micro-batch's backward through
-        it): with `reshard_microbatches`, free it until the next micro-batch's forward."""
-        if self.reshard_microbatches:
+        it): with `reshard_microbatches`, a block's is freed until the next micro-batch's forward."""
+        if self.reshard_microbatches and bucket.block != OUTSIDE:
             self.free(bucket)
 
     # ---- one bucket
@@ -149,16 +149,19 @@ class ShardedWeights:
     def _after_block(self, u: int, out) -> None:
         if u in self.in_backward:
             return
-        training = torch.is_grad_enabled()
-        if training and not (self.reshard_microbatches if self.accumulating else self.reshard_after_forward):
-            return  # kept until its reduction
-        for bucket in self.units[u]:
-            self.free(bucket)
-        if training:  # gathered again once the gradient of its output arrives
-            outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in outputs:
-                t.register_hook(lambda grad, u=u: self._before_backward(u))
+        if not torch.is_grad_enabled():  # (no backward follows)
+            for bucket in self.units[u]:
+                self.free(bucket)
+            return
+        if self.reshard_microbatches if self.accumulating else self.reshard_after_forward:
+            for bucket in self.units[u]:
+                self.free(bucket)
+        # once the gradient of its output arrives: gathered again (where freed), and a
+        # recomputation under activation checkpointing is told from a forward
+        outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in outputs:
+            t.register_hook(lambda grad, u=u: self._before_backward(u))
 
     def _before_backward(self, u: int) -> None:
         if u not in self.in_backward:
