@@ -76,6 +76,7 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
     print(f"memory per rank between steps, fp32 (weights + gradients + AdamW moments, MiB; bytes per parameter of "
           f"the model times the ranks of one replica):")
     print("  rank  " + "".join(f"{'--zero ' + str(z):>24}" for z in ZERO_STAGES))
+    gathered = 0
     for r in range(topo.world_size):
         ctx = layout.context(r)
         with torch.device("meta"):
@@ -83,9 +84,12 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
         cells = []
         for zero in ZERO_STAGES:
             held = memory_per_rank(model, *zero_shards(ctx), zero, 4)
+            gathered = max(gathered, held.pop("gathered", 0))
             b = sum(held.values())
             cells.append(f"{b / 2 ** 20:.2f} ({b * topo.replica_size / total:.2f} B/param)")
         print(f"  {r:<6}" + "".join(f"{c:>24}" for c in cells))
+    print(f"  --zero 3 gathers during a step, at most (the weights outside the blocks and two blocks'): "
+          f"{gathered / 2 ** 20:.2f} MiB")
 
 
 def _print_stages(model) -> None:

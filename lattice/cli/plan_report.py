@@ -10,6 +10,7 @@ from lattice.cost.pipeline import in_flight
 from lattice.cost.tables import layer_table, optimus_table1
 from lattice.modes.layout import Layout
 from lattice.parallel.context import LatticeConfigError
+from lattice.parallel.zero import ZERO_STAGES
 from lattice.planner.pricing import TERMS
 from lattice.planner.projection import pipeline_projection
 from lattice.planner.search import divisors
@@ -172,4 +173,23 @@ def format_search(plan, *, cfg, gpus: int, ranks_per_node: int, machine: Machine
         lines += ["", f"the first as a run: {command}"]
     lines += ["", "the other modes:"]
     lines += [f"  {mode}: {why}" for mode, why in mode_verdicts(plan, modes).items()]
+    if plan.ranked:
+        lines += ["", "the ZeRO stages:"] + [f"  --zero {zero}: {why}" for zero, why in zero_verdicts(plan).items()]
     return "\n".join(lines)
+
+
+def zero_verdicts(plan) -> dict[int, str]:
+    """The best setup at each ZeRO stage that fits, its memory per rank (at stage 3 with the
+    weights it gathers during a step), and why it loses to the first."""
+    best, out = plan.ranked[0], {}
+    for zero in ZERO_STAGES:
+        mine = next((p for p in plan.ranked if p.choice.zero == zero), None)
+        if mine is None:
+            out[zero] = "no setup that fits"
+            continue
+        gathered = mine.memory.get("gathered", 0)
+        memory = f"{mine.memory['total'] / 2 ** 30:,.2f} GiB" + (
+            f" ({gathered / 2 ** 30:,.2f} of them gathered during the step)" if gathered else "")
+        verdict = "the first" if mine is best else f"{mine.step_s / best.step_s:.2f}x the first: {why_slower(mine, best)}"
+        out[zero] = f"{mine.choice.describe()}: {mine.step_s * 1e3:,.1f} ms, {memory}; {verdict}"
+    return out

@@ -242,7 +242,8 @@ class Cost:
         awaits after them (sites ending in ".hidden"; the products are half of backward's linear
         work), and ZeRO-3's gathers of the next block's weights beside a block's compute (site
         weights, with overlap_param_gather) (`overlapped`: the seconds of them hidden so,
-        Machine.overlap of the shorter of the collectives and that compute). With stem=True, the Transformer layers
+        Machine.overlap of the shorter of the collectives and that compute; ZeRO-3's apart,
+        `weights_overlapped`, as its gathers come once a step under several micro-batches). With stem=True, the Transformer layers
         alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
@@ -261,7 +262,7 @@ class Cost:
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             if self.zero == 3 and self.overlap_param_gather and not stem:  # the next block's gather beside a block
                 hidden = machine.overlap * min(self.comm_time(machine, phase, "weights"), out[f"{phase}_compute"])
-                out[f"{phase}_overlapped"] = hidden
+                out["weights_overlapped"] = out.get("weights_overlapped", 0.0) + hidden
                 out[f"{phase}_comm"] -= hidden
             cp = self.topology.size(MeshAxis.CP)
             if cp > 1:  # each of the ring's cp - 1 sends beside one of its cp blocks of attention

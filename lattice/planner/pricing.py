@@ -31,10 +31,11 @@ TERMS = ("compute", *COMM_GROUPS, "overlapped", "bubble", "skew", "update")  # a
 
 def comm_group(site: str) -> str:
     """Which communication a term is: of the tensor layout, of context parallelism, the gradients'
-    reduction over replicas (and the parameters' all-gather of ZeRO), or pipeline sends."""
+    reduction over replicas (and the parameters' all-gathers of ZeRO, ZeRO-3's around the blocks
+    too: once a step where a step has several micro-batches), or pipeline sends."""
     if site in ("layer.ring", "layer.context") or site.startswith(("layer.ring.", "layer.context.")):
         return "context"
-    if site == "grads":
+    if site in ("grads", "weights"):
         return "data"
     if site == "pipeline":
         return "pipeline"
@@ -139,6 +140,7 @@ def _figures(c, machine: Machine) -> dict[str, float]:
             groups[comm_group(term.site)] += seconds
             if term.site == "loss":
                 out["tensor_loss"] += seconds
+    groups["data"] -= t.get("weights_overlapped", 0.0)  # ZeRO-3's gathers hidden beside the blocks
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
@@ -183,7 +185,10 @@ def blocks_figures(cfg, layout: Layout, *, blocks: int, batch: int, machine: Mac
     if blocks <= 2:
         return figures(blocks)
     one, two = figures(1), figures(2)
-    return {key: one.get(key, 0.0) + (blocks - 1) * (two.get(key, 0.0) - one.get(key, 0.0)) for key in one | two}
+    out = {key: one.get(key, 0.0) + (blocks - 1) * (two.get(key, 0.0) - one.get(key, 0.0)) for key in one | two}
+    if "memory_gathered" in two and kw.get("reshard_after_forward", True) and layout.accumulation == 1:
+        out["memory_gathered"] = two["memory_gathered"]  # ZeRO-3 gathers two blocks at most, however deep
+    return out
 
 
 def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
@@ -241,6 +246,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
                        options=lay.options, ranks_per_node=lay.ranks_per_node)
         # each stage's blocks with the end parts it holds (an encoder-decoder's stages: both, an upper bound)
         kinds = _stage_parts(cfg, lay)
+        if choice.zero == 3:  # a stage's blocks stay gathered from the first micro-batch to the reduction
+            kw["reshard_after_forward"] = False
         figures = {(parts, blocks): priced_blocks(cfg, stage, blocks=blocks, batch=replica // m, machine=machine,
                                                    topology=lay.topology, parts=parts, **kw)
                    for parts, blocks in set(kinds)}

@@ -137,7 +137,7 @@ def uneven_split(cfg, pp: int) -> tuple[int, ...] | None:
 def _setups(lay: Layout, precision: str) -> list[Choice]:
     """ZeRO stages and activation checkpointing, least added time first (under the cost model
     each only adds time): the first whose memory fits is the layout's price."""
-    zeros = (0, 1, 2) if lay.dp * lay.cp > 1 else (0,)
+    zeros = (0, 1, 2, 3) if lay.dp * lay.cp > 1 else (0,)
     return [Choice(lay, zero=zero, precision=precision, checkpointing=ckpt) for ckpt in (False, True) for zero in zeros]
 
 
