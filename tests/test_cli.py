@@ -148,6 +148,7 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
                             ranks_per_node=2)
     set_elsewhere = {"data_hash", "model_from", "model_sizes"}  # by the trainer, by --resume, by the size flags
     changed = {f.name: _other_value(f, f.default) for f in fields(TrainConfig) if f.name not in set_elsewhere}
+    changed.update(zero=3)  # (whose resharding flags are among the fields)
     changed.update(arch="llama", model="tiny", batch_size=8, target_len=None,  # an encoder-decoder's: below
                    model_sizes={"n_kv_heads": 2, "norm_eps": 1e-6, "tie_embeddings": True})
     # bf16 weights exclude autocast and float64 weights: the second run has those, the first the others;
