@@ -154,3 +154,63 @@ def test_zero3_keeps_a_dp_th_of_the_weights_gradients_and_moments(dp):
     for rank, r in enumerate(run_distributed(dp, _memory_after_steps, {"mode": "serial", "dp": dp})):
         assert r[3]["measured"] == r[3]["formula"] and r[0]["measured"] == r[0]["formula"], (rank, r)
         assert abs(r[3]["measured"] / (r[0]["measured"] / dp) - 1) < 0.05, (rank, r)
+
+
+def _metered_step(layout: dict) -> dict:
+    """One ZeRO-3 step of GPT-2's first test shape (float64, the replica's rows of a fixed batch,
+    with and without activation checkpointing): CommMeter's calls and elements beside the cost
+    model's."""
+    import lattice
+    import lattice.cost
+    from lattice.models import get_arch
+    from lattice.parallel.context import MeshAxis
+    from lattice.parallel.zero import ZeroOptimizer
+
+    ctx = cached_init(**layout)
+    family = get_arch("gpt2")
+    cfg = family.config_class(**family.test_shapes[0])
+    tokens = torch.randint(0, cfg.vocab_size, (4 * ctx.dp, 9), generator=torch.Generator().manual_seed(5))
+    mine = slice(4 * ctx.coord(MeshAxis.DP), 4 * ctx.coord(MeshAxis.DP) + 4)
+    out = []
+    for ckpt in (False, True):
+        model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=ckpt)
+        leave_cp = ctx.cp > 1 and ctx.pipeline is None
+        opt = ZeroOptimizer(model, ctx, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, stage=3, cp_summed=not leave_cp,
+                            accumulations=ctx.pipeline.m if ctx.pipeline else 1, overlap_param_gather=True)
+        with lattice.CommMeter() as meter:
+            if leave_cp:
+                model(tokens[mine, :-1], tokens[mine, 1:]).backward()
+                model.sync_grads(over_cp=False)
+            else:
+                model.forward_backward(tokens[mine, :-1], tokens[mine, 1:])
+            opt.reduce_grads()
+            opt.step()
+        analytic = lattice.cost.estimate(cfg, layout["mode"], batch=4, seq=8, dtype=torch.float64, rank=ctx.rank,
+                                         zero=3, activation_checkpointing=ckpt,
+                                         **{k: v for k, v in layout.items() if k != "mode"})
+        out.append(({k: (v["calls"], v["elements"]) for k, v in meter.summary().items() if v["calls"]},
+                    {k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]}))
+    return out
+
+
+def _conformance_layouts() -> list[dict]:
+    """GPT-2's layouts of the conformance suite (each mode's declared ones and the pipelines),
+    with twice their replicas."""
+    from test_conformance import PIPELINE_LAYOUTS, _layouts
+
+    return [{**layout, "dp": 2 * layout.get("dp", 1)} for layout in [*_layouts("gpt2"), *PIPELINE_LAYOUTS]]
+
+
+@pytest.mark.parametrize("layout", _conformance_layouts(), ids=lambda l: "-".join(f"{k}={v}" for k, v in l.items()))
+def test_zero3_communication_of_every_conformance_layout_equals_the_cost_model(layout):
+    """Catches a gather or reduce-scatter of ZeRO-3 that the cost model does not price (or the
+    reverse) in any layout the conformance suite runs, at twice its replicas: one step's metered
+    calls and elements on every rank equal the cost model's, with and without activation
+    checkpointing. Layouts of more than 8 ranks run on hosts of 8 cores or more."""
+    if _world(layout) > 8 and (os.cpu_count() or 1) < 8:
+        pytest.skip(f"{_world(layout)} ranks (run by hand on 2 cores)")
+    for rank, cases in enumerate(run_distributed(_world(layout), _metered_step, layout)):
+        for ckpt, (measured, modelled) in zip((False, True), cases):
+            assert measured == modelled, (rank, ckpt, {k: (measured.get(k), modelled.get(k))
+                                                       for k in set(measured) | set(modelled)
+                                                       if measured.get(k) != modelled.get(k)})
