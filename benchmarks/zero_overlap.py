@@ -9,8 +9,10 @@ are reduced (from backward to the last reduction's start) and after the update.
 forward, awaited before the first module reading it (its buffers are alive until then).
 --overlap-grad-reduce: each bucket's reduce-scatter starts in backward once its gradients are
 complete (under a pipeline in the last micro-batch's backward; ZeRO-2 then drops the full
-gradients bucket by bucket), rather than after backward. Each row turns one off with the other
-at its default (on); ZeRO-1 and ZeRO-2, fp32, serial tensor layout, 1 thread per rank. Memory:
+gradients bucket by bucket), rather than after backward. With --zero 3, --overlap-param-gather is
+the next block's all-gather started as a block starts (forward and backward). Each row turns one
+off with the other at its default (on); ZeRO-1, 2 and 3, fp32, serial tensor layout, 1 thread per
+rank. Memory:
 distinct storages of the weights, gradients (full and reduced), optimizer state and the
 buffers of the reductions and gathers in flight.
 """
@@ -32,6 +34,7 @@ def _held(model, opt) -> int:
     from zero_memory import _held_bytes
 
     buffers = [t for bucket in opt.buckets for t in (bucket.flat, bucket.reduced) if t is not None]
+    buffers += [bucket.gathering[0] for bucket in opt.buckets if bucket.gathering is not None]  # (ZeRO-3's prefetch)
     if opt.overlap is not None:
         buffers += [finish.args[1] for finish in opt.overlap.pending.values()]  # (bucket, gathered, work)
     return sum(_held_bytes(model, opt, buffers).values())
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for layout in layouts:
         world = layout["dp"] * layout.get("pp", 1)
-        for zero in (1, 2):
+        for zero in (1, 2, 3):
             rows = spawn(world, _world, layout, args.model, zero, args.rounds, args.steps, timeout=3600)
             base = statistics.median(rows[0]["times"][0])
             name = " ".join(f"{k}={v}" for k, v in layout.items() if k != "mode")

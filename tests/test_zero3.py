@@ -79,13 +79,17 @@ def test_the_trainer_at_zero3_follows_zero0(layout, config):
             assert worst < 1e-12 and _worst(weights, want) < 1e-12, (rank, run, worst, _worst(weights, want))
 
 
-def test_bf16_weights_at_zero3_equal_zero1s():
+@pytest.mark.parametrize("arch,layout", [("gpt2", {"mode": "serial", "dp": 2}),
+                                         ("mixtral", {"mode": "serial", "dp": 2, "ep": 2})])
+def test_bf16_weights_at_zero3_equal_zero1s(arch, layout):
     """Catches ZeRO-3 gathering bf16 weights rounded otherwise than ZeRO-1 rounds its master rows
-    into them (or from master rows not yet updated): bf16 weights with fp32 master rows, three
-    steps at dp = 2, identical losses and weights at stages 1 and 3."""
+    into them (or from master rows not yet updated), and weights no rank shares (an MoE's experts
+    split over the replicas), which ZeRO-3 never frees, left unrounded from their updated master
+    rows: bf16 weights with fp32 master rows, three steps at dp = 2, identical losses and weights
+    at stages 1 and 3."""
     runs = [{"zero": 1}, {"zero": 3}]
     for rank, ((l1, w1), (l3, w3)) in enumerate(run_distributed(
-            2, _trained, {"mode": "serial", "dp": 2}, runs, precision="bf16", dtype="float32")):
+            2, _trained, layout, runs, arch=arch, precision="bf16", dtype="float32")):
         assert l1 == l3, (rank, l1, l3)
         assert all(torch.equal(w1[k], w3[k]) for k in w1), rank
         assert next(iter(w3.values())).dtype == torch.bfloat16

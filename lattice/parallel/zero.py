@@ -134,7 +134,8 @@ class ZeroOptimizer:
                 offset += piece.per * width
                 if piece.numel:
                     piece.master = p.detach().view(rows, width)[r0:r1]
-                    if self.separate_masters:  # fp32 master rows of bf16 weights
+                    if self.master_dtype != self.param_dtype or (stage == 3 and shards > 1):  # fp32 master rows of
+                        # bf16 weights; ZeRO-3's rows of weights it frees
                         piece.master = piece.master.to(self.master_dtype, copy=True)
                     (decay if decays(model.specs[name].full_shape) else no_decay).append(piece.master)
                 pieces.append(piece)
@@ -305,9 +306,7 @@ class ZeroOptimizer:
         with `overlap_param_gather`)."""
         self.finish_param_gathers()
         self.inner.step()
-        if self.sharded is not None:  # the next forward gathers the updated rows
-            self.sharded.free_all()
-        elif self.separate_masters:
+        if self.separate_masters:
             self.params_from_masters()
         else:
             self._gather_rows()
@@ -316,13 +315,13 @@ class ZeroOptimizer:
     def params_from_masters(self) -> None:
         """Round the master rows into the weights and gather every shard's (after an update, or
         after a checkpoint was read into the master rows)."""
-        if self.sharded is not None:  # gathered from the master rows where they are read
-            self.sharded.free_all()
-            return
         for piece in self.pieces.values():
-            if piece.master is not None:
+            if piece.master is not None and piece.alias is None:  # (ZeRO-3's freed weights: gathered where read)
                 piece.param.detach().view(-1, piece.width)[piece.r0:piece.r1] = piece.master
-        self._gather_rows()
+        if self.sharded is not None:
+            self.sharded.free_all()
+        else:
+            self._gather_rows()
 
     @torch.no_grad()
     def _gather_rows(self) -> None:
