@@ -8,7 +8,8 @@ For each dp and ZeRO stage (0: plain data parallelism, 1: moments split, 2: grad
 weights too) it starts dp gloo processes (serial tensor layout), builds the model in fp32, takes
 one step on one sequence per replica, and counts the bytes of the distinct storages the rank then
 holds: parameters, gradients (p.grad, or the reduced slices AdamW reads) and the optimizer's
-state; at stage 3 also the most weight bytes gathered at once during the step. The formula per
+state; at stage 3 also the most weight bytes gathered at once during the step (the gathers in
+flight, the next block's, counted). The formula per
 parameter (lattice.parallel.zero.memory_per_rank): fp32 16 bytes without ZeRO, 8 + 8/d with stage
 1, 4 + 12/d with stage 2, 16/d with stage 3; bf16 weights with fp32 master rows 18, 4 + 16/d,
 2 + 16/d, 16/d (Megatron-LM's table, which keeps a whole fp32 gradient buffer: 18 and 6 + 12/d).
@@ -87,13 +88,15 @@ def _worker(preset: str, seq: int, zero: int, precision: str) -> dict:
     from lattice.training.optim import make_optimizer
 
     gathered = [0]
-    finish = ShardedWeights._finish
+    start, finish = ShardedWeights._start, ShardedWeights._finish
 
-    def finished(self, bucket, phase):  # the most weight bytes whole at once, after each gather
-        finish(self, bucket, phase)
-        gathered[0] = max(gathered[0], sum(p.untyped_storage().nbytes() for p in model.parameters()))
+    def whole(self) -> None:  # the most weight bytes whole at once, with the gathers in flight
+        flight = sum(b.gathering[0].untyped_storage().nbytes() for unit in self.units.values() for b in unit
+                     if b.gathering is not None)
+        gathered[0] = max(gathered[0], flight + sum(p.untyped_storage().nbytes() for p in model.parameters()))
 
-    ShardedWeights._finish = finished
+    ShardedWeights._start = lambda self, bucket, phase: (start(self, bucket, phase), whole(self))
+    ShardedWeights._finish = lambda self, bucket, phase: (finish(self, bucket, phase), whole(self))
     ctx = lattice.init("serial", dp=dist.get_world_size())
     cfg = get_arch("gpt2").config_class.preset(preset, seq_len=seq)
     model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
