@@ -218,3 +218,21 @@ def test_zero3_communication_of_every_conformance_layout_equals_the_cost_model(l
             assert measured == modelled, (rank, ckpt, {k: (measured.get(k), modelled.get(k))
                                                        for k in set(measured) | set(modelled)
                                                        if measured.get(k) != modelled.get(k)})
+
+
+def _skipping(layout: dict) -> dict:
+    trainer = Trainer(TrainConfig(model="tiny", vocab_size=512, batch_size=4, eval_batches=1, progress=False, steps=6,
+                                  lr=1e3, warmup=0, on_nan="skip", zero=3), cached_init(**layout))
+    rows = [trainer.train_step() for _ in range(6)]
+    trainer.optimizer.gather_params()
+    return {"skipped": [r["skipped"] for r in rows],
+            "finite": all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())}
+
+
+def test_skipping_nan_steps_at_zero3_keeps_the_weights_finite():
+    """Catches --on-nan skip at ZeRO-3 updating the master rows anyway, or gathering weights a
+    skipped step left behind: a run whose learning rate sends the gradients to NaN skips steps on
+    both replicas alike and ends with finite weights."""
+    results = run_distributed(2, _skipping, {"mode": "serial", "dp": 2})
+    assert results[0]["skipped"] == results[1]["skipped"] and any(results[0]["skipped"]), results
+    assert all(r["finite"] for r in results), results
