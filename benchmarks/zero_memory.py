@@ -101,7 +101,8 @@ def _worker(preset: str, seq: int, zero: int, precision: str) -> dict:
     cfg = get_arch("gpt2").config_class.preset(preset, seq_len=seq)
     model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
     if zero or precision == "bf16":  # (bf16 weights: fp32 master rows, at stage 0 unsplit)
-        optimizer = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=zero)
+        optimizer = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=zero,
+                                  overlap_param_gather=zero == 3)  # (stage 3: the Trainer's prefetch)
     else:
         optimizer = make_optimizer(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     g = torch.Generator().manual_seed(ctx.rank)

@@ -398,8 +398,10 @@ class CostBuilder(AttentionTerms):
                 if math.prod(self.topo.size(a) for a in axes) > 1:
                     self.add("backward", "all_reduce", axes, numel, 1, "grads")
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
+        m = microbatch_count(self.model.ctx)  # ZeRO-3's blocks kept gathered, or one or two at a time
+        kept = not (c.reshard_microbatches if m > 1 else c.reshard_after_forward)
         held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None,
-                               params=self.params)
+                               params=self.params, gathered_blocks=None if kept else 1 + c.overlap_param_gather)
         c.memory["gradients"] = held["gradients"]
         c.memory["optimizer"] = held["optimizer"]  # AdamW's moments (and fp32 master rows), this rank's rows under ZeRO
         if c.zero == 3:  # the weights kept between uses, and those gathered during the step

@@ -167,7 +167,8 @@ def zero_split(ctx, split: tuple, shards: int, shard: int) -> tuple[int, int]:
 
 
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
-                    master_itemsize: int | None = None, params: dict | None = None) -> dict[str, int]:
+                    master_itemsize: int | None = None, params: dict | None = None,
+                    gathered_blocks: int | None = 2) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
     its shards, a meta model will do) for ZeRO `stage` 0 to 3 over `dp` replicas, with
     `itemsize`-byte weights (under cp: dp x cp shards, `zero_shards`) and, given `master_itemsize`
@@ -175,8 +176,9 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     and reduced gradients of that size. Per parameter, up to rows that do not divide by d:
     fp32 16 without ZeRO, 8 + 8/d (stage 1), 4 + 12/d (stage 2), 16/d (stage 3); bf16 weights with
     fp32 masters 18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d
-    (stage 2), 16/d (stage 3). Stage 3 adds `gathered`: the weights whole during a step, those
-    outside the blocks and the two largest blocks' (one running, the next one's gather under way)."""
+    (stage 2), 16/d (stage 3). Stage 3 adds `gathered`: the most weights whole at once during a
+    step, those outside the blocks and the `gathered_blocks` largest blocks' (2: one running and
+    the next one's prefetch; None: every block, kept from the forward to the reduction)."""
     state = master_itemsize or itemsize
     mixed = master_itemsize is not None and master_itemsize != itemsize
     shards, shard = (dp, dp_rank) if stage else (1, 0)
@@ -201,6 +203,6 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     out = {"parameters": itemsize * numel, "gradients": grads, "optimizer": (3 if mixed else 2) * state * owned}
     if stage == 3:  # the weights kept are those nothing shares and the master rows (fp32: the weights themselves)
         out["parameters"] = itemsize * (numel - sum(shared.values())) + (0 if mixed else state * owned)
-        largest = sorted((n for block, n in shared.items() if block >= 0), reverse=True)[:2]
+        largest = sorted((n for block, n in shared.items() if block >= 0), reverse=True)[:gathered_blocks]
         out["gathered"] = itemsize * (shared.get(-1, 0) + sum(largest))
     return out
