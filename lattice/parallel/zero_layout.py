@@ -186,6 +186,7 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     numel = sum(p.numel() for p in params.values())
     trained = sum(p.numel() for name, p in params.items() if model.specs[name].trainable)
     owned, shared, blocks = 0, {}, block_of(model, params) if stage == 3 else {}
+    owned_shared = 0  # stage 3: the rows of weights it frees (fp32: their master rows are the weights)
     for name, p in params.items():
         if not model.specs[name].trainable:  # (no gradient, no optimizer state)
             continue
@@ -195,6 +196,7 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
         owned += (r1 - r0) * width
         if n > 1 and stage == 3:  # (gathered where used; with nothing to share, whole throughout)
             shared[blocks[name]] = shared.get(blocks[name], 0) + p.numel()
+            owned_shared += (r1 - r0) * width
     reduced = sum(bucket[2] for bucket in plan_buckets(model, shards, itemsize=state, params=params))
     if mixed:  # the reduced fp32 gradient (all of it at stage 0, the slice otherwise), stage 1 also the bf16 one
         grads = state * reduced + (itemsize * trained if stage == 1 else 0)
@@ -202,7 +204,7 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
         grads = itemsize * (reduced if stage >= 2 else trained)
     out = {"parameters": itemsize * numel, "gradients": grads, "optimizer": (3 if mixed else 2) * state * owned}
     if stage == 3:  # the weights kept are those nothing shares and the master rows (fp32: the weights themselves)
-        out["parameters"] = itemsize * (numel - sum(shared.values())) + (0 if mixed else state * owned)
+        out["parameters"] = itemsize * (numel - sum(shared.values())) + (0 if mixed else state * owned_shared)
         largest = sorted((n for block, n in shared.items() if block >= 0), reverse=True)[:gathered_blocks]
         out["gathered"] = itemsize * (shared.get(-1, 0) + sum(largest))
     return out
