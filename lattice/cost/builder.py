@@ -16,7 +16,7 @@ from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
 from lattice.parallel.pipeline import microbatch_count
-from lattice.parallel.zero_layout import block_of, memory_per_rank, plan_buckets, sharers, zero_split
+from lattice.parallel.zero_layout import memory_per_rank, plan_buckets, sharers, weight_gathers, zero_split
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -371,9 +371,11 @@ class CostBuilder(AttentionTerms):
             if spec.replica_splits and spec.trainable:
                 kinds[spec.replica_splits] = kinds.get(spec.replica_splits, 0) + p.numel()
         frozen = sum(p.numel() for name, p in self.params.items() if not self.model.specs[name].trainable)
+        m = microbatch_count(self.model.ctx)  # (ZeRO-3's blocks stay gathered over several)
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
-            gathers = self._weight_gathers()
+            gathers = (weight_gathers(self.model, self.params, m, c.reshard_after_forward, c.reshard_microbatches)
+                       if c.zero == 3 else collections.defaultdict(dict))
             for _, names, segment, split in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
                                                          params=self.params, by_block=c.zero == 3):
                 n, axes = zero_split(self.model.ctx, split, shards, 0)[0], sharers(split)
@@ -398,7 +400,6 @@ class CostBuilder(AttentionTerms):
                 if math.prod(self.topo.size(a) for a in axes) > 1:
                     self.add("backward", "all_reduce", axes, numel, 1, "grads")
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
-        m = microbatch_count(self.model.ctx)  # ZeRO-3's blocks kept gathered, or one or two at a time
         kept = not (c.reshard_microbatches if m > 1 else c.reshard_after_forward)
         held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None,
                                params=self.params, gathered_blocks=None if kept else 1 + c.overlap_param_gather)
@@ -407,21 +408,6 @@ class CostBuilder(AttentionTerms):
         if c.zero == 3:  # the weights kept between uses, and those gathered during the step
             c.memory["parameters"], c.memory["gathered"] = held["parameters"], held["gathered"]
         self._totals()
-
-    def _weight_gathers(self) -> dict[str, dict[str, int]]:
-        """ZeRO-3 (lattice.parallel.zero3): {parameter: {phase: all-gathers of its bucket a step}}.
-        A block's weights are gathered for each forward and again for each backward when freed
-        after the forward; with several micro-batches they stay from the first forward to the
-        reduction (`reshard_microbatches`: around each). Those outside the blocks stay gathered
-        from the first forward to the reduction."""
-        c = self.c
-        if c.zero != 3:
-            return collections.defaultdict(dict)
-        m = microbatch_count(self.model.ctx)
-        passes = m if c.reshard_microbatches else 1
-        again = passes if c.reshard_microbatches else int(m == 1 and c.reshard_after_forward)
-        return {name: {"forward": 1 if block < 0 else passes, "backward": 0 if block < 0 else again}
-                for name, block in block_of(self.model, self.params).items()}
 
     def _gradient_sums(self, over_cp: bool = True):
         """sync_grads: one all-reduce per bucket of parameters whose specs share grad_sum axes;

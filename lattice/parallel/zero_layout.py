@@ -62,6 +62,19 @@ def block_of(model, params: dict) -> dict[str, int]:
     return {name: index.get(id(p), -1) for name, p in params.items()}
 
 
+def weight_gathers(model, params: dict, microbatches: int, reshard_after_forward: bool = True,
+                   reshard_microbatches: bool = False) -> dict[str, dict[str, int]]:
+    """ZeRO-3 (lattice.parallel.zero3): {parameter: {phase: all-gathers of its bucket a step}}. A
+    block's weights are gathered for each forward and again for each backward when freed after the
+    forward; over several micro-batches they stay from the first forward to the reduction
+    (`reshard_microbatches`: around each). Those outside the blocks stay gathered from the first
+    forward to the reduction."""
+    passes = microbatches if reshard_microbatches else 1
+    again = passes if reshard_microbatches else int(microbatches == 1 and reshard_after_forward)
+    return {name: {"forward": 1 if block < 0 else passes, "backward": 0 if block < 0 else again}
+            for name, block in block_of(model, params).items()}
+
+
 def rows_of(shape) -> tuple[int, int]:
     """(rows, elements per row) of a tensor split along dim 0."""
     if len(shape) == 0:
