@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from multiproc import cached_init, run_distributed
-from test_zero import RUN, _world, assert_zero_equals_ddp_and_serial
+from test_zero import RUN, _train, _world, assert_zero_equals_ddp_and_serial
 
 from lattice.parallel.zero_layout import memory_per_rank
 from lattice.training.trainer import TrainConfig, Trainer
@@ -93,13 +93,6 @@ def test_bf16_weights_at_zero3_equal_zero1s(arch, layout):
         assert l1 == l3, (rank, l1, l3)
         assert all(torch.equal(w1[k], w3[k]) for k in w1), rank
         assert next(iter(w3.values())).dtype == torch.bfloat16
-
-
-def _train(layout: dict, out_dir: str, *, zero: int, stop_at=None, resume=None) -> list[float]:
-    trainer = Trainer(TrainConfig(**RUN, zero=zero, out_dir=out_dir, stop_at=stop_at), cached_init(**layout),
-                      resume=resume)
-    trainer.fit()
-    return [row["train_loss"] for row in trainer.history]
 
 
 def test_a_zero3_checkpoint_resumes_without_zero_in_another_layout_and_back(tmp_path):
