@@ -194,8 +194,9 @@ class TrainConfig:
             raise LatticeConfigError("--overlap-param-gather overlaps the distributed optimizer's all-gather of updated "
                                      "weights with the next forward; it needs --zero 1, 2 or 3")
         if self.zero != 3 and (not self.reshard_after_forward or self.reshard_microbatches):
-            raise LatticeConfigError("--no-reshard-after-forward and --reshard-microbatches choose when ZeRO-3 frees "
-                                     "gathered weights; they need --zero 3")
+            given = "--no-reshard-after-forward" if not self.reshard_after_forward else "--reshard-microbatches"
+            raise LatticeConfigError(f"{given} chooses when ZeRO-3 frees the weights it gathered; it needs --zero 3 "
+                                     f"(this run has --zero {self.zero})")
         if self.dtype not in DTYPES:
             raise LatticeConfigError(f"dtype must be one of {DTYPES} (bf16 is --bf16 autocast), got {self.dtype!r}")
         check_task(self.task_name, get_arch(self.arch))
