@@ -152,10 +152,11 @@ class ZeroOptimizer:
         self._arm()
         self.overlap = self.sharded = None
         if stage == 3:
-            self.sharded = ShardedWeights(model, self.buckets, lambda piece: piece.master.to(self.param_dtype),
-                                          reshard_after_forward=reshard_after_forward, prefetch=overlap_param_gather,
-                                          reshard_microbatches=reshard_microbatches)
-            self.sharded.accumulating = accumulations > 1
+            def start_gather(bucket, phase):  # every rank's rows of the weights, rounded from the master rows
+                return self._start_gather(bucket, lambda piece: piece.master.to(self.param_dtype), self.param_dtype, phase)
+            self.sharded = ShardedWeights(model, self.buckets, start_gather, prefetch=overlap_param_gather,
+                                          reshard_after_forward=reshard_after_forward,
+                                          reshard_microbatches=reshard_microbatches, accumulating=accumulations > 1)
             model.register_state_dict_pre_hook(lambda *_: self.gather_params())
             self.sharded.free_all()  # (the master rows hold the weights now)
         elif overlap_param_gather and self.shards > 1:
@@ -196,9 +197,8 @@ class ZeroOptimizer:
                                f"one step; pass ZeroOptimizer(accumulations=...) the backward passes of a step")
         if left > 1:
             bucket.waiting[id(param)] = left - 1
-            if self.sharded is not None and len(set(bucket.waiting.values())) == 1 and len(bucket.waiting) == len(
-                    bucket.pieces):  # a micro-batch's backward through the bucket is complete
-                self.sharded.pass_done(bucket)
+            if self.sharded is not None:
+                self.sharded.accumulated(bucket)
             return
         del bucket.waiting[id(param)]
         while self._next < len(self.buckets):  # launch in plan order, as far as the ready ones go

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from lattice.parallel.comm import record, unmetered_all_gather
 from lattice.parallel.zero_layout import Bucket, rows_by_shard
 
 OUTSIDE = -1  # the unit of the parameters outside every block
@@ -37,12 +36,14 @@ OUTSIDE = -1  # the unit of the parameters outside every block
 class ShardedWeights:
     """The gather-before-use, free-after lifecycle of the parameters in `buckets` (the
     optimizer's, planned by block), with hooks on the blocks of `model` and on the modules
-    holding its other parameters. `rows(piece)`: the owned rows to gather, in the weights' dtype
-    (the master rows, rounded)."""
+    holding its other parameters. `start_gather(bucket, phase)`: the optimizer's all-gather of
+    every rank's rows of the bucket in the weights' dtype (the master rows, rounded), started:
+    (the gathered segments, the work), metered under `phase` where one is given.
+    `accumulating`: a step runs several forwards before its reduction (micro-batches)."""
 
-    def __init__(self, model, buckets: list[Bucket], rows, *, reshard_after_forward: bool = True,
-                 reshard_microbatches: bool = False, prefetch: bool = True):
-        self.rows, self.prefetch = rows, prefetch
+    def __init__(self, model, buckets: list[Bucket], start_gather, *, reshard_after_forward: bool = True,
+                 reshard_microbatches: bool = False, prefetch: bool = True, accumulating: bool = False):
+        self.start_gather, self.prefetch = start_gather, prefetch
         self.reshard_after_forward, self.reshard_microbatches = reshard_after_forward, reshard_microbatches
         self.units: dict[int, list[Bucket]] = {}
         for bucket in buckets:
@@ -50,7 +51,7 @@ class ShardedWeights:
                 self.units.setdefault(bucket.block, []).append(bucket)
         self.order = sorted(u for u in self.units if u != OUTSIDE)  # the blocks this rank holds, in running order
         self.in_backward: set[int] = set()  # blocks gathered for (or by) their backward, until freed
-        self.accumulating = False  # more than one forward before the reduction (kept gathered)
+        self.accumulating = accumulating  # more than one forward before the reduction (kept gathered)
         for piece in (piece for unit in self.units.values() for b in unit for piece in b.pieces):
             p = piece.param
             if p.untyped_storage().nbytes() != p.numel() * p.element_size() or not p.is_contiguous():
@@ -67,28 +68,22 @@ class ShardedWeights:
                 if any(id(p) in outside for p in module.parameters(recurse=False)):
                     module.register_forward_pre_hook(lambda module, args: self._gather_unit(OUTSIDE, "forward"))
 
-    def pass_done(self, bucket: Bucket) -> None:
-        """Each of the bucket's gradients accumulated once more (a micro-batch's backward through
-        it): with `reshard_microbatches`, a block's is freed until the next micro-batch's forward."""
-        if self.reshard_microbatches and bucket.block != OUTSIDE:
+    def accumulated(self, bucket: Bucket) -> None:
+        """A gradient of the bucket accumulated, not for the last time this step: once each of
+        them has as often (a micro-batch's backward through it is over), with
+        `reshard_microbatches` a block's weights are freed until the next micro-batch's forward."""
+        if (self.reshard_microbatches and bucket.block != OUTSIDE and len(bucket.waiting) == len(bucket.pieces)
+                and len(set(bucket.waiting.values())) == 1):
             self.free(bucket)
 
     # ---- one bucket
     @torch.no_grad()
-    def _start(self, bucket: Bucket, phase: str) -> None:
-        if bucket.whole or bucket.gathering is not None:
-            return
-        device, dtype = bucket.pieces[0].param.device, bucket.pieces[0].param.dtype
-        mine = torch.zeros(bucket.segment, dtype=dtype, device=device)
-        for piece in bucket.pieces:
-            if piece.master is not None:
-                mine[piece.offset:piece.offset + piece.numel] = self.rows(piece).reshape(-1)
-        gathered = torch.empty(bucket.shards, bucket.segment, dtype=dtype, device=device)
-        record("all_gather", bucket.group, gathered.numel(), dtype, phase=phase)
-        bucket.gathering = (gathered, unmetered_all_gather(gathered.view(-1), mine, group=bucket.group, async_op=True))
+    def _start(self, bucket: Bucket, phase: str | None) -> None:
+        if not bucket.whole and bucket.gathering is None:
+            bucket.gathering = self.start_gather(bucket, phase)
 
     @torch.no_grad()
-    def _finish(self, bucket: Bucket, phase: str) -> None:
+    def _finish(self, bucket: Bucket, phase: str | None) -> None:
         self._start(bucket, phase)
         if bucket.gathering is None:
             return
@@ -168,4 +163,3 @@ class ShardedWeights:
             self.in_backward.add(u)
             self._gather_unit(u, "backward")
             self._prefetch(u, -1, "backward")
-
