@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from multiproc import cached_init, run_distributed
-from test_zero import RUN, _train, _world, assert_zero_equals_ddp_and_serial
+from test_zero import RUN, _train, _world, _worst, assert_zero_equals_ddp_and_serial
 
 from lattice.parallel.zero_layout import memory_per_rank
 from lattice.training.trainer import TrainConfig, Trainer
@@ -52,10 +52,6 @@ def _trained(layout: dict, runs: list[dict], steps: int = 3, **config) -> list:
         trainer._finish_param_gathers(whole=True)  # (as fit ends: the weights whole, ZeRO-3's too)
         out.append((losses, trainer.model.full_state_dict()))
     return out
-
-
-def _worst(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-300)) for k in b)
 
 
 @pytest.mark.parametrize("layout,config", [

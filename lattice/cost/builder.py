@@ -5,7 +5,6 @@ sums, the data-parallel all-reduce) and sums the work, saves and terms into a `C
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from contextlib import contextmanager
@@ -375,7 +374,7 @@ class CostBuilder(AttentionTerms):
         if c.zero or mixed:  # lattice.parallel.zero's buckets: a reduce-scatter in backward and an all-gather after the
             shards = ranks if c.zero else 1  # update, or (one shard) an all-reduce, over dp x cp
             gathers = (weight_gathers(self.model, self.params, m, c.reshard_after_forward, c.reshard_microbatches)
-                       if c.zero == 3 else collections.defaultdict(dict))
+                       if c.zero == 3 else {})
             for _, names, segment, split in plan_buckets(self.model, shards, itemsize=reduced, cp_summed=not reduces_cp,
                                                          params=self.params, by_block=c.zero == 3):
                 n, axes = zero_split(self.model.ctx, split, shards, 0)[0], sharers(split)
@@ -384,7 +383,7 @@ class CostBuilder(AttentionTerms):
                     self.add("backward", "reduce_scatter", axes, n * segment, 1, "grads", itemsize=reduced)
                     if c.zero < 3:
                         self.add("optimizer", "all_gather", axes, n * segment, 1, "grads")
-                    for phase, calls in gathers[names[0]].items():  # ZeRO-3's around the forward and backward
+                    for phase, calls in gathers.get(names[0], {}).items():  # ZeRO-3's around the forward and backward
                         if calls:
                             c.terms.append(Term(phase, "all_gather", tuple(axes), calls, calls * n * segment, "weights",
                                                 c.itemsize))
