@@ -90,9 +90,9 @@ def _worker(preset: str, seq: int, zero: int, precision: str) -> dict:
     gathered = [0]
     start, finish = ShardedWeights._start, ShardedWeights._finish
 
-    def whole(self) -> None:  # the most weight bytes whole at once, with the gathers in flight
-        flight = sum(b.gathering[0].untyped_storage().nbytes() for unit in self.units.values() for b in unit
-                     if b.gathering is not None)
+    def whole(self) -> None:  # the most weight bytes whole at once, with the gathers in flight (their weights')
+        flight = sum(piece.param.numel() * piece.param.element_size() for unit in self.units.values() for b in unit
+                     if b.gathering is not None for piece in b.pieces)
         gathered[0] = max(gathered[0], flight + sum(p.untyped_storage().nbytes() for p in model.parameters()))
 
     ShardedWeights._start = lambda self, bucket, phase: (start(self, bucket, phase), whole(self))

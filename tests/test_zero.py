@@ -124,7 +124,8 @@ def _zero_against_ddp(layout: dict, stages=(1, 2), family: str = "gpt2", options
         moments = checkpoint.gather_optimizer(model, opt)
         owned = sum(t.numel() for key, _, t, _ in opt.checkpoint_tensors(True)
                     if key.startswith("optimizer/exp_avg/"))
-        analytic = lattice.cost.estimate(cfg, layout["mode"], batch=REPLICA_BATCH, seq=T, dtype=torch.float64,
+        analytic = lattice.cost.estimate(cfg, layout["mode"], batch=REPLICA_BATCH, seq=T, target_seq=T,
+                                         dtype=torch.float64,
                                          rank=ctx.rank, zero=stage, activation_checkpointing=stage >= 2,
                                          **(options or {}) if stage == 3 else {},
                                          **{k: v for k, v in layout.items() if k != "mode"})

@@ -21,6 +21,9 @@ from lattice.training.trainer import TrainConfig, Trainer
     ("gpt2", {"mode": "serial", "dp": 2, "pp": 2, "microbatches": 2}, {"reshard_microbatches": True}),
     ("llama", {"mode": "1d", "tp": 2, "dp": 2, "sequence_parallel": True}, {}),
     ("t5", {"mode": "serial", "dp": 2}, {}),
+    # a stage reading a part's tables directly (T5's position bias), its parts freed between uses
+    ("t5", {"mode": "serial", "dp": 2, "pp": 2, "microbatches": 1, "pp_schedule": "gpipe"}, {}),
+    ("bert", {"mode": "serial", "dp": 2}, {}),  # a tied table and an embedding norm read in backward
     ("qwen2", {"mode": "2d", "tp": 4, "dp": 2}, {}),
     ("mixtral", {"mode": "1d", "tp": 2, "dp": 2}, {}),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
@@ -147,6 +150,61 @@ def test_zero3_keeps_a_dp_th_of_the_weights_gradients_and_moments(dp):
     for rank, r in enumerate(run_distributed(dp, _memory_after_steps, {"mode": "serial", "dp": dp})):
         assert r[3]["measured"] == r[3]["formula"] and r[0]["measured"] == r[0]["formula"], (rank, r)
         assert abs(r[3]["measured"] / (r[0]["measured"] / dp) - 1) < 0.05, (rank, r)
+
+
+def _gathered_at_most(arch: str, shape: dict) -> dict:
+    """One ZeRO-3 step (prefetch on) of `arch` at `shape` over serial dp = 2, float64: the most
+    weight bytes whole at once (gathers in flight counted, sampled as each starts and ends),
+    memory_per_rank's `gathered`, and the bytes of its blocks and of its parameters outside them,
+    by name, from a serial model."""
+    import lattice
+    from lattice.models import get_arch
+    from lattice.parallel.zero import ZeroOptimizer
+    from lattice.parallel.zero3 import ShardedWeights
+    from lattice.parallel.zero_layout import parts_freed, zero_shards
+
+    ctx = cached_init(mode="serial", dp=2)
+    cfg = get_arch(arch).config_class(**{**get_arch(arch).test_shapes[0], **shape})
+    model = lattice.build_model(cfg, ctx, dtype=torch.float64)
+    most, start, finish = [0], ShardedWeights._start, ShardedWeights._finish
+
+    def whole(self) -> None:  # (a gather in flight: its weights' bytes, not its buffer's rows rounded up)
+        flight = sum(piece.param.numel() * piece.param.element_size() for unit in self.units.values()
+                     for b in unit if b.gathering is not None for piece in b.pieces)
+        most[0] = max(most[0], flight + sum(p.untyped_storage().nbytes() for p in model.parameters()))
+
+    ShardedWeights._start = lambda self, bucket, phase: (start(self, bucket, phase), whole(self))
+    ShardedWeights._finish = lambda self, bucket, phase: (finish(self, bucket, phase), whole(self))
+    try:
+        opt = ZeroOptimizer(model, ctx, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, stage=3, overlap_param_gather=True)
+        most[0] = 0  # (the step's, not the construction's)
+        tokens = torch.randint(0, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(ctx.rank))
+        model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        opt.reduce_grads()
+        opt.step()
+    finally:
+        ShardedWeights._start, ShardedWeights._finish = start, finish
+    serial = {n: p.numel() * 8 for n, p in lattice.build_model(cfg, lattice.context("serial")).named_parameters()}
+    blocks = [sum(b for n, b in serial.items() if n.startswith(f"blocks.{i}.")) for i in range(cfg.n_layers)]
+    return {"measured": most[0], "blocks": blocks, "outside": {n: b for n, b in serial.items() if not n.startswith("blocks.")},
+            "cost model": memory_per_rank(model, *zero_shards(ctx), 3, 8, parts_freed=parts_freed(model, 1, True))["gathered"]}
+
+
+@pytest.mark.parametrize("arch,shape", [("gpt2", {}), ("gpt2", {"vocab_size": 1024}), ("llama", {"vocab_size": 1024})],
+                         ids=["gpt2-blocks-larger", "gpt2-tied-table-larger", "llama-untied-tables-larger"])
+def test_zero3_gathers_two_blocks_or_one_part_at_once(arch, shape):
+    """Catches weights outside the blocks kept gathered through the step (the token table beside
+    every block), a tied table not freed between the embedding and the head or after the head's
+    backward, a part gathered again for a backward that reads only indices, and a cost model that
+    prices the working set otherwise: the most weight bytes whole at once during a ZeRO-3 step are
+    the larger of two blocks and each part outside them (the embeddings; the final norm and the
+    head, each with a tied table), counted by parameter name, and memory_per_rank's."""
+    for rank, r in enumerate(run_distributed(2, _gathered_at_most, arch, shape)):
+        table = r["outside"].pop("embed.wte") if arch == "gpt2" else 0  # (tied: read by the embedding and the head)
+        first = table + sum(b for n, b in r["outside"].items() if n.startswith("embed."))
+        last = table + sum(b for n, b in r["outside"].items() if not n.startswith("embed."))
+        expected = max(sum(sorted(r["blocks"])[-2:]), first, last)
+        assert r["measured"] == expected == r["cost model"], (rank, r, expected)
 
 
 def _metered_step(layout: dict) -> dict:

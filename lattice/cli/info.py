@@ -69,7 +69,8 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
 
     from lattice.models import build_model
     from lattice.parallel.zero import ZERO_STAGES
-    from lattice.parallel.zero_layout import memory_per_rank, zero_shards
+    from lattice.parallel.pipeline import microbatch_count
+    from lattice.parallel.zero_layout import memory_per_rank, parts_freed, zero_shards
 
     layout = layout_from_args(args)
     topo = layout.topology
@@ -81,14 +82,16 @@ def _print_optimizer_memory(args, cfg, total: int) -> None:
         ctx = layout.context(r)
         with torch.device("meta"):
             model = build_model(cfg, ctx)
+        m = microbatch_count(ctx)
         cells = []
         for zero in ZERO_STAGES:
-            held = memory_per_rank(model, *zero_shards(ctx), zero, 4)
+            held = memory_per_rank(model, *zero_shards(ctx), zero, 4, parts_freed=parts_freed(model, m, True))
             gathered = max(gathered, held.pop("gathered", 0))
             b = sum(held.values())
             cells.append(f"{b / 2 ** 20:.2f} ({b * topo.replica_size / total:.2f} B/param)")
         print(f"  {r:<6}" + "".join(f"{c:>24}" for c in cells))
-    print(f"  --zero 3 gathers during a step, at most (the weights outside the blocks and two blocks'): "
+    print(f"  --zero 3 gathers during a step, at most (two blocks, or a part outside them with its tied table; "
+          f"under micro-batches every part outside them and two blocks): "
           f"{gathered / 2 ** 20:.2f} MiB")
 
 

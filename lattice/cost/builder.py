@@ -15,7 +15,8 @@ from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
 from lattice.parallel.sharding import byte_buckets, grad_sum_buckets
 from lattice.parallel.pipeline import microbatch_count
-from lattice.parallel.zero_layout import memory_per_rank, plan_buckets, sharers, weight_gathers, zero_split
+from lattice.parallel.zero_layout import (memory_per_rank, parts_freed, plan_buckets, sharers, weight_gathers,
+                                          zero_split)
 
 DP, CP = MeshAxis.DP, MeshAxis.CP
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
@@ -401,7 +402,8 @@ class CostBuilder(AttentionTerms):
         shards, shard = (ranks, coords.get(DP, 0) * self.cp + coords.get(CP, 0))
         kept = not (c.reshard_microbatches if m > 1 else c.reshard_after_forward)
         held = memory_per_rank(self.model, shards, shard, c.zero, c.itemsize, 4 if mixed else None,
-                               params=self.params, gathered_blocks=None if kept else 1 + c.overlap_param_gather)
+                               params=self.params, gathered_blocks=None if kept else 1 + c.overlap_param_gather,
+                               parts_freed=parts_freed(self.model, m, c.reshard_after_forward))
         c.memory["gradients"] = held["gradients"]
         c.memory["optimizer"] = held["optimizer"]  # AdamW's moments (and fp32 master rows), this rank's rows under ZeRO
         if c.zero == 3:  # the weights kept between uses, and those gathered during the step

@@ -377,12 +377,12 @@ def relative_buckets(t_q: int, t_k: int, start: int, *, bidirectional: bool, buc
     return base + torch.where(far < exact, far, logarithmic.clamp_max(side - 1))
 
 
-def bucketed_bias(table: torch.Tensor, t_q: int, t_k: int, start: int, **rule) -> torch.Tensor:
-    """T5's relative position bias from this rank's (buckets, nh_local) table (`Mode.per_head`):
-    (nh_local, t_q, t_k) for queries at positions start.. and keys at 0.. (`relative_buckets`'s
-    rule), added to attention's scores."""
+def bucketed_bias(table: nn.Module, t_q: int, t_k: int, start: int, **rule) -> torch.Tensor:
+    """T5's relative position bias from this rank's (buckets, nh_local) table (`Mode.per_head`'s
+    module): (nh_local, t_q, t_k) for queries at positions start.. and keys at 0..
+    (`relative_buckets`'s rule), added to attention's scores."""
     buckets = relative_buckets(t_q, t_k, start, **rule)
-    return table[buckets.to(table.device)].permute(2, 0, 1)
+    return table(buckets.to(table.weight.device)).permute(2, 0, 1)
 
 
 # ----------------------------------------------------------------------------- MLP

@@ -301,7 +301,7 @@ class T5(EncoderDecoderLM):
         queries = None
         if self.ctx.cp > 1:
             queries, t_k = context_positions(self.ctx, t_q * self.ctx.cp), t_k * self.ctx.cp
-        return bucketed_bias(table.weight, t_q, t_k, start, bidirectional=bidirectional, queries=queries,
+        return bucketed_bias(table, t_q, t_k, start, bidirectional=bidirectional, queries=queries,
                              buckets=self.cfg.relative_buckets, max_distance=self.cfg.relative_max_distance)
 
     def encode(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

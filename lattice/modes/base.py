@@ -74,6 +74,14 @@ class Option:
             raise LatticeConfigError(f"mode {mode!r} option {name} must be an integer, got {value!r}")
 
 
+class PerHeadTable(nn.Module):
+    """`weight`, a table whose rows are read by index (`Mode.per_head`): called, so that what
+    hooks modules (ZeRO-3's gathers) sees it read."""
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.weight[index]
+
+
 class Mode:
     """Base class of every layout. Subclasses set `name`, `options`, `test_layouts` and override
     the factories and the `cost_*` methods."""
@@ -265,7 +273,7 @@ class Mode:
         heads (T5's relative position bias, (buckets, n_heads)), split like the heads: each rank
         holds the heads its attention computes, in the same order. Its gradient is summed over
         the ranks that hold the same heads for other sequences (`attention_batch_axes`)."""
-        module = nn.Module()
+        module = PerHeadTable()
         splits = ((heads_dim, tuple(self.head_axes)),) if self.head_axes else ()
         register_sharded(module, "weight", ShardSpec(tuple(shape), splits=splits,
                                                      grad_sum=tuple(self.attention_batch_axes)), self.ctx)

@@ -7,16 +7,20 @@ With w_r the rows rank r owns of a block's parameter w and d ranks sharing it:
     forward:   all-gather w = [w_0; …; w_{d-1}]  before the block, freed after it
     backward:  all-gather w again before the block's backward (`reshard_after_forward`), then
                reduce-scatter ĝ_r = (1/d) Σ_k P_r g_k as stages 1 and 2 do, and free w
-A block is a unit: `zero_layout.plan_buckets(by_block=True)` never puts two blocks' parameters
-in one bucket, and the hooks here gather every bucket of a block together. The parameters
-outside the blocks (embeddings, final norms, heads: a tied table is read by the head without
-its embedding running) are gathered by the first module of theirs that runs and kept until
-their gradients' reduction starts. Under gradient accumulation and pipeline micro-batches the
-blocks stay gathered from their first forward to their reduction, one gather per step
-(`reshard_microbatches` frees them after every micro-batch's forward and backward instead).
+A block is a unit: `zero_layout.plan_buckets(by_block=True)` never puts two units' parameters
+in one bucket, and the hooks here gather every bucket of a unit together. The parameters
+outside the blocks are units by the part of the model that reads them (`zero_layout.block_of`):
+the first part (embeddings) is gathered as it starts and freed as the first block starts, again
+for its backward only where that reads them (a norm's weight; a table's backward needs only the
+indices); the last part (final norm, head) from its forward to its backward, which follows at
+once; a tied table with each of them, freed as the first block's backward starts. Under
+gradient accumulation and pipeline micro-batches the units stay gathered from their first
+forward to their reduction, one gather per step (`reshard_microbatches` frees the blocks after
+every micro-batch's forward and backward instead).
 
 `prefetch` issues the next block's all-gather as a block starts (the previous block's in
-backward), so that it travels while the block computes: at most two blocks are gathered.
+backward), so that it travels while the block computes: at most two blocks are gathered, or
+one part outside them.
 
 A freed parameter keeps its shape and its autograd identity: its storage is resized to nothing
 and back (what torch's FSDP does), so the tensors forward saved for backward see the gathered
@@ -28,9 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from lattice.parallel.zero_layout import Bucket, rows_by_shard
-
-OUTSIDE = -1  # the unit of the parameters outside every block
+from lattice.parallel.zero_layout import (EVERYWHERE, FIRST, LAST, MIDDLE, SHARED, Bucket, parts_freed,
+                                          read_in_backward, rows_by_shard)
 
 
 class ShardedWeights:
@@ -49,7 +52,7 @@ class ShardedWeights:
         for bucket in buckets:
             if bucket.shards > 1:  # (experts split over every replica axis: nothing is shared)
                 self.units.setdefault(bucket.block, []).append(bucket)
-        self.order = sorted(u for u in self.units if u != OUTSIDE)  # the blocks this rank holds, in running order
+        self.order = sorted(u for u in self.units if u >= 0)  # the blocks this rank holds, in running order
         self.in_backward: set[int] = set()  # blocks gathered for (or by) their backward, until freed
         self.accumulating = accumulating  # more than one forward before the reduction (kept gathered)
         for piece in (piece for unit in self.units.values() for b in unit for piece in b.pieces):
@@ -62,17 +65,27 @@ class ShardedWeights:
         for u in self.order:
             blocks[u].register_forward_pre_hook(lambda module, args, u=u: self._before_block(u))
             blocks[u].register_forward_hook(lambda module, args, out, u=u: self._after_block(u, out))
-        if OUTSIDE in self.units:
-            outside = {id(piece.param) for b in self.units[OUTSIDE] for piece in b.pieces}
-            for module in root.modules():
-                if any(id(p) in outside for p in module.parameters(recurse=False)):
-                    module.register_forward_pre_hook(lambda module, args: self._gather_unit(OUTSIDE, "forward"))
+        # the parts outside the blocks: freed between their uses where one pass makes a step
+        self.parts_freed = parts_freed(model, 2 if accumulating else 1, reshard_after_forward)
+        self.read = {u for u in (FIRST, MIDDLE) if u in self.units and read_in_backward(
+            piece.param for b in self.units[u] for piece in b.pieces)}
+        parts = root.parts()
+        if parts is None:  # (every module holding one gathers them all: FIRST)
+            held = {id(piece.param) for b in self.units.get(FIRST, ()) for piece in b.pieces}
+            modules = [(m, FIRST) for m in root.modules() if any(id(p) in held for p in m.parameters(recurse=False))]
+        else:
+            modules = [(root.get_submodule(name), u) for u, names in
+                       ((FIRST, parts.first), (MIDDLE, parts.middle), (LAST, parts.last)) for name in names]
+        for module, u in modules:
+            module.register_forward_pre_hook(lambda module, args, u=u: self._before_part(u))
+            if u in self.read:
+                module.register_forward_hook(lambda module, args, out, u=u: self._after_part(u, out))
 
     def accumulated(self, bucket: Bucket) -> None:
         """A gradient of the bucket accumulated, not for the last time this step: once each of
         them has as often (a micro-batch's backward through it is over), with
         `reshard_microbatches` a block's weights are freed until the next micro-batch's forward."""
-        if (self.reshard_microbatches and bucket.block != OUTSIDE and len(bucket.waiting) == len(bucket.pieces)
+        if (self.reshard_microbatches and bucket.block >= 0 and len(bucket.waiting) == len(bucket.pieces)
                 and len(set(bucket.waiting.values())) == 1):
             self.free(bucket)
 
@@ -107,7 +120,7 @@ class ShardedWeights:
             for piece in bucket.pieces:
                 piece.param.untyped_storage().resize_(0)
             bucket.whole = False
-        if bucket.block in self.in_backward and not any(b.whole for b in self.units[bucket.block]):
+        if bucket.block >= 0 and bucket.block in self.in_backward and not any(b.whole for b in self.units[bucket.block]):
             self.in_backward.discard(bucket.block)
 
     def free_all(self) -> None:
@@ -135,9 +148,32 @@ class ShardedWeights:
             for bucket in self.units[self.order[at]]:
                 self._start(bucket, phase)
 
+    def _free_parts(self) -> None:
+        """The parts outside the blocks but EVERYWHERE's dropped (a block starts, forward or
+        backward: the parts before it have run, and the head's backward is over)."""
+        if self.parts_freed:
+            for u in (FIRST, MIDDLE, LAST, SHARED):
+                for bucket in self.units.get(u, ()):
+                    self.free(bucket)
+
+    def _before_part(self, u: int) -> None:
+        self.in_backward.discard(u)  # (a new pass: its backward comes)
+        for unit in (u, SHARED, EVERYWHERE):
+            self._gather_unit(unit, "forward")
+
+    def _after_part(self, u: int, out) -> None:
+        if self.parts_freed and torch.is_grad_enabled():  # its backward reads it: gathered again then
+            self._on_gradient(out, lambda: self._before_part_backward(u))
+
+    def _before_part_backward(self, u: int) -> None:
+        if u not in self.in_backward:  # (once: not again after its reduction freed it)
+            self.in_backward.add(u)
+            self._gather_unit(u, "backward")
+
     def _before_block(self, u: int) -> None:
         if u in self.in_backward:  # its recomputation under activation checkpointing
             return
+        self._free_parts()
         self._gather_unit(u, "forward")
         self._prefetch(u, 1, "forward")
 
@@ -153,13 +189,18 @@ class ShardedWeights:
                 self.free(bucket)
         # once the gradient of its output arrives: gathered again (where freed), and a
         # recomputation under activation checkpointing is told from a forward
-        outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        for t in outputs:
-            t.register_hook(lambda grad, u=u: self._before_backward(u))
+        self._on_gradient(out, lambda: self._before_backward(u))
+
+    @staticmethod
+    def _on_gradient(out, call) -> None:
+        """`call()` as the gradient of each of a module's outputs that require one arrives."""
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: call())
 
     def _before_backward(self, u: int) -> None:
         if u not in self.in_backward:
             self.in_backward.add(u)
+            self._free_parts()
             self._gather_unit(u, "backward")
             self._prefetch(u, -1, "backward")

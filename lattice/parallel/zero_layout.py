@@ -43,7 +43,7 @@ class Bucket:
     shard: int
     group: object
     split: tuple  # the replica axes its parameters are split over (an MoE's experts), else ()
-    block: int = -1  # stage 3: its parameters' block (`block_of`), -1 outside every block
+    block: int = -1  # stage 3: its parameters' unit (`block_of`): a block, or < 0 a part outside them
     waiting: dict = field(default_factory=dict)  # id(parameter) -> accumulations its gradient still awaits
     flat: torch.Tensor | None = None  # the rank-major gradients being reduced
     reduced: torch.Tensor | None = None  # this rank's segment of their average
@@ -53,13 +53,41 @@ class Bucket:
     gathering: tuple | None = None  # stage 3: (the gathered segments, the work) of a gather under way
 
 
+# ZeRO-3's units outside the blocks (`block_of`), by the part of the model that reads them
+FIRST, MIDDLE, LAST = -1, -2, -3  # the first part (embeddings), an encoder-decoder's middle, the last (norm, head)
+SHARED = -4  # a table the first and last parts both read (`Parts.shared`: a tied token table)
+EVERYWHERE = -5  # read by several parts and stages (`Parts.everywhere`): kept from its first use to its reduction
+
+
 def block_of(model, params: dict) -> dict[str, int]:
-    """Each parameter's block (its index in `pipeline_blocks()`, the model's order of running
-    them), -1 for those outside every block (embeddings, final norms, heads): the units ZeRO-3
-    gathers and frees together."""
+    """Each parameter's unit: its block (its index in `pipeline_blocks()`, the model's order of
+    running them), or for those outside every block the part that reads them (FIRST, MIDDLE,
+    LAST, SHARED, EVERYWHERE; FIRST for all of them where the family has no `parts()`): what
+    ZeRO-3 gathers and frees together."""
     root = getattr(model, "_model", model)  # (a pipeline's stages: the model they cut)
-    index = {id(p): i for i, block in enumerate(root.pipeline_blocks()) for p in block.parameters()}
-    return {name: index.get(id(p), -1) for name, p in params.items()}
+    unit = {id(p): i for i, block in enumerate(root.pipeline_blocks()) for p in block.parameters()}
+    parts = root.parts()
+    if parts is not None:
+        for kind, names in ((FIRST, parts.first), (MIDDLE, parts.middle), (LAST, parts.last)):
+            for name in names:
+                for p in root.get_submodule(name).parameters():
+                    unit.setdefault(id(p), kind)
+    return {name: (SHARED if parts and name in parts.shared else EVERYWHERE if parts and name in parts.everywhere
+                   else unit.get(id(p), FIRST)) for name, p in params.items()}
+
+
+def parts_freed(model, microbatches: int, reshard_after_forward: bool) -> bool:
+    """Whether ZeRO-3 frees the units outside the blocks between their uses (one pass a step,
+    resharding after the forward, a family with `parts()`); else they stay gathered from their
+    first use to their reduction."""
+    return microbatches == 1 and reshard_after_forward and getattr(model, "_model", model).parts() is not None
+
+
+def read_in_backward(params) -> bool:
+    """Whether the backward of the part holding `params` reads them, so that a part freed after
+    its forward is gathered again: vectors (a norm's weight and bias) are; tables (token,
+    position and bias tables) are read by index, whose backward needs only the indices."""
+    return any(p.dim() == 1 for p in params)
 
 
 def weight_gathers(model, params: dict, microbatches: int, reshard_after_forward: bool = True,
@@ -67,12 +95,24 @@ def weight_gathers(model, params: dict, microbatches: int, reshard_after_forward
     """ZeRO-3 (lattice.parallel.zero3): {parameter: {phase: all-gathers of its bucket a step}}. A
     block's weights are gathered for each forward and again for each backward when freed after the
     forward; over several micro-batches they stay from the first forward to the reduction
-    (`reshard_microbatches`: around each). Those outside the blocks stay gathered from the first
-    forward to the reduction."""
+    (`reshard_microbatches`: around each). A part outside the blocks freed after its forward
+    (`parts_freed`) is gathered for it and, where `read_in_backward`, for its backward; a shared
+    table by the first and by the last part (the head keeps it for its backward); the last part,
+    whose backward follows at once, and EVERYWHERE's once. Otherwise they stay gathered from the
+    first forward to the reduction."""
     passes = microbatches if reshard_microbatches else 1
     again = passes if reshard_microbatches else int(microbatches == 1 and reshard_after_forward)
-    return {name: {"forward": 1 if block < 0 else passes, "backward": 0 if block < 0 else again}
-            for name, block in block_of(model, params).items()}
+    units = block_of(model, params)
+    freed = parts_freed(model, microbatches, reshard_after_forward)
+    read = {u for u in (FIRST, MIDDLE) if read_in_backward(params[n] for n, v in units.items() if v == u)}
+    both_ends = 2 if getattr(model, "_model", model) is model else 1  # (a pipeline's stages: one of them each)
+    out = {}
+    for name, u in units.items():
+        if u >= 0:
+            out[name] = {"forward": passes, "backward": again}
+        else:
+            out[name] = {"forward": both_ends if freed and u == SHARED else 1, "backward": int(freed and u in read)}
+    return out
 
 
 def rows_of(shape) -> tuple[int, int]:
@@ -181,7 +221,7 @@ def zero_split(ctx, split: tuple, shards: int, shard: int) -> tuple[int, int]:
 
 def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
                     master_itemsize: int | None = None, params: dict | None = None,
-                    gathered_blocks: int | None = 2) -> dict[str, int]:
+                    gathered_blocks: int | None = 2, parts_freed: bool = False) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state this rank keeps between steps (`model`:
     its shards, a meta model will do) for ZeRO `stage` 0 to 3 over `dp` replicas, with
     `itemsize`-byte weights (under cp: dp x cp shards, `zero_shards`) and, given `master_itemsize`
@@ -191,7 +231,8 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     fp32 masters 18 (2 + 4 reduced + 12), 4 + 16/d (stage 1 keeps the bf16 gradient), 2 + 16/d
     (stage 2), 16/d (stage 3). Stage 3 adds `gathered`: the most weights whole at once during a
     step, those outside the blocks and the `gathered_blocks` largest blocks' (2: one running and
-    the next one's prefetch; None: every block, kept from the forward to the reduction)."""
+    the next one's prefetch; None: every block, kept from the forward to the reduction), and with
+    `parts_freed` (zero_layout.parts_freed) the largest of them and each part outside the blocks."""
     state = master_itemsize or itemsize
     mixed = master_itemsize is not None and master_itemsize != itemsize
     shards, shard = (dp, dp_rank) if stage else (1, 0)
@@ -218,6 +259,11 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
     out = {"parameters": itemsize * numel, "gradients": grads, "optimizer": (3 if mixed else 2) * state * owned}
     if stage == 3:  # the weights kept are those nothing shares and the master rows (fp32: the weights themselves)
         out["parameters"] = itemsize * (numel - sum(shared.values())) + (0 if mixed else state * owned_shared)
-        largest = sorted((n for block, n in shared.items() if block >= 0), reverse=True)[:gathered_blocks]
-        out["gathered"] = itemsize * (shared.get(-1, 0) + sum(largest))
+        blocks_at_once = sum(sorted((n for u, n in shared.items() if u >= 0), reverse=True)[:gathered_blocks])
+        if parts_freed:  # a part outside the blocks is whole alone (with a shared table), or two blocks are
+            parts = [shared.get(FIRST, 0), shared.get(MIDDLE, 0), shared.get(LAST, 0)]
+            at_once = max(blocks_at_once, *(n + shared.get(SHARED, 0) for n in parts[::2]), parts[1])
+            out["gathered"] = itemsize * (shared.get(EVERYWHERE, 0) + at_once)
+        else:  # those outside the blocks, gathered from their first use to their reduction, and the blocks
+            out["gathered"] = itemsize * (sum(n for u, n in shared.items() if u < 0) + blocks_at_once)
     return out
