@@ -13,8 +13,9 @@ Throughput per GPU: tokens/s, or for sources that publish model FLOP/s, their ow
 the predicted step. The error is (predicted - published) / published.
 
 What the cost model cannot express is priced by its nearest and named in the row's `as_priced`:
-FSDP (torchtitan) as ZeRO-2 over the same ranks (FSDP gathers the weights once more, in
-backward), selective recomputation as none, fp16 as bf16.
+FSDP (torchtitan) as lattice's ZeRO-3 over the same ranks (each block's weights gathered for its
+forward and again for its backward, the next block's prefetched), selective recomputation as
+none, fp16 as bf16.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def published_choice(row) -> Choice:
     pipe = dict(microbatches=replica // micro, pp_schedule="1f1b", pp_layers=uneven_split(cfg_of(row), pp)) if pp > 1 else {}
     lay = Layout("1d" if tp > 1 else "serial", tp=tp, pp=pp, dp=dp, ranks_per_node=MACHINES[row[3]].ranks_per_node,
                  options={"sequence_parallel": False} if tp > 1 and not fsdp else {}, **pipe)
-    return Choice(lay, zero=2 if fsdp else 0, precision="bf16", checkpointing=recompute)
+    return Choice(lay, zero=3 if fsdp else 0, precision="bf16", checkpointing=recompute)
 
 
 def per_gpu(cfg, row, step_s: float) -> float:
