@@ -46,8 +46,8 @@ ROUNDS_RULE = "12 at 2 ranks, 5 above"  # the default rounds per case, as defaul
 def default_rounds(ranks: int) -> int:
     """Rounds per case at `ranks` ranks (ROUNDS_RULE): at 2 ranks each rank has a core of its own,
     so any other work on the host falls on one rank's steps alone and their medians move more from
-    round to round. Run 36 (2026-11-29) with 12 and 5: Spearman 0.85-0.93 at 2 ranks and 0.95-0.98
-    at 4, where run 35 with 6 and 3 gave 0.78-0.93 and 0.87-0.94."""
+    round to round. With 12 and 5 the Spearman figures came out 0.85-0.93 at 2 ranks and 0.95-0.98
+    at 4 (2026-11-29), where 6 and 3 gave 0.78-0.93 and 0.87-0.94."""
     return 12 if ranks <= 2 else 5
 
 
