@@ -84,7 +84,7 @@ def _rows(shape: str, worlds: list[int], verbose: bool = False) -> list[tuple]:
     """`--calibrate`'s rows (BY_WORLD_FIELDS) of `shape` at each world size."""
     rows = []
     for n in worlds:
-        m = spawn(n, _calibrate_world, shape, timeout=600)[0]
+        m = spawn(n, _calibrate_world, shape, timeout=1800)[0]  # (8 ranks of a 512-token shape: over 10 minutes)
         rows.append(tuple(m[k] if k != "ranks" else n for k in BY_WORLD_FIELDS))
         if verbose:
             print(json.dumps(m), flush=True)
