@@ -53,7 +53,9 @@ class ShardedWeights:
             if bucket.shards > 1:  # (experts split over every replica axis: nothing is shared)
                 self.units.setdefault(bucket.block, []).append(bucket)
         self.order = sorted(u for u in self.units if u >= 0)  # the blocks this rank holds, in running order
-        self.in_backward: set[int] = set()  # blocks gathered for (or by) their backward, until freed
+        # blocks gathered for (or by) their backward, until freed; parts gathered again for theirs,
+        # until their next forward
+        self.in_backward: set[int] = set()
         self.accumulating = accumulating  # more than one forward before the reduction (kept gathered)
         for piece in (piece for unit in self.units.values() for b in unit for piece in b.pieces):
             p = piece.param
