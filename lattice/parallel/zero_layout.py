@@ -261,8 +261,8 @@ def memory_per_rank(model, dp: int, dp_rank: int, stage: int, itemsize: int,
         out["parameters"] = itemsize * (numel - sum(shared.values())) + (0 if mixed else state * owned_shared)
         blocks_at_once = sum(sorted((n for u, n in shared.items() if u >= 0), reverse=True)[:gathered_blocks])
         if parts_freed:  # a part outside the blocks is whole alone (with a shared table), or two blocks are
-            parts = [shared.get(FIRST, 0), shared.get(MIDDLE, 0), shared.get(LAST, 0)]
-            at_once = max(blocks_at_once, *(n + shared.get(SHARED, 0) for n in parts[::2]), parts[1])
+            table = shared.get(SHARED, 0)
+            at_once = max(blocks_at_once, shared.get(FIRST, 0) + table, shared.get(LAST, 0) + table, shared.get(MIDDLE, 0))
             out["gathered"] = itemsize * (shared.get(EVERYWHERE, 0) + at_once)
         else:  # those outside the blocks, gathered from their first use to their reduction, and the blocks
             out["gathered"] = itemsize * (sum(n for u, n in shared.items() if u < 0) + blocks_at_once)
