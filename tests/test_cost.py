@@ -417,12 +417,15 @@ def test_operation_overhead_is_calibrated_on_the_family_priced():
             self.count += 1
             return func(*args, **(kwargs or {}))
 
-    def calls_as_seconds(fn, n):
-        with Calls() as calls:
+    def calls(fn) -> int:
+        with Calls() as counted:
             fn()
-        return float(calls.count)
+        return counted.count
 
-    per_op = {arch: measure_op_overhead(model_config(arch, "small", vocab_size=2048), calls_as_seconds)
+    def calls_beyond(fn, baseline):
+        return float(calls(fn) - calls(baseline))
+
+    per_op = {arch: measure_op_overhead(model_config(arch, "small", vocab_size=2048), calls_beyond)
               for arch in ("gpt2", "llama", "qwen2")}
     assert per_op["llama"] > 1.3 * per_op["gpt2"]
     assert per_op["qwen2"] > per_op["llama"]  # three bias adds more per block
@@ -448,14 +451,47 @@ def test_each_elementwise_operator_is_priced_at_its_own_rate():
         2 * (gelu_elements / extra[0] - gelu_elements / extra[1]), rel=1e-9)
 
 
+def test_t5s_position_bias_is_priced_once_a_pass_per_stack_and_head():
+    """A T5's relative position bias is looked up once a pass for each stack, every head for every
+    pair of positions (encoder S x S, decoder T x T), and its backward sums those into the table:
+    a machine slower at "position_bias" alone adds exactly n_heads (S² + T²) elements forward and
+    twice that backward at the difference of the rates, halved with the heads at tp = 2, and m
+    times that under m micro-batches of the same batch. Catches the bias left unpriced (a T5's
+    accumulation and pipelines were priced 3-4 ms a micro-batch short at 128 tokens here), priced
+    per layer, or per sequence of the batch."""
+    cfg = model_config("t5", "tiny", vocab_size=64)
+    S, T, batch = 12, 10, 4
+    base = cost.Machine("m", flop_rate=1e10, alpha_intra=1e-5, beta_intra=1e-9, alpha_inter=1e-5, beta_inter=1e-9,
+                        ranks_per_node=2, elem_rate=1e9)
+    slow = dataclasses.replace(base, elementwise_rates=(("position_bias", 0.1e9),))
+    per_element = 1 / 0.1e9 - 1 / 1e9
+
+    def added(layout, **kw):
+        c = cost.estimate(cfg, layout, batch=batch, seq=S, target_seq=T, **kw)
+        return [c.time(slow)[f"{phase}_compute"] - c.time(base)[f"{phase}_compute"] for phase in ("forward", "backward")]
+
+    elements = cfg.n_heads * (S * S + T * T)
+    assert added("serial") == pytest.approx([elements * per_element, 2 * elements * per_element], rel=1e-9)
+    assert added("1d", tp=2) == pytest.approx([elements / 2 * per_element, elements * per_element], rel=1e-9)
+    from lattice.planner.pricing import Choice, price
+
+    sized = dataclasses.replace(cfg, seq_len=S, target_len=T)
+    for m in (1, 2):  # the planner's price of accumulation: each micro-batch's pass looks its bias up again
+        choice = Choice(lattice.Layout("serial", microbatches=m))
+        compute = [price(sized, choice, batch=batch, machine=machine).terms["compute"] for machine in (slow, base)]
+        assert compute[0] - compute[1] == pytest.approx(3 * m * elements * per_element, rel=1e-9)
+
+
 def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
     """`calibrate`'s rate of each elementwise operator is elements over the time they add, not over
-    a call's whole time: with calls that take 100 µs plus 1 ns per element of their input, every
-    operator comes out at 3 (forward and backward) x its count per element (ELEMENTWISE_OPERATORS)
-    per ns. Catches the fixed time per call, which Machine.op_overhead prices already, counted
-    again in the rates (half a LayerNorm's time at a rank's share), and counts other than the
-    builder's; and each operator timed on one input hot in the cache (GELU in half the time a
-    step's take) rather than cycling over inputs of COLD_POOL_BYTES."""
+    a call's whole time: with calls that take 100 µs plus 1 ns per element of their input or of
+    their output, whichever is larger (T5's position bias reads a table of 32 rows and writes a
+    bias per pair of positions), every operator comes out at 3 (forward and backward) x its count
+    per element (ELEMENTWISE_OPERATORS) per ns. Catches the fixed time per call, which
+    Machine.op_overhead prices already, counted again in the rates (half a LayerNorm's time at a
+    rank's share), and counts other than the builder's; and each operator of the activations
+    timed on one input hot in the cache (GELU in half the time a step's take) rather than cycling
+    over inputs of COLD_POOL_BYTES."""
     import lattice.calibration.calibrate as calibrate
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
 
@@ -463,7 +499,7 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
 
     def fwd_bwd(fn, *inputs):
         inputs_of.setdefault((fn, inputs[0].numel()), set()).add(id(inputs[0]))
-        return lambda: inputs[0].numel()
+        return lambda: max(inputs[0].numel(), fn(*inputs).numel())
 
     monkeypatch.setattr(calibrate, "timed_in_turn", lambda runs, reps: [100e-6 + run() * 1e-9 for run in runs])
     rates = dict(calibrate.measure_elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
@@ -472,7 +508,9 @@ def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
     for op, rate in rates.items():
         assert rate == pytest.approx(3 * ELEMENTWISE_OPERATORS[op] * 1e9, rel=1e-9), op
     assert len(inputs_of) == 2 * len(ELEMENTWISE_OPERATORS)  # each operator at half and at all the rows
-    assert all(4 * numel * len(ids) >= calibrate.COLD_POOL_BYTES for (_, numel), ids in inputs_of.items())
+    tables = 32 * 24 // 8  # the position bias's (buckets, heads): its output's gradients fill the cache
+    assert all(4 * numel * len(ids) >= calibrate.COLD_POOL_BYTES for (_, numel), ids in inputs_of.items()
+               if numel != tables)
 
 
 def _check_rates_timed_on_the_cores(cores: int):
@@ -492,8 +530,8 @@ def _check_rates_timed_on_the_cores(cores: int):
     calibrate.timed_in_turn = timed_in_turn
     try:
         rates = dict(calibrate.measure_elementwise_rates(torch.randn(256, 24), torch.randn(256, 40), head_size=8, T=32,
-                                                  fwd_bwd=lambda fn, *inputs: (widths.add(inputs[0].shape[-1]) or
-                                                                               (lambda: inputs[0].numel())),
+                                                  fwd_bwd=lambda fn, *inputs: (widths.add(inputs[0].shape[-1]) or (
+                                                      lambda: max(inputs[0].numel(), fn(*inputs).numel()))),
                                                   reps=1, cores=cores))
     finally:
         calibrate.timed_in_turn = real
@@ -506,10 +544,10 @@ def test_where_ranks_outnumber_the_cores_the_elementwise_operators_are_timed_on_
     rate is 2/4 of what they time, on the shares of a world of 2 (twice the 4-rank share's width);
     the waiting ranks report inf (the caller takes the minimum over the ranks). Catches the rates
     timed by every rank at once (their slope was the scheduler's: 4-rank rates 0.01-0.76 of the
-    2-rank ones in validation runs 34-38), the share left out, a waiting rank's own figure let into
+    2-rank ones in the validation), the share left out, a waiting rank's own figure let into
     the minimum, and the operators timed at the world's own shares (at 8 ranks gpt2-deep's 512 x 12
-    elements, whose slope was noise: rates 0.03-0.73 of the 2-rank ones shared, in run 40). With a
-    core per rank nothing changes."""
+    elements, whose slope was noise: rates 0.03-0.73 of the 2-rank ones shared). With a core per
+    rank nothing changes."""
     results = run_distributed(4, _check_rates_timed_on_the_cores, 2)
     for rank, (timed_by, rates, expected, widths) in enumerate(results):
         if rank < 2:
@@ -517,10 +555,12 @@ def test_where_ranks_outnumber_the_cores_the_elementwise_operators_are_timed_on_
             assert rates == pytest.approx(expected, rel=1e-9)
         else:
             assert timed_by == [] and set(rates.values()) == {math.inf} and set(rates) == set(expected)
-        assert widths == {48, 80, 8}  # x's 24 and the logits' 40 columns twice as wide; rotary's heads
+        # x's 24 and the logits' 40 columns twice as wide; rotary's heads; the position bias's
+        # table of the heads of x's share (48 / 8)
+        assert widths == {48, 80, 8, 6}
     for timed_by, rates, expected, widths in run_distributed(4, _check_rates_timed_on_the_cores, 4):
         assert timed_by == [4] and rates == pytest.approx(expected, rel=1e-9)
-        assert widths == {24, 40, 8}
+        assert widths == {24, 40, 8, 3}
 
 
 @pytest.mark.parametrize("arch,schedule", [("gpt2", "1f1b"), ("llama", "interleaved"), ("bert", "1f1b")])

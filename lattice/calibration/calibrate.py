@@ -85,7 +85,8 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     # the framework's time per operation the family describes: a serial model of it of one and of two
     # blocks at sizes whose work is negligible, the second block's time over its operations (forward,
     # and backward's two per operation)
-    op_overhead = measure_op_overhead(cfg, timed)
+    op_overhead = measure_op_overhead(
+        cfg, lambda fn, baseline: timed_differences([(fn, baseline)], 20, warm_rounds=1)[0][1])
     # collectives over the world, each between two chunks of compute as in a model step (on a
     # shared CPU the ranks must all be scheduled to meet): t = steps(op, p)·α + wire(op, p)·bytes·β
     # by least squares on the time a loop gains from its collectives (gain_per_call); α and β of
@@ -229,8 +230,8 @@ def measure_elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: 
                        cores: int | None = None):
     """((operator, elements/s), ...) of every operator of lattice.cost.builder.ELEMENTWISE_OPERATORS,
     forward and backward (the work counts 1 + 2), counted as the builder counts it: on x (a rank's
-    share of the activations; rotary on x's elements as heads of `head_size` over T positions) and
-    the cross-entropy on `logits`, timed in turn on every rank at once, each call on the next of a
+    share of the activations; rotary on x's elements as heads of `head_size` over T positions), the
+    cross-entropy on `logits` and T5's position bias on x's heads over T positions, timed in turn on every rank at once, each call on the next of a
     pool of inputs larger than a core's cache (COLD_POOL_BYTES), as a step's operators read what
     the operators before them wrote among its other activations: on one input, hot in the cache,
     GELU's forward and backward took half the time (252 against 495 µs on 512 x 96 here) and
@@ -252,7 +253,7 @@ def measure_elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: 
     173 ms its serial layouts were priced to compute, and its three fastest (1F1B pipelines) were
     priced 43-53% over their steps; at the 2-rank rates shared, -6% to +1%."""
     from lattice.cost.builder import ELEMENTWISE_OPERATORS
-    from lattice.models.components import ACTIVATIONS, rotate
+    from lattice.models.components import ACTIVATIONS, relative_buckets, rotate
     from lattice.modes.kernels.layers import normalize_split_hidden
 
     cos, sin = torch.randn(T, head_size), torch.randn(T, head_size)
@@ -260,6 +261,7 @@ def measure_elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: 
     outnumbered = bool(cores) and p > cores
     if outnumbered:  # the shares of a world of a rank per core, p / cores times as wide
         x, logits = (torch.randn(t.shape[0], t.shape[1] * p // cores) for t in (x, logits))
+    bias_heads = max(1, x.shape[1] // head_size)  # the heads of x's share of the hidden features
 
     def pool(*shape) -> list[torch.Tensor]:
         return [torch.randn(*shape) for _ in range(max(2, math.ceil(COLD_POOL_BYTES / (4 * math.prod(shape)))))]
@@ -282,7 +284,15 @@ def measure_elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: 
         for name, act in ACTIVATIONS.items():
             kernels[name] = (act, a)
             kernels[f"{name}_gated"] = (lambda a, act=act: act(a) * a, a)
-        return {op: (cycled(fn, tensors), tensors[0].numel()) for op, (fn, tensors) in kernels.items()}
+        counted = {op: tensors[0].numel() for op, (_, tensors) in kernels.items()}
+        # T5's position bias: this rank's heads of a (buckets, heads) table looked up for T/2 or T
+        # queries against T keys; its elements are the output's (its backward sums them by bucket)
+        queries = max(1, halves * T // 2)
+        buckets = relative_buckets(queries, T, 0, bidirectional=True, buckets=32, max_distance=128)
+        tables = [torch.randn(32, bias_heads) for _ in range(2)]  # (its output's gradients fill the cache)
+        kernels["position_bias"] = (lambda table: F.embedding(buckets, table).permute(2, 0, 1), tables)
+        counted["position_bias"] = queries * T * bias_heads
+        return {op: (cycled(fn, tensors), counted[op]) for op, (fn, tensors) in kernels.items()}
 
     half, whole = runs(1), runs(2)
     fns = [run for run, _ in half.values()] + [run for run, _ in whole.values()]
@@ -383,22 +393,26 @@ def measure_pipeline_actions(cfg, machine: Machine, reps: int) -> tuple:
     return tuple(actions)
 
 
-def measure_op_overhead(cfg, timed) -> float:
+def measure_op_overhead(cfg, time_beyond) -> float:
     """Seconds per operation of `Model.cost_layout` (forward; backward counts two), from a serial
     model of `cfg`'s family (its options kept) of one and of two blocks at the family's tiny
-    preset's sizes and 4 tokens. Per family, since its operations differ in how many framework
-    calls each makes: a Llama block (RMSNorm in three products of elements, rotary embeddings on
-    q and k, SwiGLU) took 2.5 times a GPT-2 block's time per operation here (31 against 12 us)."""
+    preset's sizes and 4 tokens: `time_beyond(fn, baseline)`, the seconds a forward and backward of
+    two blocks takes beyond one's, over the operations the second block adds. Per family, since
+    its operations differ in how many framework calls each makes: a Llama block (RMSNorm in three
+    products of elements, rotary embeddings on q and k, SwiGLU) took 2.5 times a GPT-2 block's time
+    per operation here (31 against 12 us). The two are timed in turn within each round and the
+    difference taken there: two medians taken apart gave a T5's 12 to 193 us in repeated
+    calibrations at 1 and 2 ranks, the difference within rounds 34 to 45."""
     from lattice.cost.model import estimate
     from lattice.models import build_model
     from lattice.modes.layout import Layout
 
-    times, ops = [], []
-    for blocks in (1, 2):
+    steps, ops = [], []
+    for blocks in (2, 1):
         tiny = dataclasses.replace(cfg, **{**type(cfg).presets["tiny"], "vocab_size": 16, "seq_len": 4, "n_layers": blocks})
         model = build_model(tiny, Layout("serial").context())
         tokens = torch.randint(0, 16, (1, 4))
-        times.append(timed(lambda: model.forward_backward(tokens, tokens), n=20))
+        steps.append(lambda model=model, tokens=tokens: model.forward_backward(tokens, tokens))
         c = estimate(tiny, "serial", batch=1)
         ops.append(c.ops["forward"] + c.ops["backward"])
-    return max(times[1] - times[0], 0.0) / (ops[1] - ops[0])
+    return max(time_beyond(*steps), 0.0) / (ops[0] - ops[1])

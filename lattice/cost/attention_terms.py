@@ -107,11 +107,15 @@ class AttentionTerms:
     def position_bias(self) -> None:
         """A stack's relative position bias (T5's): the (T, T) bucket indices of the table
         lookup, saved once for the stack's layers; under cp, (T/cp, T), and ring attention keeps
-        the bias of this rank's heads (one storage for the stack)."""
+        the bias of this rank's heads (one storage for the stack). Its work, once a pass: the
+        lookup of this rank's heads' bias for every pair of positions, whose backward sums each
+        pair's gradient into the table's row of its bucket (operator "position_bias")."""
+        self._next()
+        heads = self.cfg.n_heads // math.prod(self.topo.size(a) for a in self.mode.head_axes)
         self.save_ints(8 * self.T * self.T * self.cp)
         if self.cp > 1:
-            heads = self.cfg.n_heads // math.prod(self.topo.size(a) for a in self.mode.head_axes)
             self.save(heads * self.T * self.T * self.cp)
+        self._elementwise("position_bias", heads * self.T * self.T * self.cp)
 
     def memory(self) -> None:
         """The stream is now the encoder's output, which the decoder's cross-attention reads (in

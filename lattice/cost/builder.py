@@ -34,6 +34,7 @@ ELEMENTWISE_OPERATORS = {
     "add": 1,  # a bias or the residual
     "rotary": 4.5,  # on q and k: x·cos + rotate_half(x)·sin, rotate_half a negated half and a concatenation
     "loss": 2,  # the cross-entropy per logit
+    "position_bias": 1,  # T5's bias per head and pair of positions: a table lookup, its gradient summed by bucket
     **{f"{act}{gated}": 2 if gated else 1 for act in ("gelu_tanh", "gelu", "relu", "silu") for gated in ("", "_gated")},
 }
 
