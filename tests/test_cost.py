@@ -482,6 +482,29 @@ def test_t5s_position_bias_is_priced_once_a_pass_per_stack_and_head():
         assert compute[0] - compute[1] == pytest.approx(3 * m * elements * per_element, rel=1e-9)
 
 
+def test_attention_with_a_learned_bias_is_priced_at_the_biased_kernels_rate():
+    """T5's self-attention adds a position bias that requires a gradient, which takes SDPA's math
+    kernel (1.4 times the fused kernel's time on this CPU at 128 tokens): a machine whose
+    "biased_attention" rate is a quarter of its attn_rate adds exactly B·n_heads·(S²·encoder layers
+    + T²·decoder layers) score elements forward, twice backward, at the difference of the two
+    rates; the decoder's cross-attention (no bias) and a GPT-2 stay at attn_rate, and a machine
+    without that rate prices the bias at attn_rate. Catches a T5's attention priced at the fused
+    kernel's rate, or the cross-attention or an unbiased family moved with it."""
+    cfg = model_config("t5", "tiny", vocab_size=64)
+    S, T, batch = 12, 10, 4
+    base = cost.Machine("m", flop_rate=1e10, alpha_intra=1e-5, beta_intra=1e-9, alpha_inter=1e-5, beta_inter=1e-9,
+                        ranks_per_node=1, elem_rate=1e9, attn_rate=2e9)
+    slow = dataclasses.replace(base, elementwise_rates=(("biased_attention", 0.5e9),))
+    assert base.biased_attention_rate() == base.attn_rate
+    per_score = 1 / 0.5e9 - 1 / 2e9
+    c = cost.estimate(cfg, "serial", batch=batch, seq=S, target_seq=T)
+    scores = batch * cfg.n_heads * (S * S * cfg.n_layers + T * T * cfg.n_decoder_layers)
+    assert [c.time(slow)[f"{ph}_compute"] - c.time(base)[f"{ph}_compute"] for ph in ("forward", "backward")] == \
+        pytest.approx([scores * per_score, 2 * scores * per_score], rel=1e-9)
+    gpt2 = cost.estimate(model_config("gpt2", "tiny", vocab_size=64), "serial", batch=batch)
+    assert gpt2.time(slow) == gpt2.time(base)
+
+
 def test_elementwise_rates_are_the_slope_of_time_over_elements(monkeypatch):
     """`calibrate`'s rate of each elementwise operator is elements over the time they add, not over
     a call's whole time: with calls that take 100 µs plus 1 ns per element of their input or of

@@ -74,6 +74,11 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     q, k, v = (torch.randn(1, heads, T, cfg.head_size) for _ in range(3))
     attn = fwd_bwd_once(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
     attn_rate = 3 * heads * T * T / timed(attn)
+    # and with an additive bias that requires a gradient (T5's position bias): SDPA's math kernel,
+    # which materialises the scores (1.4 times the fused kernel's time here at 128 tokens)
+    scores_bias = torch.randn(1, heads, T, T)
+    biased = fwd_bwd_once(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b), q, k, v, scores_bias)
+    biased_rate = 3 * heads * T * T / timed(biased)
     # elementwise operators on a rank's share of the activations and of the logits
     x, bias, logits = torch.randn(M, max(1, h // p)), torch.randn(max(1, h // p)), torch.randn(M, max(1, V // p))
     targets = torch.randint(0, logits.shape[1], (M,))
@@ -207,6 +212,7 @@ def calibrate(cfg, batch: int, reps: int = 5) -> Machine:
     bursts.append(products_timed())
     kernel_rows, flop_rate = fit_product_rates(row_counts, bursts, weights)  # the same on every rank
     # the slowest rank sets the pace
+    operator_rates = [*operator_rates, ("biased_attention", biased_rate)]  # (Machine.biased_attention_rate)
     rates = torch.tensor([flop_rate, elem_rate, attn_rate, mem_bw, *(r for _, r in operator_rates)], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     elementwise_rates = tuple((op, float(r)) for (op, _), r in zip(operator_rates, rates[4:].tolist()))

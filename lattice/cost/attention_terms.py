@@ -54,7 +54,7 @@ class AttentionTerms:
             self._save_mask(T, T, additive=bias)
         halves = causal and self.cp > 1 and self.cp_attention != "ulysses"  # the ring's halves (RingMasks.region)
         blocks = (self.cp + 1) / 2 if halves else self.cp
-        self._score_work(self.B * heads * T * T * blocks * share, head_size)
+        self._score_work(self.B * heads * T * T * blocks * share, head_size, biased=bias and self.cp == 1)
         self.current = q
 
     def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int, *, masked: bool = False,
@@ -98,9 +98,10 @@ class AttentionTerms:
         self.add("backward", "send", (CP,), 2 * kv * (cp - 1), cp - 1, "ring")
         self.add("backward", "send", (CP,), 2 * kv * cp, cp, "ring", itemsize=grads_itemsize)  # one step behind
 
-    def _score_work(self, scores: float, head_size: int) -> None:
-        """q kᵀ and the weights times v: 2·head_size multiply-adds per score, each."""
-        self._work("scores", scores)
+    def _score_work(self, scores: float, head_size: int, biased: bool = False) -> None:
+        """q kᵀ and the weights times v: 2·head_size multiply-adds per score, each; `biased`: in
+        the kernel an additive bias that requires a gradient takes (Machine.biased_attention_rate)."""
+        self._work("biased_scores" if biased else "scores", scores)
         self._work("attention_flops", 4 * head_size * scores)
         self._work("flops", 4 * head_size * scores)
 

@@ -24,7 +24,8 @@ DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default gradient bucket
 # elementwise operators, attention score elements, linear layers' products (kernels), operations
 # described (each a handful of framework calls: the per-operation overhead of Machine.op_overhead),
 # and the weight elements those products read, summed over them (Machine.kernel_rows)
-WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "linear_calls", "ops", "product_weights")
+WORK_KINDS = ("flops", "attention_flops", "elementwise", "scores", "biased_scores", "linear_calls", "ops",
+              "product_weights")
 # the elementwise operators whose elements are counted apart (work kinds "elementwise:<operator>",
 # Cost.elementwise_ops), each priced at its own rate where the machine has one (Machine.elementwise_rates),
 # with how many elements per element of its output the count takes (its forward's passes)

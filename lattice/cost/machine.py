@@ -229,6 +229,14 @@ class Machine:
         """Elements per second of one elementwise `operator` (Machine.elementwise_rates), else elem_rate."""
         return dict(self.elementwise_rates).get(operator, self.elem_rate)
 
+    def biased_attention_rate(self) -> float:
+        """Score elements per second (forward) of attention with an additive bias that requires a
+        gradient (T5's position bias), the `elementwise_rates` entry "biased_attention" that
+        `calibrate` measures: on a CPU SDPA's math kernel runs it. Where none was measured (the
+        GPU presets, whose memory-efficient kernel takes such a bias and its gradient), the fused
+        kernel's attn_rate."""
+        return dict(self.elementwise_rates).get("biased_attention", self.attn_rate)
+
     def skew_seconds(self, compute: float, syncs: dict[int, float], *, collectives: float,
                      apart: tuple[float, float] = (0.0, 0.0)) -> float:
         """Seconds a step waits for its slowest ranks: with `skew_curve`, each of its `syncs`

@@ -76,6 +76,7 @@ class Cost:
     attention_flops: dict[str, float] = field(default_factory=dict)  # the QKᵀ and AV products alone
     elementwise: dict[str, float] = field(default_factory=dict)  # elements through non-matmul operators
     scores: dict[str, float] = field(default_factory=dict)  # attention score elements (B·n·T² share)
+    biased_scores: dict[str, float] = field(default_factory=dict)  # of them, where an additive bias takes its own kernel
     linear_calls: dict[str, float] = field(default_factory=dict)  # matrix products of linear layers
     ops: dict[str, float] = field(default_factory=dict)  # operations the family describes (norms, linears, ...)
     product_weights: dict[str, float] = field(default_factory=dict)  # weight elements the linear products read
@@ -257,6 +258,7 @@ class Cost:
             kernels = (work["linear_calls"][phase] * machine.kernel_flops
                        + 2 * machine.kernel_rows * work["product_weights"][phase])
             out[f"{phase}_compute"] = ((linear + kernels) / machine.flop_rate + work["scores"][phase] / machine.attn_rate
+                                       + work["biased_scores"][phase] / machine.biased_attention_rate()
                                        + self._elementwise_seconds(by_operator, phase, machine)
                                        + work["ops"][phase] * machine.op_overhead)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
