@@ -65,6 +65,10 @@ SHAPES = {
 }
 
 
+def _gib(mib: float | None) -> float | None:
+    return mib / 1024 if mib else None
+
+
 def _config(shape: str):
     arch, sizes = SHAPES[shape]
     return model_config(arch, sizes.get("model"), vocab_size=2048,
@@ -192,7 +196,7 @@ def _reprice(paths: list[str], out: str | None, preset: str, at_preset: bool = F
             cfg = _config(case["shape"])
             machine = base if at_preset else dataclasses.replace(base, by_world=frozen(case["by_world"]))
             plan = search(cfg, gpus=case["p"], machine=machine, batch=BATCH, ranks_per_node=case["p"],
-                          precisions=(machine.precision,))
+                          precisions=(machine.precision,), memory_gib=_gib(case.get("memory_limit_mib")))
             now = {c.choice.describe(): c.step_s for c in plan.ranked}
             runs = [{**r, "predicted_s": now[r["setup"]]} for r in case["runs"] if r["setup"] in now]
             dropped = len(case["runs"]) - len(runs)
@@ -232,6 +236,9 @@ def main() -> int:
                         f"any other work on the host falls on one rank's steps alone)")
     p.add_argument("--steps", type=int, default=3, help="steps per layout per round")
     p.add_argument("--machine", default="cpu-2core")
+    p.add_argument("--memory-mib", type=float, default=None,
+                   help="a memory limit per rank for the planner (MiB): the layouts it finds feasible under it, "
+                        "with ZeRO stages, activation checkpointing and accumulation, are the ones measured")
     p.add_argument("--preset", action="store_true", help="predict with the preset's rates as stored (default: "
                                                           "calibrated afresh before each case; with --reprice: "
                                                           "the stored calibration of each case)")
@@ -262,7 +269,7 @@ def main() -> int:
             machine = preset if args.preset else dataclasses.replace(
                 preset, by_world=tuple(_rows(shape, sorted({preset.cores or n, n}))))
             plan = search(cfg, gpus=n, machine=machine, batch=BATCH, ranks_per_node=n,
-                          precisions=(machine.precision,))
+                          precisions=(machine.precision,), memory_gib=_gib(args.memory_mib))
             chosen, feasible = _chosen(plan.ranked, args.limit), len(plan.ranked)
             layouts = [{"layout": c.choice.layout.record(), "zero": c.choice.zero,
                         "activation_checkpointing": c.choice.checkpointing} for c in chosen]
@@ -279,7 +286,7 @@ def main() -> int:
                 chosen = [price(cfg, c.choice, batch=BATCH, machine=machine) for c in chosen]
                 first_before = measured[0] / min(measured)
                 plan = search(cfg, gpus=n, machine=machine, batch=BATCH, ranks_per_node=n,
-                              precisions=(machine.precision,))
+                              precisions=(machine.precision,), memory_gib=_gib(args.memory_mib))
             predicted = [c.step_s for c in chosen]
             # the planner's first choice against the measured best
             first = _first_over_best(plan.ranked, [{"setup": c.choice.describe(), "measured_s": me}
@@ -287,7 +294,8 @@ def main() -> int:
             rho = _spearman(predicted, measured)
             errs = [(pr - me) / me for pr, me in zip(predicted, measured)]
             errors += errs
-            case = {"shape": shape, "p": n, "config": repr(cfg), "candidates": feasible, "measured": len(chosen),
+            case = {"shape": shape, "p": n, "config": repr(cfg), "memory_limit_mib": args.memory_mib,
+                    "candidates": feasible, "measured": len(chosen),
                     "rounds": rounds, "first_over_best": first, "first_over_best_before": first_before,
                     "spearman": rho, "median_abs_error": statistics.median(map(abs, errs)),
                     "seconds": time.time() - started, "by_world": [list(row) for row in machine.by_world],
@@ -301,7 +309,8 @@ def main() -> int:
                 print(f"{shape} p={n}: {args.repeat} repeats agree with Spearman {case['repeat_spearman']:.2f}, "
                       f"median |difference| {case['repeat_median_abs_difference']:.1%}", flush=True)
             cases.append(case)
-            print(f"{shape} p={n}: {feasible} feasible, {len(chosen)} measured; first choice / measured best "
+            print(f"{shape} p={n}" + (f" under {args.memory_mib:g} MiB" if args.memory_mib else "")
+                  + f": {feasible} feasible, {len(chosen)} measured; first choice / measured best "
                   f"{first:.3f}" + (f" (at the calibration before: {first_before:.3f})" if first_before else "")
                   + f"; Spearman {rho:.2f}; median |error| {case['median_abs_error']:.1%} "
                   f"({case['seconds']:.0f} s)", flush=True)
