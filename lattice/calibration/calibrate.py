@@ -237,8 +237,9 @@ def measure_elementwise_rates(x: torch.Tensor, logits: torch.Tensor, head_size: 
     """((operator, elements/s), ...) of every operator of lattice.cost.builder.ELEMENTWISE_OPERATORS,
     forward and backward (the work counts 1 + 2), counted as the builder counts it: on x (a rank's
     share of the activations; rotary on x's elements as heads of `head_size` over T positions), the
-    cross-entropy on `logits` and T5's position bias on x's heads over T positions, timed in turn on every rank at once, each call on the next of a
-    pool of inputs larger than a core's cache (COLD_POOL_BYTES), as a step's operators read what
+    cross-entropy on `logits` and T5's position bias on x's heads over T positions, timed in turn
+    on every rank at once, each call on the next of a pool of inputs larger than a core's cache
+    (COLD_POOL_BYTES), as a step's operators read what
     the operators before them wrote among its other activations: on one input, hot in the cache,
     GELU's forward and backward took half the time (252 against 495 µs on 512 x 96 here) and
     gpt2-deep's operators in a model ran at about half the rates so timed. The rate is the slope
