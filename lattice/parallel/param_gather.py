@@ -31,7 +31,12 @@ class ParamGatherOverlap:
         self.position: dict[int, int] = {}
         self.pending: dict[int, Callable[[], None]] = {}  # bucket -> its finish, in issue order
         for module in root.modules():
-            own = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
+            params = list(module.parameters(recurse=False))
+            # a segmented linear reads its segments' parameters, which child modules that never run
+            # hold (lattice.modes.kernels.layers.register_linear): its own hook awaits them
+            for name in getattr(module, "segment_names", None) or ():
+                params += getattr(module, name).parameters(recurse=False)
+            own = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
             if own:
                 module.register_forward_pre_hook(functools.partial(self._before_forward, own))
 
