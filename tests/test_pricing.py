@@ -75,7 +75,8 @@ def test_skew_waits_for_compute_not_for_collectives(layout):
     communicate adds no skew, and the skew is the fraction of the compute alone."""
     cfg = small(n_layers=4)
     skewed = dataclasses.replace(MACHINE, skew=0.25)
-    slow_wire = dataclasses.replace(skewed, alpha_intra=10 * MACHINE.alpha_intra, beta_intra=10 * MACHINE.beta_intra)
+    slow_wire = dataclasses.replace(skewed, alpha_intra=10 * MACHINE.alpha_intra, beta_intra=10 * MACHINE.beta_intra,
+                                    collectives=tuple((op, 10 * a, 10 * b) for op, a, b in MACHINE.collectives))
     fast, slow = (price(cfg, Choice(layout), batch=8, machine=m) for m in (skewed, slow_wire))
     assert slow.step_s > fast.step_s
     assert slow.terms["skew"] == pytest.approx(fast.terms["skew"], rel=1e-12)

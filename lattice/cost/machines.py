@@ -21,10 +21,11 @@ H200 reached here on large products (851 of 989 TFLOP/s, benchmarks/results/cuda
 curve), both scaled by each card's peak; attention and elementwise rates are the H200's measured
 ones scaled by peak FLOP/s and by memory bandwidth; the framework's time per operation (49.5 µs, a
 tiny model of one and two blocks on that machine, `benchmarks/cuda_check.py --parts overheads`) is
-its host's, taken for every preset. Between nodes each GPU gets its node's
-InfiniBand bandwidth over its GPUs (every rank of a node sends at once in a data-parallel
-reduction); α 5 µs over NVLink / NVSwitch, 10 µs over PCIe, 15 µs over InfiniBand (NCCL's small
-message latencies).
+its host's, taken for every preset. Links run at what NCCL measures of them: 80% of NVLink's
+line rate, an all-reduce inside a DGX H100 at NVLink SHARP's 480 GB/s of bus bandwidth, and 96% of
+InfiniBand's, where each GPU gets its node's bandwidth over its GPUs (every rank of a node sends at
+once in a data-parallel reduction); α 5 µs over NVLink / NVSwitch, 10 µs over PCIe, 15 µs over
+InfiniBand (NCCL's small message latencies).
 """
 
 from __future__ import annotations
@@ -47,15 +48,31 @@ _OPS_RECOUNT = 9 / 8
 _H200_OP_OVERHEAD = 44e-6 * _OPS_RECOUNT  # s per described operation (forward; backward twice), the H200's host
 
 
+# NCCL moves about 80% of NVLink's line rate (its protocols' overhead: NCCL's maintainer in
+# nccl-tests issue #212, 8 H100 at 370 GB/s of 450 in every collective but all-reduce); 8 A100 SXM4
+# all-reduce at 200-208 GB/s of bus bandwidth (nccl-tests #149, #178), where 0.8 x 300 is 240
+_NCCL_NVLINK = 0.8
+# and about 96% of InfiniBand's: 8 A100 with 4 HDR NICs a node all-reduce over 3 nodes at up to
+# 96 GB/s of the NICs' 100 (nccl-tests #119)
+_NCCL_IB = 0.96
+
+
 def gpu_machine(name: str, *, peak_half: float, peak_fp32: float, hbm: float, memory_gib: float, ranks_per_node: int,
-         intra_gbs: float, alpha_intra: float, node_nic_gbs: float) -> Machine:
+         intra_gbs: float, alpha_intra: float, node_nic_gbs: float, nvlink: bool = True,
+         allreduce_gbs: float = 0.0) -> Machine:
+    """A GPU node's rates: `intra_gbs` the line rate of a GPU's link inside the node (NVLink, of
+    which NCCL moves _NCCL_NVLINK; else PCIe's rate as measured), `node_nic_gbs` the line rate of
+    the node's InfiniBand NICs together, `allreduce_gbs` an all-reduce's bus bandwidth inside the
+    node where the switch reduces (NVLink SHARP)."""
+    intra = intra_gbs * (_NCCL_NVLINK if nvlink else 1.0) * 1e9
     return Machine(
         name, flop_rate=peak_half * _H200_EFFICIENCY, other_precision_flop_rate=peak_fp32 * _H200_EFFICIENCY,
         precision="bf16", kernel_flops=_H200_KERNEL_FLOPS * peak_half / _H200_PEAK,
         attn_rate=_H200_ATTENTION * peak_half / _H200_PEAK, elem_rate=_H200_ELEMENTWISE * hbm / _H200_HBM,
-        alpha_intra=alpha_intra, beta_intra=1 / (intra_gbs * 1e9), alpha_inter=15e-6,
-        beta_inter=1 / (node_nic_gbs * 1e9 / ranks_per_node), ranks_per_node=ranks_per_node, update_per_tensor=10e-6,
-        mem_bandwidth=hbm, pipelined_broadcast=True, memory_gib=memory_gib, op_overhead=_H200_OP_OVERHEAD)
+        alpha_intra=alpha_intra, beta_intra=1 / intra, alpha_inter=15e-6,
+        beta_inter=1 / (_NCCL_IB * node_nic_gbs * 1e9 / ranks_per_node), ranks_per_node=ranks_per_node, update_per_tensor=10e-6,
+        mem_bandwidth=hbm, pipelined_broadcast=True, memory_gib=memory_gib, op_overhead=_H200_OP_OVERHEAD,
+        collectives=(("all_reduce", alpha_intra, 1 / (allreduce_gbs * 1e9)),) if allreduce_gbs else ())
 
 
 def frozen(value):
@@ -87,7 +104,7 @@ MACHINES: dict[str, Machine] = {
                    (), 9.0), *_cpu_rows())),
     "frontera-rtx": gpu_machine("Frontera RTX: 4 Quadro RTX 5000 per node, PCIe 3.0, InfiniBand FDR", peak_half=89.2e12,
                          peak_fp32=11.2e12, hbm=448e9, memory_gib=16, ranks_per_node=4, intra_gbs=12,
-                         alpha_intra=10e-6, node_nic_gbs=7),
+                         alpha_intra=10e-6, node_nic_gbs=7, nvlink=False),
     "longhorn-v100": gpu_machine("Longhorn: 4 V100 SXM2 per node, NVLink 2.0, InfiniBand EDR", peak_half=125e12,
                           peak_fp32=15.7e12, hbm=900e9, memory_gib=16, ranks_per_node=4, intra_gbs=75,
                           alpha_intra=5e-6, node_nic_gbs=12.5),
@@ -102,7 +119,7 @@ MACHINES: dict[str, Machine] = {
                        intra_gbs=150, alpha_intra=5e-6, node_nic_gbs=100),
     "h100-node": gpu_machine("DGX H100: 8 H100 80GB per node, NVSwitch, 8 x InfiniBand NDR 400 Gb/s", peak_half=989e12,
                       peak_fp32=494e12, hbm=3.35e12, memory_gib=80, ranks_per_node=8, intra_gbs=450,
-                      alpha_intra=5e-6, node_nic_gbs=400),
+                      alpha_intra=5e-6, node_nic_gbs=400, allreduce_gbs=480),
 }
 
 
