@@ -141,3 +141,31 @@ def test_papers_are_cited_by_anchors_that_exist():
     unknown = {(str(f.relative_to(ROOT)), a) for f, t in texts.items() for a in cited_papers(t) - anchors}
     assert unknown == set()
     assert cited_papers("SUMMA (docs/references.md#optimus §2.4), see references.md#nope") - anchors == {"nope"}
+
+
+def test_a_benchmark_writing_its_own_result_is_no_change_to_the_commit(tmp_path, monkeypatch):
+    """Catches a result file's provenance saying "+changes" because the benchmark had already
+    opened (truncated) its own output under benchmarks/results when it asked git, while a change
+    to the code it measured is still named."""
+    import importlib
+    import subprocess
+
+    provenance = importlib.import_module("lattice.bench.provenance")  # the module (the package exports the function)
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    clean = provenance._commit()
+    assert clean and not clean.endswith("+changes")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("")
+    assert provenance._commit() == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert provenance._commit() == clean + "+changes"

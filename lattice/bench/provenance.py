@@ -27,12 +27,13 @@ def provenance(command: str | None = None) -> dict:
 
 
 def _commit() -> str:
-    """The checkout's commit, "+changes" when its tracked files differ; "unknown" outside git."""
+    """The checkout's commit, "+changes" when its tracked files other than the results differ (a
+    benchmark writing its own result file is no change to what it measured); "unknown" outside git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
+        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results") else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
