@@ -82,39 +82,30 @@ def _worker(preset: str, seq: int, zero: int, precision: str) -> dict:
     import torch.distributed as dist
 
     import lattice
+    from lattice.bench.measure import most_weight_bytes_whole
     from lattice.models import get_arch
     from lattice.parallel.zero import ZeroOptimizer
-    from lattice.parallel.zero3 import ShardedWeights
     from lattice.training.optim import make_optimizer
 
-    gathered = [0]
-    start, finish = ShardedWeights._start, ShardedWeights._finish
-
-    def whole(self) -> None:  # the most weight bytes whole at once, with the gathers in flight (their weights')
-        flight = sum(piece.param.numel() * piece.param.element_size() for unit in self.units.values() for b in unit
-                     if b.gathering is not None for piece in b.pieces)
-        gathered[0] = max(gathered[0], flight + sum(p.untyped_storage().nbytes() for p in model.parameters()))
-
-    ShardedWeights._start = lambda self, bucket, phase: (start(self, bucket, phase), whole(self))
-    ShardedWeights._finish = lambda self, bucket, phase: (finish(self, bucket, phase), whole(self))
     ctx = lattice.init("serial", dp=dist.get_world_size())
     cfg = get_arch("gpt2").config_class.preset(preset, seq_len=seq)
     model = lattice.build_model(cfg, ctx, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
-    if zero or precision == "bf16":  # (bf16 weights: fp32 master rows, at stage 0 unsplit)
-        optimizer = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=zero,
-                                  overlap_param_gather=zero == 3)  # (stage 3: the Trainer's prefetch)
-    else:
-        optimizer = make_optimizer(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    g = torch.Generator().manual_seed(ctx.rank)
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
-    model.forward_backward(tokens[:, :-1], tokens[:, 1:])
-    if zero or precision == "bf16":
-        optimizer.reduce_grads()
-    else:
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= ctx.dp
-    optimizer.step()
+    with most_weight_bytes_whole(model) as gathered:
+        if zero or precision == "bf16":  # (bf16 weights: fp32 master rows, at stage 0 unsplit)
+            optimizer = ZeroOptimizer(model, ctx, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, stage=zero,
+                                      overlap_param_gather=zero == 3)  # (stage 3: the Trainer's prefetch)
+        else:
+            optimizer = make_optimizer(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        g = torch.Generator().manual_seed(ctx.rank)
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
+        model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        if zero or precision == "bf16":
+            optimizer.reduce_grads()
+        else:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= ctx.dp
+        optimizer.step()
     return {**_held_bytes(model, optimizer), "numel": sum(p.numel() for p in model.parameters()),
             "gathered": gathered[0]}
 

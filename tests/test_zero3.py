@@ -158,32 +158,21 @@ def _gathered_at_most(arch: str, shape: dict) -> dict:
     memory_per_rank's `gathered`, and the bytes of its blocks and of its parameters outside them,
     by name, from a serial model."""
     import lattice
+    from lattice.bench.measure import most_weight_bytes_whole
     from lattice.models import get_arch
     from lattice.parallel.zero import ZeroOptimizer
-    from lattice.parallel.zero3 import ShardedWeights
     from lattice.parallel.zero_layout import parts_freed, zero_shards
 
     ctx = cached_init(mode="serial", dp=2)
     cfg = get_arch(arch).config_class(**{**get_arch(arch).test_shapes[0], **shape})
     model = lattice.build_model(cfg, ctx, dtype=torch.float64)
-    most, start, finish = [0], ShardedWeights._start, ShardedWeights._finish
-
-    def whole(self) -> None:  # (a gather in flight: its weights' bytes, not its buffer's rows rounded up)
-        flight = sum(piece.param.numel() * piece.param.element_size() for unit in self.units.values()
-                     for b in unit if b.gathering is not None for piece in b.pieces)
-        most[0] = max(most[0], flight + sum(p.untyped_storage().nbytes() for p in model.parameters()))
-
-    ShardedWeights._start = lambda self, bucket, phase: (start(self, bucket, phase), whole(self))
-    ShardedWeights._finish = lambda self, bucket, phase: (finish(self, bucket, phase), whole(self))
-    try:
+    with most_weight_bytes_whole(model) as most:
         opt = ZeroOptimizer(model, ctx, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, stage=3, overlap_param_gather=True)
         most[0] = 0  # (the step's, not the construction's)
         tokens = torch.randint(0, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(ctx.rank))
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])
         opt.reduce_grads()
         opt.step()
-    finally:
-        ShardedWeights._start, ShardedWeights._finish = start, finish
     serial = {n: p.numel() * 8 for n, p in lattice.build_model(cfg, lattice.context("serial")).named_parameters()}
     blocks = [sum(b for n, b in serial.items() if n.startswith(f"blocks.{i}.")) for i in range(cfg.n_layers)]
     return {"measured": most[0], "blocks": blocks, "outside": {n: b for n, b in serial.items() if not n.startswith("blocks.")},

@@ -4,6 +4,7 @@ its timed steps; and which modes (and option variants) apply to a model on p pro
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -28,6 +29,29 @@ def _local(t):
 
     t = t._local_tensor if hasattr(t, "_local_tensor") else t
     return t.elem if isinstance(t, AsyncCollectiveTensor) else t
+
+
+@contextlib.contextmanager
+def most_weight_bytes_whole(model: nn.Module):
+    """Under ZeRO-3 (lattice.parallel.zero3.ShardedWeights), the most weight bytes whole at once
+    while the block runs: the parameters' storage, and each gather in flight at its weights' bytes
+    (not its buffer's rows rounded up), sampled as each gather starts and ends. Yields a list whose
+    one item is the most so far (set it to 0 to count afresh, e.g. after the optimizer's setup)."""
+    from lattice.parallel.zero3 import ShardedWeights
+
+    most, start, finish = [0], ShardedWeights._start, ShardedWeights._finish
+
+    def whole(self) -> None:
+        flight = sum(piece.param.numel() * piece.param.element_size() for unit in self.units.values()
+                     for b in unit if b.gathering is not None for piece in b.pieces)
+        most[0] = max(most[0], flight + sum(p.untyped_storage().nbytes() for p in model.parameters()))
+
+    ShardedWeights._start = lambda self, bucket, phase: (start(self, bucket, phase), whole(self))
+    ShardedWeights._finish = lambda self, bucket, phase: (finish(self, bucket, phase), whole(self))
+    try:
+        yield most
+    finally:
+        ShardedWeights._start, ShardedWeights._finish = start, finish
 
 
 def saved_activation_bytes(model: nn.Module, run) -> int:
