@@ -166,7 +166,8 @@ def machine_of_device(device_name: str | None) -> tuple[Machine, str]:
 PRESET_SOURCES = {
     "cpu-2core": "measured on another host (2 x86_64 cores, gloo, 1 thread per rank; cpu_2core.json names the "
                  "results its rows come from), which this host's may differ from: --machine here for its own",
-    **{name: "published peaks and link rates, with the H200's measured product and attention curves scaled by peak"
+    **{name: ("published peaks, links at NCCL's measured share of their line rates, the H200's measured product "
+               "and attention curves scaled by peak")
        for name in ("frontera-rtx", "longhorn-v100", "lassen-v100", "a100-node", "dgx2h-v100", "h100-node")},
 }
 
