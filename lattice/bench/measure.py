@@ -34,7 +34,7 @@ def _local(t):
 @contextlib.contextmanager
 def most_weight_bytes_whole(model: nn.Module):
     """Under ZeRO-3 (lattice.parallel.zero3.ShardedWeights), the most weight bytes whole at once
-    while the block runs: the parameters' storage, and each gather in flight at its weights' bytes
+    while the `with` body runs: the parameters' storage, and each gather in flight at its weights' bytes
     (not its buffer's rows rounded up), sampled as each gather starts and ends. Yields a list whose
     one item is the most so far (set it to 0 to count afresh, e.g. after the optimizer's setup)."""
     from lattice.parallel.zero3 import ShardedWeights

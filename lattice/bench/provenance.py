@@ -34,6 +34,7 @@ def _commit() -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results") else "")) or "unknown"
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+        return (head + ("+changes" if changed else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -70,7 +70,8 @@ def gpu_machine(name: str, *, peak_half: float, peak_fp32: float, hbm: float, me
         precision="bf16", kernel_flops=_H200_KERNEL_FLOPS * peak_half / _H200_PEAK,
         attn_rate=_H200_ATTENTION * peak_half / _H200_PEAK, elem_rate=_H200_ELEMENTWISE * hbm / _H200_HBM,
         alpha_intra=alpha_intra, beta_intra=1 / intra, alpha_inter=15e-6,
-        beta_inter=1 / (_NCCL_IB * node_nic_gbs * 1e9 / ranks_per_node), ranks_per_node=ranks_per_node, update_per_tensor=10e-6,
+        beta_inter=1 / (_NCCL_IB * node_nic_gbs * 1e9 / ranks_per_node), ranks_per_node=ranks_per_node,
+        update_per_tensor=10e-6,
         mem_bandwidth=hbm, pipelined_broadcast=True, memory_gib=memory_gib, op_overhead=_H200_OP_OVERHEAD,
         collectives=(("all_reduce", alpha_intra, 1 / (allreduce_gbs * 1e9)),) if allreduce_gbs else ())
 
