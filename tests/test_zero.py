@@ -257,8 +257,7 @@ def test_every_weight_a_forward_reads_is_awaited_by_a_module_that_runs(family):
     tokens = torch.randint(0, 64, (2, 8))
     model.forward_backward(tokens, tokens)
     seen = set(overlap.seen)
-    read = [name for i, p in enumerate(model.parameters()) if p.grad is not None and i not in seen
-            for name in [names[id(p)]]]
+    read = [names[id(p)] for i, p in enumerate(model.parameters()) if p.grad is not None and i not in seen]
     # (the loss head reads its weights outside a forward: no module records them, so they are
     # issued first and awaited before the first module runs)
     assert all(name.startswith("head.") for name in read), read
