@@ -14,8 +14,9 @@ the predicted step. The error is (predicted - published) / published.
 
 What the cost model cannot express is priced by its nearest and named in the row's `as_priced`:
 FSDP (torchtitan) as lattice's ZeRO-3 over the same ranks (each block's weights gathered for its
-forward and again for its backward, the next block's prefetched), selective recomputation as
-none, fp16 as bf16.
+forward and again for its backward, the next block's prefetched, the gradients reduce-scattered
+as backward completes them), selective recomputation as none, fp16 as bf16; Megatron-LM's runs
+with the gradients reduced after backward ("reductions after backward"), as it did then.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ NARAYANAN = "Narayanan et al., SC21, Table 1 (Selene: DGX A100 80GB, 8 x HDR 200
 TITAN_A100 = "torchtitan docs/performance.md, Llama 3 on 64 A100 80GB, FSDP2"
 TITAN_H100 = "torchtitan docs/performance.md, Table 1: Llama 3.1 8B on 8 H100 (96 GB HBM2e, 500 W), FSDP2"
 MEGATRON19 = "Shoeybi et al., Megatron-LM (2019): 8.3B on 512 V100 (DGX-2H), 15.1 PFLOP/s sustained"
+#: the systems that reduced the gradients over dp after backward rather than beside it: Megatron-LM
+#: until --overlap-grad-reduce (September 2023: NVIDIA/Megatron-LM issues #391 and #456), whose
+#: ParallelTransformer also took only pipelines of equal stages (num_layers divisible by pp)
+MEGATRON = (NARAYANAN, MEGATRON19)
 
 
 def _gpt(h, heads, layers, seq=2048, vocab=51200):
@@ -90,7 +95,8 @@ def published_choice(row) -> Choice:
     pipe = dict(microbatches=replica // micro, pp_schedule="1f1b", pp_layers=uneven_split(cfg_of(row), pp)) if pp > 1 else {}
     lay = Layout("1d" if tp > 1 else "serial", tp=tp, pp=pp, dp=dp, ranks_per_node=MACHINES[row[3]].ranks_per_node,
                  options={"sequence_parallel": False} if tp > 1 and not fsdp else {}, **pipe)
-    return Choice(lay, zero=3 if fsdp else 0, precision="bf16", checkpointing=recompute)
+    return Choice(lay, zero=3 if fsdp else 0, precision="bf16", checkpointing=recompute,
+                  overlap_grad_reduce=row[0] not in MEGATRON)
 
 
 def per_gpu(cfg, row, step_s: float) -> float:
@@ -116,12 +122,13 @@ def _layout_ranking(ranked) -> list:
 def _system_ranking(cfg, row, machine) -> list:
     """[((tp, pp, dp), its price)] of every split of the row's GPUs its own system offers, with the
     row's other settings as published (its micro-batch, 1F1B, recomputation, FSDP or not): tp
-    within a node, pp dividing the blocks' count or not (uneven stages as lattice splits them),
-    each that fits 90% of the device's memory, fastest first."""
+    within a node, pp dividing the blocks' count (Megatron-LM's) or not (torchtitan's: uneven
+    stages as lattice splits them), each that fits 90% of the device's memory, fastest first."""
     _, _, _, _, gpus, _, _, batch, micro, _, fsdp, _, _ = row
     out = []
     for tp in [t for t in (1, 2, 4, 8) if gpus % t == 0 and t <= machine.ranks_per_node]:
-        for pp in [q for q in range(1, cfg.n_layers + 1) if (gpus // tp) % q == 0]:
+        for pp in [q for q in range(1, cfg.n_layers + 1) if (gpus // tp) % q == 0
+                   and (row[0] not in MEGATRON or cfg.n_layers % q == 0)]:
             dp = gpus // (tp * pp)
             if batch % dp or (batch // dp) % micro or (pp > 1 and (batch // dp) // micro < pp):
                 continue

@@ -106,12 +106,14 @@ class CostBuilder(AttentionTerms):
         self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0}  # likewise for the saves
 
     # ---- for the modes
-    def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False, once=False):
+    def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False, once=False,
+            beside_backward=False):
         """One collective term at `site` ("linear", "bias", "norm", "branch" inside a layer, where
         it counts once per layer; "loss"; elsewhere the region's). `after_saves`: issued after
         every tensor its operation saves for backward, so that recomputation under activation
         checkpointing, which stops after the layer's last saved tensor, may not repeat it;
-        `once`: never repeated by recomputation (an MoE layer's balancing statistics)."""
+        `once`: never repeated by recomputation (an MoE layer's balancing statistics);
+        `beside_backward`: Term.beside_backward."""
         in_layer = self.region == "layer"
         # (outside a layer, site "hidden": the region's term run beside the weight gradients' products)
         where = ("loss" if site == "loss" else f"layer.{site}" if in_layer else
@@ -121,7 +123,8 @@ class CostBuilder(AttentionTerms):
             return  # a pipeline stage without that part
         if where != "grads":
             calls, elements = calls * self.repeat, elements * self.repeat
-        t = Term(phase, op, tuple(axes), calls, elements, where, itemsize or self.c.itemsize)
+        t = Term(phase, op, tuple(axes), calls, elements, where, itemsize or self.c.itemsize,
+                 beside_backward=beside_backward)
         if in_layer:
             self.layer_terms.append((t, self.op, "once" if once else after_saves))
         else:
@@ -383,7 +386,8 @@ class CostBuilder(AttentionTerms):
                 n, axes = zero_split(self.model.ctx, split, shards, 0)[0], sharers(split)
                 size = math.prod(self.topo.size(a) for a in axes)
                 if n > 1:
-                    self.add("backward", "reduce_scatter", axes, n * segment, 1, "grads", itemsize=reduced)
+                    self.add("backward", "reduce_scatter", axes, n * segment, 1, "grads", itemsize=reduced,
+                             beside_backward=c.overlap_grad_reduce)
                     if c.zero < 3:
                         self.add("optimizer", "all_gather", axes, n * segment, 1, "grads")
                     for phase, calls in gathers.get(names[0], {}).items():  # ZeRO-3's around the forward and backward
@@ -391,12 +395,16 @@ class CostBuilder(AttentionTerms):
                             c.terms.append(Term(phase, "all_gather", tuple(axes), calls, calls * n * segment, "weights",
                                                 c.itemsize))
                 elif size > 1:
-                    self.add("backward", "all_reduce", axes, segment, 1, "grads", itemsize=reduced)
+                    self.add("backward", "all_reduce", axes, segment, 1, "grads", itemsize=reduced,
+                             beside_backward=c.overlap_grad_reduce)
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
             grads = c.memory["parameters"] / c.itemsize - sum(kinds.values()) - frozen  # (DDP's: no expert bias)
             c.reduced_grad_bytes = grads * c.itemsize  # read and written once into the buckets
+            # (DDP's buckets start in backward; a pipeline's flat all-reduce, of a stage priced on its
+            # own too (`parts`), follows the schedule)
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
-                     max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads")
+                     max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads",
+                     beside_backward=c.pipeline is None and c.parts is None)
             for split, numel in kinds.items():  # the Trainer's sum of the experts over the axes they are not split over
                 axes = tuple(a for a in (DP, CP) if a not in split and (a == DP or c.pipeline is None))
                 if math.prod(self.topo.size(a) for a in axes) > 1:

@@ -25,6 +25,9 @@ class Term:
     #  computes; layer.context: cp's all-gather or all-to-all; a ".hidden" suffix: run beside the weight gradients' products)
     itemsize: int = 4
     ranks: int | None = None  # the group's size where it is not the product of `axes` (a first + last stage pair)
+    # a gradients' reduction started in backward as its bucket completes (DDP's, the distributed
+    # optimizer's hooks): it travels beside the rest of backward's compute
+    beside_backward: bool = False
 
     @property
     def bytes(self) -> float:

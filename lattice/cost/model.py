@@ -44,6 +44,14 @@ from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
 # ----------------------------------------------------------------------------- the estimate
 
 
+def grads_beside_backward(figures: dict, overlap: float) -> float:
+    """Seconds of the gradients' reductions started in backward (`grads_started`: those of
+    Term.beside_backward) that its compute hides: `overlap` (Machine.overlap) of the shorter of
+    them and the backward's compute beside no ZeRO-3 gather (`backward_weights_overlapped`)."""
+    cover = figures["backward_compute"] - figures.get("backward_weights_overlapped", 0.0)
+    return overlap * max(0.0, min(figures.get("grads_started", 0.0), cover))
+
+
 def spans_nodes(topo: Topology, axes) -> bool:
     """Whether some group of `topo` along `axes` (ranks that differ only there) has ranks on more
     than one node."""
@@ -99,6 +107,7 @@ class Cost:
     reshard_after_forward: bool = True  # ZeRO-3: a block's weights gathered again for its backward
     reshard_microbatches: bool = False  # ZeRO-3: and around every micro-batch
     grad_reduce_dtype: str = "fp32"  # "bf16": bf16 weights' gradients reduced in bf16 (--grad-reduce-dtype)
+    overlap_grad_reduce: bool = True  # the distributed optimizer's reductions start in backward (--overlap-grad-reduce)
     # gradient bytes copied once into a flat buffer for the data-parallel all-reduce (DDP's buckets,
     # whose gradients then stay views of them; a pipeline's flat all-reduce, likewise)
     reduced_grad_bytes: float = 0.0
@@ -241,11 +250,13 @@ class Cost:
         keys and values (site layer.ring), which travel while attention computes the block before,
         and the layers' collectives a layout starts before the weight gradients' products and
         awaits after them (sites ending in ".hidden"; the products are half of backward's linear
-        work), and ZeRO-3's gathers of the next block's weights beside a block's compute (site
-        weights, with overlap_param_gather) (`overlapped`: the seconds of them hidden so,
-        Machine.overlap of the shorter of the collectives and that compute; ZeRO-3's apart,
-        `weights_overlapped`, as its gathers come once a step under several micro-batches). With stem=True, the Transformer layers
-        alone (no embedding, head, loss or update), as the papers measure."""
+        work), the gradients' reductions started in backward as their buckets complete
+        (Term.beside_backward) beside its compute, and ZeRO-3's gathers of the next block's weights
+        beside a block's compute (site weights, with overlap_param_gather) (`overlapped`: the
+        seconds of them hidden so, Machine.overlap of the shorter of the collectives and that
+        compute; the reductions' and ZeRO-3's apart, `grads_overlapped` and `weights_overlapped`,
+        as they come once a step under several micro-batches). With stem=True, the Transformer
+        layers alone (no embedding, head, loss or update), as the papers measure."""
         out = {}
         machine = machine.at(self.topology.world_size)
         work = self.stem if stem else {kind: getattr(self, kind) for kind in WORK_KINDS}
@@ -262,10 +273,11 @@ class Cost:
                                        + self._elementwise_seconds(by_operator, phase, machine)
                                        + work["ops"][phase] * machine.op_overhead)
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
+            gathers_hidden = 0.0
             if self.zero == 3 and self.overlap_param_gather and not stem:  # the next block's gather beside a block
-                hidden = machine.overlap * min(self.comm_time(machine, phase, "weights"), out[f"{phase}_compute"])
-                out["weights_overlapped"] = out.get("weights_overlapped", 0.0) + hidden
-                out[f"{phase}_comm"] -= hidden
+                gathers_hidden = machine.overlap * min(self.comm_time(machine, phase, "weights"), out[f"{phase}_compute"])
+                out["weights_overlapped"] = out.get("weights_overlapped", 0.0) + gathers_hidden
+                out[f"{phase}_comm"] -= gathers_hidden
             cp = self.topology.size(MeshAxis.CP)
             if cp > 1:  # each of the ring's cp - 1 sends beside one of its cp blocks of attention
                 attention = work["scores"][phase] / machine.attn_rate * (1 - 1 / cp)
@@ -278,6 +290,13 @@ class Cost:
                 hidden = machine.overlap * min(beside_products, linear / 2 / machine.flop_rate)
                 out[f"{phase}_overlapped"] = out.get(f"{phase}_overlapped", 0.0) + hidden
                 out[f"{phase}_comm"] -= hidden
+            if phase == "backward" and not stem:  # the reductions started as their buckets complete, beside
+                # the compute the gathers before them left (one link carries both)
+                out["grads_started"] = sum(s for t, s in self.term_times(machine, self._select(phase, site="grads"))
+                                           if t.beside_backward)
+                out["backward_weights_overlapped"] = gathers_hidden
+                out["grads_overlapped"] = grads_beside_backward(out, machine.overlap)
+                out[f"{phase}_comm"] -= out["grads_overlapped"]
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]
         # waiting for the slowest rank's compute at each synchronisation (Machine.skew_seconds)
         syncs = self.syncs()
@@ -338,7 +357,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
              dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
              zero: int = 0, precision: str = "fp32", padded: bool = False, overlap_param_gather: bool | None = None,
              grad_reduce_dtype: str = "fp32", parts: tuple[bool, bool] | None = None, reshard_after_forward: bool = True,
-             reshard_microbatches: bool = False, **layout_kwargs) -> Cost:
+             reshard_microbatches: bool = False, overlap_grad_reduce: bool = True, **layout_kwargs) -> Cost:
     """The analytic cost of one step of `layout` (a Layout, or a mode name with `lattice.init`'s
     keyword arguments) on `batch` sequences (per replica) of `seq` tokens, for global rank `rank`
     (ranks differ where a mode hosts parameters on some ranks), of the model `cfg` describes (any
@@ -353,7 +372,8 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     gradient reduction (then `dtype` is bf16). `padded`: the batches carry an attention mask,
     whose copies every masked attention saves (padding costs no communication).
     `overlap_param_gather` (default: with ZeRO, as the Trainer), `grad_reduce_dtype`,
-    `reshard_after_forward` and `reshard_microbatches` (ZeRO-3's): as `lattice train`'s flags. `parts` (first, last), for a layout without a pipeline: the rank runs
+    `overlap_grad_reduce`, `reshard_after_forward` and `reshard_microbatches` (ZeRO-3's): as
+    `lattice train`'s flags. `parts` (first, last), for a layout without a pipeline: the rank runs
     only those of the model's end parts, as one stage of a pipeline would (the planner prices a
     stage so)."""
     if precision == "bf16":
@@ -368,7 +388,8 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
                 target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
                 precision=precision, padded=padded, grad_reduce_dtype=grad_reduce_dtype,
                 overlap_param_gather=bool(zero) if overlap_param_gather is None else overlap_param_gather,
-                parts=parts, reshard_after_forward=reshard_after_forward, reshard_microbatches=reshard_microbatches)
+                parts=parts, reshard_after_forward=reshard_after_forward, reshard_microbatches=reshard_microbatches,
+                overlap_grad_reduce=overlap_grad_reduce)
     CostBuilder(cost, model).build()
     return cost
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from lattice.cost.machine import Machine
-from lattice.cost.model import meta_model, estimate, kept, spans_nodes
+from lattice.cost.model import estimate, grads_beside_backward, kept, meta_model, spans_nodes
 from lattice.cost.pipeline import in_flight, p2p_piece
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout
@@ -56,6 +56,9 @@ class Choice:
     zero: int = 0
     precision: str = "fp32"
     checkpointing: bool = False
+    # the distributed optimizer's reductions start in backward (the Trainer's default; the planner
+    # searches only that); False: after it, as a system without the hooks runs them
+    overlap_grad_reduce: bool = True
 
     def describe(self) -> str:
         lay = self.layout
@@ -77,6 +80,8 @@ class Choice:
         parts.append(self.precision)
         if self.checkpointing:
             parts.append("ckpt")
+        if not self.overlap_grad_reduce:
+            parts.append("reductions after backward")
         if lay.placement != "natural":
             parts.append(f"{lay.placement} placement")
         return " ".join(parts)
@@ -105,6 +110,8 @@ class Choice:
             out.append(f"--precision {self.precision}")
         if self.checkpointing:
             out.append("--activation-checkpointing")
+        if not self.overlap_grad_reduce:
+            out.append("--no-overlap-grad-reduce")
         return " ".join(out)
 
 
@@ -141,6 +148,9 @@ def _figures(c, machine: Machine) -> dict[str, float]:
             if term.site == "loss":
                 out["tensor_loss"] += seconds
     groups["data"] -= t.get("weights_overlapped", 0.0)  # ZeRO-3's gathers hidden beside the blocks
+    # the reductions started in backward: hidden by `price` once the figures are a stage's (the
+    # shorter of two figures is not linear in the blocks)
+    out["grads_started"], out["backward_weights_overlapped"] = t["grads_started"], t["backward_weights_overlapped"]
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
@@ -204,7 +214,8 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     gradients' reduction over dp and the update of the stage holding the most. The memory is the
     fullest stage's with its micro-batches in flight."""
     lay = choice.layout
-    kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing)
+    kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing,
+              overlap_grad_reduce=choice.overlap_grad_reduce)
     machine = machine.with_precision(choice.precision)
     replica = batch // lay.dp
     if batch % lay.dp:
@@ -231,6 +242,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         terms = {"compute": accumulated * (f["forward_compute"] + f["backward_compute"]),
                  **{g: f[g] * (accumulated if g in ("tensor", "context") else 1) for g in COMM_GROUPS},
                  "overlapped": accumulated * f["overlapped"], "bubble": 0.0, "update": f["update"]}
+        terms["data"] -= grads_beside_backward(f, meeting.overlap)  # beside the last micro-batch's backward
         memory = {k[7:]: v for k, v in f.items() if k.startswith("memory_")}
         if shares_cores and lay.tp > 1:  # as _shared_cores
             where = dict(blocks=cfg.n_layers, batch=replica // accumulated, topology=lay.topology, **kw)
@@ -271,7 +283,9 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         # every other stage (the bubble: filling and draining the pipeline); the gradients' reduction
         # over dp and the update of the stage holding the most
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
-                 "context": m * f["context"], "data": max(g["data"] for g in figures.values()), "pipeline": m * v * steady,
+                 "context": m * f["context"], "pipeline": m * v * steady,
+                 # (each stage's reductions beside its last micro-batch's backward)
+                 "data": max(g["data"] - grads_beside_backward(g, here.overlap) for g in figures.values()),
                  "overlapped": m * f["overlapped"],
                  "bubble": sum(chunk + hop for s, chunk in enumerate(chunks) if s != slowest),
                  "update": max(g["update"] for g in figures.values())}
