@@ -559,8 +559,10 @@ def test_plan_auto_for_mixtral_8x7b_searches_ep(capfd):
                        "--ranks-per-node", "8", "--machine", "h100-node"], capfd)
     ranked = [line for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\.\d", line)]
     eps = [re.search(r" ep=(\d+)", line) for line in ranked]
-    # (serial has no expert axis: its ep folds over the cp ranks or the replicas)
-    assert any(eps) and any(" serial " in line and int(e.group(1)) > 1 for e, line in zip(eps, ranked) if e), out
+    # (serial has no expert axis: its ep folds over the cp ranks or the replicas; its best, ranked or on its line)
+    serial = [line for line in out.splitlines() if line.strip().startswith("serial: best ")] + ranked
+    assert any(eps) and any(" serial " in line and int(e.group(1)) > 1 for e, line in
+                            zip([re.search(r" ep=(\d+)", line) for line in serial], serial) if e), out
     command = next(line for line in out.splitlines() if line.startswith("the first as a run"))
     assert (f"--ep {eps[0].group(1)}" in command) if eps[0] else "--ep" not in command, (ranked[0], command)
 

@@ -400,8 +400,7 @@ class CostBuilder(AttentionTerms):
         elif dp > 1:  # data-parallel gradient averaging, bucketed as DDP does (over dp x cp; a pipeline's over dp)
             grads = c.memory["parameters"] / c.itemsize - sum(kinds.values()) - frozen  # (DDP's: no expert bias)
             c.reduced_grad_bytes = grads * c.itemsize  # read and written once into the buckets
-            # (DDP's buckets start in backward; a pipeline's flat all-reduce, of a stage priced on its
-            # own too (`parts`), follows the schedule)
+            # (DDP's buckets start in backward; a pipeline's flat all-reduce, a stage's too, after it)
             self.add("backward", "all_reduce", (DP, CP) if c.pipeline is None else (DP,), grads,
                      max(1, math.ceil(grads * c.itemsize / DDP_BUCKET_BYTES)), "grads",
                      beside_backward=c.pipeline is None and c.parts is None)

@@ -275,7 +275,8 @@ class Cost:
             out[f"{phase}_comm"] = self.comm_time(machine, phase, "layer" if stem else None)
             gathers_hidden = 0.0
             if self.zero == 3 and self.overlap_param_gather and not stem:  # the next block's gather beside a block
-                gathers_hidden = machine.overlap * min(self.comm_time(machine, phase, "weights"), out[f"{phase}_compute"])
+                gathers = self.comm_time(machine, phase, "weights")
+                gathers_hidden = machine.overlap * min(gathers, out[f"{phase}_compute"])
                 out["weights_overlapped"] = out.get("weights_overlapped", 0.0) + gathers_hidden
                 out[f"{phase}_comm"] -= gathers_hidden
             cp = self.topology.size(MeshAxis.CP)

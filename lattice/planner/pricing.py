@@ -56,9 +56,7 @@ class Choice:
     zero: int = 0
     precision: str = "fp32"
     checkpointing: bool = False
-    # the distributed optimizer's reductions start in backward (the Trainer's default; the planner
-    # searches only that); False: after it, as a system without the hooks runs them
-    overlap_grad_reduce: bool = True
+    overlap_grad_reduce: bool = True  # the Trainer's default, the planner's only; False: after backward
 
     def describe(self) -> str:
         lay = self.layout
@@ -80,8 +78,7 @@ class Choice:
         parts.append(self.precision)
         if self.checkpointing:
             parts.append("ckpt")
-        if not self.overlap_grad_reduce:
-            parts.append("reductions after backward")
+        parts += [] if self.overlap_grad_reduce else ["reductions after backward"]
         if lay.placement != "natural":
             parts.append(f"{lay.placement} placement")
         return " ".join(parts)
@@ -110,8 +107,7 @@ class Choice:
             out.append(f"--precision {self.precision}")
         if self.checkpointing:
             out.append("--activation-checkpointing")
-        if not self.overlap_grad_reduce:
-            out.append("--no-overlap-grad-reduce")
+        out += [] if self.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
         return " ".join(out)
 
 
@@ -148,9 +144,7 @@ def _figures(c, machine: Machine) -> dict[str, float]:
             if term.site == "loss":
                 out["tensor_loss"] += seconds
     groups["data"] -= t.get("weights_overlapped", 0.0)  # ZeRO-3's gathers hidden beside the blocks
-    # the reductions started in backward: hidden by `price` once the figures are a stage's (the
-    # shorter of two figures is not linear in the blocks)
-    out["grads_started"], out["backward_weights_overlapped"] = t["grads_started"], t["backward_weights_overlapped"]
+    out |= {k: t[k] for k in ("grads_started", "backward_weights_overlapped")}  # hidden by `price`: a min is not linear
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
@@ -283,8 +277,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
         # every other stage (the bubble: filling and draining the pipeline); the gradients' reduction
         # over dp and the update of the stage holding the most
         terms = {"compute": m * (f["forward_compute"] + f["backward_compute"]), "tensor": m * f["tensor"],
-                 "context": m * f["context"], "pipeline": m * v * steady,
-                 # (each stage's reductions beside its last micro-batch's backward)
+                 "context": m * f["context"], "pipeline": m * v * steady,  # (reductions beside the last backward)
                  "data": max(g["data"] - grads_beside_backward(g, here.overlap) for g in figures.values()),
                  "overlapped": m * f["overlapped"],
                  "bubble": sum(chunk + hop for s, chunk in enumerate(chunks) if s != slowest),
