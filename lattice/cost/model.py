@@ -295,7 +295,8 @@ class Cost:
                 # the compute the gathers before them left (one link carries both)
                 out["grads_started"] = sum(s for t, s in self.term_times(machine, self._select(phase, site="grads"))
                                            if t.beside_backward)
-                out["backward_weights_overlapped"] = gathers_hidden
+                if gathers_hidden:
+                    out["backward_weights_overlapped"] = gathers_hidden
                 out["grads_overlapped"] = grads_beside_backward(out, machine.overlap)
                 out[f"{phase}_comm"] -= out["grads_overlapped"]
             out[phase] = out[f"{phase}_compute"] + out[f"{phase}_comm"]

@@ -144,7 +144,7 @@ def _figures(c, machine: Machine) -> dict[str, float]:
             if term.site == "loss":
                 out["tensor_loss"] += seconds
     groups["data"] -= t.get("weights_overlapped", 0.0)  # ZeRO-3's gathers hidden beside the blocks
-    out |= {k: t[k] for k in ("grads_started", "backward_weights_overlapped")}  # hidden by `price`: a min is not linear
+    out |= {k: t.get(k, 0.0) for k in ("grads_started", "backward_weights_overlapped")}  # hidden by `price`: a min is not linear
     out.update(groups)
     out.update({f"memory_{k}": v for k, v in c.memory.items()})
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
