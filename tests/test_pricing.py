@@ -577,6 +577,8 @@ def test_reductions_started_in_backward_are_hidden_by_its_compute_where_the_trai
                           machine=gpu)
             assert after.terms["data"] == pytest.approx(blinded, rel=1e-9)
             assert "--no-overlap-grad-reduce" in after.choice.train_flags()
+        else:  # DDP's buckets always start in backward, and train has no flag for them
+            assert "overlap" not in Choice(lay, overlap_grad_reduce=False).train_flags()
     piped = Layout("serial", dp=4, pp=2, microbatches=4, ranks_per_node=8)  # fp32: the flat all-reduce after it
     flat = price(cfg, Choice(piped), batch=32, machine=blind).terms["data"]
     assert flat > 0 and price(cfg, Choice(piped), batch=32, machine=gpu).terms["data"] == pytest.approx(flat, rel=1e-9)

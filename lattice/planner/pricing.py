@@ -107,7 +107,8 @@ class Choice:
             out.append(f"--precision {self.precision}")
         if self.checkpointing:
             out.append("--activation-checkpointing")
-        out += [] if self.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
+        if not self.overlap_grad_reduce and (self.zero or self.precision == "bf16"):  # (DDP's have no flag)
+            out.append("--no-overlap-grad-reduce")
         return " ".join(out)
 
 
@@ -125,8 +126,7 @@ class Priced:
                 "microbatches": lay.pipeline.m if lay.pp > 1 else 1,
                 "schedule": lay.pipeline.schedule if lay.pp > 1 else None, "zero": self.choice.zero,
                 "precision": self.choice.precision, "activation_checkpointing": self.choice.checkpointing,
-                "placement": lay.placement, "step_s": self.step_s, "terms_s": self.terms,
-                "memory_bytes": self.memory}
+                "placement": lay.placement, "step_s": self.step_s, "terms_s": self.terms, "memory_bytes": self.memory}
 
 
 def _figures(c, machine: Machine) -> dict[str, float]:
