@@ -128,7 +128,8 @@ def _measure_world(shape: str, layouts: list[dict], rounds: int, steps: int) -> 
         ctx = lattice.init(Layout(**record["layout"]))
         cfg = TrainConfig(arch=arch, **sizes, vocab_size=2048, batch_size=BATCH, steps=10 ** 6, warmup=1,
                           eval_interval=10 ** 6, checkpoint_interval=0, zero=record["zero"],
-                          activation_checkpointing=record["activation_checkpointing"])
+                          activation_checkpointing=record["activation_checkpointing"],
+                          selective_checkpointing=record.get("selective_checkpointing", False))
         trainer = Trainer(cfg, ctx)
         for _ in range(2):  # warm-up
             trainer.train_step()
@@ -272,7 +273,8 @@ def main() -> int:
                           precisions=(machine.precision,), memory_gib=_gib(args.memory_mib))
             chosen, feasible = _chosen(plan.ranked, args.limit), len(plan.ranked)
             layouts = [{"layout": c.choice.layout.record(), "zero": c.choice.zero,
-                        "activation_checkpointing": c.choice.checkpointing} for c in chosen]
+                        "activation_checkpointing": c.choice.checkpointing,
+                        "selective_checkpointing": c.choice.selective} for c in chosen]
             started = time.time()
             rounds = args.rounds or default_rounds(n)
             repeats = [spawn(n, _measure_world, shape, layouts, rounds, args.steps, timeout=3600)[0]["step_s"]

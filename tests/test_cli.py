@@ -151,9 +151,10 @@ def test_every_layout_and_train_field_round_trips_through_config_toml(tmp_path):
     changed.update(zero=3)  # (whose resharding flags are among the fields)
     changed.update(arch="llama", model="tiny", batch_size=8, target_len=None,  # an encoder-decoder's: below
                    model_sizes={"n_kv_heads": 2, "norm_eps": 1e-6, "tie_embeddings": True})
-    # bf16 weights exclude autocast and float64 weights: the second run has those, the first the others;
-    # an encoder-decoder packs no documents
-    mixed = {"precision": changed.pop("precision"), "grad_reduce_dtype": changed.pop("grad_reduce_dtype")}
+    # bf16 weights exclude autocast and float64 weights, and the two recomputations each other: the second
+    # run has those, the first the others; an encoder-decoder packs no documents
+    mixed = {"precision": changed.pop("precision"), "grad_reduce_dtype": changed.pop("grad_reduce_dtype"),
+             "selective_checkpointing": changed.pop("selective_checkpointing"), "activation_checkpointing": False}
     for tcfg in (TrainConfig(**changed), TrainConfig(**{**changed, "arch": "t5", "task": "seq2seq", "target_len": 12,
                                                         **mixed, "bf16": False, "dtype": "float32", "pack_documents": False,
                                                         "model_sizes": {"d_ff": 40, "tie_embeddings": False}})):

@@ -201,11 +201,14 @@ def test_bf16_autocast_changes_the_matmuls_only_slightly():
     assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=2e-2)
 
 
-def test_activation_checkpointing_gives_the_same_training():
-    """Catches recomputation that draws different dropout masks or changes gradients."""
+@pytest.mark.parametrize("kind", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_training(kind):
+    """Catches recomputation (whole blocks, or all but their products) that draws different
+    dropout masks or changes gradients."""
     plain = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=3), serial())
-    ckpt = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=3, activation_checkpointing=True), serial())
-    assert ckpt.model.activation_checkpointing
+    ckpt = Trainer(TrainConfig(**{**TINY, "dropout": 0.1}, steps=3, activation_checkpointing=kind == "full",
+                               selective_checkpointing=kind == "selective"), serial())
+    assert ckpt.model.recompute == kind
     for _ in range(3):
         assert plain.train_step()["train_loss"] == ckpt.train_step()["train_loss"]
     for a, b in zip(plain.model.parameters(), ckpt.model.parameters()):

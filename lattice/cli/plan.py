@@ -49,6 +49,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch: sequences per optimizer step, split over --dp replicas (as in train)")
     p.add_argument("--bf16", action="store_true", help="2-byte activations and parameters")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--selective-checkpointing", action="store_true")
     p.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="bf16: bf16 weights with fp32 master weights, moments and gradient reduction (as in train); "
                         "default fp32, and with --auto every precision the machine has a rate for")
@@ -125,7 +126,8 @@ def run_plan(args) -> int:
     elif args.ranks_per_node != machine.ranks_per_node:
         machine = dataclasses.replace(machine, ranks_per_node=args.ranks_per_node)
     # what the planner prices (lattice.planner.pricing.price): the setups that `plan --auto` ranks
-    setup = dict(zero=args.zero, precision=args.precision, checkpointing=args.activation_checkpointing)
+    setup = dict(zero=args.zero, precision=args.precision, checkpointing=args.activation_checkpointing,
+                 selective=args.selective_checkpointing)
     if args.splits:
         print(format_splits(cfg, args.splits, batch=batch, machine=machine, setup=setup,
                             layout_of=lambda tp, pp: layout_from_args(
@@ -143,7 +145,8 @@ def run_plan(args) -> int:
         print(f"gradient accumulation: one of {passes} passes of {batch // passes} sequences below; a step runs "
               f"{passes} of them, then one gradient reduction and one update")
     c = estimate(cfg, layout, batch=batch // passes, rank=args.rank, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                 activation_checkpointing=args.activation_checkpointing, zero=args.zero,
+                 activation_checkpointing=args.activation_checkpointing,
+                 selective_checkpointing=args.selective_checkpointing, zero=args.zero,
                  precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
                  overlap_param_gather=args.overlap_param_gather)
     print(format_cost(c, machine))

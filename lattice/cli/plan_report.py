@@ -33,7 +33,7 @@ def format_cost(c: Cost, machine: Machine) -> str:
     header = ("phase", "collective", "group", "calls", "elements", "MiB", "wire words", "messages")
     target = f" -> {c.target_seq} target tokens" if hasattr(c.cfg, "target_len") else ""  # an encoder-decoder's
     lines = [f"{c.mode} on {axes}, {c.cfg}", f"batch {c.batch} x {c.seq}{target} per replica, {c.itemsize}-byte values"
-             f"{', activation checkpointing' if c.checkpointing else ''}; per rank:", "",
+             f"{', ' + c.checkpointing + ' activation checkpointing' if c.checkpointing else ''}; per rank:", "",
              "  " + "".join(f"{h:<{w}}" if k < 2 else f"{h:>{w}}" for k, (h, w) in enumerate(zip(header, widths)))]
     for r in rows:
         lines.append("  " + "".join(f"{v:<{w}}" if k < 2 else f"{v:>{w}}" for k, (v, w) in enumerate(zip(r, widths))))

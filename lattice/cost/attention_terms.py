@@ -41,7 +41,8 @@ class AttentionTerms:
             self._elementwise("rotary", q + kv)
         masked = self.c.padded and padding
         if self.cp > 1:
-            self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window)
+            self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window, causal=causal,
+                       bias=bias)
         elif bias:
             self.save(3 * q + self.B * heads * T * T * share)
             self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
@@ -49,6 +50,7 @@ class AttentionTerms:
         else:
             self.save(self.current + (q + kv if rotary else 0) + q + self.B * heads * T * share
                       + (T * T if window and not masked else 0))  # a padding mask takes the window's place
+            self.keep(q + self.B * heads * T * share)  # the kernel's output and log-sum-exp
             self.output_saved = True
         if masked and self.cp == 1:
             self._save_mask(T, T, additive=bias)
@@ -58,7 +60,8 @@ class AttentionTerms:
         self.current = q
 
     def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int, *, masked: bool = False,
-              window: bool = False, keys: int | None = None) -> None:
+              window: bool = False, keys: int | None = None, causal: bool = False,
+              bias: bool = False) -> None:
         """Attention over a cp group (lattice.models.components.ContextParallel) of this rank's
         q against every rank's k and v of `kv` elements. "ring": forward sends them on cp - 1
         times; backward sends them on as often again and their gradients cp times (the last
@@ -70,7 +73,10 @@ class AttentionTerms:
         kernel on whole sequences of 1/cp of the heads saves q, k, v as the all-to-all
         delivered them, its output and log-sum-exp, a padding (`masked`) or `window` mask over
         the whole sequences as `attention` describes, and the next linear its own input. `keys`:
-        the tokens of the keys' sequence per rank (the memory's), default the queries'."""
+        the tokens of the keys' sequence per rank (the memory's), default the queries'. Selective
+        checkpointing keeps each fused kernel's output and log-sum-exp: ulysses' one; the ring's (and
+        all_gather's) of every block, on CPU without a mask or bias (elsewhere the blocks run in products):
+        rank i of a causal ring computes its own block, i earlier ranks' and half of each later one's."""
         cp, share = self.cp, self.share.get("attention", self.share["split"])
         rows = self.mode.attention_rows(self.B)
         cos_sin = 2 * (rows.stop - rows.start) * self.T * head_size if rotary else 0
@@ -84,10 +90,14 @@ class AttentionTerms:
             elif window:
                 self.save(t_q * t_k)
             self.output_saved = False
+            self.keep(q + lse)
             for phase in ("forward", "backward"):
                 self.add(phase, "all_to_all", (CP,), 2 * q + 2 * kv, 4, "context")
             return
         self.save(self.current + (q + kv + cos_sin if rotary else 0) + q + lse)
+        if not (masked or window or bias):
+            i = self.topo.coords(self.c.rank).get(CP, 0)
+            self.keep((q + lse) * (1 + i + (cp - 1 - i) / 2 if causal else cp))
         self.output_saved = True
         if self.cp_attention == "all_gather":
             self.add("forward", "all_gather", (CP,), 2 * kv * cp, 1, "context")
@@ -104,6 +114,9 @@ class AttentionTerms:
         self._work("biased_scores" if biased else "scores", scores)
         self._work("attention_flops", 4 * head_size * scores)
         self._work("flops", 4 * head_size * scores)
+        if biased:  # the math kernel's products, which selective checkpointing runs again (lattice.models.recompute)
+            self._work("again:attention_flops", 4 * head_size * scores)
+            self._work("again:flops", 4 * head_size * scores)
 
     def position_bias(self) -> None:
         """A stack's relative position bias (T5's): the (T, T) bucket indices of the table
@@ -147,6 +160,7 @@ class AttentionTerms:
                        masked=self.c.padded, keys=self.memory_tokens)
         else:
             self.save(self.previous + self.current + out + self.B * heads * self.T * share)
+            self.keep(out + self.B * heads * self.T * share)  # the kernel's output and log-sum-exp
             if self.c.padded:  # the sources' mask
                 self._save_mask(self.T, self.memory_tokens, additive=False)
         self.output_saved = True

@@ -10,6 +10,7 @@ import math
 from contextlib import contextmanager
 
 from lattice.cost.attention_terms import AttentionTerms
+from lattice.cost.moe_terms import MoETerms
 from lattice.cost.machine import Term
 from lattice.cost.stages import pipeline_terms
 from lattice.parallel.context import MeshAxis
@@ -47,7 +48,7 @@ def _parameters(model) -> dict:
     return dict(model.named_parameters())
 
 
-class CostBuilder(AttentionTerms):
+class CostBuilder(AttentionTerms, MoETerms):
     """Fills a Cost from the family's description of one step (`Model.cost_layout(builder)`,
     which calls the operations below in the order its forward runs them) and the mode's price of
     each operation. What follows from the shard specs alone the builder adds itself: parameter
@@ -99,11 +100,11 @@ class CostBuilder(AttentionTerms):
         self.region = "embedding"  # embedding | layer | head: the site of terms outside layers
         self.layer_terms: list[tuple[Term, int, bool]] = []  # (term, operation index, after its saves)
         self.op = 0  # operations described so far (in the current layer)
-        self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0}
+        self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0, "kept": 0.0}
         self.output_saved = False  # whether the last operation's output is saved already (by itself)
         self.work = {part: {k: 0.0 for k in WORK_KINDS}
                      for part in ("layer", "other", "layers")}  # layers: every layer block's, times its count
-        self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0}  # likewise for the saves
+        self.layers_saved = {"elements": 0.0, "ints": 0.0, "checkpointed": 0.0, "kept": 0.0}  # likewise for the saves
 
     # ---- for the modes
     def add(self, phase, op, axes, elements, calls=1, site="", *, itemsize=None, after_saves=False, once=False,
@@ -134,6 +135,11 @@ class CostBuilder(AttentionTerms):
         """Elements (in the step's dtype) the current operation saves for backward."""
         self.saved["layer" if self.region == "layer" else "other"] += elements
 
+    def keep(self, elements: float) -> None:
+        """Elements a layer's product or fused attention returns, which selective checkpointing keeps."""
+        if self.region == "layer":
+            self.saved["kept"] += elements
+
     def save_ints(self, nbytes: float) -> None:
         """Bytes of token ids, indices and masks saved for backward."""
         self.saved["layer_ints" if self.region == "layer" else "ints"] += nbytes
@@ -148,14 +154,16 @@ class CostBuilder(AttentionTerms):
         self._work("elementwise", amount)
         self._work(f"elementwise:{operator}", amount)
 
-    def _products(self, block: str, flops: float, calls: int = 1) -> None:
+    def _products(self, block: str, flops: float, calls: int = 1, again: bool = False) -> None:
         """A linear layer's matrix products of `flops` in all on this rank (forward), over the rows
-        each of its products has here (`Mode.cost_product_rows`): their weight elements follow."""
-        self._work("flops", flops)
-        self._work("linear_calls", calls)
+        each of its products has here (`Mode.cost_product_rows`): their weight elements follow.
+        `again`: selective checkpointing runs them again in backward (work kinds "again:<kind>")."""
         rows = self.mode.cost_product_rows(self, block)
-        if rows:  # (none on a rank the layout leaves out of these products)
-            self._work("product_weights", flops / (2 * rows))
+        # (no weight elements on a rank the layout leaves out of these products)
+        for kind, amount in (("flops", flops), ("linear_calls", calls), ("product_weights", rows and flops / (2 * rows))):
+            self._work(kind, amount)
+            if again:
+                self._work("again:" + kind, amount)
 
     @contextmanager
     def on_this_stage(self):
@@ -199,7 +207,8 @@ class CostBuilder(AttentionTerms):
         self.layers_saved["elements"] += count * self.saved["layer"]
         self.layers_saved["ints"] += count * self.saved["layer_ints"]
         self.layers_saved["checkpointed"] += count * self.residual  # only each layer's input survives
-        self.saved["layer"] = self.saved["layer_ints"] = 0.0
+        self.layers_saved["kept"] += count * self.saved["kept"]
+        self.saved["layer"] = self.saved["layer_ints"] = self.saved["kept"] = 0.0
         self.region = "head"
 
     @contextmanager
@@ -248,9 +257,11 @@ class CostBuilder(AttentionTerms):
         saved, out = self.mode.cost_linear(self, in_features, out_features, block=block, position=position, bias=bias,
                                            input_saved=(input_from_attention and self.output_saved) or from_memory)
         self.save(saved)
+        kept = self.mode.cost_product_output(self, out_features, block=block, position=position, out=out)
+        self.keep(kept or 0.0)
         share = self.share.get(block, self.share["split"])
         replicated = self.share.get("replicated", self.share["split"])
-        self._products(block, 2 * self.M * in_features * out_features * share)
+        self._products(block, 2 * self.M * in_features * out_features * share, again=kept is None)
         if position == "in":
             self._elementwise("add", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
@@ -271,44 +282,6 @@ class CostBuilder(AttentionTerms):
         self.save((self.current + out) if gated else (self.current if saves_input else own_output))
         self._elementwise(kind + ("_gated" if gated else ""), self.M * width * share)
         self.current, self.output_saved = out, False
-
-    def moe(self, experts: int, top_k: int, width: int, *, normalize: bool, shared: int = 0, z_loss: bool = False) -> None:
-        """A mixture of experts on the residual stream (lattice.models.moe.SparseMoE): the mode's
-        whole tokens (`Mode.cost_expert_tokens`, n here), the router (h -> E, softmax at float32 or
-        above, top-k), the balancing statistics (2E + 2 numbers all-reduced over the replica and the
-        replicas, in training), each of the n·k assignments through its expert's SwiGLU of `width`,
-        the combine, and a shared SwiGLU expert of width `shared` beside them; with `z_loss` the
-        router's logsumexp too (one more statistic)."""
-        self._next()
-        h, n = self.h, self.mode.cost_expert_tokens(self)
-        a = n * top_k
-        stat = max(self.c.itemsize, 4)  # the router's probabilities: at float32 or above
-        wide = stat / self.c.itemsize
-        groups = [axes for axes in (self.topo.tensor_axes, self.topo.canonical_axes((DP, CP)))
-                  if math.prod(self.topo.size(x) for x in axes) > 1]
-        for axes in groups:
-            self.add("forward", "all_reduce", axes, 2 * experts + 2 + z_loss, 1, "moe", itemsize=stat, once=True)
-        # saved: the tokens, the probabilities, the top-k weights (and their sum), the statistics'
-        # mask; each assignment's token row, its gate and up features, act(gate), their product,
-        # its expert's output and its weight; the shared expert's four hidden tensors, its gate and
-        # output; the top-k indices and the assignments' order and tokens as int64
-        layout = self.model.ctx.layout
-        axes = layout.expert_axes if layout is not None else ()
-        if axes:  # the counts per expert, the rows to their experts' ranks and back (balanced
-            # routing: each rank receives as many rows as it sends); recomputation repeats all three
-            for phase, elements in (("forward", experts), ("forward", a * h), ("forward", a * h),
-                                    ("backward", a * h), ("backward", a * h)):
-                self.add(phase, "all_to_all", axes, elements, 1, "moe",
-                         itemsize=8 if elements == experts and phase == "forward" else None)
-        self.save(n * h + wide * (n * experts + (a + n if normalize else 0) + n + (n * experts + n if z_loss else 0))
-                  + a * (2 * h + 4 * width + 1) + (4 * n * shared + n + n * h if shared else 0))
-        self.save_ints(8 * (n * top_k + 2 * a))
-        self._work("flops", 2 * n * h * experts + 6 * a * h * width + (6 * n * h * shared + 2 * n * h if shared else 0))
-        self._work("linear_calls", 1 + 2 * experts + (4 if shared else 0))
-        self._work("ops", 2 * experts + (3 if shared else 0))
-        self._elementwise("silu_gated", a * width + n * shared)
-        self._elementwise("add", n * experts + a * h + (n * h if shared else 0))  # softmax; weighting and combine
-        self.current, self.output_saved = self.residual, False
 
     def dense(self, in_features: int, out_features: int, *, bias: bool, activation: str) -> None:
         """A linear from the residual layout back to it (`Mode.dense`) and its elementwise
@@ -351,8 +324,9 @@ class CostBuilder(AttentionTerms):
         self.model.cost_layout(self)
         c.residual_elements = self.residual
         layers, layer_ints = self.layers_saved["elements"], self.layers_saved["ints"]
-        if c.checkpointing:  # only each layer's input survives the forward
-            layers, layer_ints = self.layers_saved["checkpointed"], 0
+        if c.checkpointing:  # each layer's input survives the forward, and under "selective" what its products return
+            layers = self.layers_saved["checkpointed"] + (self.layers_saved["kept"] if c.checkpointing == "selective" else 0)
+            layer_ints = 0
         if self.memory_read:  # the encoder's output, as the layout's cross-attention keeps it
             self.saved["other"] += self.memory_elements
         c.memory["activations"] = (c.itemsize * (layers + self.saved["other"]) + layer_ints + self.saved["ints"])
@@ -434,17 +408,24 @@ class CostBuilder(AttentionTerms):
 
     def _totals(self):
         """Forward and backward work: backward is twice the forward, plus one forward of every
-        layer under activation checkpointing."""
-        ckpt = self.c.checkpointing
+        layer under activation checkpointing (under selective checkpointing, of its work but its
+        products and fused attention: its elementwise operators, the operations around them, and
+        attention the math kernel runs in products)."""
         layers, other = self.work["layers"], self.work["other"]
         by_operator = sorted({kind for kind in layers | other if kind.startswith("elementwise:")})
+        recomputed = {kind: layers.get(kind, 0.0) for kind in WORK_KINDS + tuple(by_operator)}
+        if self.c.checkpointing == "selective":
+            recomputed.update({kind: layers.get("again:" + kind, 0.0) for kind in
+                               ("flops", "attention_flops", "scores", "linear_calls", "product_weights")})
+            recomputed["ops"] = layers.get("ops", 0.0) - layers.get("linear_calls", 0.0) + recomputed["linear_calls"]
+        elif not self.c.checkpointing:
+            recomputed = dict.fromkeys(recomputed, 0.0)
 
-        def phases(kind):
-            fwd = layers.get(kind, 0.0) + other.get(kind, 0.0)
-            return {"forward": fwd, "backward": 2 * fwd + (layers.get(kind, 0.0) if ckpt else 0)}
+        def phases(kind, part=None):
+            fwd = layers.get(kind, 0.0) + (other.get(kind, 0.0) if part is None else 0.0)
+            return {"forward": fwd, "backward": 2 * fwd + recomputed[kind]}
 
         for kind in WORK_KINDS:  # Cost has a field of each kind's name
             setattr(self.c, kind, phases(kind))
         self.c.elementwise_ops = {kind.split(":", 1)[1]: phases(kind) for kind in by_operator}
-        self.c.stem = {kind: {"forward": layers.get(kind, 0.0), "backward": (3 if ckpt else 2) * layers.get(kind, 0.0)}
-                       for kind in WORK_KINDS + tuple(by_operator)}
+        self.c.stem = {kind: phases(kind, "layers") for kind in WORK_KINDS + tuple(by_operator)}

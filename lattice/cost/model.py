@@ -20,7 +20,8 @@ Optimus (docs/references.md#optimus).
 Symbols: B sequences of T tokens per replica, M = B·T tokens, h = d_model, L layers, V' the
 vocabulary padded to what the layout divides, p ranks per replica (q = √p in 2D, ∛p in 3D).
 FLOPs count matrix products only (2 per multiply-add); backward is twice the forward, plus one
-forward of every layer under activation checkpointing.
+forward of every layer under activation checkpointing (under selective checkpointing, of every
+layer's work but its products and fused attention).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from lattice.cost.builder import DDP_BUCKET_BYTES, WORK_KINDS, CostBuilder  # no
 from lattice.cost.machine import Machine, Term, algorithm, message_steps, wire_factor
 from lattice.data.corpus import DEFAULT_VOCAB
 from lattice.models import build_model, get_arch
+from lattice.models.recompute import recompute_kind
 from lattice.modes import get_mode
 from lattice.modes.layout import Layout, as_layout
 from lattice.parallel.context import LatticeConfigError, MeshAxis, Topology
@@ -78,7 +80,7 @@ class Cost:
     topology: Topology
     options: dict
     itemsize: int
-    checkpointing: bool
+    checkpointing: str | None  # lattice.models.recompute.KINDS: each block's activations recomputed, or None
     terms: list[Term] = field(default_factory=list)
     flops: dict[str, float] = field(default_factory=dict)  # forward, backward (attention's included)
     attention_flops: dict[str, float] = field(default_factory=dict)  # the QKᵀ and AV products alone
@@ -356,7 +358,8 @@ def meta_model(cfg, layout: Layout, rank: int):
 
 
 def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, target_seq: int | None = None,
-             dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False, rank: int = 0,
+             dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+             selective_checkpointing: bool = False, rank: int = 0,
              zero: int = 0, precision: str = "fp32", padded: bool = False, overlap_param_gather: bool | None = None,
              grad_reduce_dtype: str = "fp32", parts: tuple[bool, bool] | None = None, reshard_after_forward: bool = True,
              reshard_microbatches: bool = False, overlap_grad_reduce: bool = True, **layout_kwargs) -> Cost:
@@ -386,7 +389,7 @@ def estimate(cfg, layout: Layout | str, *, batch: int, seq: int | None = None, t
     mode = ctx.mode
     itemsize = torch.empty((), dtype=dtype).element_size()
     cost = Cost(mode, cfg, batch, seq or cfg.seq_len, ctx.topology, dict(ctx.options), itemsize,
-                activation_checkpointing, pipeline=ctx.pipeline, stage=ctx.stage,
+                recompute_kind(activation_checkpointing, selective_checkpointing), pipeline=ctx.pipeline, stage=ctx.stage,
                 target_seq=target_seq or getattr(cfg, "target_len", None), zero=zero, rank=rank,
                 precision=precision, padded=padded, grad_reduce_dtype=grad_reduce_dtype,
                 overlap_param_gather=bool(zero) if overlap_param_gather is None else overlap_param_gather,

@@ -31,11 +31,11 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from lattice.models.components import DropoutSeeds
 from lattice.models.generation import Generation
 from lattice.models.inputs import check_ids, check_padding
+from lattice.models.recompute import recompute_kind, recomputed
 from lattice.models.weights import FullWeights
 from lattice.modes import get_mode
 from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
@@ -126,9 +126,10 @@ class Model(FullWeights, Generation, nn.Module):
     train_defaults: ClassVar[Mapping[str, int]] = {}
 
     def __init__(self, cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, selective_checkpointing: bool = False):
         """Allocates only this rank's shards and fills them with the serial model's initial
-        values. Under `with torch.device("meta")` nothing is allocated (for planning)."""
+        values. Under `with torch.device("meta")` nothing is allocated (for planning). Each block's
+        activations are recomputed in backward, whole or but its products (lattice.models.recompute)."""
         super().__init__()
         if not isinstance(cfg, self.config_class):
             raise LatticeConfigError(f"{type(self).__name__} takes a {self.config_class.__name__}, got "
@@ -141,7 +142,7 @@ class Model(FullWeights, Generation, nn.Module):
         if problem:
             raise LatticeConfigError(problem)
         self.mode = get_mode(ctx.mode)(cfg, ctx)  # validates sizes on every rank, no collectives
-        self.activation_checkpointing = activation_checkpointing
+        self.recompute = recompute_kind(activation_checkpointing, selective_checkpointing)
         self.seeds = DropoutSeeds(ctx)
         planning = torch.empty(()).is_meta  # the caller's default device is meta
         with torch.device("meta"):  # declare shards without memory; allocated once below
@@ -352,13 +353,13 @@ class Model(FullWeights, Generation, nn.Module):
 
     def run_blocks(self, x: torch.Tensor, blocks, **inputs) -> torch.Tensor:
         """x through `blocks` (residual layout in and out; `inputs`: what every block takes
-        beside it, an encoder's output or a position bias), checkpointed when asked. A
+        beside it, an encoder's output or a position bias), recomputed in backward when asked. A
         recomputed block draws its dropout masks at the forward count of its first pass (under a
         pipeline schedule other micro-batches run in between)."""
         count = self.seeds.forward_count
         for block in blocks:
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(self._block_at_count, block, x, count, use_reentrant=False, **inputs)
+            if self.recompute and self.training:
+                x = recomputed(self.recompute, self._block_at_count, block, x, count, **inputs)
             else:
                 x = block(x, **inputs)
         return x

@@ -101,7 +101,7 @@ def arch_of_config(cfg) -> type[nn.Module]:
 
 
 def build_model(cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32,
-                activation_checkpointing: bool = False) -> nn.Module:
+                activation_checkpointing: bool = False, selective_checkpointing: bool = False) -> nn.Module:
     """The model `cfg` describes, holding this rank's shards under ctx's layout: the family's
     model, or with pipeline stages in ctx (pp > 1) this rank's stages of it
     (`lattice.parallel.pipeline.PipelineModel`). Every method a training loop or a user calls --
@@ -109,7 +109,9 @@ def build_model(cfg, ctx: ParallelContext, *, dtype: torch.dtype = torch.float32
     `full_state_dict`, `to_hf_state_dict` -- means the same on both."""
     family = arch_of_config(cfg)
     if ctx.pipeline is None:
-        return family(cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+        return family(cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing,
+                      selective_checkpointing=selective_checkpointing)
     from lattice.parallel.pipeline import PipelineModel
 
-    return PipelineModel(family, cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+    return PipelineModel(family, cfg, ctx, dtype=dtype, activation_checkpointing=activation_checkpointing,
+                         selective_checkpointing=selective_checkpointing)

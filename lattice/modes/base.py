@@ -355,6 +355,11 @@ class Mode:
         encoder's output every decoder layer reads): count only a copy the layout makes of it."""
         raise NotImplementedError(f"mode {self.name!r} has no cost model")
 
+    def cost_product_output(self, b, out_features: int, *, block: str, position: str, out: float) -> float | None:
+        """Elements a linear's products return on this rank (`out`: its output's), which selective
+        checkpointing keeps (lattice.models.recompute); None where they sum in place (run again)."""
+        return out
+
     def cost_keeps_input(self, block: str, position: str) -> bool:
         """Whether a linear at (block, position) saves its input's own storage for backward
         (True), or only a copy the layout makes of it (a gathered input)."""

@@ -408,6 +408,9 @@ class Cube3D(Mode):
         saved = 0 if input_saved else b.M * in_features / q ** 3
         return saved, b.M * out_features / q ** 3
 
+    def cost_product_output(self, b, out_features, *, block, position, out):
+        return out * self.q  # before its reduce-scatter
+
     def cost_keeps_input(self, block, position):
         return not self.keep_gathered
 

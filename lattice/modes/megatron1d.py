@@ -405,6 +405,9 @@ class Megatron1D(Mode):
         saved = 0 if input_saved else b.M * in_features / self.p
         return saved, y / (self.p if self.sp else 1)
 
+    def cost_product_output(self, b, out_features, *, block, position, out):
+        return b.M * out_features if position == "out" else out  # an OUT linear's partial sums, whole
+
     def cost_keeps_input(self, block, position):
         return position == "out" or not self.sp  # a sequence-parallel IN linear saves the gathered input
 

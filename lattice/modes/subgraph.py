@@ -388,6 +388,12 @@ class SubGraph(Mode):
             saved = r_b * T * in_features if self.seg.runs_common else 0
         return saved, r_c * T * out_features
 
+    def cost_product_output(self, b, out_features, *, block, position, out):
+        if block != "attention" or (position == "in" and self.projections == "branch"):
+            return out
+        # a branch's OUT product on its rows, summed over the branch after; a common projection's whole
+        return self.cost_product_rows(b, block) * out_features
+
     def cost_keeps_input(self, block, position):
         return not (block == "attention" and position == "in" and self.projections == "branch")  # a split's copy
 

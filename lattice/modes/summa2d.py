@@ -391,15 +391,16 @@ class Summa2D(Mode):
         return b.M * b.h / q ** 2 + m + (0 if self.grid.replicated else b.h / q)  # (a parameter's own)
 
     def cost_linear(self, b, in_features, out_features, *, block, position, bias, input_saved):
-        q = self.q
         if bias and not self.grid.replicated:
-            b.add("forward", "broadcast", (ROW,), out_features / q, 1, "bias")
-            b.add("backward", "reduce", (ROW,), out_features / q, 1, "bias")
-        summa_product_terms(b, "linear", b.M, in_features, out_features, q, self.grid.gathered, self.grid.keep)
+            b.add("forward", "broadcast", (ROW,), out_features / self.q, 1, "bias")
+            b.add("backward", "reduce", (ROW,), out_features / self.q, 1, "bias")
+        summa_product_terms(b, "linear", b.M, in_features, out_features, self.q, self.grid.gathered, self.grid.keep)
         if self.grid.keep:  # the gathered input row and weight column, not the input
-            return (b.M * in_features + in_features * out_features) / q, b.M * out_features / q ** 2
-        saved = 0 if input_saved else b.M * in_features / q ** 2
-        return saved, b.M * out_features / q ** 2
+            return (b.M * in_features + in_features * out_features) / self.q, b.M * out_features / self.q ** 2
+        return (0 if input_saved else b.M * in_features / self.q ** 2), b.M * out_features / self.q ** 2
+
+    def cost_product_output(self, b, out_features, *, block, position, out):
+        return out if self.grid.gathered else None  # broadcast SUMMA: C_ij summed in place
 
     def cost_keeps_input(self, block, position):
         return not self.grid.keep

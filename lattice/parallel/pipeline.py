@@ -243,12 +243,12 @@ class PipelineModel(nn.Module):
     loading, gathering and exporting full tensors work as on the whole model (each rank holds the
     parameters of its stages; `is_mirror` names the last stage's copies of shared ones)."""
 
-    def __init__(self, family, cfg, ctx, *, dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False):
+    def __init__(self, family, cfg, ctx, *, dtype: torch.dtype = torch.float32, **recompute):
         super().__init__()
         planning = torch.empty(()).is_meta
         stage_ctx = dataclasses.replace(ctx, pipeline=None)  # the model sees its tensor layout only
         with torch.device("meta"):
-            model = family(cfg, stage_ctx, dtype=dtype, activation_checkpointing=activation_checkpointing)
+            model = family(cfg, stage_ctx, dtype=dtype, **recompute)  # the model's recomputation flags
         parts = model.parts()
         if parts is None:
             raise LatticeConfigError(f"family {family.name!r} cannot be split into pipeline stages; use pp = 1 (any "

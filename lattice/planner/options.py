@@ -44,7 +44,8 @@ class OptionChoice:
 
 
 def choose_options(cfg, layout: Layout, *, given: dict, batch: int, machine: Machine, memory_limit: float | None,
-                   zero: int = 0, precision: str = "fp32", checkpointing: bool = False) -> OptionChoice | None:
+                   zero: int = 0, precision: str = "fp32", checkpointing: bool = False,
+                   selective: bool = False) -> OptionChoice | None:
     """The planner's setting of the options of `layout`'s mode not in `given`, for `cfg` on a
     global batch of `batch` sequences: the fastest whose fullest rank fits `memory_limit` bytes
     (None: no limit), ties to the declared defaults; where none fits, the smallest. None where
@@ -66,8 +67,8 @@ def choose_options(cfg, layout: Layout, *, given: dict, batch: int, machine: Mac
             lay = layout.replace(options=options)
             if mode.size_problem(cfg, lay.context()) is not None:
                 continue
-            priced.append(price(cfg, Choice(lay, zero=zero, precision=precision, checkpointing=checkpointing),
-                                batch=batch, machine=machine))
+            priced.append(price(cfg, Choice(lay, zero=zero, precision=precision, checkpointing=checkpointing,
+                                            selective=selective), batch=batch, machine=machine))
         except LatticeConfigError:  # a setting this layout refuses (e.g. keep_gathered with summa=broadcast)
             continue
     if not priced:

@@ -55,7 +55,8 @@ class Choice:
     layout: Layout
     zero: int = 0
     precision: str = "fp32"
-    checkpointing: bool = False
+    checkpointing: bool = False  # each block recomputed in backward (`selective`: but its products)
+    selective: bool = False
     overlap_grad_reduce: bool = True  # the Trainer's default, the planner's only; False: after backward
 
     def describe(self) -> str:
@@ -76,8 +77,7 @@ class Choice:
         if self.zero:
             parts.append(f"zero={self.zero}")
         parts.append(self.precision)
-        if self.checkpointing:
-            parts.append("ckpt")
+        parts += ["selective ckpt"] if self.selective else ["ckpt"] if self.checkpointing else []
         parts += [] if self.overlap_grad_reduce else ["reductions after backward"]
         if lay.placement != "natural":
             parts.append(f"{lay.placement} placement")
@@ -105,8 +105,8 @@ class Choice:
             out.append(f"--zero {self.zero}")
         if self.precision != "fp32":
             out.append(f"--precision {self.precision}")
-        if self.checkpointing:
-            out.append("--activation-checkpointing")
+        if self.checkpointing or self.selective:
+            out.append(f"--{'selective' if self.selective else 'activation'}-checkpointing")
         if not self.overlap_grad_reduce and (self.zero or self.precision == "bf16"):  # (DDP's have no flag)
             out.append("--no-overlap-grad-reduce")
         return " ".join(out)
@@ -126,6 +126,7 @@ class Priced:
                 "microbatches": lay.pipeline.m if lay.pp > 1 else 1,
                 "schedule": lay.pipeline.schedule if lay.pp > 1 else None, "zero": self.choice.zero,
                 "precision": self.choice.precision, "activation_checkpointing": self.choice.checkpointing,
+                "selective_checkpointing": self.choice.selective,
                 "placement": lay.placement, "step_s": self.step_s, "terms_s": self.terms, "memory_bytes": self.memory}
 
 
@@ -145,8 +146,7 @@ def _figures(c, machine: Machine) -> dict[str, float]:
                 out["tensor_loss"] += seconds
     groups["data"] -= t.get("weights_overlapped", 0.0)  # ZeRO-3's gathers hidden beside the blocks
     out |= {k: t.get(k, 0.0) for k in ("grads_started", "backward_weights_overlapped")}  # hidden by `price`: a min is not linear
-    out.update(groups)
-    out.update({f"memory_{k}": v for k, v in c.memory.items()})
+    out |= groups | {f"memory_{k}": v for k, v in c.memory.items()}
     # synchronisations (Machine.skew_seconds), the gradients' reductions apart (once a step)
     out.update({f"syncs_{n}": v for n, v in c.syncs(grads=False).items()})
     out.update({f"grad_syncs_{n}": v for n, v in c.grad_syncs().items()})
@@ -209,7 +209,7 @@ def price(cfg, choice: Choice, *, batch: int, machine: Machine) -> Priced:
     fullest stage's with its micro-batches in flight."""
     lay = choice.layout
     kw = dict(zero=choice.zero, precision=choice.precision, activation_checkpointing=choice.checkpointing,
-              overlap_grad_reduce=choice.overlap_grad_reduce)
+              selective_checkpointing=choice.selective, overlap_grad_reduce=choice.overlap_grad_reduce)
     machine = machine.with_precision(choice.precision)
     replica = batch // lay.dp
     if batch % lay.dp:

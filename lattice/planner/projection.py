@@ -36,7 +36,8 @@ def pipeline_projection(cfg, layout: Layout, *, batch: int, machine: Machine, se
     chunks = pcfg.chunks(cfg.n_layers + getattr(cfg, "n_decoder_layers", 0))  # an encoder-decoder's two stacks
     stage = dataclasses.replace(cfg, n_layers=max(len(c) for c in chunks))  # the deepest chunk with both ends
     c = estimate(stage, layout.stage_layout(), batch=batch // pcfg.m, zero=priced.choice.zero,
-                 precision=priced.choice.precision, activation_checkpointing=priced.choice.checkpointing)
+                 precision=priced.choice.precision, activation_checkpointing=priced.choice.checkpointing,
+                 selective_checkpointing=priced.choice.selective)
     return {"tp": tp, "pp": pp, "m": pcfg.m, "v": pcfg.v, "schedule": pcfg.schedule, "bubble": pcfg.bubble(),
             "slot_s": sum(terms[k] for k in ("compute", "tensor", "context", "overlapped")) / slots,
             "p2p_s": terms["pipeline"] / slots, "step_s": priced.step_s,

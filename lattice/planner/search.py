@@ -135,10 +135,11 @@ def uneven_split(cfg, pp: int) -> tuple[int, ...] | None:
 
 
 def _setups(lay: Layout, precision: str) -> list[Choice]:
-    """ZeRO stages and activation checkpointing, least added time first (under the cost model
-    each only adds time): the first whose memory fits is the layout's price."""
+    """ZeRO stages and activation checkpointing (none, selective, full), least added time first
+    (under the cost model each only adds time): the first whose memory fits is the layout's price."""
     zeros = (0, 1, 2, 3) if lay.dp * lay.cp > 1 else (0,)
-    return [Choice(lay, zero=zero, precision=precision, checkpointing=ckpt) for ckpt in (False, True) for zero in zeros]
+    return [Choice(lay, zero=zero, precision=precision, checkpointing=ckpt, selective=selective)
+            for ckpt, selective in ((False, False), (False, True), (True, False)) for zero in zeros]
 
 
 def search(cfg, *, gpus: int, machine: Machine, batch: int, memory_gib: float | None = None,

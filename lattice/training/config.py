@@ -15,6 +15,7 @@ from lattice import checkpoint
 from lattice.data.corpus import DATA_FORMATS, DEFAULT_VOCAB, Corpus, load_corpus, load_data_corpus
 from lattice.data.tasks import APPENDED, BUILTIN_CLASSES, TASKS, TaskTokens, check_task, make_task, read_labelled
 from lattice.models import DEFAULT_ARCH, available_archs, family_sizes, get_arch
+from lattice.models.recompute import recompute_kind
 from lattice.modes.layout import Layout
 from lattice.modes.options import flag, flag_fields
 from lattice.parallel.context import LatticeConfigError
@@ -100,6 +101,10 @@ class TrainConfig:
     eval_batches: int = flag(8, "validation batches", group="logging")
     bf16: bool = flag(False, "bf16 autocast", group="training")
     activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
+    selective_checkpointing: bool = flag(False, "recompute each block in backward but its matrix products and fused "
+                                                "attention, whose outputs it keeps (torch's selective activation "
+                                                "checkpointing): most of full recomputation's memory saved for a "
+                                                "fraction of its time", group="training")
     zero: int = flag(0, "distributed optimizer over the --dp replicas: 1 splits the AdamW moments (ZeRO-1, Megatron's "
                         "distributed optimizer), 2 also the gradients, 3 also the weights (fully sharded data "
                         "parallelism: each block's gathered around its forward and backward); 0 keeps everything on "
@@ -149,6 +154,7 @@ class TrainConfig:
         for name, default in RUN_DEFAULTS.items():  # the family's schedule where none is given
             if getattr(self, name) is None:
                 setattr(self, name, get_arch(self.arch).train_defaults.get(name, default))
+        recompute_kind(self.activation_checkpointing, self.selective_checkpointing)  # one of them at most
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise LatticeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -223,6 +229,12 @@ class TrainConfig:
             run_tokenizer = checkpoint.run_of(self.init_from) / "tokenizer.json"
             if run_tokenizer.is_file():
                 self.tokenizer = str(run_tokenizer)
+
+    @property
+    def recompute(self) -> dict:
+        """The recomputation flags, as build_model and the cost model take them."""
+        return dict(activation_checkpointing=self.activation_checkpointing,
+                    selective_checkpointing=self.selective_checkpointing)
 
     @property
     def param_dtype(self):
@@ -325,7 +337,7 @@ RESUMED_FIELDS = ("arch", "model", "d_model", "n_layers", "n_heads", "seq_len", 
                   "dropout", "data_format", "val_data", "pack_documents", "text_key", "label_key", "pair_key",
                   "source_key", "target_key",
                   "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
-                  "eval_interval", "eval_batches", "activation_checkpointing", "zero", "checkpoint_interval", "keep",
+                  "eval_interval", "eval_batches", "activation_checkpointing", "selective_checkpointing", "zero", "checkpoint_interval", "keep",
                   "dtype", "precision", "grad_reduce_dtype")
 
 

@@ -17,14 +17,15 @@ METRIC_COLUMNS = ("step", "lr", "train_loss", "val_loss", "grad_norm", "tokens_p
 
 
 def step_flops(model_config, ctx, *, batch_size: int, activation_checkpointing: bool,
-               lengths: tuple[int, int | None] = (None, None)) -> float:
+               selective_checkpointing: bool = False, lengths: tuple[int, int | None] = (None, None)) -> float:
     """Matrix-product FLOPs of one training step on this rank (its stages with pp > 1) of the
     global batch `batch_size` (of `lengths`: sequence and target; default the model's), from
     the cost model."""
     from lattice.cost import estimate
 
     c = estimate(model_config, ctx.layout, batch=batch_size // ctx.dp, rank=ctx.rank, seq=lengths[0],
-                 target_seq=lengths[1], activation_checkpointing=activation_checkpointing)
+                 target_seq=lengths[1], activation_checkpointing=activation_checkpointing,
+                 selective_checkpointing=selective_checkpointing)
     # a pipeline stage's work is one micro-batch's through its chunks, and the step runs m of them
     return (c.flops["forward"] + c.flops["backward"]) * (ctx.pipeline.m if ctx.pipeline is not None else 1)
 

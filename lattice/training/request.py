@@ -177,7 +177,8 @@ def options_for_run(request: TrainRequest, tcfg: TrainConfig, corpus):
     limit = USABLE_MEMORY * torch.cuda.get_device_properties(device).total_memory if cuda else None
     choice = choose_options(tcfg.model_config(corpus.vocab_size, corpus.specials), request.layout,
                             given=request.given_options, batch=tcfg.batch_size, machine=machine, memory_limit=limit,
-                            zero=tcfg.zero, precision=tcfg.precision, checkpointing=tcfg.activation_checkpointing)
+                            zero=tcfg.zero, precision=tcfg.precision, checkpointing=tcfg.activation_checkpointing,
+                            selective=tcfg.selective_checkpointing)
     return None if choice is None else dataclasses.replace(choice, machine=name)
 
 

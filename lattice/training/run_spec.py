@@ -96,8 +96,7 @@ def checked_model_and_batches(cfg: TrainConfig, ctx: ParallelContext, corpus: Co
     """(model, fixed validation batches, task) of a checked run: this rank's shards of the model."""
     task = cfg.make_task(corpus, model_config)
     task.check(cfg.batch_size, cfg.batch_lengths(model_config)[0], ctx.dp)
-    model = build_model(model_config, ctx, dtype=cfg.param_dtype,
-                        activation_checkpointing=cfg.activation_checkpointing)
+    model = build_model(model_config, ctx, dtype=cfg.param_dtype, **cfg.recompute)
     val_set = task.val_batches(ctx, batch_size=cfg.batch_size, seq_len=cfg.batch_lengths(model_config)[0],
                                num_batches=cfg.eval_batches)
     return model, val_set, task

@@ -291,8 +291,7 @@ class Trainer:
         out = Path(cfg.out_dir) if cfg.out_dir else None
         tokens = cfg.batch_size * self.seq_len
         flops = lambda: step_flops(self.model_config, self.ctx, batch_size=cfg.batch_size,  # noqa: E731
-                                   activation_checkpointing=cfg.activation_checkpointing,
-                                   lengths=cfg.batch_lengths(self.model_config))
+                                   lengths=cfg.batch_lengths(self.model_config), **cfg.recompute)
         metrics = Metrics(out if is_main else None, step=self.step, until=until, show=cfg.progress and is_main,
                           tokens_per_step=tokens, flops=flops, peak_tflops=cfg.peak_tflops, device=self.ctx.device,
                           columns=getattr(self.model, "step_metric_names", tuple)())

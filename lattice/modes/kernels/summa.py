@@ -134,11 +134,12 @@ def summa_ab_raw(a: torch.Tensor, b: torch.Tensor, g: SummaGrid) -> torch.Tensor
     if g.gathered:
         return _gathered_ab(a, b, g)[0]
     a_buf, b_buf = g.workspace.pair(a.numel(), b.numel(), a.dtype, a.device)
-    c = None
+    c = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     for l in range(g.q):
         a_l = g.bcast_row(a, l, a_buf)
         b_l = g.bcast_col(b, l, b_buf)
-        c = torch.mm(a_l, b_l) if c is None else c.addmm_(a_l, b_l)
+        # (into C in place: selective checkpointing keeps what a product returns, never a sum still growing)
+        torch.mm(a_l, b_l, out=c) if l == 0 else c.addmm_(a_l, b_l)
     return c
 
 
