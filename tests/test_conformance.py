@@ -8,10 +8,13 @@ Per (family, layout), on its processes (each world size starts once per session)
   data-parallel replicas: the loss (the same float on every rank of a replica), every full
   gradient, the full logits of inference and (after one AdamW step) every full parameter and
   both AdamW moments equal serial's within 1e-10 relative, for every config the family declares
-  (`Model.test_shapes`), the first of them with and without activation checkpointing;
+  (`Model.test_shapes`), the first of them also under full and selective activation
+  checkpointing;
 - CommMeter's (phase, collective, group size) calls and elements of one step of a replica equal
   `lattice.cost.estimate`'s, with and without checkpointing, and the bytes autograd saves for
-  backward are within 2% of its activation figure;
+  backward are within 2% of its activation figure; what selective checkpointing holds beyond
+  full checkpointing after a forward (`held_forward_bytes`: the products' and fused attention's
+  kept outputs) equals the estimate's difference;
 - sizes the layout cannot divide are refused on every rank before any collective;
 - checkpoints and HuggingFace weights (for families with an HF mapping) round-trip through the
   layout unchanged.
@@ -37,7 +40,7 @@ from numerics import assert_comm_equal
 
 import lattice
 from lattice import LatticeConfigError, MeshAxis, checkpoint
-from lattice.bench.measure import saved_activation_bytes
+from lattice.bench.measure import held_forward_bytes, saved_activation_bytes
 from lattice.models import get_arch
 from lattice.modes import REFERENCE_MODE, get_mode
 from lattice.modes.kernels.loss import IGNORE_INDEX, labelled_count
@@ -215,7 +218,7 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
     topo = ctx.topology
     replica_rank = topo.rank_at({**ctx.coords, MeshAxis.DP: 0})  # this rank's place in replica 0's layout
     pipelined = ctx.pp > 1
-    out = {"exact": [], "comm": [], "activations": []}
+    out = {"exact": [], "comm": [], "activations": [], "kept": []}
     for k, shape in enumerate(get_arch(family).test_shapes):
         cfg = get_arch(family).config_class(**shape)
         tokens, targets = _batch(cfg, REPLICA_BATCH * dp, seed=7)
@@ -224,8 +227,10 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
         replica_ref = lattice.build_model(cfg, lattice.context(REFERENCE_MODE), dtype=torch.float64)
         replica_ref.load_full_state_dict(weights)
         replica_loss = float(_microbatched(replica_ref, tokens[mine], targets[mine], m).detach())
-        for ckpt in (False, True) if k == 0 else (False,):  # checkpointing with the first shape
-            model = lattice.build_model(cfg, ctx, dtype=torch.float64, activation_checkpointing=ckpt)
+        held = {}  # recomputation's: bytes a forward leaves held, measured and modelled
+        for ckpt in (None, "full", "selective") if k == 0 else (None,):  # checkpointing with the first shape
+            recompute = dict(activation_checkpointing=ckpt == "full", selective_checkpointing=ckpt == "selective")
+            model = lattice.build_model(cfg, ctx, dtype=torch.float64, **recompute)
             model.load_full_state_dict(weights)
             round_trip = model.full_state_dict()
             logits = 0.0
@@ -259,7 +264,7 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
                 round_trip=all(torch.equal(round_trip[n], weights[n]) for n in weights),
                 keys=sorted(grads) == sorted(ref_grads)))
             analytic = lattice.cost.estimate(cfg, mode, batch=REPLICA_BATCH, seq=T, target_seq=targets.shape[-1],
-                                             dtype=torch.float64, activation_checkpointing=ckpt, rank=replica_rank,
+                                             dtype=torch.float64, **recompute, rank=replica_rank,
                                              **{**layout, "dp": 1})
             measured = {k: (v["calls"], v["elements"]) for k, v in meter.summary().items()}
             modelled = {k: (v["calls"], v["elements"]) for k, v in analytic.summary().items() if v["calls"]}
@@ -267,6 +272,11 @@ def _check_layout_registered(family: str, layout: dict) -> dict:
             if not ckpt and not pipelined:  # (with stages the model's figure is one micro-batch's)
                 saved = saved_activation_bytes(model, lambda: model(tokens[mine], targets[mine]))
                 out["activations"].append((shape, saved, analytic.memory["activations"]))
+            elif not pipelined:
+                held[ckpt] = (held_forward_bytes(model, lambda: model(tokens[mine], targets[mine])),
+                              analytic.memory["activations"])
+        if held:
+            out["kept"].append(tuple(held["selective"][i] - held["full"][i] for i in (0, 1)))
     return out
 
 
@@ -340,6 +350,8 @@ def assert_layout_equals_serial(family: str, layout: dict, plugins=()) -> None:
             assert_comm_equal(measured, modelled, (rank, shape, ckpt))
         for shape, saved, modelled in result["activations"]:
             assert saved == pytest.approx(modelled, rel=0.02), (rank, shape, saved, modelled)
+        for measured, modelled in result["kept"]:
+            assert measured == pytest.approx(modelled, rel=0.02), (rank, "kept under selective checkpointing")
     worst = max(max(r["loss"], r["grads"], r["step"], r["moments"]) for res in results for r in res["exact"])
     sent = sum(sum(b for _, b in m.values()) for _, _, m, _ in results[0]["comm"])
     print(f"{family} {layout}: {world} ranks, worst relative difference to serial {worst:.1e}; "

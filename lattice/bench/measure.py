@@ -12,6 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lattice import cost as costmodel
 from lattice.bench.peers import PEERS, DTensorComm, peer_backward, peer_loss
@@ -69,6 +72,36 @@ def saved_activation_bytes(model: nn.Module, run) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return sum(seen.values())
+
+
+class _Births(TorchDispatchMode):
+    """Every storage an operator's output brings into being, but `known` ones: a weak reference and
+    its bytes, by its StorageImpl (which a weak reference keeps from being reused)."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known, self.born = known, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = _local(t).untyped_storage()
+                if storage._cdata not in self.known and storage._cdata not in self.born:
+                    self.born[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+
+def held_forward_bytes(model: nn.Module, run) -> int:
+    """Bytes of the storages that `run()` brings into being and that outlive it, but what it
+    returns and the model's parameters: what a forward leaves held for backward, by whatever holds
+    it (autograd's saved tensors, activation checkpointing's inputs and kept outputs, a layout's
+    buffers), told by weak references rather than by asking the holders."""
+    births = _Births({_local(p).untyped_storage()._cdata for p in model.parameters()})
+    with births:
+        out = run()
+    returned = {_local(t).untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    return sum(n for key, (ref, n) in births.born.items() if not ref.expired() and key not in returned)
 
 
 class Prepared:
