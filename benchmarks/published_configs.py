@@ -15,7 +15,9 @@ the predicted step. The error is (predicted - published) / published.
 What the cost model cannot express is priced by its nearest and named in the row's `as_priced`:
 FSDP (torchtitan) as lattice's ZeRO-3 over the same ranks (each block's weights gathered for its
 forward and again for its backward, the next block's prefetched, the gradients reduce-scattered
-as backward completes them), selective recomputation as none, fp16 as bf16; Megatron-LM's runs
+as backward completes them), torchtitan's selective recomputation ("op": every other matrix
+product's output and attention's kept) as lattice's (every product's output and attention's kept,
+`--selective-checkpointing`), fp16 as bf16; Megatron-LM's runs
 with the gradients reduced after backward ("reductions after backward"), as it did then.
 """
 
@@ -53,8 +55,8 @@ def _gpt(h, heads, layers, seq=2048, vocab=51200):
     return ("gpt2", None, dict(d_model=h, n_heads=heads, n_layers=layers, seq_len=seq, vocab_size=vocab))
 
 
-#: (source, name, (arch, preset, sizes), machine, gpus, tp, pp, global batch, micro-batch, recompute, fsdp,
-#:  published value, unit)
+#: (source, name, (arch, preset, sizes), machine, gpus, tp, pp, global batch, micro-batch, recompute (True:
+#:  whole blocks, "selective", False: none), fsdp, published value, unit)
 PUBLISHED = [
     (NARAYANAN, "GPT 1.7B", _gpt(2304, 24, 24), "a100-node", 32, 1, 1, 512, 1, True, False, 137, "TFLOP/s"),
     (NARAYANAN, "GPT 3.6B", _gpt(3072, 32, 30), "a100-node", 64, 2, 1, 512, 1, True, False, 138, "TFLOP/s"),
@@ -66,11 +68,11 @@ PUBLISHED = [
     (NARAYANAN, "GPT 310.1B", _gpt(16384, 128, 96), "a100-node", 1920, 8, 16, 2160, 1, True, False, 155, "TFLOP/s"),
     (NARAYANAN, "GPT 529.6B", _gpt(20480, 128, 105), "a100-node", 2520, 8, 35, 2520, 1, True, False, 163, "TFLOP/s"),
     (NARAYANAN, "GPT 1008B", _gpt(25600, 160, 128), "a100-node", 3072, 8, 64, 3072, 1, True, False, 163, "TFLOP/s"),
-    (TITAN_A100, "Llama 3 8B, selective AC", ("llama", "llama3-8b", {}), "a100-node", 64, 1, 1, 64, 1, False, True,
+    (TITAN_A100, "Llama 3 8B, selective AC", ("llama", "llama3-8b", {}), "a100-node", 64, 1, 1, 64, 1, "selective", True,
      2973, "tokens/s"),
     (TITAN_A100, "Llama 3 70B, full AC", ("llama", "llama3-70b", {}), "a100-node", 64, 1, 1, 64, 1, True, True,
      331, "tokens/s"),
-    (TITAN_H100, "Llama 3.1 8B, selective AC", ("llama", "llama3-8b", {}), "h100-node", 8, 1, 1, 16, 2, False, True,
+    (TITAN_H100, "Llama 3.1 8B, selective AC", ("llama", "llama3-8b", {}), "h100-node", 8, 1, 1, 16, 2, "selective", True,
      5762, "tokens/s"),
     (MEGATRON19, "GPT-2 8.3B", _gpt(3072, 32, 72, seq=1024, vocab=51200), "dgx2h-v100", 512, 8, 1, 512, 8, True,
      False, 15.1e3 / 512, "TFLOP/s"),
@@ -95,7 +97,8 @@ def published_choice(row) -> Choice:
     pipe = dict(microbatches=replica // micro, pp_schedule="1f1b", pp_layers=uneven_split(cfg_of(row), pp)) if pp > 1 else {}
     lay = Layout("1d" if tp > 1 else "serial", tp=tp, pp=pp, dp=dp, ranks_per_node=MACHINES[row[3]].ranks_per_node,
                  options={"sequence_parallel": False} if tp > 1 and not fsdp else {}, **pipe)
-    return Choice(lay, zero=3 if fsdp else 0, precision="bf16", checkpointing=recompute,
+    return Choice(lay, zero=3 if fsdp else 0, precision="bf16", checkpointing=recompute is True,
+                  selective=recompute == "selective",
                   overlap_grad_reduce=row[0] not in MEGATRON)
 
 

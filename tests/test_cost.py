@@ -401,6 +401,49 @@ def test_elementwise_work_equals_the_elements_the_models_operators_write(arch):
     assert priced == pytest.approx(written.elements, rel=0.05)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_selective_checkpointing_runs_again_the_elementwise_work_and_no_product(arch):
+    """What a step under selective checkpointing runs beyond one without, counted by a dispatch
+    mode (the products' FLOPs, the elements non-product operators write) against the cost
+    model's difference of the backward's work: catches a recomputation that runs a product again
+    (a policy keeping too little) or a model that prices the products' time again, or none of the
+    element-wise work."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lattice.models import build_model
+    from lattice.modes.layout import Layout
+
+    class Work(TorchDispatchMode):
+        flops = elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm"):
+                a, b = args[-2:]
+                self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            elif name not in _NOT_ELEMENTWISE:
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(first, torch.Tensor):
+                    self.elements += first.numel()
+            return out
+
+    cfg = model_config(arch, "tiny", vocab_size=16, seq_len=128)
+    tokens = torch.randint(0, 16, (8, cfg.seq_len))
+    counted, priced = [], []
+    for selective in (False, True):
+        model = build_model(cfg, Layout("serial").context(), selective_checkpointing=selective)
+        with Work() as work:
+            model.forward_backward(tokens, tokens)
+        counted.append(work)
+        priced.append(cost.estimate(cfg, "serial", batch=8, selective_checkpointing=selective))
+    assert counted[1].flops == counted[0].flops
+    assert priced[1].flops == priced[0].flops
+    again = priced[1].elementwise["backward"] - priced[0].elementwise["backward"]
+    assert 0 < again < priced[0].stem["elementwise"]["forward"]  # a layer's forward, but its last residual add
+    assert counted[1].elements - counted[0].elements == pytest.approx(again, rel=0.05)
+
+
 def test_operation_overhead_is_calibrated_on_the_family_priced():
     """`calibrate`'s time per operation comes from a tiny model of the configured family, not
     always GPT-2: with a clock that counts the framework calls a forward and backward dispatch,

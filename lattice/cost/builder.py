@@ -100,6 +100,7 @@ class CostBuilder(AttentionTerms, MoETerms):
         self.region = "embedding"  # embedding | layer | head: the site of terms outside layers
         self.layer_terms: list[tuple[Term, int, bool]] = []  # (term, operation index, after its saves)
         self.op = 0  # operations described so far (in the current layer)
+        self.tail = (-1, 0.0)  # (operation, elements) of the layer's last OUT linear's adds
         self.saved = {"layer": 0.0, "other": 0.0, "ints": 0.0, "layer_ints": 0.0, "kept": 0.0}
         self.output_saved = False  # whether the last operation's output is saved already (by itself)
         self.work = {part: {k: 0.0 for k in WORK_KINDS}
@@ -188,13 +189,16 @@ class CostBuilder(AttentionTerms, MoETerms):
         """The operations of one layer, counted `count` times (default: the model's L layers, or
         the stage's under a pipeline)."""
         count = self.L if count is None else count
-        self.region, self.op = "layer", 0
+        self.region, self.op, self.tail = "layer", 0, (-1, 0.0)
         self.layer_terms = []
         yield
         # recomputation stops after the layer's last saved tensor (every operation saves some,
         # if only a view or an empty tensor): collectives its last operation issues after its
         # saves (a 1D row-parallel linear's all-reduce) are not repeated
         last = self.op
+        if self.tail[0] == last:  # recomputation stops before a block's last add, whose sum its backward never reads
+            self._work("unrepeated:elementwise", self.tail[1])
+            self._work("unrepeated:elementwise:add", self.tail[1])
         for t, op, after in self.layer_terms:
             self.c.terms.append(Term(t.phase, t.op, t.axes, t.calls * count, t.elements * count, t.site, t.itemsize))
             if (self.c.checkpointing and t.phase == "forward" and after != "once"
@@ -266,6 +270,7 @@ class CostBuilder(AttentionTerms, MoETerms):
             self._elementwise("add", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
             self._elementwise("add", self.M * out_features * replicated * (2 if bias else 1))
+            self.tail = (self.op, self.M * out_features * replicated * (2 if bias else 1))
         self._set_length(length)
         self.previous, self.current, self.output_saved = self.current, out, False
 
@@ -409,8 +414,8 @@ class CostBuilder(AttentionTerms, MoETerms):
     def _totals(self):
         """Forward and backward work: backward is twice the forward, plus one forward of every
         layer under activation checkpointing (under selective checkpointing, of its work but its
-        products and fused attention: its elementwise operators, the operations around them, and
-        attention the math kernel runs in products)."""
+        products, its fused attention and its last residual add: its elementwise operators, the
+        operations around them, and attention the math kernel runs in products)."""
         layers, other = self.work["layers"], self.work["other"]
         by_operator = sorted({kind for kind in layers | other if kind.startswith("elementwise:")})
         recomputed = {kind: layers.get(kind, 0.0) for kind in WORK_KINDS + tuple(by_operator)}
@@ -418,6 +423,8 @@ class CostBuilder(AttentionTerms, MoETerms):
             recomputed.update({kind: layers.get("again:" + kind, 0.0) for kind in
                                ("flops", "attention_flops", "scores", "linear_calls", "product_weights")})
             recomputed["ops"] = layers.get("ops", 0.0) - layers.get("linear_calls", 0.0) + recomputed["linear_calls"]
+            for kind in ("elementwise", "elementwise:add"):
+                recomputed[kind] -= layers.get("unrepeated:" + kind, 0.0)
         elif not self.c.checkpointing:
             recomputed = dict.fromkeys(recomputed, 0.0)
 
