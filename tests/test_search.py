@@ -115,6 +115,26 @@ def test_memory_limit_drops_and_counts_and_zero_or_checkpointing_rescue():
     assert all(p.memory["total"] > limit for p in plan.closest_over.values())
 
 
+def test_selective_checkpointing_is_tried_between_none_and_full():
+    """Catches selective recomputation left out of the search, or tried after full recomputation
+    (which adds more time): one rank, a limit between the selectively and the fully recomputed
+    step's memory; the planner's setup recomputes selectively, and its price lies between the
+    step without recomputation and the fully recomputed one, in time and in memory."""
+    cfg = small(n_layers=4)
+    precision = MACHINE.precision
+    setups = [price(cfg, Choice(Layout("serial"), precision=precision, **kind), batch=16, machine=MACHINE)
+              for kind in ({}, {"selective": True}, {"checkpointing": True})]
+    none, selective, full = setups
+    assert none.step_s < selective.step_s < full.step_s
+    assert none.memory["total"] > selective.memory["total"] > full.memory["total"]
+    limit = (none.memory["total"] + selective.memory["total"]) / 2
+    plan = search(cfg, gpus=1, machine=MACHINE, batch=16, precisions=(precision,), memory_gib=limit / 2 ** 30)
+    whole = [p for p in plan.ranked if p.choice.layout.accumulation == 1]
+    assert whole and whole[0].choice.selective and not whole[0].choice.checkpointing
+    assert "--selective-checkpointing" in whole[0].choice.train_flags()
+    assert whole[0].step_s == pytest.approx(selective.step_s)
+
+
 def test_no_micro_batch_of_zero_sequences_is_priced():
     """Catches the old `plan --splits` pricing "16 micro-batches of 0": a pipeline with more
     micro-batches than a replica's sequences is refused by `price`, and the search lists none."""
