@@ -41,8 +41,7 @@ class AttentionTerms:
             self._elementwise("rotary", q + kv)
         masked = self.c.padded and padding
         if self.cp > 1:
-            self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window, causal=causal,
-                       bias=bias)
+            self._ring(q, kv, heads, rotary, head_size, masked=masked, window=window, causal=causal, bias=bias)
         elif bias:
             self.save(3 * q + self.B * heads * T * T * share)
             self.save_ints((0 if shared_bias else 8 * T * T) + (T * T if causal else 0))
@@ -60,8 +59,7 @@ class AttentionTerms:
         self.current = q
 
     def _ring(self, q: float, kv: float, heads: int, rotary: bool, head_size: int, *, masked: bool = False,
-              window: bool = False, keys: int | None = None, causal: bool = False,
-              bias: bool = False) -> None:
+              window: bool = False, keys: int | None = None, causal: bool = False, bias: bool = False) -> None:
         """Attention over a cp group (lattice.models.components.ContextParallel) of this rank's
         q against every rank's k and v of `kv` elements. "ring": forward sends them on cp - 1
         times; backward sends them on as often again and their gradients cp times (the last

@@ -269,8 +269,8 @@ class CostBuilder(AttentionTerms, MoETerms):
         if position == "in":
             self._elementwise("add", self.M * out_features * (share if bias else 0))
         else:  # the bias and the residual add
-            self._elementwise("add", self.M * out_features * replicated * (2 if bias else 1))
             self.tail = (self.op, self.M * out_features * replicated * (2 if bias else 1))
+            self._elementwise("add", self.tail[1])
         self._set_length(length)
         self.previous, self.current, self.output_saved = self.current, out, False
 

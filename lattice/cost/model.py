@@ -80,7 +80,7 @@ class Cost:
     topology: Topology
     options: dict
     itemsize: int
-    checkpointing: str | None  # lattice.models.recompute.KINDS: each block's activations recomputed, or None
+    checkpointing: str | None  # "full" or "selective" recomputation of each block (lattice.models.recompute), or None
     terms: list[Term] = field(default_factory=list)
     flops: dict[str, float] = field(default_factory=dict)  # forward, backward (attention's included)
     attention_flops: dict[str, float] = field(default_factory=dict)  # the QKᵀ and AV products alone

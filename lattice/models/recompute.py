@@ -3,8 +3,8 @@
 "full": a block keeps its input alone; backward runs its whole forward again, collectives included.
 "selective": a block also keeps what its matrix products and fused attention kernels return
 (torch's selective checkpointing, `create_selective_checkpoint_contexts`); backward runs again only
-the work between them (norms, activations, rotary, residual adds, dropout masks, the collectives),
-not a product. What a block keeps is then its input, each product's output and each attention's
+the work between them (norms, activations, rotary, the residual adds but the block's last, dropout
+masks, the collectives), not a product. What a block keeps is then its input, each product's output and each attention's
 output and log-sum-exp: the cost model's `CostBuilder.build` counts the same. Attention written out
 in products (a per-head bias: the math kernel's bmm and softmax) runs again whole, as under "full".
 """
@@ -16,7 +16,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lattice.parallel.context import LatticeConfigError
 
-KINDS = ("full", "selective")
 #: the operators whose outputs a selectively recomputed block keeps: linear layers' products
 #: (with and without a bias) and the fused attention kernels of every device
 _KEPT_NAMES = ("mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -33,7 +32,7 @@ def _selective_contexts():
 
 
 def recomputed(kind: str, fn, *args, **kwargs):
-    """fn(*args, **kwargs) with its activations recomputed in backward as `kind` says (KINDS)."""
+    """fn(*args, **kwargs) with its activations recomputed in backward, "full" or "selective"."""
     extra = {"context_fn": _selective_contexts} if kind == "selective" else {}
     return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 

@@ -101,10 +101,11 @@ class TrainConfig:
     eval_batches: int = flag(8, "validation batches", group="logging")
     bf16: bool = flag(False, "bf16 autocast", group="training")
     activation_checkpointing: bool = flag(False, "recompute each block in backward", group="training")
-    selective_checkpointing: bool = flag(False, "recompute each block in backward but its matrix products and fused "
-                                                "attention, whose outputs it keeps (torch's selective activation "
-                                                "checkpointing): most of full recomputation's memory saved for a "
-                                                "fraction of its time", group="training")
+    selective_checkpointing: bool = flag(False, "recompute each block's element-wise work in backward, keeping what "
+                                                "its matrix products and fused attention return (torch's selective "
+                                                "activation checkpointing): memory between none and "
+                                                "--activation-checkpointing, for a fraction of the latter's time",
+                                         group="training")
     zero: int = flag(0, "distributed optimizer over the --dp replicas: 1 splits the AdamW moments (ZeRO-1, Megatron's "
                         "distributed optimizer), 2 also the gradients, 3 also the weights (fully sharded data "
                         "parallelism: each block's gathered around its forward and backward); 0 keeps everything on "
