@@ -287,23 +287,28 @@ def _fitting_or_accumulated(cfg, plan: Ranking, lay: Layout, precision: str, *, 
 
 
 def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
-    """(the fastest of `setups` that fits the plan's memory limit or None, the one that saves the most
-    memory): the fastest first; else the last (where it does not fit, none does); else the others
-    in the order of their time."""
-    fastest = price(cfg, setups[0], batch=batch, machine=machine)
-    plan.priced += 1
-    if plan.fits(fastest):
-        return fastest, fastest
-    smallest = price(cfg, setups[-1], batch=batch, machine=machine)
-    plan.priced += 1
-    if not plan.fits(smallest):
-        return None, smallest
-    for choice in setups[1:-1]:
-        priced = price(cfg, choice, batch=batch, machine=machine)
-        plan.priced += 1
-        if plan.fits(priced):
-            return priced, smallest
-    return smallest, smallest
+    """(the fastest of `setups` (`_setups`' order) that fits the plan's memory limit or None, the one
+    that saves the most memory): the fastest first; else the last (where it does not fit, none
+    does); else, recomputation by recomputation, its highest ZeRO stage (the least memory it can
+    take: where that does not fit, no stage of it does), then its stages in the order of their time."""
+    priced: dict[int, Priced] = {}  # by the setup's place in `setups`
+
+    def fits(k: int) -> bool:
+        if k not in priced:
+            priced[k] = price(cfg, setups[k], batch=batch, machine=machine)
+            plan.priced += 1
+        return plan.fits(priced[k])
+
+    last = len(setups) - 1
+    if fits(0):
+        return priced[0], priced[0]
+    if not fits(last):
+        return None, priced[last]
+    for kind in dict.fromkeys((c.checkpointing, c.selective) for c in setups):
+        stages = [k for k, c in enumerate(setups) if (c.checkpointing, c.selective) == kind]
+        if fits(stages[-1]):
+            return priced[next(k for k in stages if fits(k))], priced[last]
+    return priced[last], priced[last]
 
 
 def _short(reason: str, limit: int = 160) -> str:
