@@ -5,6 +5,7 @@ its timed steps; and which modes (and option variants) apply to a model on p pro
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -98,8 +99,13 @@ def held_forward_bytes(model: nn.Module, run) -> int:
     it (autograd's saved tensors, activation checkpointing's inputs and kept outputs, a layout's
     buffers), told by weak references rather than by asking the holders."""
     births = _Births({_local(p).untyped_storage()._cdata for p in model.parameters()})
-    with births:
-        out = run()
+    gc.freeze()  # the objects from before the run are left out of the collection below (which is then quick)
+    try:
+        with births:
+            out = run()
+        gc.collect()  # what only a reference cycle of the run still holds is not held for backward
+    finally:
+        gc.unfreeze()
     returned = {_local(t).untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
     return sum(n for key, (ref, n) in births.born.items() if not ref.expired() and key not in returned)
 

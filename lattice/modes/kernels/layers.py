@@ -187,7 +187,10 @@ class _SegmentProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *ws):
         ctx.save_for_backward(x, *ws)
-        return x @ torch.cat(ws, dim=-1)
+        # one matrix product over every row, as autograd's x @ W folds it (inside a Function, where
+        # nothing requires grad, a strided x, as sequence parallelism gathers it, would take bmm
+        # over the batch with W expanded, which selective checkpointing does not keep)
+        return (x.reshape(-1, x.shape[-1]) @ torch.cat(ws, dim=-1)).unflatten(0, x.shape[:-1])
 
     @staticmethod
     def backward(ctx, dy):
