@@ -135,6 +135,30 @@ def test_selective_checkpointing_is_tried_between_none_and_full():
     assert whole[0].step_s == pytest.approx(selective.step_s)
 
 
+def test_a_zero_stage_below_the_highest_is_found_where_the_highest_takes_more_memory(monkeypatch):
+    """Catches a search that skips a recomputation (or none) because its highest ZeRO stage is over
+    the limit, where a lower stage fits: ZeRO-3's gathered weights can outweigh ZeRO-2's whole
+    ones (under accumulation every block stays gathered). Memories stubbed: ZeRO-3 over the limit
+    at every recomputation, ZeRO-2 without recomputation under it; that setup must be chosen."""
+    import importlib
+
+    from lattice.planner.pricing import Priced
+    from lattice.planner.search import Ranking, _fitting, _setups
+
+    def memory(choice):  # MiB: less recomputed and a higher stage, more memory, but stage 3 above 2
+        kind = 2 if choice.checkpointing else 1 if choice.selective else 0
+        return 100 - 20 * kind - {0: 0, 1: 10, 2: 20, 3: 5}[choice.zero]
+
+    def stub(cfg, choice, *, batch, machine):
+        return Priced(choice, 1.0 + choice.zero + 10 * (choice.checkpointing + choice.selective), {},
+                      {"total": memory(choice) * 2 ** 20})
+
+    monkeypatch.setattr(importlib.import_module("lattice.planner.search"), "price", stub)
+    plan = Ranking(85 * 2 ** 20, 2)
+    fitted, _ = _fitting(None, plan, _setups(Layout("serial", dp=2), "fp32"), batch=2, machine=None)
+    assert (fitted.choice.zero, fitted.choice.checkpointing, fitted.choice.selective) == (2, False, False)
+
+
 def test_no_micro_batch_of_zero_sequences_is_priced():
     """Catches the old `plan --splits` pricing "16 micro-batches of 0": a pipeline with more
     micro-batches than a replica's sequences is refused by `price`, and the search lists none."""

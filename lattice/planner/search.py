@@ -289,9 +289,12 @@ def _fitting_or_accumulated(cfg, plan: Ranking, lay: Layout, precision: str, *, 
 def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
     """(the fastest of `setups` (`_setups`' order) that fits the plan's memory limit or None, the one
     that saves the most memory): the fastest first; else the last (where it does not fit, none
-    does); else, recomputation by recomputation, its highest ZeRO stage (the least memory it can
-    take: where that does not fit, no stage of it does), then its stages in the order of their time."""
+    does); else the others in the order of their time, each priced only where the recomputations
+    that keep less at its ZeRO stage fit (full keeps the least, selective the next: where one that
+    keeps less is over the limit, so is it)."""
     priced: dict[int, Priced] = {}  # by the setup's place in `setups`
+    kinds = list(dict.fromkeys((c.checkpointing, c.selective) for c in setups))  # the least recomputation first
+    place = {(c.checkpointing, c.selective, c.zero): k for k, c in enumerate(setups)}
 
     def fits(k: int) -> bool:
         if k not in priced:
@@ -299,15 +302,19 @@ def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: M
             plan.priced += 1
         return plan.fits(priced[k])
 
+    def leaner_fit(k: int) -> bool:
+        c = setups[k]
+        leaner = kinds[kinds.index((c.checkpointing, c.selective)) + 1:]
+        return all(fits(place[(*kind, c.zero)]) for kind in reversed(leaner))  # the leanest first
+
     last = len(setups) - 1
     if fits(0):
         return priced[0], priced[0]
     if not fits(last):
         return None, priced[last]
-    for kind in dict.fromkeys((c.checkpointing, c.selective) for c in setups):
-        stages = [k for k, c in enumerate(setups) if (c.checkpointing, c.selective) == kind]
-        if fits(stages[-1]):
-            return priced[next(k for k in stages if fits(k))], priced[last]
+    for k in range(1, last):
+        if leaner_fit(k) and fits(k):
+            return priced[k], priced[last]
     return priced[last], priced[last]
 
 
