@@ -289,9 +289,10 @@ def _fitting_or_accumulated(cfg, plan: Ranking, lay: Layout, precision: str, *, 
 def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: Machine) -> tuple[Priced | None, Priced]:
     """(the fastest of `setups` (`_setups`' order) that fits the plan's memory limit or None, the one
     that saves the most memory): the fastest first; else the last (where it does not fit, none
-    does); else the others in the order of their time, each priced only where the recomputations
-    that keep less at its ZeRO stage fit (full keeps the least, selective the next: where one that
-    keeps less is over the limit, so is it)."""
+    does); else the others in the order of their time, but where one known to take no more memory
+    is over the limit. Less memory: a recomputation that keeps less at the same ZeRO stage (full
+    keeps the least, selective the next), or ZeRO-2 against stages 0 and 1 of the same
+    recomputation, priced first (ZeRO-3's gathered weights can outweigh ZeRO-2's whole ones)."""
     priced: dict[int, Priced] = {}  # by the setup's place in `setups`
     kinds = list(dict.fromkeys((c.checkpointing, c.selective) for c in setups))  # the least recomputation first
     place = {(c.checkpointing, c.selective, c.zero): k for k, c in enumerate(setups)}
@@ -302,10 +303,14 @@ def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: M
             plan.priced += 1
         return plan.fits(priced[k])
 
-    def leaner_fit(k: int) -> bool:
+    def leaner_over(k: int) -> bool:
         c = setups[k]
-        leaner = kinds[kinds.index((c.checkpointing, c.selective)) + 1:]
-        return all(fits(place[(*kind, c.zero)]) for kind in reversed(leaner))  # the leanest first
+        kind = (c.checkpointing, c.selective)
+        stage_2 = place.get((*kind, 2))
+        if c.zero < 2 and stage_2 is not None and not fits(stage_2):
+            return True
+        leaner = [place[(*other, c.zero)] for other in kinds[kinds.index(kind) + 1:]]
+        return any(j in priced and not plan.fits(priced[j]) for j in leaner)
 
     last = len(setups) - 1
     if fits(0):
@@ -313,7 +318,7 @@ def _fitting(cfg, plan: Ranking, setups: list[Choice], *, batch: int, machine: M
     if not fits(last):
         return None, priced[last]
     for k in range(1, last):
-        if leaner_fit(k) and fits(k):
+        if not leaner_over(k) and fits(k):
             return priced[k], priced[last]
     return priced[last], priced[last]
 
