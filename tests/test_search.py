@@ -138,12 +138,12 @@ def test_selective_checkpointing_is_tried_between_none_and_full():
 def test_a_zero_stage_below_the_highest_is_found_where_the_highest_takes_more_memory(monkeypatch):
     """Catches a search that skips a recomputation (or none) because its highest ZeRO stage is over
     the limit, where a lower stage fits: ZeRO-3's gathered weights can outweigh ZeRO-2's whole
-    ones (under accumulation every block stays gathered). Memories stubbed: ZeRO-3 over the limit
-    at every recomputation, ZeRO-2 without recomputation under it; that setup must be chosen."""
+    ones (under accumulation every block stays gathered). Prices stubbed: ZeRO-3 over the limit at
+    every recomputation, ZeRO-2 without recomputation under it; the data-parallel layout's setup
+    must be that one."""
     import importlib
 
     from lattice.planner.pricing import Priced
-    from lattice.planner.search import Ranking, _fitting, _setups
 
     def memory(choice):  # MiB: less recomputed and a higher stage, more memory, but stage 3 above 2
         kind = 2 if choice.checkpointing else 1 if choice.selective else 0
@@ -151,12 +151,12 @@ def test_a_zero_stage_below_the_highest_is_found_where_the_highest_takes_more_me
 
     def stub(cfg, choice, *, batch, machine):
         return Priced(choice, 1.0 + choice.zero + 10 * (choice.checkpointing + choice.selective), {},
-                      {"total": memory(choice) * 2 ** 20})
+                      {"total": memory(choice) * 2 ** 20, "activations": 0.0})
 
     monkeypatch.setattr(importlib.import_module("lattice.planner.search"), "price", stub)
-    plan = Ranking(85 * 2 ** 20, 2)
-    fitted, _ = _fitting(None, plan, _setups(Layout("serial", dp=2), "fp32"), batch=2, machine=None)
-    assert (fitted.choice.zero, fitted.choice.checkpointing, fitted.choice.selective) == (2, False, False)
+    plan = search(small(n_layers=2), gpus=2, machine=MACHINE, batch=2, modes=["serial"], memory_gib=85 / 1024)
+    replicas = [p.choice for p in plan.ranked if p.choice.layout.dp == 2 and p.choice.layout.accumulation == 1]
+    assert replicas and {(c.zero, c.checkpointing, c.selective) for c in replicas} == {(2, False, False)}
 
 
 def test_no_micro_batch_of_zero_sequences_is_priced():
