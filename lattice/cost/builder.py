@@ -428,11 +428,11 @@ class CostBuilder(AttentionTerms, MoETerms):
         elif not self.c.checkpointing:
             recomputed = dict.fromkeys(recomputed, 0.0)
 
-        def phases(kind, part=None):
-            fwd = layers.get(kind, 0.0) + (other.get(kind, 0.0) if part is None else 0.0)
+        def phases(kind, layers_only=False):
+            fwd = layers.get(kind, 0.0) + (0.0 if layers_only else other.get(kind, 0.0))
             return {"forward": fwd, "backward": 2 * fwd + recomputed[kind]}
 
         for kind in WORK_KINDS:  # Cost has a field of each kind's name
             setattr(self.c, kind, phases(kind))
         self.c.elementwise_ops = {kind.split(":", 1)[1]: phases(kind) for kind in by_operator}
-        self.c.stem = {kind: phases(kind, "layers") for kind in WORK_KINDS + tuple(by_operator)}
+        self.c.stem = {kind: phases(kind, layers_only=True) for kind in WORK_KINDS + tuple(by_operator)}

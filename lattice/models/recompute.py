@@ -4,9 +4,10 @@
 "selective": a block also keeps what its matrix products and fused attention kernels return
 (torch's selective checkpointing, `create_selective_checkpoint_contexts`); backward runs again only
 the work between them (norms, activations, rotary, the residual adds but the block's last, dropout
-masks, the collectives), not a product. What a block keeps is then its input, each product's output and each attention's
-output and log-sum-exp: the cost model's `CostBuilder.build` counts the same. Attention written out
-in products (a per-head bias: the math kernel's bmm and softmax) runs again whole, as under "full".
+masks, the collectives), not a product. What a block keeps is then its input, each product's
+output and each attention's output and log-sum-exp: the cost model's `CostBuilder.build` counts
+the same. Attention written out in products (a per-head bias: the math kernel's bmm and softmax)
+runs again whole, as under "full".
 """
 
 from __future__ import annotations
